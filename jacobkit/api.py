@@ -1,0 +1,107 @@
+"""``jacobian()``: validate, build the Problem, plan, run the strategy, wrap."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit import planner, strategies
+from jacobkit.problem import Problem
+from jacobkit.result import JacobianResult, Stats
+
+
+def jacobian(
+    model: Any,
+    inputs: Any,
+    layer: Any,
+    *,
+    strategy: str | strategies.Strategy = "auto",
+    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    features: Sequence[int] | None = None,
+    training: bool = False,
+    unconnected: str = "error",
+    memory_budget: int | float | str | None = None,
+    device: str | None = None,
+) -> JacobianResult:
+    """Per-row Jacobians of a model's output with respect to a layer's variables.
+
+    Args:
+        model: a Keras 3 or ``tf_keras`` model, or any callable
+            ``f(inputs) -> tf.Tensor`` that reads ``tf.Variable`` objects (a
+            ``tf.Module``).
+        inputs: a NumPy array or ``tf.Tensor``, or the tuple/dict a
+            multi-input model takes. The output ``Y`` has shape ``(B, ..., F)``.
+        layer: a layer object, a layer name, or a list of variables
+            (``tf.Variable`` or ``keras.Variable``).
+        strategy: ``"auto"``, a registered name (``"loop"``, ``"jacobian"``,
+            ``"while"``, ``"batch"``, ``"chunked"``, ``"forward"``) or a
+            configured instance (``jacobkit.strategies.Chunked(chunk_size=8)``).
+        outputs: what a row is: ``"features"`` (row ``f`` = sum of
+            ``Y[..., f]``, rows shape ``(F,)``), ``"per_example"`` (rows
+            ``(B, F)``), ``"full"`` (rows ``Y.shape``) or a callable ``g(Y)``
+            whose every element is a row.
+        features: keep only these indices of ``Y``'s last axis.
+        training: passed to Keras models (``False``: inference behaviour).
+        unconnected: ``"error"`` raises if a target does not influence the
+            rows; ``"zero"`` returns zeros for it.
+        memory_budget: for ``strategy="auto"``: bytes, a string like
+            ``"2GiB"``, or a fraction of free device memory. Default: see
+            :func:`jacobkit.plan`.
+        device: run on this device (``"CPU:0"``, ``"GPU:0"``); default: TF's
+            placement.
+
+    Returns:
+        A :class:`JacobianResult`; for a layer target ``result.kernel`` has
+        shape ``rows_shape + kernel.shape`` (``(F, *kernel.shape)`` by
+        default) and ``result.bias`` shape ``rows_shape + bias.shape``.
+
+    Example:
+        >>> import keras, numpy as np, jacobkit as jk
+        >>> model = keras.Sequential([keras.Input((4,)),
+        ...                           keras.layers.Dense(3, name="head")])
+        >>> res = jk.jacobian(model, np.ones((2, 4), "float32"), "head")
+        >>> tuple(res.kernel.shape), tuple(res.bias.shape)
+        ((3, 4, 3), (3, 3))
+    """
+    chosen = None if strategy == "auto" else strategies.get(strategy)
+    with tf.device(device) if device else contextlib.nullcontext():
+        problem = Problem(
+            model,
+            inputs,
+            layer,
+            outputs=outputs,
+            features=features,
+            training=training,
+            unconnected=unconnected,
+        )
+        plan = None
+        if chosen is None:
+            plan = planner.plan_problem(
+                problem, memory_budget=memory_budget, device=device
+            )
+            chosen = plan.strategy
+        return run_strategy(problem, chosen, plan=plan)
+
+
+def run_strategy(
+    problem: Problem, strategy: strategies.Strategy, *, plan: Any = None
+) -> JacobianResult:
+    """Run one configured strategy on a resolved problem and wrap the result."""
+    flat, wall, trace, traced = strategy.run(problem)
+    jacobians = {
+        name: tf.reshape(jac, problem.rows_shape + tuple(target.shape))
+        for name, jac, target in zip(problem.target_names, flat, problem.targets)
+    }
+    roles = {role: problem.target_names[i] for role, i in problem.roles.items()}
+    return JacobianResult(
+        jacobians=jacobians,
+        rows_shape=problem.rows_shape,
+        strategy=strategy.name,
+        chunk_size=strategy.chunk_size,
+        stats=Stats(wall_time_s=wall, trace_time_s=trace, traced=traced),
+        roles=roles,
+        plan=plan,
+    )

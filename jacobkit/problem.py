@@ -1,0 +1,476 @@
+"""The resolved problem: model + inputs + targets + rows, built once per call.
+
+Everything that depends on the Keras flavour (Keras 3, ``tf_keras``, a plain
+``tf.Module`` or function) lives in this module. Strategies only see a
+:class:`Problem`: ``problem.rows(inputs)`` gives the flat vector of rows, and
+``problem.targets`` the ``tf.Variable`` objects to differentiate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+OUTPUT_MODES = ("features", "per_example", "full")
+UNCONNECTED_MODES = ("error", "zero")
+_SUPPORTED_LINEAR = {"Dense": "dense", "Conv1D": "conv1d", "Conv2D": "conv2d"}
+
+
+def _keras3():
+    try:
+        import keras
+
+        return keras if keras.__version__.startswith("3") else None
+    except ImportError:  # pragma: no cover - keras ships with tensorflow
+        return None
+
+
+def _tf_keras():
+    try:
+        import tf_keras
+
+        return tf_keras
+    except ImportError:
+        return None
+
+
+def _is_keras_layer(obj: Any) -> bool:
+    """True for a Keras 3 or ``tf_keras`` layer (models are layers too)."""
+    return any(
+        module is not None and isinstance(obj, module.layers.Layer)
+        for module in (_keras3(), _tf_keras())
+    )
+
+
+def _is_layer(obj: Any) -> bool:
+    """True for a Keras layer or any other ``tf.Module``."""
+    return _is_keras_layer(obj) or isinstance(obj, tf.Module)
+
+
+def as_tf_variable(variable: Any) -> tf.Variable:
+    """The ``tf.Variable`` behind ``variable``.
+
+    Keras 3 variables are not ``tf.Variable`` objects: ``tape.watch`` and
+    ``tf.autodiff.ForwardAccumulator`` reject them. With the TensorFlow
+    backend each one wraps a ``tf.Variable`` that every read goes through, so
+    watching that one is watching the Keras variable. This is the one place
+    jacobkit unwraps them.
+    """
+    if isinstance(variable, tf.Variable):
+        return variable
+    inner = getattr(variable, "_value", None)
+    if isinstance(inner, tf.Variable):
+        return inner
+    raise TypeError(
+        "jacobian(layer=...): expected a tf.Variable or keras.Variable in the "
+        f"list of targets, got {type(variable).__name__}: {variable!r}. Pass a "
+        "layer, a layer name, or a list of the model's variables."
+    )
+
+
+def _variable_name(variable: Any) -> str:
+    name = getattr(variable, "path", None) or variable.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _flat_layers(model: Any) -> list[Any]:
+    """Every layer (or sub-module) of ``model``, nested ones included."""
+    if hasattr(model, "_flatten_layers"):
+        return list(model._flatten_layers(include_self=False, recursive=True))
+    if isinstance(model, tf.Module):
+        return list(model.submodules)
+    return []
+
+
+def _find_layer(model: Any, name: str) -> Any:
+    layers = _flat_layers(model)
+    for layer in layers:
+        if layer.name == name:
+            return layer
+    names = [layer.name for layer in layers]
+    shown = ", ".join(repr(n) for n in names[:40])
+    more = f" and {len(names) - 40} more" if len(names) > 40 else ""
+    hint = (
+        f"The model's layers are: {shown}{more}."
+        if names
+        else ("The model has no named layers; pass a list of variables instead.")
+    )
+    raise ValueError(
+        f"jacobian(layer={name!r}): the model has no layer named {name!r}. {hint}"
+    )
+
+
+def _layer_variables(layer: Any) -> list[Any]:
+    kernel = getattr(layer, "kernel", None)
+    if kernel is not None and not callable(kernel):
+        bias = getattr(layer, "bias", None)
+        return [kernel] + ([bias] if bias is not None else [])
+    if hasattr(layer, "trainable_weights"):
+        return list(layer.trainable_weights)
+    return list(layer.trainable_variables)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How rows are formed from the model output ``Y`` of shape ``(B, ..., F)``.
+
+    ``mode`` is ``"features"``, ``"per_example"``, ``"full"`` or a callable
+    ``g(Y)``; ``features`` keeps a subset of the last axis of ``Y`` first.
+    """
+
+    mode: str | Callable[[Any], tf.Tensor]
+    features: tuple[int, ...] | None
+
+    def select(self, outputs: Any) -> Any:
+        if self.features is None:
+            return outputs
+        return tf.gather(outputs, list(self.features), axis=-1)
+
+    def of(self, outputs: Any) -> tf.Tensor:
+        """The rows, shaped ``rows_shape``."""
+        selected = self.select(outputs)
+        if callable(self.mode):
+            return tf.convert_to_tensor(self.mode(selected))
+        if self.mode == "features":
+            axes = list(range(selected.shape.rank - 1))
+            return tf.reduce_sum(selected, axis=axes) if axes else selected
+        if self.mode == "per_example":
+            return self.per_example(selected)
+        return selected
+
+    def per_example(self, selected: tf.Tensor) -> tf.Tensor:
+        """Per-example rows ``P`` of shape ``(B, K)``; each depends on one example.
+
+        ``"features"`` rows are ``P.sum(axis=0)``; ``"per_example"`` and
+        ``"full"`` rows are ``P`` itself (reshaped).
+        """
+        if self.mode == "full":
+            return tf.reshape(selected, (selected.shape[0], -1))
+        middle = list(range(1, selected.shape.rank - 1))
+        return tf.reduce_sum(selected, axis=middle) if middle else selected
+
+    @property
+    def decomposes_per_example(self) -> bool:
+        return not callable(self.mode)
+
+    @property
+    def summed_over_batch(self) -> bool:
+        return self.mode == "features"
+
+
+class Problem:
+    """Model, inputs, target variables and rows, resolved and checked once.
+
+    Attributes:
+        model: the callable being differentiated.
+        inputs: the inputs as (nested) ``tf.Tensor``.
+        targets: the ``tf.Variable`` objects to differentiate, in order.
+        target_names: a unique name per target (``"dense/kernel"``).
+        roles: ``{"kernel": i, "bias": j}`` for a layer's own variables.
+        layer: the target layer, or ``None`` when variables were given.
+        rows_shape: shape of the rows; each Jacobian is
+            ``rows_shape + target.shape``.
+        num_rows: ``prod(rows_shape)``, written ``R`` in the docs.
+        batch_size: the leading dimension of the output ``Y``.
+        output_dtype: dtype of the rows.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        inputs: Any,
+        layer: Any,
+        *,
+        outputs: str | Callable[[Any], tf.Tensor] = "features",
+        features: Sequence[int] | None = None,
+        training: bool = False,
+        unconnected: str = "error",
+    ) -> None:
+        if not callable(model):
+            raise TypeError(
+                "jacobian(model=...): expected a Keras model or a callable "
+                f"f(inputs) -> tf.Tensor, got {type(model).__name__}."
+            )
+        if not (callable(outputs) or outputs in OUTPUT_MODES):
+            raise ValueError(
+                f"jacobian(outputs={outputs!r}): expected one of "
+                f"{', '.join(repr(m) for m in OUTPUT_MODES)} or a callable "
+                "g(Y) -> tf.Tensor whose every element is a row."
+            )
+        if unconnected not in UNCONNECTED_MODES:
+            raise ValueError(
+                f"jacobian(unconnected={unconnected!r}): expected 'error' (raise "
+                "when a target does not influence the outputs) or 'zero' (return "
+                "zeros for it)."
+            )
+        self.model = model
+        self.training = bool(training)
+        self.unconnected = unconnected
+        self.inputs = _to_tensors(inputs)
+        self._is_keras = _is_keras_layer(model)
+        self.layer, variables = self._resolve_targets(layer)
+        self.targets: tuple[tf.Variable, ...] = tuple(
+            as_tf_variable(v) for v in variables
+        )
+        self.target_names = _unique_names(variables)
+        self.roles = self._roles(variables)
+        self.rows_spec = Rows(outputs, _check_features_type(features))
+        self._inspect()
+
+    # -- resolution ---------------------------------------------------------
+    def _resolve_targets(self, layer: Any) -> tuple[Any, list[Any]]:
+        if isinstance(layer, str):
+            self._ensure_built()
+            layer = _find_layer(self.model, layer)
+        if _is_layer(layer):
+            self._ensure_built()
+            variables = _layer_variables(layer)
+            if not variables:
+                raise ValueError(
+                    f"jacobian(layer={layer.name!r}): layer {layer.name!r} "
+                    f"({type(layer).__name__}) has no trainable variables, so it "
+                    "has no Jacobian. Choose a layer with a kernel or bias "
+                    "(Dense, Conv1D, Conv2D, ...), or pass a list of variables."
+                )
+            return layer, variables
+        if isinstance(layer, (list, tuple)) and layer:
+            for v in layer:
+                as_tf_variable(v)
+            return None, list(layer)
+        raise TypeError(
+            "jacobian(layer=...): expected a layer, a layer name or a non-empty "
+            f"list of variables, got {type(layer).__name__}: {layer!r}."
+        )
+
+    def _ensure_built(self) -> None:
+        if getattr(self.model, "built", True) is False:
+            self.call_model(tf.nest.map_structure(lambda t: t[:1], self.inputs))
+
+    def _roles(self, variables: list[Any]) -> dict[str, int]:
+        roles = {}
+        if self.layer is not None:
+            for role in ("kernel", "bias"):
+                variable = getattr(self.layer, role, None)
+                for i, v in enumerate(variables):
+                    if variable is not None and v is variable:
+                        roles[role] = i
+        return roles
+
+    # -- the computation strategies differentiate ---------------------------
+    def call_model(self, inputs: Any) -> Any:
+        """``Y = model(inputs)``, with ``training=`` for Keras models."""
+        if self._is_keras:
+            return self.model(inputs, training=self.training)
+        return self.model(inputs)
+
+    def rows(self, inputs: Any) -> tf.Tensor:
+        """The rows as a flat vector of length ``num_rows``."""
+        return tf.reshape(self.rows_spec.of(self.call_model(inputs)), (-1,))
+
+    def per_example_rows(self, inputs: Any) -> tf.Tensor:
+        """Rows before any sum over the batch: shape ``(B, K)``.
+
+        Only for the built-in ``outputs`` modes. ``rows`` equals
+        ``per_example_rows(...).sum(0)`` for ``"features"`` and the flattened
+        ``per_example_rows(...)`` otherwise.
+        """
+        selected = self.rows_spec.select(self.call_model(inputs))
+        return self.rows_spec.per_example(selected)
+
+    # -- the target layer's linear part (for the batch strategy) ------------
+    @property
+    def linear_layer_kind(self) -> str | None:
+        """``"dense"``, ``"conv1d"`` or ``"conv2d"`` when the target layer is one
+        whose pre-activation output ``z`` is linear in its kernel and bias."""
+        if self.layer is None:
+            return None
+        for cls in type(self.layer).__mro__:
+            if cls.__name__ in _SUPPORTED_LINEAR and cls.__module__.startswith(
+                ("keras", "tf_keras")
+            ):
+                return _SUPPORTED_LINEAR[cls.__name__]
+        return None
+
+    @contextlib.contextmanager
+    def tap_layer(
+        self, on_output: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+    ) -> Iterator[None]:
+        """While active, each call of the target layer hands its input ``x``
+        and pre-activation output ``z`` to ``on_output(x, z)``, which returns
+        the ``z`` to continue with (the activation is applied after)."""
+        layer = self.layer
+        original_call = layer.call
+
+        def call(inputs, *args, **kwargs):
+            activation = layer.activation
+
+            def tapped(z):
+                return activation(on_output(inputs, z))
+
+            object.__setattr__(layer, "activation", tapped)
+            try:
+                return original_call(inputs, *args, **kwargs)
+            finally:
+                object.__setattr__(layer, "activation", activation)
+
+        object.__setattr__(layer, "call", call)
+        try:
+            yield
+        finally:
+            object.__delattr__(layer, "call")
+
+    def layer_linear(self, layer_inputs: tf.Tensor) -> tf.Tensor:
+        """The target layer's pre-activation output for ``layer_inputs``."""
+        return self._linear_call(layer_inputs)
+
+    @functools.cached_property
+    def _linear_call(self) -> Callable[[tf.Tensor], tf.Tensor]:
+        layer = self.layer
+
+        def linear(layer_inputs):
+            activation = layer.activation
+            object.__setattr__(layer, "activation", tf.identity)
+            try:
+                return layer.call(layer_inputs)
+            finally:
+                object.__setattr__(layer, "activation", activation)
+
+        return linear
+
+    # -- checks -------------------------------------------------------------
+    def _inspect(self) -> None:
+        """Trace one forward and backward pass (nothing runs): output shape and
+        dtype, the ``features`` range and which targets reach the rows."""
+        found: dict[str, Any] = {}
+
+        def probe(inputs):
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(self.targets)
+                outputs = self.call_model(inputs)
+                found["outputs"] = outputs
+                if not isinstance(outputs, tf.Tensor):
+                    if not callable(self.rows_spec.mode):
+                        return tf.constant(0.0)
+                    _check_output(outputs, self.rows_spec)
+                    rows = tf.convert_to_tensor(self.rows_spec.mode(outputs))
+                else:
+                    _check_output(outputs, self.rows_spec)
+                    rows = self.rows_spec.of(outputs)
+                found["rows"] = rows
+            if not rows.dtype.is_floating:
+                return tf.constant(0.0)
+            grads = tape.gradient(
+                rows, self.targets, output_gradients=tf.ones_like(rows)
+            )
+            found["connected"] = [g is not None for g in grads]
+            return tf.constant(0.0)
+
+        tf.function(probe).get_concrete_function(self.inputs)
+        outputs = found["outputs"]
+        if "rows" not in found:
+            raise TypeError(
+                "jacobian(model=...): the model returned "
+                f"{type(outputs).__name__}, not a single tensor. Pass "
+                "outputs=callable that picks the tensor (outputs=lambda y: "
+                "y['name']), or wrap the model."
+            )
+        rows = found["rows"]
+        if not rows.dtype.is_floating:
+            raise TypeError(
+                f"jacobian(model=...): the rows have dtype {rows.dtype.name}; "
+                "Jacobians need a floating output (float16/32/64). Cast the "
+                "output to float, or pick a floating output with outputs=callable."
+            )
+        self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
+        self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
+        self.output_dtype = rows.dtype
+        self.batch_size = outputs.shape[0] if isinstance(outputs, tf.Tensor) else None
+        unconnected = [
+            n for n, ok in zip(self.target_names, found["connected"]) if not ok
+        ]
+        if unconnected and self.unconnected == "error":
+            raise ValueError(
+                f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
+                "influence the model's outputs, so their Jacobian is zero (a "
+                "tape would return None). Pick a layer on the path to the "
+                "outputs, or pass unconnected='zero' to get zeros."
+            )
+
+    @property
+    def key(self) -> tuple:
+        """Identifies what a compiled strategy depends on (besides the model)."""
+        return (
+            tuple(id(t) for t in self.targets),
+            self.rows_spec,
+            self.training,
+            id(self.layer),
+        )
+
+
+def _to_tensors(inputs: Any) -> Any:
+    def convert(value):
+        if isinstance(value, (tf.Tensor, np.ndarray, np.generic, list, float, int)):
+            return tf.convert_to_tensor(value)
+        raise TypeError(
+            "jacobian(inputs=...): expected NumPy arrays or tf.Tensors (in a "
+            f"tuple, list or dict for a multi-input model), got "
+            f"{type(value).__name__}."
+        )
+
+    if isinstance(inputs, (tuple, dict)) or (
+        isinstance(inputs, list) and inputs and not np.isscalar(inputs[0])
+    ):
+        return tf.nest.map_structure(convert, inputs)
+    return convert(inputs)
+
+
+def _check_features_type(features: Sequence[int] | None) -> tuple[int, ...] | None:
+    if features is None:
+        return None
+    try:
+        chosen = tuple(int(f) for f in np.asarray(features).reshape(-1))
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"jacobian(features={features!r}): expected a list of integer "
+            "indices into the output's last axis, such as features=[0, 5, 7]."
+        ) from err
+    if not chosen:
+        raise ValueError("jacobian(features=[]): choose at least one feature.")
+    return chosen
+
+
+def _check_output(outputs: Any, rows: Rows) -> None:
+    if not isinstance(outputs, tf.Tensor):
+        return
+    if rows.features is not None:
+        width = outputs.shape[-1]
+        bad = [f for f in rows.features if not -width <= f < width]
+        if bad:
+            raise ValueError(
+                f"jacobian(features={list(rows.features)!r}): index(es) {bad} "
+                f"are out of range for an output with {width} features (shape "
+                f"{tuple(outputs.shape)}). Valid indices are 0..{width - 1}."
+            )
+    if rows.mode == "per_example" and outputs.shape.rank < 2:
+        raise ValueError(
+            f"jacobian(outputs='per_example'): needs an output of shape "
+            f"(batch, ..., features), got shape {tuple(outputs.shape)}."
+        )
+
+
+def _unique_names(variables: list[Any]) -> tuple[str, ...]:
+    names: list[str] = []
+    for v in variables:
+        name = _variable_name(v)
+        base, n = name, 1
+        while name in names:
+            n += 1
+            name = f"{base}_{n}"
+        names.append(name)
+    return tuple(names)

@@ -1,0 +1,97 @@
+"""JacobianResult: the single statement of the shapes jacobkit returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What a call cost.
+
+    Attributes:
+        wall_time_s: seconds for this call, tracing included if it traced.
+        trace_time_s: seconds of the first (tracing) call of the compiled
+            computation this call reused; 0.0 for the eager ``loop``.
+        traced: whether this call traced (compiled) the computation.
+        peak_bytes: peak device memory during the call, when measured.
+    """
+
+    wall_time_s: float
+    trace_time_s: float
+    traced: bool
+    peak_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class JacobianResult(Mapping):
+    """Per-row Jacobians of one model output with respect to target variables.
+
+    For each target variable ``v`` the Jacobian has shape
+    ``rows_shape + v.shape``: ``result[name][r]`` is the gradient of row ``r``
+    with respect to ``v``. With the default ``outputs="features"`` and a layer
+    target, ``kernel`` has shape ``(F, *layer.kernel.shape)`` and ``bias``
+    shape ``(F, *layer.bias.shape)``.
+
+    Index by the variable's name (``result["dense/kernel"]``), by its role
+    (``result["kernel"]``) or by position (``result[0]``).
+    """
+
+    jacobians: dict[str, tf.Tensor]
+    rows_shape: tuple[int, ...]
+    strategy: str
+    chunk_size: int | None
+    stats: Stats
+    roles: dict[str, str] = field(default_factory=dict)
+    plan: Any = None
+
+    @property
+    def kernel(self) -> tf.Tensor:
+        """Jacobian of the rows with respect to the layer's kernel,
+        shape ``rows_shape + kernel.shape``."""
+        return self["kernel"]
+
+    @property
+    def bias(self) -> tf.Tensor:
+        """Jacobian of the rows with respect to the layer's bias,
+        shape ``rows_shape + bias.shape``."""
+        return self["bias"]
+
+    def __getitem__(self, key: str | int) -> tf.Tensor:
+        if isinstance(key, int):
+            return list(self.jacobians.values())[key]
+        if key in self.jacobians:
+            return self.jacobians[key]
+        if key in self.roles:
+            return self.jacobians[self.roles[key]]
+        raise KeyError(
+            f"JacobianResult[{key!r}]: no such target. Targets: "
+            f"{', '.join(map(repr, self.jacobians))}"
+            + (f"; roles: {', '.join(map(repr, self.roles))}" if self.roles else "")
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.jacobians)
+
+    def __len__(self) -> int:
+        return len(self.jacobians)
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """Every Jacobian as a NumPy array, keyed by variable name."""
+        return {name: value.numpy() for name, value in self.jacobians.items()}
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(
+            f"{name}: {tuple(value.shape)}" for name, value in self.jacobians.items()
+        )
+        chunk = f", chunk_size={self.chunk_size}" if self.chunk_size else ""
+        return (
+            f"JacobianResult(strategy={self.strategy!r}{chunk}, "
+            f"rows_shape={self.rows_shape}, {shapes}, "
+            f"wall_time_s={self.stats.wall_time_s:.4f})"
+        )

@@ -1,0 +1,67 @@
+"""The strategies, and the one registry that names them.
+
+A strategy is a small final class with a ``name`` and a ``build(problem)``
+method (see :class:`~jacobkit.strategies.base.Strategy`). ``register`` adds one
+under its name; the conformance tests run every registered strategy on every
+test problem, so a new strategy is checked by registering it.
+"""
+
+from __future__ import annotations
+
+from jacobkit.strategies.base import Strategy
+from jacobkit.strategies.batch import Batch
+from jacobkit.strategies.chunked import Chunked
+from jacobkit.strategies.forward import Forward
+from jacobkit.strategies.jacobian import Jacobian
+from jacobkit.strategies.loop import Loop
+from jacobkit.strategies.while_loop import While
+
+REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Add a strategy class under ``cls.name``; a name is registered once."""
+    if cls.name in REGISTRY:
+        raise ValueError(
+            f"strategy {cls.name!r} is already registered "
+            f"({REGISTRY[cls.name].__qualname__}); choose another name."
+        )
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+for _cls in (Loop, Jacobian, While, Batch, Chunked, Forward):
+    register(_cls)
+
+
+def names() -> list[str]:
+    """Registered strategy names, plus ``"auto"``."""
+    return [*REGISTRY, "auto"]
+
+
+def get(strategy: str | Strategy) -> Strategy:
+    """A configured strategy from a name or an instance (returned as is)."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, str) and strategy in REGISTRY:
+        return REGISTRY[strategy]()
+    raise ValueError(
+        f"jacobian(strategy={strategy!r}): unknown strategy. Choose one of "
+        f"{', '.join(repr(n) for n in names())}, or pass a configured instance "
+        "such as jacobkit.strategies.Chunked(chunk_size=16)."
+    )
+
+
+__all__ = [
+    "REGISTRY",
+    "Batch",
+    "Chunked",
+    "Forward",
+    "Jacobian",
+    "Loop",
+    "Strategy",
+    "While",
+    "get",
+    "names",
+    "register",
+]

@@ -1,0 +1,163 @@
+"""The one interface every strategy implements, and the compile cache."""
+
+from __future__ import annotations
+
+import abc
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import tensorflow as tf
+
+from jacobkit.problem import Problem
+
+#: model -> {(problem key, strategy key): compiled computation}
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COMPILED_STRONG: dict = {}  # for models that cannot be weakly referenced
+
+ZERO = tf.UnconnectedGradients.ZERO
+
+
+class Strategy(abc.ABC):
+    """A way to compute every row's gradient with respect to the targets.
+
+    Subclasses implement :meth:`build`, a function of the inputs that returns,
+    for each target ``v`` in ``problem.targets``, a tensor of shape
+    ``(R, *v.shape)`` (``R = problem.num_rows``). The base class compiles it
+    with ``tf.function`` once per (model, targets, rows, strategy) and reuses
+    it; a new input signature retraces as ``tf.function`` does.
+    """
+
+    name: ClassVar[str]
+    #: False for strategies that must run eagerly (the users' baseline loop).
+    compiled: ClassVar[bool] = True
+    chunk_size: int | None = None
+
+    @abc.abstractmethod
+    def build(self, problem: Problem) -> Callable[[Any], list[tf.Tensor]]:
+        """The computation: ``inputs -> [jacobian (R, *v.shape) per target]``."""
+
+    def check(self, problem: Problem) -> None:  # noqa: B027 - optional hook
+        """Raise a clear error if this strategy cannot solve ``problem``."""
+
+    @property
+    def key(self) -> tuple:
+        """What distinguishes two configurations of this strategy."""
+        return (self.name, self.chunk_size)
+
+    @property
+    def label(self) -> str:
+        return (
+            self.name if self.chunk_size is None else f"{self.name}({self.chunk_size})"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(chunk_size={self.chunk_size})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Strategy) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    # -- running -------------------------------------------------------------
+    def compiled_for(self, problem: Problem) -> _Compiled:
+        """The cached compiled computation for ``problem`` (built if new)."""
+        try:
+            per_model = _COMPILED.setdefault(problem.model, {})
+        except TypeError:
+            per_model = _COMPILED_STRONG.setdefault(id(problem.model), {})
+        key = (problem.key, self.key)
+        if key not in per_model:
+            self.check(problem)
+            fn = self.build(problem)
+            per_model[key] = _Compiled(tf.function(fn) if self.compiled else fn)
+        return per_model[key]
+
+    def run(self, problem: Problem) -> tuple[list[tf.Tensor], float, float, bool]:
+        """Run on ``problem.inputs``: (jacobians, wall s, trace s, traced)."""
+        return self.compiled_for(problem)(problem.inputs)
+
+
+class _Compiled:
+    """A built computation that remembers how long its first call took."""
+
+    def __init__(self, fn: Callable[[Any], list[tf.Tensor]]) -> None:
+        self.fn = fn
+        self.trace_time_s = 0.0
+
+    @property
+    def tracing_count(self) -> int:
+        get = getattr(self.fn, "experimental_get_tracing_count", None)
+        return get() if get else 0
+
+    def __call__(self, inputs: Any) -> tuple[list[tf.Tensor], float, float, bool]:
+        before = self.tracing_count
+        start = time.perf_counter()
+        jacobians = self.fn(inputs)
+        for jac in jacobians:
+            _block(jac)
+        wall = time.perf_counter() - start
+        traced = self.tracing_count > before
+        if traced:
+            self.trace_time_s = wall
+        return list(jacobians), wall, self.trace_time_s, traced
+
+
+def _block(tensor: tf.Tensor) -> None:
+    """Wait until ``tensor`` is computed (GPU kernels run asynchronously)."""
+    if tensor.shape.num_elements():
+        tf.reshape(tensor, (-1,))[:1].numpy()
+
+
+def one_hot_rows(start: Any, count: int, num_rows: int, dtype: tf.DType) -> tf.Tensor:
+    """Cotangents selecting rows ``start .. start+count-1``: shape (count, R)."""
+    return tf.one_hot(tf.range(start, start + count), num_rows, dtype=dtype)
+
+
+def check_chunk_size(name: str, chunk_size: Any) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(
+            f"strategies.{name}(chunk_size={chunk_size!r}): expected a positive "
+            f"int, got {type(chunk_size).__name__}."
+        )
+    if chunk_size < 1:
+        raise ValueError(
+            f"strategies.{name}(chunk_size={chunk_size}): chunk_size must be >= 1 "
+            "(the number of rows computed together). Use 1 for the least memory."
+        )
+    return chunk_size
+
+
+def map_chunks(
+    fn: Callable[[tf.Tensor, int], list[tf.Tensor]],
+    total: int,
+    chunk_size: int,
+    dtypes: list[tf.DType],
+) -> list[tf.Tensor]:
+    """Run ``fn(start, size)`` over ``range(0, total, chunk_size)``, one chunk
+    at a time, and concatenate its outputs along axis 0.
+
+    ``fn`` returns a list of tensors with leading dimension ``size``. The full
+    chunks run in a ``tf.map_fn`` (a ``tf.while_loop``) with
+    ``parallel_iterations=1``, so only one chunk's intermediates are alive at a
+    time; a last, smaller chunk runs once after the loop, so nothing is padded.
+    """
+    size = min(chunk_size, total)
+    n_full, rest = divmod(total, size)
+    if n_full == 1:
+        parts = [fn(tf.constant(0), size)]
+    else:
+        stacked = tf.map_fn(
+            lambda start: list(fn(start, size)),
+            tf.range(n_full) * size,
+            fn_output_signature=list(dtypes),
+            parallel_iterations=1,
+        )
+        parts = [[tf.reshape(t, (n_full * size, *t.shape[2:])) for t in stacked]]
+    if rest:
+        parts.append(fn(tf.constant(n_full * size), rest))
+    if len(parts) == 1:
+        return list(parts[0])
+    return [tf.concat(list(chunks), axis=0) for chunks in zip(*parts)]

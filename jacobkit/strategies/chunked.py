@@ -1,0 +1,60 @@
+"""``chunked``: ``tf.vectorized_map`` over chunks of one-hot cotangents."""
+
+from __future__ import annotations
+
+from typing import final
+
+import tensorflow as tf
+
+from jacobkit.problem import Problem
+from jacobkit.strategies.base import (
+    ZERO,
+    Strategy,
+    check_chunk_size,
+    map_chunks,
+    one_hot_rows,
+)
+
+
+@final
+class Chunked(Strategy):
+    """Vectorized chunking: the rows are split into chunks of ``chunk_size``;
+    each chunk is one vectorized backward pass (``tf.vectorized_map`` of
+    ``tape.gradient`` over one-hot cotangents), and chunks run one after
+    another in a ``tf.while_loop``. Extra memory is ``chunk_size`` times the
+    activations after the target layer; ``chunk_size=R`` is ``tape.jacobian``.
+
+    The tape is persistent: the mapped gradient is built more than once while
+    tracing (pfor conversion, and once per chunk shape).
+    """
+
+    name = "chunked"
+
+    def __init__(self, chunk_size: int = 16) -> None:
+        self.chunk_size = check_chunk_size(self.name, chunk_size)
+
+    def build(self, problem: Problem):
+        targets = problem.targets
+        num_rows = problem.num_rows
+        dtypes = [t.dtype for t in targets]
+
+        def compute(inputs):
+            with tf.GradientTape(
+                persistent=True, watch_accessed_variables=False
+            ) as tape:
+                tape.watch(targets)
+                rows = problem.rows(inputs)
+
+            def chunk(start, size):
+                cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
+                return tf.vectorized_map(
+                    lambda ct: tape.gradient(
+                        rows, targets, output_gradients=ct, unconnected_gradients=ZERO
+                    ),
+                    cotangents,
+                    fallback_to_while_loop=False,
+                )
+
+            return map_chunks(chunk, num_rows, self.chunk_size, dtypes)
+
+        return compute

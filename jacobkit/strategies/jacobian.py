@@ -1,0 +1,34 @@
+"""``jacobian``: TensorFlow's own ``tape.jacobian`` with pfor vectorization."""
+
+from __future__ import annotations
+
+from typing import final
+
+import tensorflow as tf
+
+from jacobkit.problem import Problem
+from jacobkit.strategies.base import ZERO, Strategy
+
+
+@final
+class Jacobian(Strategy):
+    """``tape.jacobian(rows, targets, experimental_use_pfor=True)`` inside a
+    ``tf.function``: every row is vectorized into one pass. Fast, but the
+    pass holds R times the activations after the target layer at once."""
+
+    name = "jacobian"
+
+    def build(self, problem: Problem):
+        targets = problem.targets
+
+        def compute(inputs):
+            with tf.GradientTape(
+                persistent=True, watch_accessed_variables=False
+            ) as tape:
+                tape.watch(targets)
+                rows = problem.rows(inputs)
+            return tape.jacobian(
+                rows, targets, unconnected_gradients=ZERO, experimental_use_pfor=True
+            )
+
+        return compute

@@ -1,0 +1,40 @@
+"""``loop``: one ``tape.gradient`` per row on a persistent tape (the baseline)."""
+
+from __future__ import annotations
+
+from typing import final
+
+import tensorflow as tf
+
+from jacobkit.problem import Problem
+from jacobkit.strategies.base import ZERO, Strategy
+
+
+@final
+class Loop(Strategy):
+    """A persistent ``tf.GradientTape`` and one ``tape.gradient`` per row, in
+    eager Python: what users write first. R backward passes run one after
+    another; the extra memory is one row's cotangents, but the tape keeps the
+    whole forward pass alive for the whole loop.
+    """
+
+    name = "loop"
+    compiled = False
+
+    def build(self, problem: Problem):
+        targets = problem.targets
+
+        def compute(inputs):
+            with tf.GradientTape(
+                persistent=True, watch_accessed_variables=False
+            ) as tape:
+                tape.watch(targets)
+                # Rows are sliced inside the tape so that each slice is
+                # recorded; a slice taken outside has no gradient (None).
+                rows = tf.unstack(problem.rows(inputs))
+            per_row = [
+                tape.gradient(row, targets, unconnected_gradients=ZERO) for row in rows
+            ]
+            return [tf.stack(grads) for grads in zip(*per_row)]
+
+        return compute
