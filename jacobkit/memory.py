@@ -19,7 +19,10 @@ allocator is the BFC allocator, which it uses only if the environment variable
 ``TF_CPU_ALLOCATOR_USE_BFC=true`` is set before the TensorFlow runtime
 initializes (the first tensor or op; ``import tensorflow`` alone is fine).
 Without it both ``get_memory_info`` and ``reset_memory_stats`` raise
-``ValueError`` for the CPU. :func:`enable_cpu_memory_stats` sets it while that
+``ValueError`` for the CPU (checked with TensorFlow 2.21). The BFC pool is
+capped by ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` (default 64 GiB) and keeps freed memory
+for reuse instead of returning it to the operating system.
+:func:`enable_cpu_memory_stats` sets it while that
 is still possible, and :class:`PeakMemory` calls it for you.
 """
 
@@ -476,11 +479,14 @@ class PeakMemory:
     use as the baseline; on exit it reads the peak
     (``get_memory_info(device)["peak"]``).
 
-    Attributes (``None`` until the block exits):
+    Attributes:
+        device: the normalized device name, e.g. ``"CPU:0"``.
         peak_bytes: highest bytes in use on the device during the block,
-            including what was already allocated before it.
-        baseline_bytes: bytes in use when the block started.
-        extra_bytes: ``peak_bytes - baseline_bytes``, what the block added.
+            including what was already allocated before it (``None`` until
+            the block exits).
+        baseline_bytes: bytes in use when the block started (set on entry).
+        extra_bytes: ``peak_bytes - baseline_bytes``, what the block added
+            (``None`` until the block exits).
 
     On the CPU this needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before
     TensorFlow initializes (see :func:`enable_cpu_memory_stats`, which entering
