@@ -97,9 +97,9 @@ def _tapped_forward(problem: Problem, inputs):
         taps.append((layer_inputs, z))
         return z
 
-    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-        with problem.tap_layer(on_output):
-            per_example = problem.per_example_rows(inputs)
+    tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
+    with tape, problem.tap_layer(on_output):
+        per_example = problem.per_example_rows(inputs)
     if len(taps) != 1:
         raise ValueError(
             f"jacobian(strategy='batch'): layer {problem.layer.name!r} runs "

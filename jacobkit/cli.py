@@ -1,0 +1,160 @@
+"""The command line: ``jacobkit compare`` (and the subcommands registered below)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+#: Must be set before TensorFlow starts: TF's pooled CPU allocator is the one
+#: that reports peak memory on CPU.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+#: the built-in problem: the users' generator at a size that runs in seconds
+DEFAULT_SIZES = {
+    "batch": 16,
+    "sequence": 64,
+    "channels": 8,
+    "filters": 32,
+    "features": 144,
+}
+
+
+def _add_compare(subparsers) -> None:
+    p = subparsers.add_parser(
+        "compare",
+        help="run every strategy on one problem and print a table",
+        description=(
+            "Run every strategy on one problem: time, peak memory and agreement "
+            "with a reference. With no --model, a built-in Conv1D generator "
+            "with 144 output features on random inputs."
+        ),
+    )
+    p.add_argument("--model", help="a saved Keras model (.keras)")
+    p.add_argument("--inputs", help="inputs as a .npy file (with --model)")
+    p.add_argument("--layer", help="the target layer's name (with --model)")
+    p.add_argument(
+        "--outputs", default="features", choices=["features", "per_example", "full"]
+    )
+    p.add_argument("--features", type=int, nargs="+", help="keep these output features")
+    for name, value in DEFAULT_SIZES.items():
+        flag = "--num-features" if name == "features" else f"--{name}"
+        p.add_argument(
+            flag,
+            dest=f"size_{name}",
+            type=int,
+            default=value,
+            help=f"built-in model's {name} (default {value})",
+        )
+    p.add_argument("--strategies", help="comma-separated names (default: all)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls after the first")
+    p.add_argument("--device", help="CPU:0 or GPU:0 (default: TensorFlow's choice)")
+    p.set_defaults(run=_run_compare)
+
+
+def _load_problem(args):
+    import numpy as np
+
+    from jacobkit import examples
+
+    if args.model:
+        if not (args.inputs and args.layer):
+            raise SystemExit(
+                "jacobkit compare --model needs --inputs X.npy and --layer NAME"
+            )
+        import keras
+
+        model = keras.saving.load_model(args.model, compile=False)
+        return model, np.load(args.inputs), args.layer, None, f"{args.model}"
+    sizes = {name: getattr(args, f"size_{name}") for name in DEFAULT_SIZES}
+    ex = examples.build("generator", **sizes)
+    ref64 = examples.build("generator", "float64", **sizes)
+    text = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    return ex.model, ex.inputs, ex.layer, ref64, f"built-in generator ({text})"
+
+
+def _run_compare(args) -> int:
+    import tensorflow as tf
+    from tqdm import tqdm
+
+    from jacobkit import compare, memory, strategies, testing
+    from jacobkit.problem import Problem
+
+    device = memory.normalize_device(args.device)
+    model, inputs, layer, ref64, described = _load_problem(args)
+    with tf.device(device):
+        problem = Problem(
+            model, inputs, layer, outputs=args.outputs, features=args.features
+        )
+        if ref64 is not None:
+            ref_problem = Problem(
+                ref64.model,
+                ref64.inputs,
+                ref64.layer,
+                outputs=args.outputs,
+                features=args.features,
+            )
+            reference = testing.reference_jacobian(
+                ref64.model,
+                ref64.inputs,
+                list(ref_problem.targets),
+                outputs=args.outputs,
+                features=args.features,
+                call_kwargs={"training": False},
+            )
+            ref_name = "float64 loop"
+        else:
+            reference = strategies.Loop().run(problem)[0]
+            ref_name = "float32 loop (no float64 copy of a loaded model)"
+        if args.strategies:
+            candidates = [
+                strategies.get(name.strip()) for name in args.strategies.split(",")
+            ]
+        else:
+            candidates = compare.default_strategies(problem.num_rows)
+        bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
+        measurements = []
+        for strategy in bar:
+            bar.set_postfix_str(strategy.label)
+            measurements.append(
+                compare.measure(
+                    problem, strategy, reference, repeats=args.repeats, device=device
+                )
+            )
+    print(
+        f"problem: {described}; target {layer!r}; "
+        f"rows {problem.rows_shape} ({args.outputs})"
+    )
+    print(f"device: {device}; TensorFlow {tf.__version__}; reference: {ref_name}")
+    print(compare.format_table(measurements))
+    failed = [m for m in measurements if m.error]
+    disagree = [
+        m for m in measurements if m.max_rel_diff is not None and m.max_rel_diff > 1e-4
+    ]
+    if disagree:
+        print(
+            "DISAGREE (max rel. diff > 1e-4): "
+            + ", ".join(m.strategy for m in disagree)
+        )
+    return 1 if disagree or len(failed) == len(measurements) else 0
+
+
+#: subcommand name -> function adding it to the parser
+SUBCOMMANDS = {"compare": _add_compare}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jacobkit", description="Per-output Jacobians of TensorFlow/Keras models."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS.values():
+        add(subparsers)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

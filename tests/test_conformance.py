@@ -1,0 +1,70 @@
+"""Every registered strategy × every test problem × every ``outputs`` mode,
+against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+
+import jacobkit as jk
+from jacobkit import testing
+from jacobkit.problem import Problem
+from tests.cases import (
+    BATCH_REFUSES,
+    OUTPUTS,
+    PROBLEMS,
+    STRATEGIES,
+    example,
+    reference,
+)
+
+
+@pytest.mark.parametrize("outputs", list(OUTPUTS))
+@pytest.mark.parametrize("problem", PROBLEMS)
+@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+def test_agrees_with_float64_reference(case, problem, outputs):
+    ex = example(problem)
+    problem_ = Problem(ex.model, ex.inputs, ex.layer, outputs=OUTPUTS[outputs])
+    strategy = case.make(problem_.num_rows)
+    refuse = strategy.name == "batch" and (
+        problem in BATCH_REFUSES or outputs == "callable"
+    )
+    if refuse:
+        match = _batch_refusal(problem, outputs)
+        with pytest.raises(ValueError, match=match):
+            jk.jacobian(
+                ex.model,
+                ex.inputs,
+                ex.layer,
+                strategy=strategy,
+                outputs=OUTPUTS[outputs],
+            )
+        return
+    result = jk.jacobian(
+        ex.model, ex.inputs, ex.layer, strategy=strategy, outputs=OUTPUTS[outputs]
+    )
+    assert result.strategy == strategy.name
+    assert result.rows_shape == problem_.rows_shape
+    assert (
+        result.rows_shape
+        == reference(problem, outputs)[0].shape[: len(result.rows_shape)]
+    )
+    testing.assert_close(result, reference(problem, outputs))
+
+
+def _batch_refusal(problem: str, outputs: str) -> str:
+    """The batch strategy checks the layer type, then the rows, then sharing."""
+    if problem == "tf_module" or outputs != "callable":
+        return BATCH_REFUSES[problem]
+    return "a callable outputs= may mix"
+
+
+@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+def test_feature_subset(case):
+    ex = example("generator")
+    features = (4, 0, 2)
+    strategy = case.make(len(features))
+    result = jk.jacobian(
+        ex.model, ex.inputs, ex.layer, strategy=strategy, features=list(features)
+    )
+    assert result.rows_shape == (3,)
+    testing.assert_close(result, reference("generator", "features", features))
