@@ -153,8 +153,15 @@ def _cross_example_leak(problem: Problem) -> float:
     weights = tf.random.stateless_normal(
         per_example.shape[1:], seed=(0, 1), dtype=per_example.dtype
     )
+    # Select example 0 with the cotangent, not by slicing: the tape has
+    # stopped recording, so a slice of ``per_example`` taken here would have
+    # no gradient and the check would always pass.
+    only_first = tf.one_hot(0, problem.batch_size, dtype=per_example.dtype)
     first = tape.gradient(
-        tf.reduce_sum(per_example[0] * weights), z, unconnected_gradients=ZERO
+        per_example,
+        z,
+        output_gradients=only_first[:, None] * weights[None, :],
+        unconnected_gradients=ZERO,
     )
     total = float(tf.reduce_max(tf.abs(first))) + 1e-30
     return float(tf.reduce_max(tf.abs(first[1:]))) / total
