@@ -209,6 +209,12 @@ class Problem:
                 "when a target does not influence the outputs) or 'zero' (return "
                 "zeros for it)."
             )
+        if not isinstance(training, (bool, np.bool_)):
+            raise TypeError(
+                f"jacobian(training={training!r}): expected True (training "
+                "behaviour: dropout, batch statistics) or False (inference), got "
+                f"{type(training).__name__}."
+            )
         self.model = model
         self.training = bool(training)
         self.unconnected = unconnected
@@ -357,10 +363,15 @@ class Problem:
                 if not isinstance(outputs, tf.Tensor):
                     if not callable(self.rows_spec.mode):
                         return tf.constant(0.0)
-                    _check_output(outputs, self.rows_spec)
                     rows = tf.convert_to_tensor(self.rows_spec.mode(outputs))
                 else:
-                    _check_output(outputs, self.rows_spec)
+                    try:
+                        _check_output(outputs, self.rows_spec)
+                    except ValueError as err:
+                        # Raised below, outside tf.function, which would
+                        # otherwise prepend its "in user code:" traceback.
+                        found["invalid"] = err
+                        return tf.constant(0.0)
                     rows = self.rows_spec.of(outputs)
                 found["rows"] = rows
             if not rows.dtype.is_floating:
@@ -372,6 +383,8 @@ class Problem:
             return tf.constant(0.0)
 
         tf.function(probe).get_concrete_function(self.inputs)
+        if "invalid" in found:
+            raise found["invalid"]
         outputs = found["outputs"]
         if "rows" not in found:
             raise TypeError(
@@ -434,15 +447,23 @@ def _check_features_type(features: Sequence[int] | None) -> tuple[int, ...] | No
     if features is None:
         return None
     try:
-        chosen = tuple(int(f) for f in np.asarray(features).reshape(-1))
+        indices = np.asarray(features)
     except (TypeError, ValueError) as err:
+        indices = np.asarray(None)  # reported below
+        cause: Exception | None = err
+    else:
+        cause = None
+    if indices.size == 0 and indices.dtype != object:
+        raise ValueError(
+            f"jacobian(features={features!r}): choose at least one feature, "
+            "such as features=[0, 5, 7], or pass features=None for all of them."
+        )
+    if indices.dtype.kind not in "iu":
         raise TypeError(
             f"jacobian(features={features!r}): expected a list of integer "
             "indices into the output's last axis, such as features=[0, 5, 7]."
-        ) from err
-    if not chosen:
-        raise ValueError("jacobian(features=[]): choose at least one feature.")
-    return chosen
+        ) from cause
+    return tuple(int(f) for f in indices.reshape(-1))
 
 
 def _check_output(outputs: Any, rows: Rows) -> None:
@@ -460,7 +481,8 @@ def _check_output(outputs: Any, rows: Rows) -> None:
     if rows.mode == "per_example" and outputs.shape.rank < 2:
         raise ValueError(
             f"jacobian(outputs='per_example'): needs an output of shape "
-            f"(batch, ..., features), got shape {tuple(outputs.shape)}."
+            f"(batch, ..., features), got shape {tuple(outputs.shape)}. Use "
+            "outputs='full' for one row per output element."
         )
 
 

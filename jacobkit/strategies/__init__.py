@@ -45,6 +45,12 @@ def get(strategy: str | Strategy) -> Strategy:
         return strategy
     if isinstance(strategy, str) and strategy in REGISTRY:
         return REGISTRY[strategy]()
+    if isinstance(strategy, type) and issubclass(strategy, Strategy):
+        raise TypeError(
+            f"jacobian(strategy={strategy.__name__}): got the class, not a "
+            f"configured instance. Pass strategy={strategy.__name__}() (with "
+            f"options if it takes any) or the name {strategy.name!r}."
+        )
     raise ValueError(
         f"jacobian(strategy={strategy!r}): unknown strategy. Choose one of "
         f"{', '.join(repr(n) for n in names())}, or pass a configured instance "

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import abc
+import numbers
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem import Problem
@@ -117,11 +119,15 @@ def one_hot_rows(start: Any, count: int, num_rows: int, dtype: tf.DType) -> tf.T
 
 
 def check_chunk_size(name: str, chunk_size: Any) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+    """``chunk_size`` as an ``int`` >= 1 (NumPy integers accepted)."""
+    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(
+        chunk_size, numbers.Integral
+    ):
         raise TypeError(
             f"strategies.{name}(chunk_size={chunk_size!r}): expected a positive "
             f"int, got {type(chunk_size).__name__}."
         )
+    chunk_size = int(chunk_size)
     if chunk_size < 1:
         raise ValueError(
             f"strategies.{name}(chunk_size={chunk_size}): chunk_size must be >= 1 "
