@@ -77,20 +77,50 @@ def jacobian(
             training=training,
             unconnected=unconnected,
         )
-        plan = None
-        if chosen is None:
-            plan = planner.plan_problem(
-                problem, memory_budget=memory_budget, device=device
-            )
-            chosen = plan.strategy
-        return run_strategy(problem, chosen, plan=plan)
+        if chosen is not None:
+            return run_strategy(problem, chosen)
+        chosen_plan = planner.plan_problem(
+            problem, memory_budget=memory_budget, device=device
+        )
+        ran, output = planner.run_plan(problem, chosen_plan)
+        return _wrap(problem, ran, output, chosen_plan)
 
 
-def run_strategy(
-    problem: Problem, strategy: strategies.Strategy, *, plan: Any = None
-) -> JacobianResult:
+def plan(
+    model: Any,
+    inputs: Any,
+    layer: Any,
+    *,
+    memory_budget: int | float | str | None = None,
+    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    features: Sequence[int] | None = None,
+    training: bool = False,
+    device: str | None = None,
+) -> planner.Plan:
+    """What ``jacobian(..., strategy="auto")`` would run, without running it.
+
+    Short probes on one and a few rows measure memory and time; the
+    :class:`Plan` gives the strategy, chunk size, predicted peak bytes and
+    time, and each rejected candidate with the reason. Arguments are those of
+    :func:`jacobian`.
+    """
+    with tf.device(device) if device else contextlib.nullcontext():
+        problem = Problem(
+            model, inputs, layer, outputs=outputs, features=features, training=training
+        )
+        return planner.plan_problem(problem, memory_budget=memory_budget, device=device)
+
+
+def run_strategy(problem: Problem, strategy: strategies.Strategy) -> JacobianResult:
     """Run one configured strategy on a resolved problem and wrap the result."""
-    flat, wall, trace, traced = strategy.run(problem)
+    return _wrap(problem, strategy, strategy.run(problem), None)
+
+
+def _wrap(
+    problem: Problem, strategy: strategies.Strategy, output: Any, plan: Any
+) -> JacobianResult:
+    """The strategy's flat ``(R, *v.shape)`` Jacobians, shaped and named."""
+    flat, wall, trace, traced = output
     jacobians = {
         name: tf.reshape(jac, problem.rows_shape + tuple(target.shape))
         for name, jac, target in zip(problem.target_names, flat, problem.targets)

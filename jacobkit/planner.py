@@ -1,12 +1,56 @@
-"""``auto``: choose a strategy and chunk size for a problem."""
+"""``auto``: the fastest strategy and chunk size that fit a memory budget.
+
+How a plan is made (nothing of the full Jacobian's size is allocated):
+
+1. The budget (``memory_budget``; default :data:`jacobkit.memory.
+   DEFAULT_BUDGET_FRACTION` of free device memory) is checked against the
+   result itself, ``R × P × itemsize`` (P = parameters of the targets), and a
+   budget that cannot hold it is refused with the bytes needed.
+2. Short probes run the ``chunked`` computation on the first few rows only
+   (three chunks of ``c`` rows, for ``c = 1`` and for the largest ``c <= 32``
+   that the budget safely allows) and measure the peak memory and the steady
+   time per chunk; one more measures the forward pass alone.
+3. Peak memory is modelled as ``fixed + per_row × c + result``, and time as
+   ``forward + ceil(R / c) × (chunk_fixed + chunk_per_row × c)``, both fitted
+   to the probes. When the budget only allows a probe of fewer than 8
+   rows, memory per row is taken as the forward pass's activations
+   (:func:`activation_bytes`), an upper bound. The plan is the chunk size with the
+   least predicted time
+   whose predicted peak fits the budget (with :data:`SAFETY` headroom).
+
+At run time an out-of-memory error halves the chunk size and retries
+(:func:`run_plan`), warns once, and remembers the size that worked.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jacobkit import strategies
+import numpy as np
+import tensorflow as tf
+
+from jacobkit import memory, strategies
 from jacobkit.problem import Problem
+
+#: the plan keeps its predicted peak below this fraction of the budget: the
+#: linear memory model was measured within ~10% of real peaks (see the
+#: benchmark results), the rest is allocator fragmentation.
+SAFETY = 0.85
+
+#: the larger probe's chunk has at most this many rows
+_PROBE_MAX_ROWS = 32
+#: a probe of at least this many rows measures the per-row memory reliably
+_TRUSTED_SLOPE_ROWS = 8
+#: each probe runs this many chunks (fewer if the problem has fewer rows)
+_PROBE_CHUNKS = 3
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WORKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -15,19 +59,304 @@ class Plan:
 
     Attributes:
         strategy: the configured strategy to run.
-        predicted_peak_bytes: predicted peak memory of the run, if estimated.
-        predicted_time_s: predicted steady-state time, if estimated.
+        budget_bytes: the memory budget planned for.
+        predicted_peak_bytes: predicted peak memory above the baseline.
+        predicted_time_s: predicted steady-state time of one call.
+        result_bytes: size of the Jacobians themselves.
         rejected: ``(label, reason)`` for each candidate not chosen.
+        probes: what the probes measured,
+            ``{"chunk c": (peak bytes, seconds per chunk)}``.
     """
 
     strategy: strategies.Strategy
+    budget_bytes: int
     predicted_peak_bytes: int | None = None
     predicted_time_s: float | None = None
+    result_bytes: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)
+    probes: dict[str, tuple[int | None, float]] = field(default_factory=dict)
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.strategy.chunk_size
+
+    def summary(self) -> str:
+        """A few lines: the choice, the prediction, the rejected candidates."""
+        peak = (
+            memory.format_bytes(self.predicted_peak_bytes)
+            if self.predicted_peak_bytes is not None
+            else "unknown"
+        )
+        when = (
+            f"{self.predicted_time_s * 1e3:.1f} ms"
+            if self.predicted_time_s is not None
+            else "unknown"
+        )
+        lines = [
+            f"auto -> {self.strategy.label}: predicted peak {peak} of a "
+            f"{memory.format_bytes(self.budget_bytes)} budget, predicted time {when}"
+            f" (result {memory.format_bytes(self.result_bytes)})"
+        ]
+        lines += [f"  rejected {label}: {why}" for label, why in self.rejected]
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+class _Prefix:
+    """A view of a problem whose rows are only its first ``count`` rows (probes)."""
+
+    def __init__(self, problem: Problem, count: int) -> None:
+        self._problem = problem
+        self.num_rows = count
+        self.targets = problem.targets
+        self.model = problem.model
+        self.key = (problem.key, "prefix", count)
+
+    def rows(self, inputs: Any) -> tf.Tensor:
+        return self._problem.rows(inputs)[: self.num_rows]
+
+
+def _result_bytes(problem: Problem) -> int:
+    itemsize = problem.output_dtype.size
+    params = sum(t.shape.num_elements() for t in problem.targets)
+    return problem.num_rows * params * itemsize
+
+
+def _timed(fn, inputs, repeats: int = 3) -> float:
+    fn(inputs)  # trace and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn(inputs)
+        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _peak(fn, inputs, device: str) -> int | None:
+    try:
+        with memory.PeakMemory(device) as peak:
+            tf.nest.map_structure(lambda t: t.numpy(), fn(inputs))
+    except RuntimeError:  # no allocator statistics on this device
+        return None
+    return peak.extra_bytes
+
+
+def activation_bytes(problem: Problem) -> int:
+    """Bytes of every floating tensor the forward pass makes (traced, not run):
+    an upper bound on what one row's backward pass keeps per row."""
+    graph = tf.function(problem.rows).get_concrete_function(problem.inputs).graph
+    total = 0
+    for op in graph.get_operations():
+        if op.type in _NOT_ACTIVATIONS:
+            continue
+        for out in op.outputs:
+            if out.dtype.is_floating and out.shape.is_fully_defined():
+                total += out.shape.num_elements() * out.dtype.size
+    return total
+
+
+_NOT_ACTIVATIONS = {"Const", "Placeholder", "ReadVariableOp", "Identity", "NoOp"}
+
+
+def _probe(problem: Problem, device: str, allowed: float) -> dict[Any, Any]:
+    """Measure the forward pass, then ``chunked`` on the first row, then on as
+    many first rows as the budget safely allows (at most 32)."""
+    inputs = problem.inputs
+    forward = tf.function(problem.rows)
+    found: dict[Any, Any] = {"forward_s": _timed(forward, inputs)}
+    found["per_row_bytes"] = activation_bytes(problem)
+    sizes = [1]
+    for size in sizes:
+        # a few chunks on the first rows: the loop's per-chunk overhead shows
+        count = min(problem.num_rows, _PROBE_CHUNKS * size)
+        view = _Prefix(problem, count)
+        fn = tf.function(strategies.Chunked(size).build(view))
+        seconds = _timed(fn, inputs) - found["forward_s"]
+        per_chunk = max(seconds, 0.0) / math.ceil(count / size)
+        found[size] = (_peak(fn, inputs, device), per_chunk)
+        if len(sizes) == 1:
+            fixed = found[1][0] or 0
+            per_probe = _PROBE_CHUNKS * max(found["per_row_bytes"], 1)
+            room = (allowed - fixed) / per_probe
+            larger = min(
+                _PROBE_MAX_ROWS, problem.num_rows, 2 ** int(math.log2(max(room, 1)))
+            )
+            if larger > 1:
+                sizes.append(larger)
+    return found
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(intercept, slope) through the probe points (a flat line for one)."""
+    if len(points) == 1:
+        return points[0][1], 0.0
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    slope = max((y1 - y0) / (x1 - x0), 0.0)
+    return y0 - slope * x0, slope
+
+
+def _candidate_sizes(num_rows: int) -> list[int]:
+    sizes = {num_rows}
+    size = 1
+    while size < num_rows:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
 
 
 def plan_problem(
     problem: Problem, *, memory_budget: Any = None, device: str | None = None
 ) -> Plan:
-    """A simple rule: vectorized chunks of up to 32 rows."""
-    return Plan(strategies.Chunked(chunk_size=min(32, problem.num_rows)))
+    """Plan ``problem`` under ``memory_budget`` (see the module docstring)."""
+    device = memory.normalize_device(device)
+    budget = memory.parse_budget(memory_budget, device=device)
+    # keyed by the budget as given: a fraction of free memory stays one plan
+    # although free memory moves a little between calls
+    cache_key = (problem.key, repr(memory_budget), device)
+    cached = _cache_get(_PLANS, problem.model, cache_key)
+    if cached is not None:
+        return cached
+    result_bytes = _result_bytes(problem)
+    if result_bytes > budget * SAFETY:
+        raise ValueError(
+            f"jacobian(memory_budget={memory.format_bytes(budget)}): the result "
+            f"alone needs {memory.format_bytes(result_bytes)} ({result_bytes} "
+            f"bytes: {problem.num_rows} rows × "
+            f"{sum(t.shape.num_elements() for t in problem.targets)} parameters × "
+            f"{problem.output_dtype.size} bytes), more than the budget allows. "
+            "Raise memory_budget, keep fewer rows with features=[...], or use a "
+            "smaller batch."
+        )
+    probes = _probe(problem, device, budget * SAFETY - result_bytes)
+    plan = _choose(problem, budget, result_bytes, probes)
+    worked = _cache_get(_WORKED, problem.model, problem.key)
+    if worked is not None and plan.chunk_size and plan.chunk_size > worked:
+        plan = replace(plan, strategy=strategies.Chunked(worked))
+    _cache_put(_PLANS, problem.model, cache_key, plan)
+    return plan
+
+
+def _choose(
+    problem: Problem, budget: int, result_bytes: int, probes: dict[str, Any]
+) -> Plan:
+    rows = problem.num_rows
+    sizes = [k for k in probes if isinstance(k, int)]
+    forward_s = probes["forward_s"]
+    time_fit = _fit([(c, probes[c][1]) for c in sizes])
+    peaks = [(c, probes[c][0]) for c in sizes if probes[c][0] is not None]
+    memory_fit = _fit([(c, float(p)) for c, p in peaks]) if peaks else None
+    if memory_fit is not None and max(c for c, _ in peaks) < _TRUSTED_SLOPE_ROWS:
+        # Peaks of a few rows hide the per-row cost under fixed buffers (a
+        # measured slope of ~0 up to 16 rows, then growth): without a probe
+        # of enough rows, assume each row keeps the forward pass's activations.
+        slope = max(memory_fit[1], float(probes["per_row_bytes"]))
+        memory_fit = (memory_fit[0] + memory_fit[1] - slope, slope)
+    allowed = budget * SAFETY
+    rejected: list[tuple[str, str]] = []
+    best = None
+    for size in _candidate_sizes(rows):
+        chunks = math.ceil(rows / size)
+        seconds = forward_s + chunks * (time_fit[0] + time_fit[1] * size)
+        label = strategies.Chunked(size).label
+        peak = None
+        if memory_fit is not None:
+            # the stacked chunks and their concatenation: up to twice the result
+            copies = 1 if chunks == 1 else 2
+            peak = int(memory_fit[0] + memory_fit[1] * size + copies * result_bytes)
+            if peak > allowed:
+                rejected.append(
+                    (
+                        label,
+                        f"predicted peak {memory.format_bytes(peak)} > "
+                        f"{SAFETY:.0%} of the budget",
+                    )
+                )
+                continue
+        if best is None or seconds < best[1]:
+            if best is not None:
+                rejected.append(
+                    (best[0].label, f"slower ({best[1] * 1e3:.1f} ms predicted)")
+                )
+            best = (strategies.Chunked(size), seconds, peak)
+        else:
+            rejected.append((label, f"slower ({seconds * 1e3:.1f} ms predicted)"))
+    if best is None:
+        smallest = min(p for _, p in peaks) + result_bytes
+        raise ValueError(
+            f"jacobian(memory_budget={memory.format_bytes(budget)}): even one row "
+            f"at a time needs about {memory.format_bytes(smallest)} (measured), "
+            "more than the budget allows. Raise memory_budget, keep fewer rows "
+            "with features=[...], or use a smaller batch."
+        )
+    rejected += [
+        ("jacobian", "the same computation as chunked(R), without a budget"),
+        ("while", "one row at a time: as little memory as chunked(1), slower"),
+        ("loop", "eager Python loop: slowest"),
+    ]
+    return Plan(
+        strategy=best[0],
+        budget_bytes=budget,
+        predicted_peak_bytes=best[2],
+        predicted_time_s=best[1],
+        result_bytes=result_bytes,
+        rejected=rejected,
+        probes={f"chunk {c}": probes[c] for c in sizes},
+    )
+
+
+def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
+    """Run the plan; on out-of-memory halve the chunk size and retry.
+
+    Returns the strategy that finished and its ``Strategy.run`` output. Warns
+    once per problem when it had to back off, and remembers the chunk size
+    that worked so that later plans for the same problem start there.
+    """
+    strategy = plan.strategy
+    warned = False
+    while True:
+        try:
+            output = strategy.run(problem)
+        except tf.errors.ResourceExhaustedError:
+            size = strategy.chunk_size or problem.num_rows
+            if size <= 1:
+                raise
+            smaller = strategies.Chunked(max(size // 2, 1))
+            if not warned:
+                warnings.warn(
+                    f"jacobkit: {strategy.label} ran out of memory; retrying "
+                    f"with smaller chunks ({smaller.label}).",
+                    ResourceWarning,
+                    stacklevel=3,
+                )
+                warned = True
+            strategy = smaller
+            continue
+        if strategy is not plan.strategy:
+            _cache_put(_WORKED, problem.model, problem.key, strategy.chunk_size)
+            _forget_plans(problem)
+        return strategy, output
+
+
+def _forget_plans(problem: Problem) -> None:
+    per_model = _cache_dict(_PLANS, problem.model)
+    for key in [k for k in per_model if k[0] == problem.key]:
+        del per_model[key]
+
+
+def _cache_dict(cache: weakref.WeakKeyDictionary, model: Any) -> dict:
+    try:
+        return cache.setdefault(model, {})
+    except TypeError:  # not weakly referenceable: do not cache
+        return {}
+
+
+def _cache_get(cache: weakref.WeakKeyDictionary, model: Any, key: Any) -> Any:
+    return _cache_dict(cache, model).get(key)
+
+
+def _cache_put(
+    cache: weakref.WeakKeyDictionary, model: Any, key: Any, value: Any
+) -> None:
+    _cache_dict(cache, model)[key] = value
