@@ -141,8 +141,24 @@ def _run_compare(args) -> int:
     return 1 if disagree or len(failed) == len(measurements) else 0
 
 
+def _add_bench(subparsers) -> None:
+    from jacobkit.bench import command
+
+    p = subparsers.add_parser(
+        "bench",
+        help="run the benchmark suite: every strategy, each in a fresh subprocess",
+        description=(
+            "Time, peak memory and agreement with a reference of every strategy "
+            "on the benchmark problems; writes results.json, results.md and PNG "
+            "plots to --out."
+        ),
+    )
+    command.add_arguments(p)
+    p.set_defaults(run=command.run)
+
+
 #: subcommand name -> function adding it to the parser
-SUBCOMMANDS = {"compare": _add_compare}
+SUBCOMMANDS = {"compare": _add_compare, "bench": _add_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

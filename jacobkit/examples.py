@@ -178,6 +178,48 @@ def cnn2d(
     )
 
 
+def spectrogram(
+    dtype: str = "float32",
+    seed: int = 0,
+    *,
+    batch: int = 2,
+    frames: int = 7,
+    bins: int = 6,
+    filters: int = 16,
+    hidden: int = 128,
+    features: int = 3,
+) -> Example:
+    """The users' third case with its widths: Conv2D(filters, 3) →
+    Conv2D(filters, 3) → Flatten → Dense(hidden, relu) → Dense(features) on
+    spectrograms ``(batch, frames, bins, 1)``. Target: the wide Dense layer
+    (``"dense"``), whose kernel has ``(frames-4)*(bins-4)*filters*hidden``
+    elements. The defaults are small; the benchmarks scale ``frames`` and
+    ``bins``."""
+    keras = _keras()
+    layers = keras.layers
+    model = keras.Sequential(
+        [
+            keras.Input((frames, bins, 1), dtype=dtype),
+            layers.Conv2D(filters, 3, activation="relu", name="conv1", dtype=dtype),
+            layers.Conv2D(filters, 3, activation="relu", name="conv2", dtype=dtype),
+            layers.Flatten(dtype=dtype),
+            layers.Dense(hidden, activation="relu", name="dense", dtype=dtype),
+            layers.Dense(features, name="head", dtype=dtype),
+        ],
+        name="spectrogram",
+    )
+    _randomize_weights(model, seed)
+    (x,) = _rng_inputs(seed, dtype, (batch, frames, bins, 1))
+    return Example(
+        "spectrogram",
+        model,
+        x,
+        "dense",
+        "spectrogram CNN: Conv2D x2 → Dense(hidden) → Dense",
+        {"batch": batch, "frames": frames, "bins": bins, "features": features},
+    )
+
+
 def residual(
     dtype: str = "float32", seed: int = 0, *, batch: int = 2, size: int = 6
 ) -> Example:
@@ -362,6 +404,7 @@ BUILDERS: dict[str, Callable[..., Example]] = {
     "mlp": mlp,
     "generator": generator,
     "cnn2d": cnn2d,
+    "spectrogram": spectrogram,
     "residual": residual,
     "multi_input": multi_input,
     "subclassed": subclassed,

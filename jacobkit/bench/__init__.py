@@ -1,0 +1,11 @@
+"""The benchmark suite: every strategy's time, peak memory and agreement with
+a reference, each measured in a fresh subprocess (``jacobkit bench``).
+
+- :mod:`~jacobkit.bench.problems`: the problems and the quick and full suites;
+- :mod:`~jacobkit.bench.runner`: runs a suite, one subprocess per run;
+- :mod:`~jacobkit.bench.child`: what runs inside each subprocess;
+- :mod:`~jacobkit.bench.report` and :mod:`~jacobkit.bench.plots`:
+  ``results.md`` and the PNGs;
+- :mod:`~jacobkit.bench.machine`: the machine, described generically;
+- :mod:`~jacobkit.bench.command`: the ``jacobkit bench`` command.
+"""

@@ -1,0 +1,71 @@
+"""``jacobkit bench``: its arguments and what it runs.
+
+Kept free of TensorFlow imports until the command runs, so that building the
+command-line parser stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``jacobkit bench``."""
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small problems, every strategy: a few minutes on two CPU cores",
+    )
+    parser.add_argument(
+        "--device", default="CPU:0", help="CPU:0 or GPU:0 (default CPU:0)"
+    )
+    parser.add_argument(
+        "--out", default="bench-results", help="output folder (default bench-results)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        help="timed calls after the warm-up (default 3 with --quick, else 5)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="time limit of one strategy's run, in seconds (default 60)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite; 1 if a successful row disagrees with its reference."""
+    from jacobkit import memory
+    from jacobkit.bench import problems, runner
+
+    suite = "quick" if args.quick else "full"
+    settings = runner.Settings(
+        suite=suite,
+        device=memory.normalize_device(args.device),
+        repeats=args.repeats or (3 if args.quick else 5),
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+    )
+    results = runner.run_suite(problems.SUITES[suite](), settings, args.out)
+    rows = results["rows"]
+    disagree = [
+        f"{r['problem']} {r['strategy']}"
+        for r in rows
+        if r.get("ok") and (r.get("max_rel_diff") or 0.0) > 1e-4
+    ]
+    failed = sum(not r.get("ok") for r in rows)
+    print(
+        f"{len(rows)} runs in {results['duration_s'] / 60:.1f} min, {failed} failed; "
+        f"results in {args.out}/results.md",
+        file=sys.stderr,
+    )
+    if disagree:
+        print(
+            "DISAGREE (max rel. diff > 1e-4): " + ", ".join(disagree), file=sys.stderr
+        )
+        return 1
+    return 0

@@ -1,0 +1,227 @@
+"""``results.md``: the headline table, then one table per problem."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jacobkit.bench import machine
+from jacobkit.memory import format_bytes
+
+#: how failures read in a table cell
+_FAILURE_WORDS = {
+    "time_limit": "time limit",
+    "out_of_memory": "out of memory",
+    "vectorization": "vectorization error",
+    "error": "error",
+}
+
+
+def seconds(value: float | None) -> str:
+    """``"12.3 ms"`` or ``"1.23 s"`` (three significant digits)."""
+    if value is None:
+        return ""
+    if value < 1:
+        return f"{value * 1000:.3g} ms"
+    return f"{value:.3g} s"
+
+
+def speedup(baseline: dict[str, Any] | None, row: dict[str, Any]) -> str:
+    """``baseline time / row time`` as ``"4.1x"`` (above 1: faster than the
+    baseline); empty when either did not run."""
+    if not (baseline and baseline.get("ok") and row.get("ok")):
+        return ""
+    return f"{baseline['steady_s'] / row['steady_s']:.2g}x"
+
+
+def failure_text(row: dict[str, Any]) -> str:
+    """A short cell for a failed row: ``"time limit"``, ``"skipped (time limit)"``."""
+    words = _FAILURE_WORDS.get(row.get("failure") or "error", "error")
+    return f"skipped ({words})" if row.get("skipped") else words
+
+
+def peak(row: dict[str, Any]) -> str:
+    return (
+        format_bytes(row["peak_bytes"]) if row.get("peak_bytes") is not None else "n/a"
+    )
+
+
+def rows_by_problem(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Result rows grouped by problem id, in suite order."""
+    grouped: dict[str, list[dict[str, Any]]] = {
+        p["problem"]: [] for p in results["problems"]
+    }
+    for row in results["rows"]:
+        grouped.setdefault(row["problem"], []).append(row)
+    return grouped
+
+
+def default_labels(results: dict[str, Any]) -> list[str]:
+    """Labels of the strategies at their defaults (the first row of each
+    registered name), in the order they ran."""
+    labels: dict[str, str] = {}
+    for row in results["rows"]:
+        if row["default"]:
+            labels.setdefault(row["name"], row["strategy"])
+    return list(labels.values())
+
+
+def _by_label(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {row["strategy"]: row for row in rows}
+
+
+def _problem_title(problem: dict[str, Any]) -> str:
+    sizes = ", ".join(f"{k}={v}" for k, v in problem["sizes"].items())
+    layer = problem["layer"] or "(the example's target)"
+    return (
+        f"`{problem['builder']}` ({sizes}); target `{layer}`; "
+        f"outputs=`{problem['outputs']}`, {problem['num_rows']} rows"
+    )
+
+
+def headline_table(results: dict[str, Any]) -> str:
+    """Problems flagged ``headline`` × strategies at their defaults: median
+    time of a call, and the speedup over ``loop`` in brackets."""
+    labels = default_labels(results)
+    grouped = rows_by_problem(results)
+    lines = [
+        "| problem | rows | " + " | ".join(labels) + " |",
+        "|---|---:|" + "---:|" * len(labels),
+    ]
+    for problem in results["problems"]:
+        if not problem["headline"]:
+            continue
+        by_label = _by_label(grouped[problem["problem"]])
+        loop = by_label.get("loop")
+        cells = []
+        for label in labels:
+            row = by_label.get(label)
+            if row is None:
+                cells.append("")
+            elif row.get("ok"):
+                ratio = speedup(loop, row)
+                cells.append(
+                    f"{seconds(row['steady_s'])}" + (f" ({ratio})" if ratio else "")
+                )
+            else:
+                cells.append(failure_text(row))
+        lines.append(
+            f"| {problem['problem']} | {problem['num_rows']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def headline_memory_table(results: dict[str, Any]) -> str:
+    """Headline problems × strategies at their defaults: peak memory of a call."""
+    labels = default_labels(results)
+    grouped = rows_by_problem(results)
+    lines = [
+        "| problem | " + " | ".join(labels) + " |",
+        "|---|" + "---:|" * len(labels),
+    ]
+    for problem in results["problems"]:
+        if not problem["headline"]:
+            continue
+        by_label = _by_label(grouped[problem["problem"]])
+        cells = []
+        for label in labels:
+            row = by_label.get(label)
+            if row is None:
+                cells.append("")
+            else:
+                cells.append(peak(row) if row.get("ok") else failure_text(row))
+        lines.append(f"| {problem['problem']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def problem_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Every strategy configuration on one problem."""
+    by_label = _by_label(rows)
+    loop, jacobian = by_label.get("loop"), by_label.get("jacobian")
+    lines = [
+        "| strategy | first call | median | spread | vs loop | vs jacobian "
+        "| peak memory | max rel. diff | |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        if not row.get("ok"):
+            lines.append(
+                f"| {row['strategy']} | | | | | | | | {failure_text(row)}: "
+                f"{_cell(row.get('error') or '')} |"
+            )
+            continue
+        diff = row.get("max_rel_diff")
+        flag = "**disagrees**" if diff is not None and diff > 1e-4 else ""
+        lines.append(
+            f"| {row['strategy']} | {seconds(row['first_call_s'])} "
+            f"| {seconds(row['steady_s'])} | {seconds(row['spread_s'])} "
+            f"| {speedup(loop, row)} | {speedup(jacobian, row)} | {peak(row)} "
+            f"| {'' if diff is None else f'{diff:.1e}'} | {flag} |"
+        )
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:120]
+
+
+def render(results: dict[str, Any]) -> str:
+    """The whole of ``results.md``."""
+    settings = results["settings"]
+    device = results.get("device", {})
+    grouped = rows_by_problem(results)
+    failed = [r for r in results["rows"] if not r.get("ok")]
+    minutes = results.get("duration_s", 0) / 60
+    parts = [
+        f"# jacobkit benchmark results ({results['suite']} suite)",
+        "",
+        f"- Machine: {machine.summary(results['machine'])}.",
+        f"- Device: `{device.get('device', settings['device'])}` "
+        f"({device.get('device_name', '')}); TensorFlow {device.get('tensorflow')}, "
+        f"Keras {device.get('keras')}, Python {results['machine']['python']}.",
+        f"- Each configuration ran in a fresh subprocess: one warm-up call (the "
+        f"first call, tracing included), then {settings['repeats']} timed calls "
+        f"(median and spread = max - min), then one call for peak memory (bytes "
+        f"TensorFlow allocated on the device above what was in use before the "
+        f"call). Time limit per configuration: {settings['timeout_s']:.0f} s.",
+        f"- The suite took {minutes:.1f} min; {len(results['rows'])} rows, "
+        f"{len(failed)} of them failures.",
+        "- vs loop / vs jacobian: that strategy's median time divided by this "
+        "one's (above 1: faster).",
+        "- Reference for the max. relative difference: "
+        + "; ".join(f"`{k}` = {v}" for k, v in results["references"].items())
+        + " (each problem says which).",
+        "",
+        "## Headline: median time per call (speedup over `loop`)",
+        "",
+        headline_table(results),
+        "",
+        "## Headline: peak memory per call",
+        "",
+        headline_memory_table(results),
+        "",
+    ]
+    for problem in results["problems"]:
+        rows = grouped[problem["problem"]]
+        reference = f"reference: `{problem['reference']}`"
+        if rows and rows[0].get("reference_error"):
+            reference += f" (failed: {_cell(rows[0]['reference_error'])})"
+        parts += [
+            f"## {problem['problem']}",
+            "",
+            f"{_problem_title(problem)}; {reference}.",
+            "",
+            problem_table(rows),
+            "",
+        ]
+    return "\n".join(parts)
+
+
+def write(results: dict[str, Any], path: str | Path) -> Path:
+    """Write :func:`render` to ``path``."""
+    path = Path(path)
+    path.write_text(render(results))
+    return path

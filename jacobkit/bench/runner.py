@@ -1,0 +1,293 @@
+"""Run a suite: every (problem, strategy, chunk size) in a fresh subprocess.
+
+Per problem, one child computes the reference Jacobians (saved to a scratch
+``.npz``); then one child per strategy configuration measures it with
+:func:`jacobkit.compare.measure` and compares with that reference. A child
+that fails, runs out of memory or passes the time limit gives a row saying so;
+the suite goes on. Once a strategy has passed the time limit or run out of
+memory on a sweep, the larger points of that sweep are recorded as skipped
+for the same reason instead of being run.
+
+On the CPU the children are forked from a server process that has already
+imported TensorFlow (``multiprocessing``'s ``forkserver``; the TensorFlow
+runtime itself starts in each child), which saves ~10 s of imports per child.
+On a GPU they are spawned from scratch, so that no CUDA state crosses a fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jacobkit.bench import child, machine
+from jacobkit.bench.problems import REFERENCES, BenchProblem
+
+#: modules the CPU fork server imports once for every child
+_PRELOAD = ["tensorflow", "keras", "jacobkit.compare", "jacobkit.examples"]
+#: failures that make the larger points of a sweep pointless to run
+_SKIP_AFTER = ("time_limit", "out_of_memory")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How to run a suite.
+
+    Attributes:
+        suite: the suite's name, for the records.
+        device: ``"CPU:0"`` or ``"GPU:0"``; every child runs under it.
+        repeats: timed calls after the warm-up (first) call.
+        timeout_s: time limit of one strategy's child.
+        reference_timeout_s: time limit of one reference child.
+        memory_fraction: on the CPU, TensorFlow's allocator is capped at this
+            fraction of the memory available when the suite starts, so that
+            a strategy that needs too much fails with an out-of-memory error
+            instead of meeting the operating system's out-of-memory killer.
+        progress: show a progress bar.
+    """
+
+    suite: str = "full"
+    device: str = "CPU:0"
+    repeats: int = 5
+    timeout_s: float = 60.0
+    reference_timeout_s: float = 180.0
+    memory_fraction: float = 0.7
+    progress: bool = True
+
+
+def strategy_configs(problem: BenchProblem) -> list[tuple[str, int | None, str]]:
+    """``(name, chunk_size, label)`` to run on ``problem``: every registered
+    strategy at its defaults, then ``chunked`` at the problem's chunk sizes."""
+    from jacobkit import strategies
+
+    configs = []
+    for name, cls in strategies.REGISTRY.items():
+        configs.append((name, None, cls().label))
+    for size in problem.chunk_sizes:
+        configs.append(("chunked", size, strategies.Chunked(size).label))
+    seen: set[str] = set()
+    return [c for c in configs if not (c[2] in seen or seen.add(c[2]))]
+
+
+def run_suite(
+    problems: Sequence[BenchProblem], settings: Settings, out_dir: str | Path
+) -> dict[str, Any]:
+    """Run ``problems`` and write ``results.json``, ``results.md`` and the
+    plots to ``out_dir``. Returns what ``results.json`` holds."""
+    from jacobkit.bench import plots, report
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    configs = {p.id: strategy_configs(p) for p in problems}
+    total = len(problems) + sum(len(c) for c in configs.values())
+    results: dict[str, Any] = {
+        "suite": settings.suite,
+        "settings": {
+            "device": settings.device,
+            "repeats": settings.repeats,
+            "timeout_s": settings.timeout_s,
+            "reference_timeout_s": settings.reference_timeout_s,
+        },
+        "machine": machine.describe(),
+        "references": REFERENCES,
+        "problems": [p.to_dict() for p in problems],
+        "rows": [],
+    }
+    with _children(settings) as pool, _progress(total, settings.progress) as bar:
+        bar.set_postfix_str("probe")
+        probe = pool.run(
+            {
+                "kind": "probe",
+                "device": settings.device,
+                "cpu_model": results["machine"]["cpu_model"],
+            },
+            settings.reference_timeout_s,
+        )
+        if "error" in probe:
+            raise RuntimeError(
+                f"jacobkit bench: the device probe failed: {probe['error']}"
+            )
+        results["device"] = probe
+        stopped: dict[tuple[str, str, str], tuple[int, str]] = {}
+        for problem in problems:
+            base = {**problem.to_dict(), **probe}
+            bar.set_postfix_str(f"{problem.id} reference")
+            reference_path = str(pool.scratch / f"{problem.id}.npz")
+            task = {**base, "kind": "reference", "reference_path": reference_path}
+            ref = pool.run(task, settings.reference_timeout_s)
+            base["reference_seconds"] = ref.get("seconds")
+            base["reference_error"] = ref.get("error")
+            bar.update()
+            for name, chunk_size, label in configs[problem.id]:
+                bar.set_postfix_str(f"{problem.id} {label}")
+                row = {
+                    **base,
+                    "strategy": label,
+                    "name": name,
+                    "chunk_size": chunk_size,
+                    "default": chunk_size is None,
+                }
+                skip = _skip_reason(stopped, problem, label)
+                if skip:
+                    row.update(skip)
+                else:
+                    task = {
+                        **base,
+                        "kind": "measure",
+                        "strategy": name,
+                        "chunk_size": chunk_size,
+                        "repeats": settings.repeats,
+                        "reference_path": None if ref.get("error") else reference_path,
+                    }
+                    row.update(pool.run(task, settings.timeout_s))
+                    row["repeats"] = settings.repeats
+                _remember_stop(stopped, problem, label, row)
+                row["ok"] = not row.get("error")
+                results["rows"].append(row)
+                bar.update()
+            with contextlib.suppress(OSError):
+                os.remove(reference_path)
+            results["duration_s"] = time.time() - started
+            _write_json(results, out / "results.json")
+    results["duration_s"] = time.time() - started
+    _write_json(results, out / "results.json")
+    report.write(results, out / "results.md")
+    results_plots = plots.write_all(results, out)
+    results["plots"] = [p.name for p in results_plots]
+    _write_json(results, out / "results.json")
+    return results
+
+
+def _skip_reason(stopped, problem: BenchProblem, label: str) -> dict[str, Any] | None:
+    for sweep in problem.sweeps:
+        hit = stopped.get((sweep.group, sweep.axis, label))
+        if hit and problem.sizes[sweep.axis] > hit[0]:
+            value, failure = hit
+            return {
+                "error": f"Skipped: {failure.replace('_', ' ')} already at "
+                f"{sweep.axis}={value}",
+                "failure": failure,
+                "skipped": True,
+            }
+    return None
+
+
+def _remember_stop(
+    stopped, problem: BenchProblem, label: str, row: dict[str, Any]
+) -> None:
+    if row.get("failure") not in _SKIP_AFTER:
+        return
+    for sweep in problem.sweeps:
+        key = (sweep.group, sweep.axis, label)
+        value = problem.sizes[sweep.axis]
+        if key not in stopped or value < stopped[key][0]:
+            stopped[key] = (value, row["failure"])
+
+
+def _write_json(results: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Any]:
+    from tqdm import tqdm
+
+    with tqdm(
+        total=total, desc="bench", unit="run", file=sys.stderr, disable=not enabled
+    ) as bar:
+        yield bar
+
+
+class _ChildPool:
+    """Starts one fresh process per task, with a time limit."""
+
+    def __init__(self, context: Any, scratch: Path) -> None:
+        self.context = context
+        self.scratch = scratch
+        self._count = 0
+
+    def run(self, task: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """The child's JSON answer, or a failure row if it gave none."""
+        self._count += 1
+        result_path = str(self.scratch / f"task{self._count}.json")
+        log_path = str(self.scratch / f"task{self._count}.log")
+        process = self.context.Process(
+            target=child.main, args=(task, result_path, log_path)
+        )
+        start = time.perf_counter()
+        process.start()
+        process.join(timeout_s)
+        timed_out = process.is_alive()
+        if timed_out:
+            process.kill()
+            process.join()
+        wall = time.perf_counter() - start
+        if timed_out:
+            answer = {
+                "error": f"TimeLimit: no result within {timeout_s:.0f} s",
+                "failure": "time_limit",
+            }
+        elif os.path.exists(result_path):
+            with open(result_path) as saved:
+                answer = json.load(saved)
+        else:
+            answer = _crash(process.exitcode, log_path)
+        answer["child_wall_s"] = wall
+        return answer
+
+
+def _crash(exitcode: int | None, log_path: str) -> dict[str, Any]:
+    """A row for a child that died without answering."""
+    tail = ""
+    with contextlib.suppress(OSError), open(log_path, errors="replace") as log:
+        lines = [line.strip() for line in log if line.strip()]
+        tail = lines[-1][:200] if lines else ""
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        # SIGKILL from outside is the operating system's out-of-memory killer.
+        failure = "out_of_memory" if exitcode == -signal.SIGKILL else "error"
+        return {
+            "error": f"Crashed: killed by {name}. {tail}".strip(),
+            "failure": failure,
+        }
+    return {
+        "error": f"Crashed: exit code {exitcode}. {tail}".strip(),
+        "failure": "error",
+    }
+
+
+@contextlib.contextmanager
+def _children(settings: Settings) -> Iterator[_ChildPool]:
+    """A :class:`_ChildPool` with the environment every child needs."""
+    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    on_cpu = settings.device.upper().startswith("CPU")
+    available = machine.memory_bytes("MemAvailable")
+    if on_cpu and available:
+        limit_mib = int(available * settings.memory_fraction / 1024**2)
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mib)
+    methods = multiprocessing.get_all_start_methods()
+    method = "forkserver" if on_cpu and "forkserver" in methods else "spawn"
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(["jacobkit.bench.child", *_PRELOAD])
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        with tempfile.TemporaryDirectory(prefix="jacobkit-bench-") as scratch:
+            yield _ChildPool(context, Path(scratch))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,86 @@
+"""The benchmark suite end to end: the quick suite, once, in fresh subprocesses.
+
+Times are never asserted (they depend on the machine); the rows, their
+agreement with the reference and the output files are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import jacobkit as jk
+from jacobkit.bench import problems, runner
+
+#: agreement every successful benchmark row must reach with its reference
+#: (the strategies agree to ~2e-7 on the quick problems; see results.md)
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    settings = runner.Settings(suite="quick", repeats=2, progress=False)
+    runner.run_suite(problems.quick_suite(), settings, out)
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_every_strategy_has_a_row_on_every_quick_problem(quick_results):
+    _, results = quick_results
+    seen = {(row["problem"], row["name"]) for row in results["rows"]}
+    expected = {
+        (problem.id, name)
+        for problem in problems.quick_suite()
+        for name in jk.strategies.REGISTRY
+    }
+    assert expected <= seen
+
+
+def test_successful_rows_agree_with_the_reference(quick_results):
+    _, results = quick_results
+    ok = [row for row in results["rows"] if row["ok"]]
+    assert ok, "no strategy succeeded on any quick problem"
+    for row in ok:
+        assert row["max_rel_diff"] is not None, row
+        assert row["max_rel_diff"] <= TOLERANCE, (row["problem"], row["strategy"])
+
+
+def test_rows_record_the_environment_and_the_measurements(quick_results):
+    _, results = quick_results
+    for row in results["rows"]:
+        assert row["device"] == "CPU:0"
+        assert row["tensorflow"] and row["keras"]
+        if row["ok"]:
+            assert row["first_call_s"] > 0 and row["steady_s"] > 0
+            assert row["spread_s"] >= 0 and row["peak_bytes"] is not None
+
+
+def test_the_report_and_the_plots_are_written(quick_results):
+    out, results = quick_results
+    for name in ("results.md", "time_vs_rows.png", "memory_vs_rows.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "time_vs_chunk.png").stat().st_size > 0
+    assert "## Headline" in (out / "results.md").read_text()
+    assert results["plots"] == [
+        "time_vs_rows.png",
+        "memory_vs_rows.png",
+        "time_vs_chunk.png",
+    ]
+
+
+def test_a_time_limit_is_a_result_not_a_crash(tmp_path):
+    """A run past its time limit gives a failure row and the suite goes on."""
+    tiny = problems.BenchProblem(
+        id="mlp-tiny",
+        builder="mlp",
+        sizes={"batch": 2, "features": 3},
+        layer="hidden1",
+        sweeps=(problems.Sweep("mlp", "features"),),
+    )
+    settings = runner.Settings(
+        suite="test", repeats=1, timeout_s=0.5, reference_timeout_s=120, progress=False
+    )
+    results = runner.run_suite([tiny], settings, tmp_path)
+    assert len(results["rows"]) == len(jk.strategies.REGISTRY)
+    assert {row["failure"] for row in results["rows"]} == {"time_limit"}
