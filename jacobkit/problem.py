@@ -130,7 +130,17 @@ class Rows:
     def select(self, outputs: Any) -> Any:
         if self.features is None:
             return outputs
-        return tf.gather(outputs, list(self.features), axis=-1)
+        # Negative indices count from the end. They are made non-negative
+        # here: tf.gather's gradient silently drops negative indices, which
+        # made features=[-1] return an all-zero Jacobian.
+        width = outputs.shape[-1]
+        if width is None:
+            indices = tf.math.floormod(
+                tf.constant(self.features), tf.shape(outputs)[-1]
+            )
+        else:
+            indices = [f % width for f in self.features]
+        return tf.gather(outputs, indices, axis=-1)
 
     def of(self, outputs: Any) -> tf.Tensor:
         """The rows, shaped ``rows_shape``."""

@@ -1,0 +1,539 @@
+"""Every bad input gets its exact message, raised before anything large runs.
+
+Messages are asserted in full (``match=^...$``) so that a reworded message is
+a deliberate change: each one names the call and the argument, shows what came
+in and says the fix.
+"""
+
+from __future__ import annotations
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import jacobkit as jk
+from jacobkit import examples
+from jacobkit.memory import PeakMemory
+
+MiB = 1024**2
+
+
+def exactly(message: str) -> str:
+    """A ``pytest.raises(match=...)`` pattern for exactly ``message``."""
+    return "^" + re.escape(message) + "$"
+
+
+def mlp():
+    """A fresh 4-feature MLP on (3, 5) inputs: layers "hidden" and "head"."""
+    model = keras.Sequential(
+        [
+            keras.Input((5,), name="x"),
+            keras.layers.Dense(6, activation="tanh", name="hidden"),
+            keras.layers.Dense(4, name="head"),
+        ],
+        name="small",
+    )
+    x = np.random.default_rng(0).normal(size=(3, 5)).astype("float32")
+    return model, x
+
+
+class _IntegerOutput(tf.Module):
+    """Reads a float variable, returns int32: no Jacobian exists."""
+
+    def __init__(self):
+        super().__init__(name="integer_output")
+        self.w = tf.Variable(tf.ones((5, 4)), name="w")
+
+    def __call__(self, x):
+        return tf.cast(tf.round(x @ self.w), tf.int32)
+
+
+# -- a large problem: the Jacobian would be 8 MiB -------------------------------
+# Dense(128 -> 128) with 128 output features: d(features) / d(kernel) has
+# 128 * 128 * 128 float32 = 8 MiB. Errors must come before any of it exists.
+_WIDE = 128
+
+
+@pytest.fixture(scope="module")
+def wide():
+    model = keras.Sequential(
+        [
+            keras.Input((_WIDE,)),
+            keras.layers.Dense(_WIDE, name="wide"),
+            keras.layers.Dense(_WIDE, name="side"),
+        ],
+        name="wide_model",
+    )
+    # a branch that is built but does not reach the output
+    stray = keras.layers.Dense(_WIDE, name="stray")
+    stray.build((None, _WIDE))
+    x = np.ones((2, _WIDE), "float32")
+    return model, x, stray
+
+
+def test_peak_memory_sees_the_large_jacobian(wide):
+    """The control for the checks below: a successful call on the same problem
+    allocates at least the 8 MiB result, and PeakMemory sees it."""
+    model, x, _ = wide
+    with PeakMemory("CPU:0") as memory:
+        result = jk.jacobian(model, x, "wide", strategy="jacobian", device="CPU:0")
+    assert result.kernel.shape == (_WIDE, _WIDE, _WIDE)
+    assert memory.extra_bytes >= 8 * MiB
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"layer": "nope"},
+        {"layer": "wide", "features": [0, _WIDE]},
+        {"layer": "stray"},  # replaced by the stray layer object: unconnected
+        {"layer": "wide", "strategy": "fastest"},
+        {"layer": "wide", "outputs": "rows"},
+    ],
+    ids=["unknown-layer", "features-range", "unconnected", "strategy", "outputs"],
+)
+def test_errors_come_before_large_allocations(wide, kwargs):
+    model, x, stray = wide
+    kwargs = {"strategy": "jacobian", **kwargs}
+    if kwargs["layer"] == "stray":
+        kwargs["layer"] = stray
+    with PeakMemory("CPU:0") as memory, pytest.raises(ValueError, match="jacobian"):
+        jk.jacobian(model, x, device="CPU:0", **kwargs)
+    assert memory.extra_bytes < 1 * MiB
+
+
+# -- layer= -------------------------------------------------------------------
+def test_unknown_layer_name_lists_the_layers():
+    model, x = mlp()
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(layer='hiden'): the model has no layer named 'hiden'. "
+            "The model's layers are: 'x', 'hidden', 'head'."
+        ),
+    ):
+        jk.jacobian(model, x, "hiden", strategy="chunked")
+
+
+def test_unknown_layer_name_on_a_model_without_layers():
+    ex = examples.build("tf_module")
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(layer='w'): the model has no layer named 'w'. The model "
+            "has no named layers; pass a list of variables instead."
+        ),
+    ):
+        jk.jacobian(ex.model, ex.inputs, "w", strategy="chunked")
+
+
+def test_unknown_layer_name_on_tf_keras():
+    ex = examples.build("tf_keras")
+    with pytest.raises(ValueError, match=re.escape("no layer named 'hidden'")):
+        jk.jacobian(ex.model, ex.inputs, "hidden", strategy="chunked")
+
+
+def _dropout_model(flavour):
+    layers = flavour.layers
+    model = flavour.Sequential(
+        [
+            layers.Dense(3, name="first"),
+            layers.Dropout(0.5, name="drop"),
+            layers.Dense(2, name="last"),
+        ]
+    )
+    x = np.ones((2, 4), "float32")
+    model(x)  # builds it
+    return model, x
+
+
+@pytest.mark.parametrize("flavour", [keras, tf_keras], ids=["keras3", "tf_keras"])
+@pytest.mark.parametrize("by", ["name", "object"])
+def test_layer_without_variables(flavour, by):
+    model, x = _dropout_model(flavour)
+    layer = "drop" if by == "name" else model.get_layer("drop")
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(layer='drop'): layer 'drop' (Dropout) has no trainable "
+            "variables, so it has no Jacobian. Choose a layer with a kernel or "
+            "bias (Dense, Conv1D, Conv2D, ...), or pass a list of variables."
+        ),
+    ):
+        jk.jacobian(model, x, layer, strategy="chunked")
+
+
+@pytest.mark.parametrize("layer", [3, None, [], 2.5], ids=repr)
+def test_layer_of_the_wrong_type(layer):
+    model, x = mlp()
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            "jacobian(layer=...): expected a layer, a layer name or a non-empty "
+            f"list of variables, got {type(layer).__name__}: {layer!r}."
+        ),
+    ):
+        jk.jacobian(model, x, layer, strategy="chunked")
+
+
+def test_list_with_something_that_is_not_a_variable():
+    model, x = mlp()
+    kernel = model.get_layer("head").kernel
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            "jacobian(layer=...): expected a tf.Variable or keras.Variable in the "
+            "list of targets, got str: 'head'. Pass a layer, a layer name, or a "
+            "list of the model's variables."
+        ),
+    ):
+        jk.jacobian(model, x, [kernel, "head"], strategy="chunked")
+
+
+# -- targets that do not reach the outputs -------------------------------------
+_UNCONNECTED = (
+    "jacobian(layer=...): target(s) {} do not influence the model's outputs, so "
+    "their Jacobian is zero (a tape would return None). Pick a layer on the "
+    "path to the outputs, or pass unconnected='zero' to get zeros."
+)
+
+
+def _two_branch_model():
+    """Output = used(x); "unused" is called on x but its output is dropped."""
+    x_in = keras.Input((5,))
+    used = keras.layers.Dense(3, name="used")
+    unused = keras.layers.Dense(3, name="unused")
+    y = used(x_in)
+    unused(x_in)  # built, on a branch that goes nowhere
+    model = keras.Model(x_in, y)
+    x = np.random.default_rng(1).normal(size=(2, 5)).astype("float32")
+    return model, x, used, unused
+
+
+@pytest.mark.parametrize("strategy", ["loop", "chunked"])
+def test_unconnected_layer_raises(strategy):
+    model, x, _, unused = _two_branch_model()
+    with pytest.raises(
+        ValueError, match=exactly(_UNCONNECTED.format("unused/kernel, unused/bias"))
+    ):
+        jk.jacobian(model, x, unused, strategy=strategy)
+
+
+def test_unused_tf_variable_raises():
+    model, x = mlp()
+    stray = tf.Variable(tf.ones((3,)), name="stray")
+    with pytest.raises(ValueError, match=exactly(_UNCONNECTED.format("stray"))):
+        jk.jacobian(model, x, [stray], strategy="chunked")
+
+
+@pytest.mark.parametrize("strategy", ["loop", "jacobian", "chunked", "forward"])
+def test_unconnected_zero_returns_zeros_for_it_only(strategy):
+    model, x, used, unused = _two_branch_model()
+    result = jk.jacobian(
+        model,
+        x,
+        [used.kernel, unused.kernel],
+        strategy=strategy,
+        unconnected="zero",
+    )
+    used_jac, unused_jac = result[0].numpy(), result[1].numpy()
+    assert unused_jac.shape == (3, 5, 3)
+    assert not unused_jac.any()
+    # the connected one is still right: d(sum_b Y[b, f]) / dW[i, k] = sum_b x[b, i]
+    expected = np.einsum("bi,kf->fik", x, np.eye(3))
+    np.testing.assert_allclose(used_jac, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("unconnected", ["ignore", None, True])
+def test_unconnected_must_be_error_or_zero(unconnected):
+    model, x = mlp()
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"jacobian(unconnected={unconnected!r}): expected 'error' (raise "
+            "when a target does not influence the outputs) or 'zero' (return "
+            "zeros for it)."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy="chunked", unconnected=unconnected)
+
+
+# -- features= ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "features, bad", [([0, 4], [4]), ([-5, 1, 9], [-5, 9])], ids=["high", "both"]
+)
+def test_features_out_of_range(features, bad):
+    model, x = mlp()
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"jacobian(features={features!r}): index(es) {bad} are out of range "
+            "for an output with 4 features (shape (3, 4)). Valid indices are 0..3."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy="chunked", features=features)
+
+
+@pytest.mark.parametrize("features", [[1.5], "ab", [0, None]], ids=repr)
+def test_features_not_integers(features):
+    model, x = mlp()
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            f"jacobian(features={features!r}): expected a list of integer "
+            "indices into the output's last axis, such as features=[0, 5, 7]."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy="chunked", features=features)
+
+
+def test_features_empty():
+    model, x = mlp()
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(features=[]): choose at least one feature, such as "
+            "features=[0, 5, 7], or pass features=None for all of them."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy="chunked", features=[])
+
+
+def test_negative_features_count_from_the_end():
+    model, x = mlp()
+    last = jk.jacobian(model, x, "head", strategy="chunked", features=[-1])
+    fourth = jk.jacobian(model, x, "head", strategy="chunked", features=[3])
+    # gather's gradient drops negative indices: this once was all zeros
+    assert np.abs(fourth.kernel.numpy()).max() > 0.1
+    np.testing.assert_array_equal(last.kernel.numpy(), fourth.kernel.numpy())
+    np.testing.assert_array_equal(last.bias.numpy(), fourth.bias.numpy())
+
+
+# -- the model's output ---------------------------------------------------------
+_NOT_FLOATING = (
+    "jacobian(model=...): the rows have dtype int32; Jacobians need a floating "
+    "output (float16/32/64). Cast the output to float, or pick a floating "
+    "output with outputs=callable."
+)
+
+
+@pytest.mark.parametrize("strategy", ["loop", "jacobian", "forward"])
+def test_integer_output(strategy):
+    module = _IntegerOutput()
+    x = np.ones((2, 5), "float32")
+    with pytest.raises(TypeError, match=exactly(_NOT_FLOATING)):
+        jk.jacobian(module, x, [module.w], strategy=strategy)
+
+
+def test_integer_output_of_a_keras_model():
+    x_in = keras.Input((5,))
+    h = keras.layers.Dense(4, name="dense")(x_in)
+    y = keras.layers.Lambda(lambda t: keras.ops.cast(t, "int32"))(h)
+    model = keras.Model(x_in, y)
+    with pytest.raises(TypeError, match=exactly(_NOT_FLOATING)):
+        jk.jacobian(model, np.ones((2, 5), "float32"), "dense", strategy="chunked")
+
+
+def test_per_example_needs_a_batch_and_a_feature_axis():
+    w = tf.Variable(tf.ones((5, 2)), name="w")
+
+    def model(x):
+        return tf.reduce_sum(x @ w, axis=1)  # shape (B,)
+
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(outputs='per_example'): needs an output of shape (batch, "
+            "..., features), got shape (3,). Use outputs='full' for one row per "
+            "output element."
+        ),
+    ):
+        jk.jacobian(
+            model,
+            np.ones((3, 5), "float32"),
+            [w],
+            strategy="chunked",
+            outputs="per_example",
+        )
+
+
+# -- outputs= -------------------------------------------------------------------
+@pytest.mark.parametrize("outputs", ["rows", 3, "Features"], ids=repr)
+def test_outputs_of_the_wrong_kind(outputs):
+    model, x = mlp()
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"jacobian(outputs={outputs!r}): expected one of 'features', "
+            "'per_example', 'full' or a callable g(Y) -> tf.Tensor whose every "
+            "element is a row."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy="chunked", outputs=outputs)
+
+
+# -- strategy= and chunk_size= ------------------------------------------------------
+def test_unknown_strategy_lists_the_choices():
+    model, x = mlp()
+    choices = ", ".join(repr(n) for n in [*jk.strategies.REGISTRY, "auto"])
+    assert "'chunked'" in choices and "'auto'" in choices
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"jacobian(strategy='pfor'): unknown strategy. Choose one of "
+            f"{choices}, or pass a configured instance such as "
+            "jacobkit.strategies.Chunked(chunk_size=16)."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy="pfor")
+
+
+def test_strategy_class_instead_of_instance():
+    model, x = mlp()
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            "jacobian(strategy=Chunked): got the class, not a configured "
+            "instance. Pass strategy=Chunked() (with options if it takes any) or "
+            "the name 'chunked'."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy=jk.strategies.Chunked)
+
+
+@pytest.mark.parametrize("cls", [jk.strategies.Chunked, jk.strategies.Forward])
+@pytest.mark.parametrize("chunk_size", [0, -3])
+def test_chunk_size_below_one(cls, chunk_size):
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"strategies.{cls.name}(chunk_size={chunk_size}): chunk_size must be "
+            ">= 1 (the number of rows computed together). Use 1 for the least "
+            "memory."
+        ),
+    ):
+        cls(chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("cls", [jk.strategies.Chunked, jk.strategies.Forward])
+@pytest.mark.parametrize("chunk_size", [2.0, "8", True, None], ids=repr)
+def test_chunk_size_not_an_int(cls, chunk_size):
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            f"strategies.{cls.name}(chunk_size={chunk_size!r}): expected a "
+            f"positive int, got {type(chunk_size).__name__}."
+        ),
+    ):
+        cls(chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("cls", [jk.strategies.Chunked, jk.strategies.Forward])
+def test_chunk_size_numpy_integer_is_accepted(cls):
+    strategy = cls(chunk_size=np.int64(4))
+    assert strategy.chunk_size == 4 and type(strategy.chunk_size) is int
+
+
+# -- the batch strategy on a model that mixes examples ------------------------------
+@pytest.mark.parametrize("outputs", ["features", "per_example", "full"])
+def test_batch_refuses_batch_norm_in_training(outputs):
+    # A fresh model: training=True updates the BatchNormalization statistics.
+    ex = examples.build("residual")
+    start = (
+        "jacobian(strategy='batch'): the model mixes examples across the batch: "
+        "example 0's outputs depend on other examples' values at layer 'conv_a' "
+        "(relative size "
+    )
+    end = (
+        "), as BatchNormalization with training=True does. The batch strategy "
+        "assumes independent examples; use strategy='chunked' or 'jacobian'."
+    )
+    with pytest.raises(
+        ValueError,
+        match="^" + re.escape(start) + r"\d\.\de[-+]\d\d" + re.escape(end) + "$",
+    ):
+        jk.jacobian(
+            ex.model,
+            ex.inputs,
+            ex.layer,
+            strategy="batch",
+            training=True,
+            outputs=outputs,
+        )
+
+
+def test_batch_accepts_batch_norm_in_inference():
+    ex = examples.build("residual")
+    result = jk.jacobian(
+        ex.model, ex.inputs, ex.layer, strategy="batch", outputs="per_example"
+    )
+    assert result.strategy == "batch"
+
+
+# -- training=, inputs=, model= ------------------------------------------------------
+@pytest.mark.parametrize("training", ["yes", None, 1], ids=repr)
+def test_training_must_be_a_bool(training):
+    model, x = mlp()
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            f"jacobian(training={training!r}): expected True (training "
+            "behaviour: dropout, batch statistics) or False (inference), got "
+            f"{type(training).__name__}."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy="chunked", training=training)
+
+
+@pytest.mark.parametrize(
+    "inputs", ["x.npy", None, {"a": object()}], ids=["str", "None", "dict-object"]
+)
+def test_inputs_of_the_wrong_type(inputs):
+    model, _ = mlp()
+    leaf = inputs["a"] if isinstance(inputs, dict) else inputs
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            "jacobian(inputs=...): expected NumPy arrays or tf.Tensors (in a "
+            "tuple, list or dict for a multi-input model), got "
+            f"{type(leaf).__name__}."
+        ),
+    ):
+        jk.jacobian(model, inputs, "head", strategy="chunked")
+
+
+def test_model_that_is_not_callable():
+    _, x = mlp()
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            "jacobian(model=...): expected a Keras model or a callable "
+            "f(inputs) -> tf.Tensor, got str."
+        ),
+    ):
+        jk.jacobian("model.keras", x, "head", strategy="chunked")
+
+
+def test_model_with_a_dict_output_needs_a_callable_outputs():
+    x_in = keras.Input((5,))
+    dense = keras.layers.Dense(4, name="dense")
+    model = keras.Model(x_in, {"score": dense(x_in)})
+    x = np.ones((2, 5), "float32")
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            "jacobian(model=...): the model returned dict, not a single tensor. "
+            "Pass outputs=callable that picks the tensor (outputs=lambda y: "
+            "y['name']), or wrap the model."
+        ),
+    ):
+        jk.jacobian(model, x, "dense", strategy="chunked")
+    # ... and the fix it names works
+    result = jk.jacobian(
+        model, x, "dense", strategy="chunked", outputs=lambda y: y["score"]
+    )
+    assert result.kernel.shape == (2, 4, 5, 4)
