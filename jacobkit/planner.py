@@ -18,6 +18,10 @@ How a plan is made (nothing of the full Jacobian's size is allocated):
    least predicted time
    whose predicted peak fits the budget (with :data:`SAFETY` headroom).
 
+Where the ``batch`` strategy applies and chunks of every row fit, it is run
+once and chosen if it was faster than the chunked prediction (measured, not
+modelled: its cost depends on the layer's output size, not on the rows).
+
 At run time an out-of-memory error halves the chunk size and retries
 (:func:`run_plan`), warns once, and remembers the size that worked.
 """
@@ -234,8 +238,58 @@ def plan_problem(
     worked = _cache_get(_WORKED, problem.model, problem.key)
     if worked is not None and plan.chunk_size and plan.chunk_size > worked:
         plan = replace(plan, strategy=strategies.Chunked(worked))
+    elif worked is None:
+        plan = _consider_batch(problem, plan, device)
     _cache_put(_PLANS, problem.model, cache_key, plan)
     return plan
+
+
+def _consider_batch(problem: Problem, plan: Plan, device: str) -> Plan:
+    """Try the ``batch`` strategy where it applies and may fit: it runs once
+    (its compiled function is kept for the real run), and replaces the
+    chunked choice if it was faster and its measured peak fits the budget.
+
+    Its memory is that of vectorizing every row at once, so it is tried only
+    when the plan's memory model says chunks of all R rows fit.
+    """
+    batch = strategies.Batch()
+    full = strategies.Chunked(problem.num_rows).label
+    if any(label == full and "budget" in why for label, why in plan.rejected):
+        return replace(
+            plan, rejected=[*plan.rejected, ("batch", "needs R rows at once")]
+        )
+    try:
+        batch.check(problem)
+    except ValueError as err:
+        return replace(
+            plan, rejected=[*plan.rejected, ("batch", str(err).split(": ", 1)[-1][:80])]
+        )
+    try:
+        batch.run(problem)  # trace
+        peak = None
+        with memory.PeakMemory(device) as measured:
+            _, seconds, _, _ = batch.run(problem)
+        peak = measured.extra_bytes
+    except RuntimeError:  # no allocator statistics: cannot check the budget
+        return replace(
+            plan, rejected=[*plan.rejected, ("batch", "peak not measurable")]
+        )
+    except tf.errors.ResourceExhaustedError:
+        return replace(plan, rejected=[*plan.rejected, ("batch", "ran out of memory")])
+    if peak > plan.budget_bytes * SAFETY:
+        why = f"measured peak {memory.format_bytes(peak)} > {SAFETY:.0%} of the budget"
+        return replace(plan, rejected=[*plan.rejected, ("batch", why)])
+    if plan.predicted_time_s is not None and seconds >= plan.predicted_time_s:
+        why = f"slower ({seconds * 1e3:.1f} ms measured)"
+        return replace(plan, rejected=[*plan.rejected, ("batch", why)])
+    why = f"slower ({plan.predicted_time_s * 1e3:.1f} ms predicted) than batch"
+    return replace(
+        plan,
+        strategy=batch,
+        predicted_peak_bytes=peak,
+        predicted_time_s=seconds,
+        rejected=[*plan.rejected, (plan.strategy.label, why)],
+    )
 
 
 def _choose(

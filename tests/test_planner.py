@@ -95,6 +95,8 @@ def test_out_of_memory_backs_off_and_remembers(monkeypatch):
         return original(self, problem)
 
     monkeypatch.setattr(Chunked, "run", run_with_small_memory)
+    # keep the plan on chunked: batch may be faster on this small problem
+    monkeypatch.setattr(planner, "_consider_batch", lambda problem, plan, device: plan)
     plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
     assert plan.chunk_size > 2, "the injected error must hit the planned size"
     with warnings.catch_warnings(record=True) as caught:
@@ -125,7 +127,7 @@ def test_out_of_memory_at_one_row_is_raised(monkeypatch):
 def test_auto_agrees_with_reference():
     ex = examples.build("generator")
     result = jk.jacobian(ex.model, ex.inputs, ex.layer)
-    assert result.plan is not None and result.strategy == "chunked"
+    assert result.plan is not None and result.strategy in ("chunked", "batch")
     testing.assert_close(result, reference("generator", "features"))
     assert target_variables(examples.build("generator"))  # builder is deterministic
 
