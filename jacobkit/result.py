@@ -63,8 +63,15 @@ class JacobianResult(Mapping):
         return self["bias"]
 
     def __getitem__(self, key: str | int) -> tf.Tensor:
-        if isinstance(key, int):
-            return list(self.jacobians.values())[key]
+        if isinstance(key, int) and not isinstance(key, bool):
+            values = list(self.jacobians.values())
+            if -len(values) <= key < len(values):
+                return values[key]
+            raise KeyError(
+                f"JacobianResult[{key}]: index out of range for "
+                f"{len(values)} target(s): "
+                f"{', '.join(map(repr, self.jacobians))}"
+            )
         if key in self.jacobians:
             return self.jacobians[key]
         if key in self.roles:

@@ -1,0 +1,264 @@
+"""The public call and its result: targets, options and the result API."""
+
+from __future__ import annotations
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import jacobkit as jk
+from jacobkit import examples, testing
+from jacobkit.problem import Problem
+from tests.cases import example, reference
+
+
+# -- the result ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mlp_result():
+    ex = example("mlp")
+    return jk.jacobian(
+        ex.model, ex.inputs, ex.layer, strategy=jk.strategies.Chunked(chunk_size=5)
+    )
+
+
+def test_result_is_correct(mlp_result):
+    testing.assert_close(mlp_result, reference("mlp", "features"))
+
+
+def test_result_shapes_and_what_ran(mlp_result):
+    # mlp: 12 inputs -> hidden1 (16) -> ... -> 10 features
+    assert mlp_result.rows_shape == (10,)
+    assert tuple(mlp_result.kernel.shape) == (10, 12, 16)
+    assert tuple(mlp_result.bias.shape) == (10, 16)
+    assert mlp_result.strategy == "chunked"
+    assert mlp_result.chunk_size == 5
+
+
+def test_result_indexing(mlp_result):
+    kernel, bias = mlp_result.kernel, mlp_result.bias
+    assert list(mlp_result) == ["mlp/hidden1/kernel", "mlp/hidden1/bias"]
+    assert len(mlp_result) == 2
+    for key in ("kernel", "mlp/hidden1/kernel", 0, -2):
+        assert mlp_result[key] is kernel
+    for key in ("bias", "mlp/hidden1/bias", 1, -1):
+        assert mlp_result[key] is bias
+    assert "kernel" in mlp_result and 1 in mlp_result
+    assert "weights" not in mlp_result and 2 not in mlp_result
+
+
+def test_result_key_error_lists_the_targets(mlp_result):
+    with pytest.raises(
+        KeyError,
+        match=re.escape(
+            "JacobianResult['weights']: no such target. Targets: "
+            "'mlp/hidden1/kernel', 'mlp/hidden1/bias'; roles: 'kernel', 'bias'"
+        ),
+    ):
+        mlp_result["weights"]
+    with pytest.raises(
+        KeyError,
+        match=re.escape(
+            "JacobianResult[2]: index out of range for 2 target(s): "
+            "'mlp/hidden1/kernel', 'mlp/hidden1/bias'"
+        ),
+    ):
+        mlp_result[2]
+
+
+def test_result_without_roles_has_no_kernel():
+    ex = example("tf_module")  # targets given as [w, b]: no layer, no roles
+    result = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy="chunked")
+    assert list(result) == ["w", "b"]
+    with pytest.raises(KeyError, match=re.escape("Targets: 'w', 'b'")):
+        _ = result.kernel
+    testing.assert_close(result, reference("tf_module", "features"))
+
+
+def test_result_numpy(mlp_result):
+    arrays = mlp_result.numpy()
+    assert list(arrays) == list(mlp_result)
+    for name, array in arrays.items():
+        assert isinstance(array, np.ndarray)
+        np.testing.assert_array_equal(array, mlp_result[name].numpy())
+
+
+def test_result_stats(mlp_result):
+    stats = mlp_result.stats
+    assert isinstance(stats, jk.Stats)
+    assert isinstance(stats.wall_time_s, float) and stats.wall_time_s >= 0
+    assert isinstance(stats.trace_time_s, float) and stats.trace_time_s >= 0
+    assert isinstance(stats.traced, bool)
+    assert stats.peak_bytes is None or stats.peak_bytes > 0
+
+
+def test_result_is_frozen(mlp_result):
+    with pytest.raises(AttributeError):
+        mlp_result.strategy = "loop"
+
+
+def test_chunk_size_is_none_for_unchunked_strategies():
+    ex = example("mlp")
+    result = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy="jacobian")
+    assert result.strategy == "jacobian" and result.chunk_size is None
+
+
+# -- targets -------------------------------------------------------------------
+def _unwrap(variable):
+    """The tf.Variable behind a keras.Variable (a tf.Variable is itself)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _targets(ex: examples.Example, form: str):
+    layer = ex.model.get_layer(ex.layer)
+    if form == "name":
+        return ex.layer
+    if form == "object":
+        return layer
+    if form == "variables":  # keras.Variable for Keras 3, tf.Variable for tf_keras
+        return [layer.kernel, layer.bias]
+    # the tf.Variable behind each keras.Variable
+    unwrapped = [_unwrap(v) for v in (layer.kernel, layer.bias)]
+    assert all(isinstance(v, tf.Variable) for v in unwrapped)
+    return unwrapped
+
+
+@pytest.mark.parametrize("form", ["name", "object", "variables", "tf_variables"])
+@pytest.mark.parametrize("problem", ["mlp", "tf_keras"], ids=["keras3", "tf_keras"])
+def test_target_forms(problem, form):
+    ex = example(problem)
+    result = jk.jacobian(ex.model, ex.inputs, _targets(ex, form), strategy="chunked")
+    testing.assert_close(result, reference(problem, "features"))
+    layer = ex.model.get_layer(ex.layer)
+    targets = Problem(ex.model, ex.inputs, _targets(ex, form)).targets
+    assert targets[0] is _unwrap(layer.kernel)
+    assert targets[1] is _unwrap(layer.bias)
+    if form in ("name", "object"):
+        assert result.kernel is result[0] and result.bias is result[1]
+
+
+def test_keras3_variables_are_not_tf_variables():
+    """Why jacobkit unwraps them (the reason the forms above exist)."""
+    kernel = example("mlp").model.get_layer("hidden1").kernel
+    assert isinstance(kernel, keras.Variable)
+    assert not isinstance(kernel, tf.Variable)
+
+
+def test_frozen_backbone_only_the_head_is_a_target():
+    ex = examples.frozen_resnet(batch=2)
+    head = ex.model.get_layer("head")
+    problem = Problem(ex.model, ex.inputs, "head")
+    # 320 variables in the model; the Keras 3 backbone's tf.Variables still
+    # say trainable=True, so anything but an explicit target list would
+    # watch them all.
+    assert len(ex.model.weights) > 300
+    assert len(problem.targets) == 2
+    assert problem.targets[0] is head.kernel.value
+    assert problem.targets[1] is head.bias.value
+    result = jk.jacobian(ex.model, ex.inputs, "head", strategy="loop")
+    assert list(result) == ["head/kernel", "head/bias"]
+    expected = testing.reference_jacobian(
+        ex.model, ex.inputs, [head.kernel, head.bias], call_kwargs={"training": False}
+    )
+    testing.assert_close(result, expected)
+
+
+# -- training= ----------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["loop", "jacobian", "chunked"])
+def test_training_is_passed_to_the_model(strategy):
+    """BatchNormalization uses batch statistics with training=True: the
+    Jacobian changes deterministically, and the conv bias drops out (BN
+    subtracts the per-channel batch mean, which absorbs it)."""
+    # Fresh models: training=True updates the BatchNormalization statistics.
+    ex, ex64 = examples.build("residual"), examples.build("residual", "float64")
+    layer64 = ex64.model.get_layer(ex.layer)
+    targets64 = [layer64.kernel, layer64.bias]
+
+    inference = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy=strategy)
+    testing.assert_close(
+        inference,
+        testing.reference_jacobian(
+            ex64.model, ex64.inputs, targets64, call_kwargs={"training": False}
+        ),
+    )
+    training = jk.jacobian(
+        ex.model, ex.inputs, ex.layer, strategy=strategy, training=True
+    )
+    kernel64, bias64 = testing.reference_jacobian(
+        ex64.model, ex64.inputs, targets64, call_kwargs={"training": True}
+    )
+    assert testing.max_relative_difference(training.kernel, kernel64) < 1e-5
+    assert testing.max_relative_difference(training.kernel, inference.kernel) > 0.1
+    # bias: exactly zero in exact arithmetic; float32 rounding only
+    kernel_scale = np.abs(kernel64).max()
+    assert np.abs(bias64).max() < 1e-12 * kernel_scale
+    assert np.abs(training.bias.numpy()).max() < 1e-5 * kernel_scale
+    assert np.abs(inference.bias.numpy()).max() > 0.1 * kernel_scale
+
+
+# -- device=, unbuilt models, multi-input dicts -------------------------------
+def test_device_cpu():
+    ex = example("mlp")
+    result = jk.jacobian(
+        ex.model, ex.inputs, ex.layer, strategy="chunked", device="CPU:0"
+    )
+    assert all(t.device.endswith("CPU:0") for t in result.jacobians.values())
+    testing.assert_close(result, reference("mlp", "features"))
+
+
+def _unbuilt(flavour: str):
+    if flavour == "subclassed":
+
+        class Net(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.first = keras.layers.Dense(3, activation="tanh", name="first")
+                self.last = keras.layers.Dense(2, name="last")
+
+            def call(self, x):
+                return self.last(self.first(x))
+
+        return Net()
+    module = keras if flavour == "keras3" else tf_keras
+    return module.Sequential(
+        [
+            module.layers.Dense(3, activation="tanh", name="first"),
+            module.layers.Dense(2, name="last"),
+        ]
+    )
+
+
+@pytest.mark.parametrize("by", ["name", "object"])
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras", "subclassed"])
+def test_unbuilt_model_is_built_on_first_use(flavour, by):
+    model = _unbuilt(flavour)
+    assert not model.built
+    x = np.random.default_rng(0).normal(size=(4, 5)).astype("float32")
+    layer = "first" if by == "name" else model.layers[0]
+    result = jk.jacobian(model, x, layer, strategy="chunked")
+    assert model.built
+    first = model.layers[0]
+    assert tuple(result.kernel.shape) == (2, 5, 3)
+    expected = testing.reference_jacobian(model, x, [first.kernel, first.bias])
+    testing.assert_close(result, expected)
+
+
+def test_multi_input_as_dict_tuple_and_list():
+    ex = example("multi_input")
+    xa, xb = ex.inputs
+    expected = reference("multi_input", "features")
+    results = [
+        jk.jacobian(ex.model, inputs, ex.layer, strategy="chunked")
+        for inputs in ({"a": xa, "b": xb}, (xa, xb), [xa, xb])
+    ]
+    for result in results:
+        testing.assert_close(result, expected)
+
+
+def test_tensor_inputs():
+    ex = example("mlp")
+    result = jk.jacobian(ex.model, tf.constant(ex.inputs), ex.layer, strategy="chunked")
+    testing.assert_close(result, reference("mlp", "features"))
