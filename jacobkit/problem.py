@@ -427,10 +427,17 @@ class Problem:
 
     @property
     def key(self) -> tuple:
-        """Identifies what a compiled strategy depends on (besides the model)."""
+        """Identifies what a compiled strategy depends on (besides the model).
+
+        ``rows_shape`` is part of it: strategies build their computation for
+        ``num_rows`` rows, and with ``outputs="per_example"`` or ``"full"``
+        a new batch size changes it (the cached computation of the old size
+        then failed on the new one).
+        """
         return (
             tuple(id(t) for t in self.targets),
             self.rows_spec,
+            self.rows_shape,
             self.training,
             id(self.layer),
         )

@@ -1,0 +1,138 @@
+"""The compile cache: trace once per input signature, never share wrongly.
+
+Parametrized over ``jacobkit.strategies.REGISTRY``, so a newly registered
+strategy is checked with no change here. Every test builds its own model: the
+cache is per model, and a model another test already compiled would hide a
+first trace.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import jacobkit as jk
+from jacobkit import testing
+from jacobkit.problem import Problem
+from jacobkit.strategies import REGISTRY
+
+COMPILED = [name for name, cls in REGISTRY.items() if cls.compiled]
+
+
+def test_every_strategy_but_the_loop_is_compiled():
+    assert set(REGISTRY) - set(COMPILED) == {"loop"}
+
+
+def _model(seed: int = 0):
+    """Two Dense layers "a" and "b" of the same shapes (6 -> 6), then a head
+    of 4 features: a cache that mixed up the two would still return
+    Jacobians of the right shape."""
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(6, activation="tanh", name="a"),
+            keras.layers.Dense(6, activation="tanh", name="b"),
+            keras.layers.Dense(4, name="head"),
+        ]
+    )
+    rng = np.random.default_rng(seed)
+    model.set_weights(
+        [rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.weights]
+    )
+    x = rng.normal(size=(5, 6)).astype("float32")
+    return model, x
+
+
+def _expected(model, x, name, outputs="features"):
+    layer = model.get_layer(name)
+    return testing.reference_jacobian(
+        model, x, [layer.kernel, layer.bias], outputs=outputs
+    )
+
+
+def _compiled(model, x, name, strategy, outputs="features"):
+    """The cached compiled computation a call with these arguments uses."""
+    return strategy.compiled_for(Problem(model, x, name, outputs=outputs))
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_same_shapes_do_not_retrace(name):
+    model, x = _model()
+    first = jk.jacobian(model, x, "a", strategy=name)
+    compiled = _compiled(model, x, "a", REGISTRY[name]())
+    traces = compiled.tracing_count
+    assert first.stats.traced
+    assert traces >= 1
+
+    # new values, same shapes, a new (equal) strategy instance
+    x2 = 2 * x
+    second = jk.jacobian(model, x2, "a", strategy=REGISTRY[name]())
+    assert not second.stats.traced
+    assert compiled.tracing_count == traces
+    assert second.stats.trace_time_s == first.stats.trace_time_s
+    # ... and not a stale result: the kernel Jacobian depends on the inputs
+    testing.assert_close(second, _expected(model, x2, "a"))
+    assert testing.max_relative_difference(second.kernel, first.kernel) > 0.01
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_new_batch_size_retraces_once(name):
+    model, x = _model()
+    jk.jacobian(model, x, "a", strategy=name)
+    compiled = _compiled(model, x, "a", REGISTRY[name]())
+    traces = compiled.tracing_count
+
+    small = x[:2]
+    first = jk.jacobian(model, small, "a", strategy=name)
+    assert first.stats.traced
+    assert compiled.tracing_count == traces + 1
+    again = jk.jacobian(model, small, "a", strategy=name)
+    assert not again.stats.traced
+    back = jk.jacobian(model, x, "a", strategy=name)
+    assert not back.stats.traced
+    assert compiled.tracing_count == traces + 1
+    testing.assert_close(again, _expected(model, small, "a"))
+    testing.assert_close(back, _expected(model, x, "a"))
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_new_batch_size_with_rows_per_example(name):
+    """The number of rows follows the batch size here. The compiled
+    computation of the first size was once reused for the second (chunked and
+    forward then failed; "full" rows go through the same path)."""
+    outputs = "per_example"
+    model, x = _model()
+    jk.jacobian(model, x, "a", strategy=name, outputs=outputs)
+    small = x[:2]
+    result = jk.jacobian(model, small, "a", strategy=name, outputs=outputs)
+    assert result.rows_shape[0] == 2
+    testing.assert_close(result, _expected(model, small, "a", outputs))
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_two_layers_do_not_share_a_compiled_computation(name):
+    model, x = _model()
+    on_a = jk.jacobian(model, x, "a", strategy=name)
+    on_b = jk.jacobian(model, x, "b", strategy=name)
+    assert on_b.stats.traced  # its own computation, traced for itself
+    assert list(on_a) != list(on_b)
+    assert on_a.kernel.shape == on_b.kernel.shape
+    assert testing.max_relative_difference(on_a.kernel, on_b.kernel) > 0.1
+    testing.assert_close(on_a, _expected(model, x, "a"))
+    testing.assert_close(on_b, _expected(model, x, "b"))
+    # and "a" again still gets its own
+    again = jk.jacobian(model, x, "a", strategy=name)
+    assert not again.stats.traced
+    testing.assert_close(again, _expected(model, x, "a"))
+    assert _compiled(model, x, "a", REGISTRY[name]()) is not _compiled(
+        model, x, "b", REGISTRY[name]()
+    )
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_training_flag_is_part_of_the_cache_key(name):
+    model, x = _model()
+    inference = _compiled(model, x, "a", REGISTRY[name]())
+    training = REGISTRY[name]().compiled_for(Problem(model, x, "a", training=True))
+    assert inference is not training
