@@ -453,8 +453,12 @@ def _to_tensors(inputs: Any) -> Any:
             f"{type(value).__name__}."
         )
 
+    # A list of arrays is the inputs of a multi-input model; a list of
+    # numbers or of lists (x.tolist()) is one array.
     if isinstance(inputs, (tuple, dict)) or (
-        isinstance(inputs, list) and inputs and not np.isscalar(inputs[0])
+        isinstance(inputs, list)
+        and inputs
+        and all(isinstance(v, (tf.Tensor, np.ndarray, tuple, dict)) for v in inputs)
     ):
         return tf.nest.map_structure(convert, inputs)
     return convert(inputs)

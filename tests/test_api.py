@@ -262,3 +262,9 @@ def test_tensor_inputs():
     ex = example("mlp")
     result = jk.jacobian(ex.model, tf.constant(ex.inputs), ex.layer, strategy="chunked")
     testing.assert_close(result, reference("mlp", "features"))
+
+
+def test_nested_python_list_inputs_are_one_array():
+    ex = example("mlp")
+    result = jk.jacobian(ex.model, ex.inputs.tolist(), ex.layer, strategy="chunked")
+    testing.assert_close(result, reference("mlp", "features"))
