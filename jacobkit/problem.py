@@ -467,23 +467,21 @@ def _to_tensors(inputs: Any) -> Any:
 def _check_features_type(features: Sequence[int] | None) -> tuple[int, ...] | None:
     if features is None:
         return None
+    not_indices = TypeError(
+        f"jacobian(features={features!r}): expected a list of integer "
+        "indices into the output's last axis, such as features=[0, 5, 7]."
+    )
     try:
         indices = np.asarray(features)
     except (TypeError, ValueError) as err:
-        indices = np.asarray(None)  # reported below
-        cause: Exception | None = err
-    else:
-        cause = None
+        raise not_indices from err
     if indices.size == 0 and indices.dtype != object:
         raise ValueError(
             f"jacobian(features={features!r}): choose at least one feature, "
             "such as features=[0, 5, 7], or pass features=None for all of them."
         )
     if indices.dtype.kind not in "iu":
-        raise TypeError(
-            f"jacobian(features={features!r}): expected a list of integer "
-            "indices into the output's last axis, such as features=[0, 5, 7]."
-        ) from cause
+        raise not_indices
     return tuple(int(f) for f in indices.reshape(-1))
 
 
