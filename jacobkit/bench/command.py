@@ -7,7 +7,9 @@ command-line parser stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time limit of one strategy's run, in seconds (default 60)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: redraw results.md and the plots from --out/results.json",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from jacobkit import memory
     from jacobkit.bench import problems, runner
 
+    if args.report_only:
+        saved = Path(args.out) / "results.json"
+        runner.write_outputs(json.loads(saved.read_text()), args.out)
+        return 0
     suite = "quick" if args.quick else "full"
     settings = runner.Settings(
         suite=suite,
@@ -50,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         progress=not args.no_progress,
     )
-    results = runner.run_suite(problems.SUITES[suite](), settings, args.out)
+    try:
+        results = runner.run_suite(problems.SUITES[suite](), settings, args.out)
+    except runner.DeviceUnavailable as err:
+        print(err, file=sys.stderr)
+        return 2
     rows = results["rows"]
     disagree = [
         f"{r['problem']} {r['strategy']}"

@@ -69,7 +69,7 @@ def _sweep_figure(results: dict[str, Any], metric: str, path: Path) -> Path:
                     points.append((x, max(value, 1e-3)))
             if points:
                 ax.plot(*zip(*points), marker="o", label=label)
-        ax.set_title(group)
+        ax.set_title(f"{group} (vs {axis})")
         ax.set_xlabel(x_label)
         ax.set_ylabel(
             "peak memory (MiB)" if metric == "peak_bytes" else "median time (s)"

@@ -38,6 +38,10 @@ _PRELOAD = ["tensorflow", "keras", "jacobkit.compare", "jacobkit.examples"]
 _SKIP_AFTER = ("time_limit", "out_of_memory")
 
 
+class DeviceUnavailable(RuntimeError):
+    """The device probe failed: no such device, or TensorFlow cannot start."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """How to run a suite.
@@ -83,8 +87,6 @@ def run_suite(
 ) -> dict[str, Any]:
     """Run ``problems`` and write ``results.json``, ``results.md`` and the
     plots to ``out_dir``. Returns what ``results.json`` holds."""
-    from jacobkit.bench import plots, report
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -114,7 +116,7 @@ def run_suite(
             settings.reference_timeout_s,
         )
         if "error" in probe:
-            raise RuntimeError(
+            raise DeviceUnavailable(
                 f"jacobkit bench: the device probe failed: {probe['error']}"
             )
         results["device"] = probe
@@ -160,10 +162,17 @@ def run_suite(
             results["duration_s"] = time.time() - started
             _write_json(results, out / "results.json")
     results["duration_s"] = time.time() - started
-    _write_json(results, out / "results.json")
+    return write_outputs(results, out)
+
+
+def write_outputs(results: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
+    """Write ``results.json``, ``results.md`` and the plots for ``results``
+    (also used to redraw them from a saved ``results.json``)."""
+    from jacobkit.bench import plots, report
+
+    out = Path(out_dir)
     report.write(results, out / "results.md")
-    results_plots = plots.write_all(results, out)
-    results["plots"] = [p.name for p in results_plots]
+    results["plots"] = [p.name for p in plots.write_all(results, out)]
     _write_json(results, out / "results.json")
     return results
 
