@@ -377,6 +377,7 @@ def frozen_resnet(
     Target: ``"head"``."""
     keras = _keras()
     layers = keras.layers
+    keras.utils.set_random_seed(seed)  # before building: same weights every time
     backbone = keras.applications.ResNet50(
         weights=None, include_top=False, input_shape=(size, size, 3)
     )
@@ -387,7 +388,6 @@ def frozen_resnet(
     h = layers.Dropout(0.2, name="dropout", dtype=dtype)(h)
     y = layers.Dense(classes, activation="softmax", name="head", dtype=dtype)(h)
     model = keras.Model(x, y, name="frozen_resnet")
-    keras.utils.set_random_seed(seed)
     (inputs,) = _rng_inputs(seed, dtype, (batch, size, size, 3))
     return Example(
         "frozen_resnet",
