@@ -66,48 +66,60 @@ def _load_problem(args):
             )
         import keras
 
+        from jacobkit import testing
+
         model = keras.saving.load_model(args.model, compile=False)
-        return model, np.load(args.inputs), args.layer, None, f"{args.model}"
+        inputs = np.load(args.inputs)
+        try:
+            model64 = testing.float64_copy(model)
+        except TypeError:
+            model64 = None
+        return model, inputs, args.layer, model64, inputs, args.model
     sizes = {name: getattr(args, f"size_{name}") for name in DEFAULT_SIZES}
     ex = examples.build("generator", **sizes)
-    ref64 = examples.build("generator", "float64", **sizes)
+    ex64 = examples.build("generator", "float64", **sizes)
     text = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    return ex.model, ex.inputs, ex.layer, ref64, f"built-in generator ({text})"
+    described = f"built-in generator ({text})"
+    return ex.model, ex.inputs, ex.layer, ex64.model, ex64.inputs, described
+
+
+def _reference(problem, model64, inputs64, layer, args):
+    """float64 loop on the float64 copy, or the float32 loop without one."""
+    from jacobkit import strategies, testing
+    from jacobkit.api import run_strategy
+    from jacobkit.problem import Problem
+
+    if model64 is None:
+        result = run_strategy(problem, strategies.Loop())
+        return list(result.jacobians.values()), "float32 loop (no float64 copy)"
+    ref_problem = Problem(
+        model64, inputs64, layer, outputs=args.outputs, features=args.features
+    )
+    reference = testing.reference_jacobian(
+        model64,
+        inputs64,
+        list(ref_problem.targets),
+        outputs=args.outputs,
+        features=args.features,
+        call_kwargs={"training": False},
+    )
+    return reference, "float64 loop"
 
 
 def _run_compare(args) -> int:
     import tensorflow as tf
     from tqdm import tqdm
 
-    from jacobkit import compare, memory, strategies, testing
+    from jacobkit import compare, memory, strategies
     from jacobkit.problem import Problem
 
     device = memory.normalize_device(args.device)
-    model, inputs, layer, ref64, described = _load_problem(args)
+    model, inputs, layer, model64, inputs64, described = _load_problem(args)
     with tf.device(device):
         problem = Problem(
             model, inputs, layer, outputs=args.outputs, features=args.features
         )
-        if ref64 is not None:
-            ref_problem = Problem(
-                ref64.model,
-                ref64.inputs,
-                ref64.layer,
-                outputs=args.outputs,
-                features=args.features,
-            )
-            reference = testing.reference_jacobian(
-                ref64.model,
-                ref64.inputs,
-                list(ref_problem.targets),
-                outputs=args.outputs,
-                features=args.features,
-                call_kwargs={"training": False},
-            )
-            ref_name = "float64 loop"
-        else:
-            reference = strategies.Loop().run(problem)[0]
-            ref_name = "float32 loop (no float64 copy of a loaded model)"
+        reference, ref_name = _reference(problem, model64, inputs64, layer, args)
         if args.strategies:
             candidates = [
                 strategies.get(name.strip()) for name in args.strategies.split(",")

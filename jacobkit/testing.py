@@ -106,6 +106,30 @@ def reference_jacobian(
     return result
 
 
+def float64_copy(model: Any) -> Any:
+    """A float64 copy of a Keras 3 functional or Sequential model, with the
+    same weights (cast), for :func:`reference_jacobian`.
+
+    Raises:
+        TypeError: for models Keras cannot clone from their config
+            (subclassed models, ``tf.Module``); build those in float64 yourself.
+    """
+    import keras
+
+    def clone(layer):
+        return layer.__class__.from_config({**layer.get_config(), "dtype": "float64"})
+
+    try:
+        copy = keras.models.clone_model(model, clone_function=clone)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        raise TypeError(
+            f"float64_copy(model): cannot clone {type(model).__name__} from its "
+            "config; build a float64 copy of the model and copy its weights."
+        ) from err
+    copy.set_weights([w.astype("float64") for w in model.get_weights()])
+    return copy
+
+
 def max_relative_difference(actual: Any, expected: Any) -> float:
     """``max|actual - expected| / max|expected|`` (0 when both are all zero).
 
