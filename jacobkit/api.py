@@ -8,7 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import planner, strategies
+from jacobkit import memory, planner, strategies
 from jacobkit.problem import Problem
 from jacobkit.result import JacobianResult, Stats
 
@@ -67,7 +67,14 @@ def jacobian(
         ((3, 4, 3), (3, 3))
     """
     chosen = None if strategy == "auto" else strategies.get(strategy)
-    with tf.device(device) if device else contextlib.nullcontext():
+    if chosen is not None and memory_budget is not None:
+        raise ValueError(
+            f"jacobian(memory_budget={memory_budget!r}, strategy={strategy!r}): "
+            "a memory budget is planned for by strategy='auto' only. Drop "
+            "strategy= to let auto fit the budget, or drop memory_budget= and "
+            "size the strategy yourself (e.g. Chunked(chunk_size=8))."
+        )
+    with _device_scope(device):
         problem = Problem(
             model,
             inputs,
@@ -95,6 +102,7 @@ def plan(
     outputs: str | Callable[[Any], tf.Tensor] = "features",
     features: Sequence[int] | None = None,
     training: bool = False,
+    unconnected: str = "error",
     device: str | None = None,
 ) -> planner.Plan:
     """What ``jacobian(..., strategy="auto")`` would run, without running it.
@@ -104,11 +112,39 @@ def plan(
     time, and each rejected candidate with the reason. Arguments are those of
     :func:`jacobian`.
     """
-    with tf.device(device) if device else contextlib.nullcontext():
+    with _device_scope(device):
         problem = Problem(
-            model, inputs, layer, outputs=outputs, features=features, training=training
+            model,
+            inputs,
+            layer,
+            outputs=outputs,
+            features=features,
+            training=training,
+            unconnected=unconnected,
         )
         return planner.plan_problem(problem, memory_budget=memory_budget, device=device)
+
+
+def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
+    """``tf.device(device)`` for a device TensorFlow has; a clear error if not."""
+    if device is None:
+        return contextlib.nullcontext()
+    try:
+        name = memory.normalize_device(device)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"jacobian(device={device!r}): not a device name; use 'CPU:0' or "
+            "'GPU:0' (or None for TensorFlow's placement)."
+        ) from err
+    kind, index = name.split(":")
+    visible = tf.config.list_logical_devices(kind)
+    if int(index) >= len(visible):
+        names = [d.name.split("device:")[-1] for d in tf.config.list_logical_devices()]
+        raise ValueError(
+            f"jacobian(device={device!r}): TensorFlow sees no {name} here; "
+            f"visible devices: {', '.join(names)}. Pass one of those, or None."
+        )
+    return tf.device(name)
 
 
 def run_strategy(problem: Problem, strategy: strategies.Strategy) -> JacobianResult:

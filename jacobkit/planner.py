@@ -218,7 +218,10 @@ def plan_problem(
     budget = memory.parse_budget(memory_budget, device=device)
     # keyed by the budget as given: a fraction of free memory stays one plan
     # although free memory moves a little between calls
-    cache_key = (problem.key, repr(memory_budget), device)
+    # (and by the input shapes: the rows may not change with the batch size,
+    # but the activations do)
+    shapes = tuple(tuple(t.shape) for t in tf.nest.flatten(problem.inputs))
+    cache_key = (problem.key, shapes, repr(memory_budget), device)
     cached = _cache_get(_PLANS, problem.model, cache_key)
     if cached is not None:
         return cached

@@ -537,3 +537,38 @@ def test_model_with_a_dict_output_needs_a_callable_outputs():
         model, x, "dense", strategy="chunked", outputs=lambda y: y["score"]
     )
     assert result.kernel.shape == (2, 4, 5, 4)
+
+
+def test_device_that_is_not_a_device_name():
+    ex = examples.build("mlp")
+    message = (
+        "jacobian(device='banana'): not a device name; use 'CPU:0' or 'GPU:0' "
+        "(or None for TensorFlow's placement)."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jk.jacobian(ex.model, ex.inputs, ex.layer, device="banana")
+
+
+@pytest.mark.skipif(
+    bool(tf.config.list_physical_devices("GPU")), reason="a GPU is visible"
+)
+def test_device_that_is_not_there():
+    ex = examples.build("mlp")
+    message = (
+        "jacobian(device='GPU:0'): TensorFlow sees no GPU:0 here; visible "
+        "devices: CPU:0. Pass one of those, or None."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jk.jacobian(ex.model, ex.inputs, ex.layer, device="GPU:0")
+
+
+def test_memory_budget_with_a_fixed_strategy():
+    ex = examples.build("mlp")
+    message = (
+        "jacobian(memory_budget='1GiB', strategy='jacobian'): a memory budget is "
+        "planned for by strategy='auto' only."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jk.jacobian(
+            ex.model, ex.inputs, ex.layer, strategy="jacobian", memory_budget="1GiB"
+        )
