@@ -9,14 +9,16 @@ How a plan is made (nothing of the full Jacobian's size is allocated):
 2. Short probes run the ``chunked`` computation on the first few rows only
    (three chunks of ``c`` rows, for ``c = 1`` and for the largest ``c <= 32``
    that the budget safely allows) and measure the peak memory and the steady
-   time per chunk; one more measures the forward pass alone.
+   time per chunk; one more runs ``while`` (``tape.jacobian`` without pfor)
+   on the first 8 rows, and one measures the forward pass alone.
 3. Peak memory is modelled as ``fixed + per_row × c + result``, and time as
    ``forward + ceil(R / c) × (chunk_fixed + chunk_per_row × c)``, both fitted
-   to the probes. When the budget only allows a probe of fewer than 8
-   rows, memory per row is taken as the forward pass's activations
-   (:func:`activation_bytes`), an upper bound. The plan is the chunk size with the
-   least predicted time
-   whose predicted peak fits the budget (with :data:`SAFETY` headroom).
+   to the probes. When the budget only allows a probe of fewer than 8 rows,
+   memory per row is taken as the forward pass's activations
+   (:func:`activation_bytes`), an upper bound. The plan is the chunk size with
+   the least predicted time whose predicted peak fits the budget (with
+   :data:`SAFETY` headroom), or ``while`` (``forward + R × time per row``)
+   if that is predicted faster and fits.
 
 Where the ``batch`` strategy applies and chunks of every row fit, it is run
 once and chosen if it was faster than the chunked prediction (measured, not
@@ -50,6 +52,8 @@ SAFETY = 0.85
 _PROBE_MAX_ROWS = 32
 #: a probe of at least this many rows measures the per-row memory reliably
 _TRUSTED_SLOPE_ROWS = 8
+#: the ``while`` probe runs this many rows
+_WHILE_PROBE_ROWS = 8
 #: each probe runs this many chunks (fewer if the problem has fewer rows)
 _PROBE_CHUNKS = 3
 
@@ -189,6 +193,15 @@ def _probe(problem: Problem, device: str, allowed: float) -> dict[Any, Any]:
             )
             if larger > 1:
                 sizes.append(larger)
+    # ``while``: rows in a tf.while_loop (several iterations in flight), timed
+    # per row; probed only where the budget held a probe of 16+ rows at once
+    found["while"] = None
+    if sizes[-1] < min(16, problem.num_rows):
+        return found
+    count = min(problem.num_rows, _WHILE_PROBE_ROWS)
+    fn = tf.function(strategies.While().build(_Prefix(problem, count)))
+    seconds = max(_timed(fn, inputs) - found["forward_s"], 0.0)
+    found["while"] = (_peak(fn, inputs, device), seconds / count)
     return found
 
 
@@ -339,6 +352,7 @@ def _choose(
             best = (strategies.Chunked(size), seconds, peak)
         else:
             rejected.append((label, f"slower ({seconds * 1e3:.1f} ms predicted)"))
+    best = _consider_while(problem, probes, result_bytes, allowed, best, rejected)
     if best is None:
         smallest = min(p for _, p in peaks) + result_bytes
         raise ValueError(
@@ -349,7 +363,6 @@ def _choose(
         )
     rejected += [
         ("jacobian", "the same computation as chunked(R), without a budget"),
-        ("while", "one row at a time: as little memory as chunked(1), slower"),
         ("loop", "eager Python loop: slowest"),
     ]
     return Plan(
@@ -359,8 +372,35 @@ def _choose(
         predicted_time_s=best[1],
         result_bytes=result_bytes,
         rejected=rejected,
-        probes={f"chunk {c}": probes[c] for c in sizes},
+        probes={
+            **{f"chunk {c}": probes[c] for c in sizes},
+            **({"while, per row": probes["while"]} if probes["while"] else {}),
+        },
     )
+
+
+def _consider_while(problem, probes, result_bytes, allowed, best, rejected):
+    """``while`` against the best chunked candidate: predicted time
+    ``forward + R × per-row time``, peak as probed plus the result."""
+    if probes["while"] is None:
+        rejected.append(("while", "not probed: the budget is too tight to try it"))
+        return best
+    peak, per_row = probes["while"]
+    seconds = probes["forward_s"] + problem.num_rows * per_row
+    if peak is not None:
+        peak = int(peak + result_bytes)
+        if peak > allowed:
+            size = memory.format_bytes(peak)
+            rejected.append(
+                ("while", f"predicted peak {size} > {SAFETY:.0%} of budget")
+            )
+            return best
+    if best is not None and seconds >= best[1]:
+        rejected.append(("while", f"slower ({seconds * 1e3:.1f} ms predicted)"))
+        return best
+    if best is not None:
+        rejected.append((best[0].label, f"slower ({best[1] * 1e3:.1f} ms predicted)"))
+    return (strategies.While(), seconds, peak)
 
 
 def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
@@ -376,7 +416,9 @@ def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
         try:
             output = strategy.run(problem)
         except tf.errors.ResourceExhaustedError:
-            size = strategy.chunk_size or problem.num_rows
+            # batch vectorizes all rows; while already runs one row at a time
+            all_rows = problem.num_rows if strategy.name == "batch" else 1
+            size = strategy.chunk_size or all_rows
             if size <= 1:
                 raise
             smaller = strategies.Chunked(max(size // 2, 1))
