@@ -84,7 +84,14 @@ def test_budget_below_one_row_is_refused(generator):
         jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1MiB")
 
 
-def test_out_of_memory_backs_off_and_remembers(monkeypatch):
+@pytest.fixture
+def chunked_only(monkeypatch):
+    """Keep plans on chunk sizes: batch or while may be faster on small problems."""
+    monkeypatch.setattr(planner, "_consider_batch", lambda problem, plan, device: plan)
+    monkeypatch.setattr(planner, "_consider_while", lambda *args: args[4])
+
+
+def test_out_of_memory_backs_off_and_remembers(monkeypatch, chunked_only):
     ex = examples.build("mlp")
     original = Chunked.run
     sizes_tried = []
@@ -96,9 +103,6 @@ def test_out_of_memory_backs_off_and_remembers(monkeypatch):
         return original(self, problem)
 
     monkeypatch.setattr(Chunked, "run", run_with_small_memory)
-    # keep the plan on chunked: batch or while may be faster on this problem
-    monkeypatch.setattr(planner, "_consider_batch", lambda problem, plan, device: plan)
-    monkeypatch.setattr(planner, "_consider_while", lambda *args: args[4])
     plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
     assert plan.chunk_size > 2, "the injected error must hit the planned size"
     with warnings.catch_warnings(record=True) as caught:
@@ -114,7 +118,7 @@ def test_out_of_memory_backs_off_and_remembers(monkeypatch):
     assert again.chunk_size == 2 and sizes_tried == [2], "remembered the size"
 
 
-def test_out_of_memory_at_one_row_is_raised(monkeypatch):
+def test_out_of_memory_at_one_row_is_raised(monkeypatch, chunked_only):
     ex = examples.build("mlp", batch=5)
 
     def always_oom(self, problem):
