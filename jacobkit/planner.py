@@ -20,9 +20,9 @@ How a plan is made (nothing of the full Jacobian's size is allocated):
    :data:`SAFETY` headroom), or ``while`` (``forward + R × time per row``)
    if that is predicted faster and fits.
 
-Where the ``batch`` strategy applies and chunks of every row fit, it is run
-once and chosen if it was faster than the chunked prediction (measured, not
-modelled: its cost depends on the layer's output size, not on the rows).
+Where the ``batch`` strategy applies, it is probed on the first few output
+features and its time and peak scaled to all of them; it is chosen if
+predicted faster and to fit.
 
 At run time an out-of-memory error halves the chunk size and retries
 (:func:`run_plan`), warns once, and remembers the size that worked.
@@ -52,6 +52,11 @@ SAFETY = 0.85
 _PROBE_MAX_ROWS = 32
 #: a probe of at least this many rows measures the per-row memory reliably
 _TRUSTED_SLOPE_ROWS = 8
+#: each chunk probe runs at least this many rows (a one-row chunk is short:
+#: with fewer rows the forward pass's timing noise swamps it)
+_PROBE_MIN_ROWS = 8
+#: the batch probe vectorizes over this many output features
+_BATCH_PROBE_FEATURES = 8
 #: the ``while`` probe runs this many rows
 _WHILE_PROBE_ROWS = 8
 #: each probe runs this many chunks (fewer if the problem has fewer rows)
@@ -82,7 +87,7 @@ class Plan:
     predicted_time_s: float | None = None
     result_bytes: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)
-    probes: dict[str, tuple[int | None, float]] = field(default_factory=dict)
+    probes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def chunk_size(self) -> int | None:
@@ -178,7 +183,7 @@ def _probe(problem: Problem, device: str, allowed: float) -> dict[Any, Any]:
     sizes = [1]
     for size in sizes:
         # a few chunks on the first rows: the loop's per-chunk overhead shows
-        count = min(problem.num_rows, _PROBE_CHUNKS * size)
+        count = min(problem.num_rows, max(_PROBE_CHUNKS * size, _PROBE_MIN_ROWS))
         view = _Prefix(problem, count)
         fn = tf.function(strategies.Chunked(size).build(view))
         seconds = _timed(fn, inputs) - found["forward_s"]
@@ -262,43 +267,59 @@ def plan_problem(
 
 
 def _consider_batch(problem: Problem, plan: Plan, device: str) -> Plan:
-    """Try the ``batch`` strategy where it applies and may fit: it runs once
-    (its compiled function is kept for the real run), and replaces the
-    chunked choice if it was faster and its measured peak fits the budget.
+    """Probe the ``batch`` strategy where it applies, on the first few output
+    features only, and take it if it is predicted faster and to fit.
 
-    Its memory is that of vectorizing every row at once, so it is tried only
-    when the plan's memory model says chunks of all R rows fit.
+    Its cost grows with the number of features it vectorizes over: time
+    ``forward + (t_k - forward) × F / k`` and peak
+    ``fixed + (peak_k - fixed) × F / k`` from a probe with ``k`` features, but
+    no less than the predicted peak of chunks of all rows (it vectorizes over
+    all rows too); tried only where that fits the budget.
     """
+
+    def rejected(why: str) -> Plan:
+        return replace(plan, rejected=[*plan.rejected, ("batch", why)])
+
+    all_rows = plan.probes.get("peak, all rows at once")
+    if all_rows is not None and all_rows > plan.budget_bytes * SAFETY:
+        return rejected("vectorizes all rows at once: over the budget")
     batch = strategies.Batch()
-    full = strategies.Chunked(problem.num_rows).label
-    if any(label == full and "budget" in why for label, why in plan.rejected):
-        return replace(
-            plan, rejected=[*plan.rejected, ("batch", "needs R rows at once")]
-        )
     try:
         batch.check(problem)
     except ValueError as err:
-        return replace(
-            plan, rejected=[*plan.rejected, ("batch", str(err).split(": ", 1)[-1][:80])]
-        )
+        return rejected(str(err).split(": ", 1)[-1][:80])
+    chosen = problem.rows_spec.features
+    width = len(chosen) if chosen else int(problem.output_width)
+    count = min(width, _BATCH_PROBE_FEATURES)
+    sub = Problem(
+        problem.model,
+        problem.inputs,
+        problem.layer,
+        outputs=problem.rows_spec.mode,
+        features=list(chosen or range(width))[:count],
+        training=problem.training,
+        unconnected="zero",
+    )
+    fn = tf.function(batch.build(sub))
     try:
-        batch.run(problem)  # trace
-        peak = None
-        with memory.PeakMemory(device) as measured:
-            _, seconds, _, _ = batch.run(problem)
-        peak = measured.extra_bytes
-    except RuntimeError:  # no allocator statistics: cannot check the budget
-        return replace(
-            plan, rejected=[*plan.rejected, ("batch", "peak not measurable")]
-        )
+        seconds = _timed(fn, sub.inputs)
+        peak = _peak(fn, sub.inputs, device)
     except tf.errors.ResourceExhaustedError:
-        return replace(plan, rejected=[*plan.rejected, ("batch", "ran out of memory")])
-    if peak > plan.budget_bytes * SAFETY:
-        why = f"measured peak {memory.format_bytes(peak)} > {SAFETY:.0%} of the budget"
-        return replace(plan, rejected=[*plan.rejected, ("batch", why)])
+        return rejected("ran out of memory on its probe")
+    scale = width / count
+    forward_s = plan.probes.get("forward_s", 0.0)
+    seconds = forward_s + max(seconds - forward_s, 0.0) * scale
+    if peak is not None:
+        fixed = plan.probes["chunk 1"][0] or 0
+        peak = int(fixed + max(peak - fixed, 0) * scale + plan.result_bytes)
+        # a probe of few features can hide under fixed buffers: never predict
+        # less than chunks of every row
+        peak = max(peak, all_rows or 0)
+        if peak > plan.budget_bytes * SAFETY:
+            size = memory.format_bytes(peak)
+            return rejected(f"predicted peak {size} > {SAFETY:.0%} of the budget")
     if plan.predicted_time_s is not None and seconds >= plan.predicted_time_s:
-        why = f"slower ({seconds * 1e3:.1f} ms measured)"
-        return replace(plan, rejected=[*plan.rejected, ("batch", why)])
+        return rejected(f"slower ({seconds * 1e3:.1f} ms predicted)")
     why = f"slower ({plan.predicted_time_s * 1e3:.1f} ms predicted) than batch"
     return replace(
         plan,
@@ -336,6 +357,8 @@ def _choose(
             # the stacked chunks and their concatenation: up to twice the result
             copies = 1 if chunks == 1 else 2
             peak = int(memory_fit[0] + memory_fit[1] * size + copies * result_bytes)
+            if size == rows:
+                probes["peak, all rows at once"] = peak
             if peak > allowed:
                 rejected.append(
                     (
@@ -374,6 +397,8 @@ def _choose(
         result_bytes=result_bytes,
         rejected=rejected,
         probes={
+            "forward_s": forward_s,
+            "peak, all rows at once": probes.get("peak, all rows at once"),
             **{f"chunk {c}": probes[c] for c in sizes},
             **({"while, per row": probes["while"]} if probes["while"] else {}),
         },

@@ -414,6 +414,10 @@ class Problem:
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
         self.output_dtype = rows.dtype
         self.batch_size = outputs.shape[0] if isinstance(outputs, tf.Tensor) else None
+        #: the size of the output's last (feature) axis, if it is a tensor
+        self.output_width = (
+            outputs.shape[-1] if isinstance(outputs, tf.Tensor) else None
+        )
         unconnected = [
             n for n, ok in zip(self.target_names, found["connected"]) if not ok
         ]
