@@ -188,6 +188,7 @@ class Problem:
             ``rows_shape + target.shape``.
         num_rows: ``prod(rows_shape)``, written ``R`` in the docs.
         batch_size: the leading dimension of the output ``Y``.
+        output_width: the size of ``Y``'s last (feature) axis.
         output_dtype: dtype of the rows.
     """
 
@@ -414,7 +415,6 @@ class Problem:
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
         self.output_dtype = rows.dtype
         self.batch_size = outputs.shape[0] if isinstance(outputs, tf.Tensor) else None
-        #: the size of the output's last (feature) axis, if it is a tensor
         self.output_width = (
             outputs.shape[-1] if isinstance(outputs, tf.Tensor) else None
         )
