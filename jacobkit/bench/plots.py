@@ -76,7 +76,8 @@ def _sweep_figure(results: dict[str, Any], metric: str, path: Path) -> Path:
         )
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # every run of the panel may have failed
+            ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(found) :]:
         ax.set_visible(False)
     what = "peak memory" if metric == "peak_bytes" else "time per call"
