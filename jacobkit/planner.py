@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from jacobkit import memory, strategies
 from jacobkit.problem import Problem
+from jacobkit.strategies.base import per_model
 
 #: the plan keeps its predicted peak below this fraction of the budget: the
 #: linear memory model was measured within ~10% of real peaks (see the
@@ -241,7 +242,7 @@ def plan_problem(
     # but the activations do)
     shapes = tuple(tuple(t.shape) for t in tf.nest.flatten(problem.inputs))
     cache_key = (problem.key, shapes, repr(memory_budget), device)
-    cached = _cache_get(_PLANS, problem.model, cache_key)
+    cached = per_model(_PLANS, problem.model).get(cache_key)
     if cached is not None:
         return cached
     result_bytes = _result_bytes(problem)
@@ -257,12 +258,12 @@ def plan_problem(
         )
     probes = _probe(problem, device, budget * SAFETY - result_bytes)
     plan = _choose(problem, budget, result_bytes, probes)
-    worked = _cache_get(_WORKED, problem.model, problem.key)
+    worked = per_model(_WORKED, problem.model).get(problem.key)
     if worked is not None and plan.chunk_size and plan.chunk_size > worked:
         plan = replace(plan, strategy=strategies.Chunked(worked))
     elif worked is None:
         plan = _consider_batch(problem, plan, device)
-    _cache_put(_PLANS, problem.model, cache_key, plan)
+    per_model(_PLANS, problem.model)[cache_key] = plan
     return plan
 
 
@@ -459,29 +460,12 @@ def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
             strategy = smaller
             continue
         if strategy is not plan.strategy:
-            _cache_put(_WORKED, problem.model, problem.key, strategy.chunk_size)
+            per_model(_WORKED, problem.model)[problem.key] = strategy.chunk_size
             _forget_plans(problem)
         return strategy, output
 
 
 def _forget_plans(problem: Problem) -> None:
-    per_model = _cache_dict(_PLANS, problem.model)
-    for key in [k for k in per_model if k[0] == problem.key]:
-        del per_model[key]
-
-
-def _cache_dict(cache: weakref.WeakKeyDictionary, model: Any) -> dict:
-    try:
-        return cache.setdefault(model, {})
-    except TypeError:  # not weakly referenceable: do not cache
-        return {}
-
-
-def _cache_get(cache: weakref.WeakKeyDictionary, model: Any, key: Any) -> Any:
-    return _cache_dict(cache, model).get(key)
-
-
-def _cache_put(
-    cache: weakref.WeakKeyDictionary, model: Any, key: Any, value: Any
-) -> None:
-    _cache_dict(cache, model)[key] = value
+    plans = per_model(_PLANS, problem.model)
+    for key in [k for k in plans if k[0] == problem.key]:
+        del plans[key]

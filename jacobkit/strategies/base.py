@@ -16,7 +16,20 @@ from jacobkit.problem import Problem
 
 #: model -> {(problem key, strategy key): compiled computation}
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_COMPILED_STRONG: dict = {}  # for models that cannot be weakly referenced
+
+
+def per_model(cache: weakref.WeakKeyDictionary, model: Any) -> dict:
+    """``model``'s entry in a cache that lives as long as the model does.
+
+    A model that cannot be weakly referenced gets a fresh, unkept dict (no
+    caching): keying it by ``id()`` instead could hand a later object that
+    reuses the id a computation built for the old one.
+    """
+    try:
+        return cache.setdefault(model, {})
+    except TypeError:
+        return {}
+
 
 ZERO = tf.UnconnectedGradients.ZERO
 
@@ -66,16 +79,13 @@ class Strategy(abc.ABC):
     # -- running -------------------------------------------------------------
     def compiled_for(self, problem: Problem) -> _Compiled:
         """The cached compiled computation for ``problem`` (built if new)."""
-        try:
-            per_model = _COMPILED.setdefault(problem.model, {})
-        except TypeError:
-            per_model = _COMPILED_STRONG.setdefault(id(problem.model), {})
+        compiled = per_model(_COMPILED, problem.model)
         key = (problem.key, self.key)
-        if key not in per_model:
+        if key not in compiled:
             self.check(problem)
             fn = self.build(problem)
-            per_model[key] = _Compiled(tf.function(fn) if self.compiled else fn)
-        return per_model[key]
+            compiled[key] = _Compiled(tf.function(fn) if self.compiled else fn)
+        return compiled[key]
 
     def run(self, problem: Problem) -> tuple[list[tf.Tensor], float, float, bool]:
         """Run on ``problem.inputs``: (jacobians, wall s, trace s, traced)."""
