@@ -24,6 +24,11 @@ Where the ``batch`` strategy applies, it is probed on the first few output
 features and its time and peak scaled to all of them; it is chosen if
 predicted faster and to fit.
 
+Candidates that fit and are predicted within :data:`RACE_MARGIN` of the
+fastest (the best chunk size, ``while``, ``batch``) form the plan's
+shortlist: ``jacobian(strategy="auto")`` races them on its first calls and
+then keeps the one that was fastest (:mod:`jacobkit.race`).
+
 At run time an out-of-memory error halves the chunk size and retries
 (:func:`run_plan`), warns once, and remembers the size that worked.
 """
@@ -42,6 +47,7 @@ import tensorflow as tf
 
 from jacobkit import memory, strategies
 from jacobkit.problem import Problem
+from jacobkit.race import Race
 from jacobkit.strategies.base import per_model
 
 #: the plan keeps its predicted peak below this fraction of the budget: the
@@ -62,6 +68,10 @@ _BATCH_PROBE_FEATURES = 8
 _WHILE_PROBE_ROWS = 8
 #: each probe runs this many chunks (fewer if the problem has fewer rows)
 _PROBE_CHUNKS = 3
+#: candidates predicted within this factor of the fastest are raced on the
+#: first real calls (see :mod:`jacobkit.race`): on a busy machine probe times
+#: moved by up to ~1.3x between runs
+RACE_MARGIN = 1.5
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _WORKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -89,6 +99,8 @@ class Plan:
     result_bytes: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)
     probes: dict[str, Any] = field(default_factory=dict)
+    shortlist: tuple[strategies.Strategy, ...] = ()
+    race: Race | None = field(default=None, compare=False, repr=False)
 
     @property
     def chunk_size(self) -> int | None:
@@ -111,6 +123,8 @@ class Plan:
             f"{memory.format_bytes(self.budget_bytes)} budget, predicted time {when}"
             f" (result {memory.format_bytes(self.result_bytes)})"
         ]
+        if self.race is not None and self.shortlist:
+            lines.append(f"  {self.race.summary()}")
         lines += [f"  rejected {label}: {why}" for label, why in self.rejected]
         return "\n".join(lines)
 
@@ -257,19 +271,49 @@ def plan_problem(
             "smaller batch."
         )
     probes = _probe(problem, device, budget * SAFETY - result_bytes)
-    plan = _choose(problem, budget, result_bytes, probes)
+    plan, contenders = _choose(problem, budget, result_bytes, probes)
     worked = per_model(_WORKED, problem.model).get(problem.key)
-    if worked is not None and plan.chunk_size and plan.chunk_size > worked:
-        plan = replace(plan, strategy=strategies.Chunked(worked))
-    elif worked is None:
-        plan = _consider_batch(problem, plan, device)
+    if worked is not None:
+        # it ran out of memory before: no racing, and no larger chunks
+        if plan.chunk_size and plan.chunk_size > worked:
+            plan = replace(plan, strategy=strategies.Chunked(worked))
+    else:
+        batch, why = _consider_batch(problem, plan, device)
+        plan = _select(replace(plan, rejected=plan.rejected + why), contenders + batch)
     per_model(_PLANS, problem.model)[cache_key] = plan
     return plan
 
 
-def _consider_batch(problem: Problem, plan: Plan, device: str) -> Plan:
+def _select(plan: Plan, contenders: list[tuple[Any, float, int | None]]) -> Plan:
+    """The fastest contender ``(strategy, seconds, peak)`` (all fit the budget)
+    becomes the plan; those within :data:`RACE_MARGIN` of it are raced."""
+    if not contenders:
+        return plan
+    ranked = sorted(contenders, key=lambda c: c[1])
+    strategy, seconds, peak = ranked[0]
+    shortlist = tuple(s for s, t, _ in ranked[1:] if t <= RACE_MARGIN * seconds)
+    rejected = [
+        (s.label, f"slower ({t * 1e3:.1f} ms predicted)")
+        for s, t, _ in ranked[1:]
+        if s not in shortlist
+    ]
+    return replace(
+        plan,
+        strategy=strategy,
+        predicted_time_s=seconds,
+        predicted_peak_bytes=peak,
+        rejected=rejected + plan.rejected,
+        shortlist=shortlist,
+        race=Race([strategy, *shortlist]) if shortlist else None,
+    )
+
+
+def _consider_batch(
+    problem: Problem, plan: Plan, device: str
+) -> tuple[list[tuple[Any, float, int | None]], list[tuple[str, str]]]:
     """Probe the ``batch`` strategy where it applies, on the first few output
-    features only, and take it if it is predicted faster and to fit.
+    features only: ``([(batch, seconds, peak)], [])`` if it is predicted to
+    fit, else ``([], [("batch", why)])``.
 
     Its cost grows with the number of features it vectorizes over: time
     ``forward + (t_k - forward) × F / k`` and peak
@@ -278,8 +322,8 @@ def _consider_batch(problem: Problem, plan: Plan, device: str) -> Plan:
     all rows too); tried only where that fits the budget.
     """
 
-    def rejected(why: str) -> Plan:
-        return replace(plan, rejected=[*plan.rejected, ("batch", why)])
+    def rejected(why: str) -> tuple[list, list[tuple[str, str]]]:
+        return [], [("batch", why)]
 
     all_rows = plan.probes.get("peak, all rows at once")
     if all_rows is not None and all_rows > plan.budget_bytes * SAFETY:
@@ -319,21 +363,15 @@ def _consider_batch(problem: Problem, plan: Plan, device: str) -> Plan:
         if peak > plan.budget_bytes * SAFETY:
             size = memory.format_bytes(peak)
             return rejected(f"predicted peak {size} > {SAFETY:.0%} of the budget")
-    if plan.predicted_time_s is not None and seconds >= plan.predicted_time_s:
-        return rejected(f"slower ({seconds * 1e3:.1f} ms predicted)")
-    why = f"slower ({plan.predicted_time_s * 1e3:.1f} ms predicted) than batch"
-    return replace(
-        plan,
-        strategy=batch,
-        predicted_peak_bytes=peak,
-        predicted_time_s=seconds,
-        rejected=[*plan.rejected, (plan.strategy.label, why)],
-    )
+    return [(batch, seconds, peak)], []
 
 
 def _choose(
     problem: Problem, budget: int, result_bytes: int, probes: dict[str, Any]
-) -> Plan:
+) -> tuple[Plan, list[tuple[Any, float, int | None]]]:
+    """The fastest chunk size that fits, and ``while`` if it fits: the plan
+    (its strategy the faster of them) and both as ``(strategy, seconds,
+    peak)`` contenders."""
     rows = problem.num_rows
     sizes = [k for k in probes if isinstance(k, int)]
     forward_s = probes["forward_s"]
@@ -377,8 +415,9 @@ def _choose(
             best = (strategies.Chunked(size), seconds, peak)
         else:
             rejected.append((label, f"slower ({seconds * 1e3:.1f} ms predicted)"))
-    best = _consider_while(problem, probes, result_bytes, allowed, best, rejected)
-    if best is None:
+    contenders = [best] if best is not None else []
+    contenders += _consider_while(problem, probes, result_bytes, allowed, rejected)
+    if not contenders:
         smallest = min(p for _, p in peaks) + result_bytes
         raise ValueError(
             f"jacobian(memory_budget={memory.format_bytes(budget)}): even one row "
@@ -390,11 +429,12 @@ def _choose(
         ("jacobian", "the same computation as chunked(R), without a budget"),
         ("loop", "eager Python loop: slowest"),
     ]
-    return Plan(
-        strategy=best[0],
+    fastest = min(contenders, key=lambda c: c[1])
+    plan = Plan(
+        strategy=fastest[0],
         budget_bytes=budget,
-        predicted_peak_bytes=best[2],
-        predicted_time_s=best[1],
+        predicted_peak_bytes=fastest[2],
+        predicted_time_s=fastest[1],
         result_bytes=result_bytes,
         rejected=rejected,
         probes={
@@ -404,14 +444,16 @@ def _choose(
             **({"while, per row": probes["while"]} if probes["while"] else {}),
         },
     )
+    return plan, contenders
 
 
-def _consider_while(problem, probes, result_bytes, allowed, best, rejected):
-    """``while`` against the best chunked candidate: predicted time
-    ``forward + R × per-row time``, peak as probed plus the result."""
+def _consider_while(problem, probes, result_bytes, allowed, rejected):
+    """``while`` as a contender: predicted time ``forward + R × per-row time``,
+    peak as probed plus the result; ``[]`` (and the reason in ``rejected``)
+    if it was not probed or does not fit."""
     if probes["while"] is None:
         rejected.append(("while", "not probed: the budget is too tight to try it"))
-        return best
+        return []
     peak, per_row = probes["while"]
     seconds = probes["forward_s"] + problem.num_rows * per_row
     if peak is not None:
@@ -421,23 +463,21 @@ def _consider_while(problem, probes, result_bytes, allowed, best, rejected):
             rejected.append(
                 ("while", f"predicted peak {size} > {SAFETY:.0%} of budget")
             )
-            return best
-    if best is not None and seconds >= best[1]:
-        rejected.append(("while", f"slower ({seconds * 1e3:.1f} ms predicted)"))
-        return best
-    if best is not None:
-        rejected.append((best[0].label, f"slower ({best[1] * 1e3:.1f} ms predicted)"))
-    return (strategies.While(), seconds, peak)
+            return []
+    return [(strategies.While(), seconds, peak)]
 
 
 def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
     """Run the plan; on out-of-memory halve the chunk size and retry.
 
-    Returns the strategy that finished and its ``Strategy.run`` output. Warns
-    once per problem when it had to back off, and remembers the chunk size
-    that worked so that later plans for the same problem start there.
+    While the plan races its shortlist (:mod:`jacobkit.race`), each call runs
+    the candidate the race asks for and reports its time. Returns the strategy
+    that finished and its ``Strategy.run`` output. Warns once per problem when
+    it had to back off, and remembers the chunk size that worked so that later
+    plans for the same problem start there (and race no more).
     """
-    strategy = plan.strategy
+    first = plan.race.next() if plan.race is not None else plan.strategy
+    strategy = first
     warned = False
     while True:
         try:
@@ -459,13 +499,27 @@ def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
                 warned = True
             strategy = smaller
             continue
-        if strategy is not plan.strategy:
+        if strategy is not first:
             per_model(_WORKED, problem.model)[problem.key] = strategy.chunk_size
-            _forget_plans(problem)
+            if plan.race is not None:
+                plan.race.finish(strategy)
+            _cap_plans(problem, first, strategy)
+        elif plan.race is not None:
+            _, wall, _, traced = output
+            plan.race.record(strategy, wall, traced)
         return strategy, output
 
 
-def _forget_plans(problem: Problem) -> None:
+def _cap_plans(
+    problem: Problem, failed: strategies.Strategy, worked: strategies.Strategy
+) -> None:
+    """Point the cached plans of ``problem`` that would run out of memory the
+    same way at the size that worked (not re-planned: new probes would be
+    noisy, and could pick a size that differs from the one that worked)."""
     plans = per_model(_PLANS, problem.model)
-    for key in [k for k in plans if k[0] == problem.key]:
-        del plans[key]
+    for key, cached in list(plans.items()):
+        if key[0] != problem.key:
+            continue
+        size = cached.strategy.chunk_size
+        if cached.strategy == failed or (size and size > worked.chunk_size):
+            plans[key] = replace(cached, strategy=worked, shortlist=(), race=None)

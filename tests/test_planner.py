@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import examples, memory, planner, testing
+from jacobkit.race import RUNS
 from jacobkit.strategies import Chunked
 from tests.cases import reference, target_variables
 
@@ -30,11 +31,19 @@ def test_measured_peak_stays_within_budget(generator, budget):
     limit = memory.parse_budget(budget)
     with memory.PeakMemory("CPU:0") as first:  # planning probes included
         result = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget=budget)
+    assert first.extra_bytes <= limit, result.plan.summary()
+    race = result.plan.race
+    for _ in range(3 * (RUNS + 1)):  # every raced candidate stays within it too
+        if race is None or race.winner is not None:
+            break
+        with memory.PeakMemory("CPU:0") as call:
+            jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget=budget)
+        assert call.extra_bytes <= limit, result.plan.summary()
     with memory.PeakMemory("CPU:0") as steady:
         again = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget=budget)
-    assert first.extra_bytes <= limit, result.plan.summary()
     assert steady.extra_bytes <= limit, result.plan.summary()
-    assert again.chunk_size == result.chunk_size
+    if race is not None:
+        assert race.winner is not None and again.strategy == race.winner.name
     assert result.plan.predicted_peak_bytes <= limit
 
 
@@ -87,8 +96,8 @@ def test_budget_below_one_row_is_refused(generator):
 @pytest.fixture
 def chunked_only(monkeypatch):
     """Keep plans on chunk sizes: batch or while may be faster on small problems."""
-    monkeypatch.setattr(planner, "_consider_batch", lambda problem, plan, device: plan)
-    monkeypatch.setattr(planner, "_consider_while", lambda *args: args[4])
+    monkeypatch.setattr(planner, "_consider_batch", lambda *args: ([], []))
+    monkeypatch.setattr(planner, "_consider_while", lambda *args: [])
 
 
 def test_out_of_memory_backs_off_and_remembers(monkeypatch, chunked_only):
@@ -103,8 +112,10 @@ def test_out_of_memory_backs_off_and_remembers(monkeypatch, chunked_only):
         return original(self, problem)
 
     monkeypatch.setattr(Chunked, "run", run_with_small_memory)
+    # plan all rows in one chunk, whatever the (noisy) timing probes say
+    monkeypatch.setattr(planner, "_candidate_sizes", lambda rows: [rows])
     plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
-    assert plan.chunk_size > 2, "the injected error must hit the planned size"
+    assert plan.chunk_size == 10, "the injected error must hit the planned size"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
