@@ -10,15 +10,18 @@ How a plan is made (nothing of the full Jacobian's size is allocated):
    (three chunks of ``c`` rows, for ``c = 1`` and for the largest ``c <= 32``
    that the budget safely allows) and measure the peak memory and the steady
    time per chunk; one more runs ``while`` (``tape.jacobian`` without pfor)
-   on the first 8 rows, and one measures the forward pass alone.
+   on the first 8 rows, with as many rows in flight (``parallel_iterations``,
+   at most TensorFlow's 10) as the budget holds one-row peaks, and one
+   measures the forward pass alone.
 3. Peak memory is modelled as ``fixed + per_row × c + result``, and time as
    ``forward + ceil(R / c) × (chunk_fixed + chunk_per_row × c)``, both fitted
    to the probes. When the budget only allows a probe of fewer than 8 rows,
    memory per row is taken as the forward pass's activations
    (:func:`activation_bytes`), an upper bound. The plan is the chunk size with
    the least predicted time whose predicted peak fits the budget (with
-   :data:`SAFETY` headroom), or ``while`` (``forward + R × time per row``)
-   if that is predicted faster and fits.
+   :data:`SAFETY` headroom), or ``while`` (``forward + R × time per row``,
+   peak at most one one-row peak per row in flight) if that is predicted
+   faster and fits.
 
 Where the ``batch`` strategy applies, it is probed on the first few output
 features and its time and peak scaled to all of them; it is chosen if
@@ -66,6 +69,8 @@ _PROBE_MIN_ROWS = 8
 _BATCH_PROBE_FEATURES = 8
 #: the ``while`` probe runs this many rows
 _WHILE_PROBE_ROWS = 8
+#: TensorFlow's default ``parallel_iterations`` of a while loop
+_WHILE_MAX_PARALLEL = 10
 #: each probe runs this many chunks (fewer if the problem has fewer rows)
 _PROBE_CHUNKS = 3
 #: candidates predicted within this factor of the fastest are raced on the
@@ -213,16 +218,22 @@ def _probe(problem: Problem, device: str, allowed: float) -> dict[Any, Any]:
             )
             if larger > 1:
                 sizes.append(larger)
-    # ``while``: rows in a tf.while_loop, timed per row. Its loop keeps
-    # several rows in flight (on the test generator 8 rows peaked at twice
-    # their activations), so it is probed only where the budget holds that.
+    # ``while``: rows in a tf.while_loop, timed per row. Each row in flight
+    # holds one backward pass: with ``p`` parallel iterations the peak is at
+    # most ``p`` times the one-row chunk's peak (measured: ~1.9x for TF's
+    # default on 2 cores), so ``p`` is the most the budget holds, up to TF's
+    # default of 10. Without allocator statistics, TF's default is probed.
     found["while"] = None
+    one_row = found[1][0]
+    parallel = None
+    if one_row is not None:
+        parallel = min(_WHILE_MAX_PARALLEL, int(allowed // max(one_row, 1)))
+        if parallel < 1:
+            return found
     count = min(problem.num_rows, _WHILE_PROBE_ROWS)
-    if (found[1][0] or 0) + 2 * count * found["per_row_bytes"] > allowed:
-        return found
-    fn = tf.function(strategies.While().build(_Prefix(problem, count)))
+    fn = tf.function(strategies.While(parallel).build(_Prefix(problem, count)))
     seconds = max(_timed(fn, inputs) - found["forward_s"], 0.0)
-    found["while"] = (_peak(fn, inputs, device), seconds / count)
+    found["while"] = (_peak(fn, inputs, device), seconds / count, parallel)
     return found
 
 
@@ -441,30 +452,34 @@ def _choose(
             "forward_s": forward_s,
             "peak, all rows at once": probes.get("peak, all rows at once"),
             **{f"chunk {c}": probes[c] for c in sizes},
-            **({"while, per row": probes["while"]} if probes["while"] else {}),
+            **({"while, per row": probes["while"][:2]} if probes["while"] else {}),
         },
     )
     return plan, contenders
 
 
 def _consider_while(problem, probes, result_bytes, allowed, rejected):
-    """``while`` as a contender: predicted time ``forward + R × per-row time``,
-    peak as probed plus the result; ``[]`` (and the reason in ``rejected``)
-    if it was not probed or does not fit."""
+    """``while`` as a contender: predicted time ``forward + R × per-row time``;
+    peak: the probe's, or ``min(p, R)`` one-row peaks if more (``p`` rows in
+    flight), plus the result; ``[]`` (and the reason in ``rejected``) if it
+    was not probed or does not fit."""
     if probes["while"] is None:
-        rejected.append(("while", "not probed: the budget is too tight to try it"))
+        rejected.append(("while", "not probed: one row in flight exceeds the budget"))
         return []
-    peak, per_row = probes["while"]
+    peak, per_row, parallel = probes["while"]
     seconds = probes["forward_s"] + problem.num_rows * per_row
+    strategy = strategies.While(parallel)
     if peak is not None:
-        peak = int(peak + result_bytes)
+        in_flight = min(parallel or _WHILE_MAX_PARALLEL, problem.num_rows)
+        bound = in_flight * (probes[1][0] or 0)
+        peak = int(max(peak, bound) + result_bytes)
         if peak > allowed:
             size = memory.format_bytes(peak)
             rejected.append(
-                ("while", f"predicted peak {size} > {SAFETY:.0%} of budget")
+                (strategy.label, f"predicted peak {size} > {SAFETY:.0%} of the budget")
             )
             return []
-    return [(strategies.While(), seconds, peak)]
+    return [(strategy, seconds, peak)]
 
 
 def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:

@@ -40,6 +40,8 @@ STRATEGIES = [
     _chunked("7", lambda r: 7),
     _chunked("R", lambda r: r),
     _chunked("R+1000", lambda r: r + 1000),
+    # one row in flight: what auto runs under a tight budget
+    StrategyCase("while(parallel=1)", lambda rows: jk.strategies.While(1)),
 ]
 
 #: every test problem (the ResNet one is benchmark-sized; it is tested alone)

@@ -572,3 +572,16 @@ def test_memory_budget_with_a_fixed_strategy():
         jk.jacobian(
             ex.model, ex.inputs, ex.layer, strategy="jacobian", memory_budget="1GiB"
         )
+
+
+@pytest.mark.parametrize("parallel", [0, -1, 2.0, "4", True], ids=repr)
+def test_while_parallel_iterations_must_be_a_positive_int(parallel):
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"strategies.while(parallel_iterations={parallel!r}): expected a "
+            "positive int (rows in flight at once), or None for TensorFlow's "
+            "default."
+        ),
+    ):
+        jk.strategies.While(parallel)

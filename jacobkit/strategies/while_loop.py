@@ -1,7 +1,8 @@
-"""``while``: ``tape.jacobian`` without pfor, one row per loop iteration."""
+"""``while``: ``tape.jacobian`` without pfor, rows in a ``tf.while_loop``."""
 
 from __future__ import annotations
 
+import numbers
 from typing import final
 
 import tensorflow as tf
@@ -13,13 +14,49 @@ from jacobkit.strategies.base import ZERO, Strategy
 @final
 class While(Strategy):
     """``tape.jacobian(rows, targets, experimental_use_pfor=False)`` inside a
-    ``tf.function``: R backward passes in a ``tf.while_loop``. Memory of one
-    row at a time, no Python overhead per row, no vectorization speed-up."""
+    ``tf.function``: R backward passes in a ``tf.while_loop``, no Python
+    overhead per row, no vectorization speed-up.
+
+    Up to ``parallel_iterations`` rows run at once (``None``: TensorFlow's
+    default of 10), and each holds one backward pass's buffers: measured on
+    CPU, the Conv1D generator peaked at 38 MiB with 1, 61 MiB with 2 and
+    72 MiB with the default, for ~10% more time with 1. ``auto`` sets it from
+    the memory budget.
+    """
 
     name = "while"
 
+    def __init__(self, parallel_iterations: int | None = None) -> None:
+        if parallel_iterations is not None and (
+            isinstance(parallel_iterations, bool)
+            or not isinstance(parallel_iterations, numbers.Integral)
+            or parallel_iterations < 1
+        ):
+            raise ValueError(
+                f"strategies.while(parallel_iterations={parallel_iterations!r}): "
+                "expected a positive int (rows in flight at once), or None for "
+                "TensorFlow's default."
+            )
+        self.parallel_iterations = (
+            None if parallel_iterations is None else int(parallel_iterations)
+        )
+
+    @property
+    def key(self) -> tuple:
+        return (self.name, None, self.parallel_iterations)
+
+    @property
+    def label(self) -> str:
+        if self.parallel_iterations is None:
+            return self.name
+        return f"{self.name}(parallel={self.parallel_iterations})"
+
+    def __repr__(self) -> str:
+        return f"While(parallel_iterations={self.parallel_iterations})"
+
     def build(self, problem: Problem):
         targets = problem.targets
+        parallel = self.parallel_iterations
 
         def compute(inputs):
             with tf.GradientTape(
@@ -28,7 +65,11 @@ class While(Strategy):
                 tape.watch(targets)
                 rows = problem.rows(inputs)
             return tape.jacobian(
-                rows, targets, unconnected_gradients=ZERO, experimental_use_pfor=False
+                rows,
+                targets,
+                unconnected_gradients=ZERO,
+                parallel_iterations=parallel,
+                experimental_use_pfor=False,
             )
 
         return compute
