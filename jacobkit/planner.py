@@ -11,8 +11,8 @@ How a plan is made (nothing of the full Jacobian's size is allocated):
    that the budget safely allows) and measure the peak memory and the steady
    time per chunk; one more runs ``while`` (``tape.jacobian`` without pfor)
    on the first 8 rows, with as many rows in flight (``parallel_iterations``,
-   at most TensorFlow's 10) as the budget holds one-row peaks, and one
-   measures the forward pass alone.
+   at most TensorFlow's 10) as the budget holds twice their one-row peaks,
+   and one measures the forward pass alone.
 3. Peak memory is modelled as ``fixed + per_row × c + result``, and time as
    ``forward + ceil(R / c) × (chunk_fixed + chunk_per_row × c)``, both fitted
    to the probes. When the budget only allows a probe of fewer than 8 rows,
@@ -219,17 +219,20 @@ def _probe(problem: Problem, device: str, allowed: float) -> dict[Any, Any]:
             if larger > 1:
                 sizes.append(larger)
     # ``while``: rows in a tf.while_loop, timed per row. Each row in flight
-    # holds one backward pass: with ``p`` parallel iterations the peak is at
-    # most ``p`` times the one-row chunk's peak (measured: ~1.9x for TF's
-    # default on 2 cores), so ``p`` is the most the budget holds, up to TF's
-    # default of 10. Without allocator statistics, TF's default is probed.
+    # holds one backward pass, and may need scratch buffers of its own that a
+    # one-row probe found already allocated (measured on CPU: 2 rows in
+    # flight peaked at 63 MiB where the one-row chunk had peaked at 25 MiB).
+    # So ``p`` rows in flight are allowed only where twice ``p`` one-row peaks
+    # fit, up to TensorFlow's default of 10; without allocator statistics,
+    # TensorFlow's default is probed.
     found["while"] = None
     one_row = found[1][0]
     parallel = None
+    if one_row is not None and one_row > allowed:
+        return found  # not even one row fits: the plan is refused
     if one_row is not None:
-        parallel = min(_WHILE_MAX_PARALLEL, int(allowed // max(one_row, 1)))
-        if parallel < 1:
-            return found
+        fits = int(allowed // max(2 * one_row, 1))
+        parallel = max(1, min(_WHILE_MAX_PARALLEL, problem.num_rows, fits))
     count = min(problem.num_rows, _WHILE_PROBE_ROWS)
     fn = tf.function(strategies.While(parallel).build(_Prefix(problem, count)))
     seconds = max(_timed(fn, inputs) - found["forward_s"], 0.0)
@@ -464,7 +467,7 @@ def _consider_while(problem, probes, result_bytes, allowed, rejected):
     flight), plus the result; ``[]`` (and the reason in ``rejected``) if it
     was not probed or does not fit."""
     if probes["while"] is None:
-        rejected.append(("while", "not probed: one row in flight exceeds the budget"))
+        rejected.append(("while", "not probed: one row does not fit the budget"))
         return []
     peak, per_row, parallel = probes["while"]
     seconds = probes["forward_s"] + problem.num_rows * per_row
