@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -97,9 +98,14 @@ for label in spec["labels"]:
     with memory.PeakMemory() as steady:
         result = call(label)
     size = f"({result.chunk_size})" if result.chunk_size else ""
+    plan = result.plan
+    race = plan.race if plan is not None else None
+    ran = race.winner if race is not None else (plan.strategy if plan else None)
     found[label].update(
         steady_peak=steady.extra_bytes,
         chosen=result.strategy + size,
+        ran=ran.label if ran is not None and ran.name == result.strategy
+        else result.strategy + size,
         steady_s=statistics.median(found[label]["times"] or [float("nan")]),
     )
 print("RESULT " + json.dumps(found))
@@ -136,35 +142,49 @@ def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def budget_section(sizes: dict, budgets: list[str], rounds: int) -> tuple[list, str]:
-    from jacobkit.memory import parse_budget
+def _paired(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of ``numerator[i] / denominator[i]``: the two were
+    timed in the same round, so a load change hits both."""
+    pairs = zip(numerator, denominator, strict=True)
+    return statistics.median([a / b for a, b in pairs])
 
+
+def measure_budgets(sizes: dict, budgets: list[str], rounds: int) -> dict:
+    """Peaks of every label alone in a fresh process, and times of every label
+    in one process in interleaved rounds."""
     chunks = sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < sizes["features"]})
     fixed = [f"chunked({c})" for c in chunks + [sizes["features"]]]
     fixed += ["jacobian", "while", "batch"]
     autos = [f"auto@{b}" for b in budgets]
-    # peaks: each label alone in a fresh process (clean allocator statistics)
     alone = {}
     for label in tqdm(fixed + autos, desc="peaks, fresh processes", file=sys.stderr):
         alone.update(_run("generator", sizes, [label], 0))
-    # times: every label in one process, in interleaved rounds
     print(f"timing {len(fixed + autos)} labels x {rounds} rounds...", file=sys.stderr)
     timed = _run("generator", sizes, fixed + autos, rounds)
+    return {"budgets": budgets, "fixed": fixed, "alone": alone, "timed": timed}
+
+
+def render_budgets(raw: dict) -> tuple[list[dict], str]:
+    """The budget table: one verdict row per budget, and the text."""
+    from jacobkit.memory import parse_budget
+
+    alone, timed, fixed = raw["alone"], raw["timed"], raw["fixed"]
     lines = [
-        "| budget | auto chose | first-call peak | max peak while racing "
+        "| budget | auto ran | first-call peak | max peak while racing "
         "| steady peak | predicted peak | auto time (s) | fastest within budget "
-        "| its time (s) | auto / fastest | peak <= budget |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        "| its time (s) | auto / fastest (medians) | auto / fastest (paired) "
+        "| peak <= budget |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
-    rows = []
-    for budget, label in zip(budgets, autos, strict=True):
+    verdicts = []
+    for budget in raw["budgets"]:
+        label = f"auto@{budget}"
         limit = parse_budget(budget)
         peak, time = alone[label], timed[label]
-        row = {"budget": budget, "alone": peak, "timed": time}
-        rows.append(row)
         if "error" in peak or "error" in time:
             why = peak.get("error") or time.get("error")
-            lines.append(f"| {budget} | failed: {why} | | | | | | | | | |")
+            lines.append(f"| {budget} | failed: {why} | | | | | | | | | | |")
+            verdicts.append({"budget": budget, "within": False, "error": why})
             continue
         fits = [
             f
@@ -178,15 +198,24 @@ def budget_section(sizes: dict, budgets: list[str], rounds: int) -> tuple[list, 
         peaks = (peak["first_peak"], peak["max_peak"], peak["steady_peak"])
         within = max(peaks) <= limit
         ratio = time["steady_s"] / best_s if best else float("nan")
-        row.update({"fastest_within": best, "ratio": ratio, "within": within})
-        chose = peak["chosen"]
-        if time["chosen"] != chose:
-            chose += f" (timed run: {time['chosen']})"
+        paired = _paired(time["times"], timed[best]["times"]) if best else ratio
+        verdicts.append(
+            {
+                "budget": budget,
+                "fastest_within": best,
+                "ratio": ratio,
+                "paired_ratio": paired,
+                "within": within,
+            }
+        )
+        chose = peak.get("ran", peak["chosen"])
+        if time.get("ran", time["chosen"]) != chose:
+            chose += f" (timed run: {time.get('ran', time['chosen'])})"
         lines.append(
             f"| {budget} | {chose} | {_mib(peaks[0])} | {_mib(peaks[1])} | "
             f"{_mib(peaks[2])} | {_mib(peak['predicted_peak'])} | "
             f"{time['steady_s']:.3f} | {best} | {best_s:.3f} | {ratio:.2f}x | "
-            f"{'yes' if within else 'NO'} |"
+            f"{paired:.2f}x | {'yes' if within else 'NO'} |"
         )
     lines += [
         "",
@@ -206,34 +235,75 @@ def budget_section(sizes: dict, budgets: list[str], rounds: int) -> tuple[list, 
                 f"{_mib(alone[f]['steady_peak'])} |"
             )
     lines += ["", "What auto planned (fresh processes):", ""]
-    for budget, label in zip(budgets, autos, strict=True):
-        if "error" not in alone[label]:
-            lines += [f"{budget}:", "```", alone[label]["plan"], "```"]
-    rows.append({"fixed": {f: {"alone": alone[f], "timed": timed[f]} for f in fixed}})
-    return rows, "\n".join(lines)
+    for budget in raw["budgets"]:
+        if "error" not in alone[f"auto@{budget}"]:
+            lines += [f"{budget}:", "```", alone[f"auto@{budget}"]["plan"], "```"]
+    return verdicts, "\n".join(lines)
 
 
-def no_budget_section(problems: list, rounds: int) -> tuple[list, str]:
-    rows = []
-    lines = [
-        "| problem | auto chose | auto time (s) | tape.jacobian time (s) "
-        "| jacobian / auto | auto peak | jacobian peak |",
-        "|---|---|---:|---:|---:|---:|---:|",
+def measure_no_budget(problems: list, rounds: int) -> list[dict]:
+    """auto and tape.jacobian on each problem, interleaved in one process."""
+    return [
+        {
+            "problem": name,
+            "sizes": sizes,
+            **_run(name, sizes, ["auto", "jacobian"], rounds),
+        }
+        for name, sizes in tqdm(problems, desc="auto vs tape.jacobian", file=sys.stderr)
     ]
-    for name, sizes in tqdm(problems, desc="auto vs tape.jacobian", file=sys.stderr):
-        found = _run(name, sizes, ["auto", "jacobian"], rounds)
-        rows.append({"problem": name, "sizes": sizes, **found})
-        auto, jac = found["auto"], found["jacobian"]
+
+
+def render_no_budget(raw: list[dict]) -> str:
+    lines = [
+        "| problem | auto ran | auto time (s) | tape.jacobian time (s) "
+        "| jacobian / auto (medians) | jacobian / auto (paired) | auto peak "
+        "| jacobian peak |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for found in raw:
+        name, auto, jac = found["problem"], found["auto"], found["jacobian"]
         if "error" in auto or "error" in jac:
             why = auto.get("error") or jac.get("error")
-            lines.append(f"| {name} | failed: {why} | | | | | |")
+            lines.append(f"| {name} | failed: {why} | | | | | | |")
             continue
         lines.append(
-            f"| {name} | {auto['chosen']} | {auto['steady_s']:.4f} | "
+            f"| {name} | {auto.get('ran', auto['chosen'])} | {auto['steady_s']:.4f} | "
             f"{jac['steady_s']:.4f} | {jac['steady_s'] / auto['steady_s']:.2f}x | "
+            f"{_paired(jac['times'], auto['times']):.2f}x | "
             f"{_mib(auto['steady_peak'])} | {_mib(jac['steady_peak'])} |"
         )
-    return rows, "\n".join(lines)
+    return "\n".join(lines)
+
+
+def render(raw: dict) -> tuple[list[dict], str]:
+    verdicts, budget_table = render_budgets(raw["budgets"])
+    rounds = raw["rounds"]
+    text = "\n".join(
+        [
+            "# auto under memory budgets",
+            "",
+            f"Machine: {raw['machine']}. Generator sizes: {raw['sizes']}; "
+            "target = the first Conv1D.",
+            "",
+            "Peaks: each strategy, and auto at each budget, alone in a fresh "
+            "process: its first call (auto: planning probes included), every "
+            "call while auto races its shortlist, and a steady call. Times: "
+            f"{rounds} interleaved rounds in one process (each round calls "
+            "every label once, so a load change on this shared machine hits "
+            "every label alike), after auto's race has settled. Ratios: of the "
+            "medians, and the median of the per-round (paired) ratios.",
+            "",
+            budget_table,
+            "",
+            "## No budget: auto against tape.jacobian (pfor, inside tf.function)",
+            "",
+            f"Each problem in one process, {rounds} interleaved rounds.",
+            "",
+            render_no_budget(raw["no_budget"]),
+            "",
+        ]
+    )
+    return verdicts, text
 
 
 def main() -> int:
@@ -243,49 +313,37 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=7, help="interleaved timing rounds (median)"
     )
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="only rewrite OUT/auto_budgets.md from OUT/auto_budgets.json",
+    )
     args = parser.parse_args()
-    sizes = QUICK_GENERATOR if args.quick else GENERATOR
-    budgets = QUICK_BUDGETS if args.quick else BUDGETS
-    problems = [("generator", QUICK_GENERATOR)] if args.quick else NO_BUDGET_PROBLEMS
-    budget_rows, budget_table = budget_section(sizes, budgets, args.rounds)
-    free_rows, free_table = no_budget_section(problems, args.rounds)
-    import tensorflow as tf
+    if args.render:
+        raw = json.loads((args.out / "auto_budgets.json").read_text())
+    else:
+        import tensorflow as tf
 
-    python = platform.python_version()
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {python}"
-    text = "\n".join(
-        [
-            "# auto under memory budgets",
-            "",
-            f"Machine: {machine}; TensorFlow {tf.__version__}. "
-            f"Generator sizes: {sizes}; target = the first Conv1D.",
-            "",
-            "Peaks: each strategy, and auto at each budget, alone in a fresh "
-            "process: its first call (auto: planning probes included), every "
-            "call while auto races its shortlist, and a steady call. Times: "
-            f"the median of {args.rounds} interleaved rounds in one process "
-            "(each round calls every label once, so a load change on this "
-            "shared machine hits every label alike), after auto's race has "
-            "settled.",
-            "",
-            budget_table,
-            "",
-            "## No budget: auto against tape.jacobian (pfor, inside tf.function)",
-            "",
-            f"Each problem in one process, {args.rounds} interleaved rounds.",
-            "",
-            free_table,
-            "",
-        ]
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
+        sizes = QUICK_GENERATOR if args.quick else GENERATOR
+        budgets = QUICK_BUDGETS if args.quick else BUDGETS
+        problems = (
+            [("generator", QUICK_GENERATOR)] if args.quick else NO_BUDGET_PROBLEMS
+        )
+        python = platform.python_version()
+        raw = {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+            f"{python}; TensorFlow {tf.__version__}",
+            "sizes": sizes,
+            "rounds": args.rounds,
+            "budgets": measure_budgets(sizes, budgets, args.rounds),
+            "no_budget": measure_no_budget(problems, args.rounds),
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "auto_budgets.json").write_text(json.dumps(raw, indent=1))
+    verdicts, text = render(raw)
     (args.out / "auto_budgets.md").write_text(text)
-    (args.out / "auto_budgets.json").write_text(
-        json.dumps({"budgets": budget_rows, "no_budget": free_rows}, indent=1)
-    )
     print(text)
-    bad = [r for r in budget_rows if "budget" in r and not r.get("within", False)]
-    return 1 if bad else 0
+    return 0 if all(v["within"] for v in verdicts) else 1
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ fastest (the best chunk size, ``while``, ``batch``) form the plan's
 shortlist: ``jacobian(strategy="auto")`` races them on its first calls and
 then keeps the one that was fastest (:mod:`jacobkit.race`).
 
-At run time an out-of-memory error halves the chunk size and retries
-(:func:`run_plan`), warns once, and remembers the size that worked.
+At run time an out-of-memory error halves the chunk size (or the rows in
+flight) and retries (:func:`run_plan`), warns once, and remembers what
+worked.
 """
 
 from __future__ import annotations
@@ -287,10 +288,8 @@ def plan_problem(
     probes = _probe(problem, device, budget * SAFETY - result_bytes)
     plan, contenders = _choose(problem, budget, result_bytes, probes)
     worked = per_model(_WORKED, problem.model).get(problem.key)
-    if worked is not None:
-        # it ran out of memory before: no racing, and no larger chunks
-        if plan.chunk_size and plan.chunk_size > worked:
-            plan = replace(plan, strategy=strategies.Chunked(worked))
+    if worked is not None:  # it ran out of memory before: run what worked
+        plan = _pinned(plan, worked)
     else:
         batch, why = _consider_batch(problem, plan, device)
         plan = _select(replace(plan, rejected=plan.rejected + why), contenders + batch)
@@ -486,13 +485,14 @@ def _consider_while(problem, probes, result_bytes, allowed, rejected):
 
 
 def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
-    """Run the plan; on out-of-memory halve the chunk size and retry.
+    """Run the plan; on out-of-memory retry with half the chunk size (or half
+    the rows in flight for ``while``).
 
     While the plan races its shortlist (:mod:`jacobkit.race`), each call runs
     the candidate the race asks for and reports its time. Returns the strategy
     that finished and its ``Strategy.run`` output. Warns once per problem when
-    it had to back off, and remembers the chunk size that worked so that later
-    plans for the same problem start there (and race no more).
+    it had to back off, and remembers the strategy that worked: every plan for
+    the same problem runs it from then on (and races no more).
     """
     first = plan.race.next() if plan.race is not None else plan.strategy
     strategy = first
@@ -501,16 +501,13 @@ def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
         try:
             output = strategy.run(problem)
         except tf.errors.ResourceExhaustedError:
-            # batch vectorizes all rows; while already runs one row at a time
-            all_rows = problem.num_rows if strategy.name == "batch" else 1
-            size = strategy.chunk_size or all_rows
-            if size <= 1:
+            smaller = _smaller(strategy, problem.num_rows)
+            if smaller is None:
                 raise
-            smaller = strategies.Chunked(max(size // 2, 1))
             if not warned:
                 warnings.warn(
                     f"jacobkit: {strategy.label} ran out of memory; retrying "
-                    f"with smaller chunks ({smaller.label}).",
+                    f"with less at once ({smaller.label}).",
                     ResourceWarning,
                     stacklevel=3,
                 )
@@ -518,26 +515,30 @@ def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
             strategy = smaller
             continue
         if strategy is not first:
-            per_model(_WORKED, problem.model)[problem.key] = strategy.chunk_size
+            per_model(_WORKED, problem.model)[problem.key] = strategy
             if plan.race is not None:
                 plan.race.finish(strategy)
-            _cap_plans(problem, first, strategy)
+            plans = per_model(_PLANS, problem.model)
+            for key in [k for k in plans if k[0] == problem.key]:
+                plans[key] = _pinned(plans[key], strategy)
         elif plan.race is not None:
             _, wall, _, traced = output
             plan.race.record(strategy, wall, traced)
         return strategy, output
 
 
-def _cap_plans(
-    problem: Problem, failed: strategies.Strategy, worked: strategies.Strategy
-) -> None:
-    """Point the cached plans of ``problem`` that would run out of memory the
-    same way at the size that worked (not re-planned: new probes would be
-    noisy, and could pick a size that differs from the one that worked)."""
-    plans = per_model(_PLANS, problem.model)
-    for key, cached in list(plans.items()):
-        if key[0] != problem.key:
-            continue
-        size = cached.strategy.chunk_size
-        if cached.strategy == failed or (size and size > worked.chunk_size):
-            plans[key] = replace(cached, strategy=worked, shortlist=(), race=None)
+def _smaller(strategy: strategies.Strategy, num_rows: int):
+    """Half as much at once, or ``None`` where one row at a time ran out."""
+    if strategy.name == "while":
+        parallel = strategy.parallel_iterations or _WHILE_MAX_PARALLEL
+        return strategies.While(parallel // 2) if parallel > 1 else None
+    # batch vectorizes all rows at once
+    size = strategy.chunk_size or (num_rows if strategy.name == "batch" else 1)
+    return strategies.Chunked(size // 2) if size > 1 else None
+
+
+def _pinned(plan: Plan, worked: strategies.Strategy) -> Plan:
+    """``plan`` running ``worked``, the strategy that finished after an
+    out-of-memory back-off (not re-planned: new probes would be noisy, and
+    could pick more than what worked)."""
+    return replace(plan, strategy=worked, shortlist=(), race=None)

@@ -12,7 +12,7 @@ import tensorflow as tf
 import jacobkit as jk
 from jacobkit import examples, memory, planner, testing
 from jacobkit.race import RUNS
-from jacobkit.strategies import Chunked
+from jacobkit.strategies import Chunked, While
 from tests.cases import reference, target_variables
 
 # A generator big enough that the budget matters. Measured on CPU: chunks of
@@ -133,6 +133,34 @@ def test_out_of_memory_backs_off_and_remembers(monkeypatch, chunked_only):
     sizes_tried.clear()
     again = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
     assert again.chunk_size == 2 and sizes_tried == [2], "remembered the size"
+
+
+def test_out_of_memory_in_while_halves_the_rows_in_flight(monkeypatch):
+    ex = examples.build("mlp")
+    # plan while only, with as many rows in flight as TensorFlow's default
+    monkeypatch.setattr(planner, "_consider_batch", lambda *args: ([], []))
+    monkeypatch.setattr(planner, "_candidate_sizes", lambda rows: [])
+    original = While.run
+    tried = []
+
+    def run_with_small_memory(self, problem):
+        tried.append(self.parallel_iterations)
+        if self.parallel_iterations > 2:
+            raise tf.errors.ResourceExhaustedError(None, None, "injected OOM")
+        return original(self, problem)
+
+    monkeypatch.setattr(While, "run", run_with_small_memory)
+    plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
+    assert plan.strategy == While(10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
+    assert tried == [10, 5, 2] and result.strategy == "while"
+    assert len([w for w in caught if "ran out of memory" in str(w.message)]) == 1
+    testing.assert_close(result, reference("mlp", "features"))
+    tried.clear()
+    jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
+    assert tried == [2], "remembered what worked"
 
 
 def test_out_of_memory_at_one_row_is_raised(monkeypatch, chunked_only):
