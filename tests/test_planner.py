@@ -106,18 +106,25 @@ def chunked_only(monkeypatch):
     monkeypatch.setattr(planner, "_consider_while", lambda *args: [])
 
 
-def test_out_of_memory_backs_off_and_remembers(monkeypatch, chunked_only):
-    ex = examples.build("mlp")
-    original = Chunked.run
-    sizes_tried = []
+def inject_out_of_memory(monkeypatch, cls, size_of, most: int) -> list:
+    """Make ``cls.run`` raise TensorFlow's out-of-memory error whenever
+    ``size_of(strategy) > most``; returns the list of sizes tried."""
+    original = cls.run
+    tried = []
 
     def run_with_small_memory(self, problem):
-        sizes_tried.append(self.chunk_size)
-        if self.chunk_size > 2:
+        tried.append(size_of(self))
+        if size_of(self) > most:
             raise tf.errors.ResourceExhaustedError(None, None, "injected OOM")
         return original(self, problem)
 
-    monkeypatch.setattr(Chunked, "run", run_with_small_memory)
+    monkeypatch.setattr(cls, "run", run_with_small_memory)
+    return tried
+
+
+def test_out_of_memory_backs_off_and_remembers(monkeypatch, chunked_only):
+    ex = examples.build("mlp")
+    sizes_tried = inject_out_of_memory(monkeypatch, Chunked, lambda s: s.chunk_size, 2)
     # plan all rows in one chunk, whatever the (noisy) timing probes say
     monkeypatch.setattr(planner, "_candidate_sizes", lambda rows: [rows])
     plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
@@ -140,16 +147,7 @@ def test_out_of_memory_in_while_halves_the_rows_in_flight(monkeypatch):
     # plan while only, with as many rows in flight as TensorFlow's default
     monkeypatch.setattr(planner, "_consider_batch", lambda *args: ([], []))
     monkeypatch.setattr(planner, "_candidate_sizes", lambda rows: [])
-    original = While.run
-    tried = []
-
-    def run_with_small_memory(self, problem):
-        tried.append(self.parallel_iterations)
-        if self.parallel_iterations > 2:
-            raise tf.errors.ResourceExhaustedError(None, None, "injected OOM")
-        return original(self, problem)
-
-    monkeypatch.setattr(While, "run", run_with_small_memory)
+    tried = inject_out_of_memory(monkeypatch, While, lambda s: s.parallel_iterations, 2)
     plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
     assert plan.strategy == While(10)
     with warnings.catch_warnings(record=True) as caught:
