@@ -86,11 +86,7 @@ def jacobian(
         )
         if chosen is not None:
             return run_strategy(problem, chosen)
-        chosen_plan = planner.plan_problem(
-            problem, memory_budget=memory_budget, device=device
-        )
-        ran, output = planner.run_plan(problem, chosen_plan)
-        return _wrap(problem, ran, output, chosen_plan)
+        return run_auto(problem, memory_budget=memory_budget, device=device)
 
 
 def plan(
@@ -150,6 +146,20 @@ def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
 def run_strategy(problem: Problem, strategy: strategies.Strategy) -> JacobianResult:
     """Run one configured strategy on a resolved problem and wrap the result."""
     return _wrap(problem, strategy, strategy.run(problem), None)
+
+
+def run_auto(
+    problem: Problem,
+    *,
+    memory_budget: int | float | str | None = None,
+    device: str | None = None,
+) -> JacobianResult:
+    """``strategy="auto"`` on a resolved problem: plan (cached), run, wrap."""
+    chosen_plan = planner.plan_problem(
+        problem, memory_budget=memory_budget, device=device
+    )
+    ran, output = planner.run_plan(problem, chosen_plan)
+    return _wrap(problem, ran, output, chosen_plan)
 
 
 def _wrap(

@@ -48,7 +48,14 @@ def _add_compare(subparsers) -> None:
             default=value,
             help=f"built-in model's {name} (default {value})",
         )
-    p.add_argument("--strategies", help="comma-separated names (default: all)")
+    p.add_argument(
+        "--strategies", help="comma-separated names, 'auto' among them (default: all)"
+    )
+    p.add_argument(
+        "--memory-budget",
+        help="for the auto row: bytes, '512MiB' or a fraction of free memory "
+        "(default: 80%% of free memory)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed calls after the first")
     p.add_argument("--device", help="CPU:0 or GPU:0 (default: TensorFlow's choice)")
     p.set_defaults(run=_run_compare)
@@ -122,19 +129,29 @@ def _run_compare(args) -> int:
         reference, ref_name = _reference(problem, model64, inputs64, layer, args)
         if args.strategies:
             candidates = [
-                strategies.get(name.strip()) for name in args.strategies.split(",")
+                "auto" if name.strip() == "auto" else strategies.get(name.strip())
+                for name in args.strategies.split(",")
             ]
         else:
-            candidates = compare.default_strategies(problem.num_rows)
+            candidates = [*compare.default_strategies(problem.num_rows), "auto"]
         bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
         measurements = []
         for strategy in bar:
-            bar.set_postfix_str(strategy.label)
-            measurements.append(
-                compare.measure(
+            if strategy == "auto":
+                bar.set_postfix_str("auto")
+                measured = compare.measure_auto(
+                    problem,
+                    reference,
+                    repeats=args.repeats,
+                    device=device,
+                    memory_budget=args.memory_budget,
+                )
+            else:
+                bar.set_postfix_str(strategy.label)
+                measured = compare.measure(
                     problem, strategy, reference, repeats=args.repeats, device=device
                 )
-            )
+            measurements.append(measured)
     print(
         f"problem: {described}; target {layer!r}; "
         f"rows {problem.rows_shape} ({args.outputs})"

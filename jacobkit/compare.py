@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import memory, strategies, testing
-from jacobkit.api import run_strategy
+from jacobkit.api import run_auto, run_strategy
 from jacobkit.problem import Problem
 
 
@@ -76,12 +76,68 @@ def measure(
         times = []
         for _ in range(repeats):
             times.append(run_strategy(problem, strategy).stats.wall_time_s)
-        peak = _steady_peak(problem, strategy, device)
+        peak = _steady_peak(lambda: run_strategy(problem, strategy), device)
     except (tf.errors.OpError, ValueError, TypeError, MemoryError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return Measurement(
             **{**base.as_dict(), "error": f"{type(err).__name__}: {message}"[:300]}
         )
+    return _measured(base, first, first_call, times, peak, reference)
+
+
+def measure_auto(
+    problem: Problem,
+    reference: Sequence[Any] | None = None,
+    *,
+    repeats: int = 3,
+    device: str | None = None,
+    memory_budget: int | float | str | None = None,
+) -> Measurement:
+    """``strategy="auto"`` measured like :func:`measure`: the first call
+    (planning probes and compiling included), then the calls while it races
+    its shortlist (not timed), then ``repeats`` steady calls. The label names
+    what it settled on (``"auto: while(parallel=10)"``)."""
+    try:
+        start = time.perf_counter()
+        first = run_auto(problem, memory_budget=memory_budget, device=device)
+        first_call = time.perf_counter() - start
+        race = first.plan.race
+        while race is not None and race.winner is None:
+            run_auto(problem, memory_budget=memory_budget, device=device)
+        times = [
+            run_auto(
+                problem, memory_budget=memory_budget, device=device
+            ).stats.wall_time_s
+            for _ in range(repeats)
+        ]
+        peak = _steady_peak(
+            lambda: run_auto(problem, memory_budget=memory_budget, device=device),
+            device,
+        )
+        settled = race.winner if race is not None else first.plan.strategy
+    except (tf.errors.OpError, ValueError, TypeError, MemoryError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return Measurement(
+            "auto", "auto", None, error=f"{type(err).__name__}: {message}"[:300]
+        )
+    return _measured(
+        Measurement(f"auto: {settled.label}", "auto", settled.chunk_size),
+        first,
+        first_call,
+        times,
+        peak,
+        reference,
+    )
+
+
+def _measured(
+    base: Measurement,
+    first: Any,
+    first_call: float,
+    times: list[float],
+    peak: int | None,
+    reference: Sequence[Any] | None,
+) -> Measurement:
     diff = None
     if reference is not None:
         diff = max(
@@ -100,10 +156,10 @@ def measure(
     )
 
 
-def _steady_peak(problem: Problem, strategy: strategies.Strategy, device) -> int | None:
+def _steady_peak(call: Callable[[], Any], device) -> int | None:
     try:
         with memory.PeakMemory(device or "CPU:0") as peak:
-            run_strategy(problem, strategy)
+            call()
     except RuntimeError:  # the device keeps no allocator statistics
         return None
     return peak.extra_bytes

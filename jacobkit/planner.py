@@ -50,9 +50,8 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import memory, strategies
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, per_model
 from jacobkit.race import Race
-from jacobkit.strategies.base import per_model
 
 #: the plan keeps its predicted peak below this fraction of the budget: the
 #: linear memory model was measured within ~10% of real peaks (see the
@@ -264,7 +263,6 @@ def plan_problem(
 ) -> Plan:
     """Plan ``problem`` under ``memory_budget`` (see the module docstring)."""
     device = memory.normalize_device(device)
-    budget = memory.parse_budget(memory_budget, device=device)
     # keyed by the budget as given: a fraction of free memory stays one plan
     # although free memory moves a little between calls
     # (and by the input shapes: the rows may not change with the batch size,
@@ -272,8 +270,9 @@ def plan_problem(
     shapes = tuple(tuple(t.shape) for t in tf.nest.flatten(problem.inputs))
     cache_key = (problem.key, shapes, repr(memory_budget), device)
     cached = per_model(_PLANS, problem.model).get(cache_key)
-    if cached is not None:
+    if cached is not None:  # (asking the device for free memory takes time)
         return cached
+    budget = memory.parse_budget(memory_budget, device=device)
     result_bytes = _result_bytes(problem)
     if result_bytes > budget * SAFETY:
         raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -363,7 +364,42 @@ class Problem:
     # -- checks -------------------------------------------------------------
     def _inspect(self) -> None:
         """Trace one forward and backward pass (nothing runs): output shape and
-        dtype, the ``features`` range and which targets reach the rows."""
+        dtype, the ``features`` range and which targets reach the rows.
+
+        What it finds is kept per model, targets, rows and input signature:
+        tracing a model takes long (0.2 s for a small Conv1D stack), which a
+        loop of ``jacobian()`` calls on the same model would pay every time.
+        """
+        signature = tuple(
+            (tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(self.inputs)
+        )
+        key = (
+            tuple(id(t) for t in self.targets),
+            self.rows_spec,
+            self.training,
+            signature,
+            repr(tf.nest.map_structure(lambda _: 0, self.inputs)),
+        )
+        inspected = per_model(_INSPECTED, self.model)
+        if key not in inspected:
+            inspected[key] = self._trace()
+        outputs_shape, rows, connected = inspected[key]
+        self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
+        self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
+        self.output_dtype = rows.dtype
+        self.batch_size = outputs_shape[0] if outputs_shape is not None else None
+        self.output_width = outputs_shape[-1] if outputs_shape is not None else None
+        unconnected = [n for n, ok in zip(self.target_names, connected) if not ok]
+        if unconnected and self.unconnected == "error":
+            raise ValueError(
+                f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
+                "influence the model's outputs, so their Jacobian is zero (a "
+                "tape would return None). Pick a layer on the path to the "
+                "outputs, or pass unconnected='zero' to get zeros."
+            )
+
+    def _trace(self) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool]]:
+        """(output shape or None, rows spec, connected per target), traced."""
         found: dict[str, Any] = {}
 
         def probe(inputs):
@@ -411,23 +447,9 @@ class Problem:
                 "Jacobians need a floating output (float16/32/64). Cast the "
                 "output to float, or pick a floating output with outputs=callable."
             )
-        self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
-        self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
-        self.output_dtype = rows.dtype
-        self.batch_size = outputs.shape[0] if isinstance(outputs, tf.Tensor) else None
-        self.output_width = (
-            outputs.shape[-1] if isinstance(outputs, tf.Tensor) else None
-        )
-        unconnected = [
-            n for n, ok in zip(self.target_names, found["connected"]) if not ok
-        ]
-        if unconnected and self.unconnected == "error":
-            raise ValueError(
-                f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
-                "influence the model's outputs, so their Jacobian is zero (a "
-                "tape would return None). Pick a layer on the path to the "
-                "outputs, or pass unconnected='zero' to get zeros."
-            )
+        outputs_shape = outputs.shape if isinstance(outputs, tf.Tensor) else None
+        spec = tf.TensorSpec(rows.shape, rows.dtype)
+        return outputs_shape, spec, found["connected"]
 
     @property
     def key(self) -> tuple:
@@ -445,6 +467,23 @@ class Problem:
             self.training,
             id(self.layer),
         )
+
+
+#: model -> {inspection key: what :meth:`Problem._inspect` found}
+_INSPECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def per_model(cache: weakref.WeakKeyDictionary, model: Any) -> dict:
+    """``model``'s entry in a cache that lives as long as the model does.
+
+    A model that cannot be weakly referenced gets a fresh, unkept dict (no
+    caching): keying it by ``id()`` instead could hand a later object that
+    reuses the id a computation built for the old one.
+    """
+    try:
+        return cache.setdefault(model, {})
+    except TypeError:
+        return {}
 
 
 def _to_tensors(inputs: Any) -> Any:

@@ -36,6 +36,18 @@ def test_compare_builtin_problem(capsys):
     assert "built-in generator" in out and "reference: float64 loop" in out
     assert "rows (6,) (features)" in out
     _assert_all_agree(out)
+    assert any(label.startswith("auto: ") for label in _table_rows(out)), out
+
+
+def test_compare_auto_under_a_budget(capsys):
+    args = ["compare", *SMALL, "--num-features", "6", "--repeats", "1"]
+    code = cli.main([*args, "--strategies", "auto,while", "--memory-budget", "1GiB"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = _table_rows(out)
+    assert len(rows) == 2 and "while" in rows, out
+    (auto,) = [cells for label, cells in rows.items() if label.startswith("auto: ")]
+    assert float(auto[-1]) < 1e-4, out
 
 
 def test_compare_saved_model(tmp_path, capsys):

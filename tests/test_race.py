@@ -82,8 +82,11 @@ def test_auto_races_its_shortlist_then_keeps_the_fastest(monkeypatch):
     assert "chunked" in plan.summary().splitlines()[1].split(":")[-1]
 
 
-def test_no_race_when_one_candidate_is_clearly_fastest(monkeypatch):
-    monkeypatch.setattr(planner, "RACE_MARGIN", 1.0)
+def test_no_race_when_no_candidate_is_within_the_margin(monkeypatch):
+    # below 1 nothing is within the margin (1.0 would still race exact ties:
+    # on a busy machine two candidates can both be predicted as the forward
+    # pass alone)
+    monkeypatch.setattr(planner, "RACE_MARGIN", 0.5)
     ex = examples.build("generator")
     plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
     assert plan.shortlist == () and plan.race is None

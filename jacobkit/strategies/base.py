@@ -12,23 +12,10 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, per_model
 
 #: model -> {(problem key, strategy key): compiled computation}
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def per_model(cache: weakref.WeakKeyDictionary, model: Any) -> dict:
-    """``model``'s entry in a cache that lives as long as the model does.
-
-    A model that cannot be weakly referenced gets a fresh, unkept dict (no
-    caching): keying it by ``id()`` instead could hand a later object that
-    reuses the id a computation built for the old one.
-    """
-    try:
-        return cache.setdefault(model, {})
-    except TypeError:
-        return {}
 
 
 ZERO = tf.UnconnectedGradients.ZERO
