@@ -5,6 +5,7 @@ Used by ``jacobkit compare``, the benchmark runner and the notebooks.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -77,11 +78,8 @@ def measure(
         for _ in range(repeats):
             times.append(run_strategy(problem, strategy).stats.wall_time_s)
         peak = _steady_peak(lambda: run_strategy(problem, strategy), device)
-    except (tf.errors.OpError, ValueError, TypeError, MemoryError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return Measurement(
-            **{**base.as_dict(), "error": f"{type(err).__name__}: {message}"[:300]}
-        )
+    except _FAILURES as err:
+        return _failed(base, err)
     return _measured(base, first, first_call, times, peak, reference)
 
 
@@ -97,36 +95,34 @@ def measure_auto(
     (planning probes and compiling included), then the calls while it races
     its shortlist (not timed), then ``repeats`` steady calls. The label names
     what it settled on (``"auto: while(parallel=10)"``)."""
+    call = functools.partial(
+        run_auto, problem, memory_budget=memory_budget, device=device
+    )
     try:
         start = time.perf_counter()
-        first = run_auto(problem, memory_budget=memory_budget, device=device)
+        first = call()
         first_call = time.perf_counter() - start
         race = first.plan.race
         while race is not None and race.winner is None:
-            run_auto(problem, memory_budget=memory_budget, device=device)
-        times = [
-            run_auto(
-                problem, memory_budget=memory_budget, device=device
-            ).stats.wall_time_s
-            for _ in range(repeats)
-        ]
-        peak = _steady_peak(
-            lambda: run_auto(problem, memory_budget=memory_budget, device=device),
-            device,
-        )
-        settled = race.winner if race is not None else first.plan.strategy
-    except (tf.errors.OpError, ValueError, TypeError, MemoryError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return Measurement(
-            "auto", "auto", None, error=f"{type(err).__name__}: {message}"[:300]
-        )
-    return _measured(
-        Measurement(f"auto: {settled.label}", "auto", settled.chunk_size),
-        first,
-        first_call,
-        times,
-        peak,
-        reference,
+            call()
+        times = [call().stats.wall_time_s for _ in range(repeats)]
+        peak = _steady_peak(call, device)
+    except _FAILURES as err:
+        return _failed(Measurement("auto", "auto", None), err)
+    settled = race.winner if race is not None else first.plan.strategy
+    base = Measurement(f"auto: {settled.label}", "auto", settled.chunk_size)
+    return _measured(base, first, first_call, times, peak, reference)
+
+
+#: what a measurement records as a failure instead of raising
+_FAILURES = (tf.errors.OpError, ValueError, TypeError, MemoryError)
+
+
+def _failed(base: Measurement, err: Exception) -> Measurement:
+    """``base`` with ``error="ExceptionName: first line of the message"``."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return Measurement(
+        **{**base.as_dict(), "error": f"{type(err).__name__}: {message}"[:300]}
     )
 
 

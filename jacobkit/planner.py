@@ -104,12 +104,16 @@ class Plan:
     result_bytes: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)
     probes: dict[str, Any] = field(default_factory=dict)
-    shortlist: tuple[strategies.Strategy, ...] = ()
     race: Race | None = field(default=None, compare=False, repr=False)
 
     @property
     def chunk_size(self) -> int | None:
         return self.strategy.chunk_size
+
+    @property
+    def shortlist(self) -> tuple[strategies.Strategy, ...]:
+        """The candidates raced against :attr:`strategy` on the first calls."""
+        return tuple(self.race.candidates[1:]) if self.race is not None else ()
 
     def summary(self) -> str:
         """A few lines: the choice, the prediction, the rejected candidates."""
@@ -128,7 +132,7 @@ class Plan:
             f"{memory.format_bytes(self.budget_bytes)} budget, predicted time {when}"
             f" (result {memory.format_bytes(self.result_bytes)})"
         ]
-        if self.race is not None and self.shortlist:
+        if self.race is not None:
             lines.append(f"  {self.race.summary()}")
         lines += [f"  rejected {label}: {why}" for label, why in self.rejected]
         return "\n".join(lines)
@@ -287,11 +291,13 @@ def plan_problem(
     probes = _probe(problem, device, budget * SAFETY - result_bytes)
     plan, contenders = _choose(problem, budget, result_bytes, probes)
     worked = per_model(_WORKED, problem.model).get(problem.key)
+    if worked is None:
+        batch, why = _consider_batch(problem, plan, device)
+        contenders += batch
+        plan = replace(plan, rejected=plan.rejected + why)
+    plan = _select(plan, contenders)
     if worked is not None:  # it ran out of memory before: run what worked
         plan = _pinned(plan, worked)
-    else:
-        batch, why = _consider_batch(problem, plan, device)
-        plan = _select(replace(plan, rejected=plan.rejected + why), contenders + batch)
     per_model(_PLANS, problem.model)[cache_key] = plan
     return plan
 
@@ -299,8 +305,6 @@ def plan_problem(
 def _select(plan: Plan, contenders: list[tuple[Any, float, int | None]]) -> Plan:
     """The fastest contender ``(strategy, seconds, peak)`` (all fit the budget)
     becomes the plan; those within :data:`RACE_MARGIN` of it are raced."""
-    if not contenders:
-        return plan
     ranked = sorted(contenders, key=lambda c: c[1])
     strategy, seconds, peak = ranked[0]
     shortlist = tuple(s for s, t, _ in ranked[1:] if t <= RACE_MARGIN * seconds)
@@ -315,7 +319,6 @@ def _select(plan: Plan, contenders: list[tuple[Any, float, int | None]]) -> Plan
         predicted_time_s=seconds,
         predicted_peak_bytes=peak,
         rejected=rejected + plan.rejected,
-        shortlist=shortlist,
         race=Race([strategy, *shortlist]) if shortlist else None,
     )
 
@@ -381,9 +384,9 @@ def _consider_batch(
 def _choose(
     problem: Problem, budget: int, result_bytes: int, probes: dict[str, Any]
 ) -> tuple[Plan, list[tuple[Any, float, int | None]]]:
-    """The fastest chunk size that fits, and ``while`` if it fits: the plan
-    (its strategy the faster of them) and both as ``(strategy, seconds,
-    peak)`` contenders."""
+    """The plan's budget, probes and rejected candidates, and as
+    ``(strategy, seconds, peak)`` contenders the fastest chunk size that fits
+    and ``while`` if it fits (:func:`_select` picks among them)."""
     rows = problem.num_rows
     sizes = [k for k in probes if isinstance(k, int)]
     forward_s = probes["forward_s"]
@@ -441,12 +444,9 @@ def _choose(
         ("jacobian", "the same computation as chunked(R), without a budget"),
         ("loop", "eager Python loop: slowest"),
     ]
-    fastest = min(contenders, key=lambda c: c[1])
     plan = Plan(
-        strategy=fastest[0],
+        strategy=contenders[0][0],  # until _select ranks the contenders
         budget_bytes=budget,
-        predicted_peak_bytes=fastest[2],
-        predicted_time_s=fastest[1],
         result_bytes=result_bytes,
         rejected=rejected,
         probes={
@@ -540,4 +540,4 @@ def _pinned(plan: Plan, worked: strategies.Strategy) -> Plan:
     """``plan`` running ``worked``, the strategy that finished after an
     out-of-memory back-off (not re-planned: new probes would be noisy, and
     could pick more than what worked)."""
-    return replace(plan, strategy=worked, shortlist=(), race=None)
+    return replace(plan, strategy=worked, race=None)
