@@ -235,3 +235,17 @@ def test_default_budget_is_a_fraction_of_free_memory(generator):
     assert 0.5 * memory.DEFAULT_BUDGET_FRACTION * free < plan.budget_bytes
     assert plan.budget_bytes <= free
     assert planner.SAFETY < 1
+
+
+def test_per_example_rows_in_segments(eager_trials):
+    """A segment of per-example rows may cut an example in two: batch refuses
+    such segments (its check) and the others compute them."""
+    ex = examples.build("mlp")  # 4 examples x 10 features: segments of 10
+    for _ in range(4):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer, outputs="per_example")
+        testing.assert_close(result, reference("mlp", "per_example"))
+        _covers_every_row_once(result.plan)
+    plan = result.plan
+    assert plan.segment_rows == 10 and plan.num_rows == 40
+    (batch,) = [r for r in plan.rejected if r.label == "batch"]
+    assert "each belong to one example" in batch.reason

@@ -182,17 +182,12 @@ def _warn_once(path: str, message: str) -> None:
 
 # -- (de)serializing strategies and estimates -----------------------------------
 def strategy_to_json(strategy: Strategy) -> dict[str, Any]:
-    return {"name": strategy.name, "options": strategy.options}
+    return strategies.to_spec(strategy)
 
 
 def strategy_from_json(data: Any) -> Strategy:
     """A configured strategy; ``ValueError`` if ``data`` does not name one."""
-    if not isinstance(data, dict) or data.get("name") not in strategies.REGISTRY:
-        raise ValueError(f"not a registered strategy: {data!r}")
-    try:
-        return strategies.REGISTRY[data["name"]](**data.get("options", {}))
-    except TypeError as err:
-        raise ValueError(f"bad options for {data['name']}: {err}") from err
+    return strategies.from_spec(data)
 
 
 def estimate_to_json(estimate: Estimate) -> dict[str, Any]:

@@ -253,18 +253,21 @@ class Session:
             except tf.errors.ResourceExhaustedError:
                 self._back_off(strategy, row, "ran out of memory")
                 continue
-            except ValueError as err:
-                if strategy is self.current:
+            except Exception as err:
+                if strategy != self.trying:
                     raise
-                self._drop_trial(strategy, str(err))  # its check refused
+                # a candidate that refuses (its check) or fails on this
+                # problem is dropped; the current strategy computes the rows
+                self._drop_trial(strategy, f"{type(err).__name__}: {err}")
                 continue
             self._record(probe)
             done.append(probe)
             parts.append(jacobians)
             row += self.segment_rows
-            if probe.peak_bytes is not None and (
+            over = probe.peak_bytes is not None and (
                 probe.peak_bytes + self.kept_bytes > self.allowed_bytes
-            ):
+            )
+            if over and strategy.smaller() is not None:
                 self._back_off(strategy, row, "went over the budget")
         flat = (
             parts[0]
@@ -305,7 +308,7 @@ class Session:
 
     def _drop_trial(self, strategy: Strategy, why: str) -> None:
         self.trying = None
-        self.rejected.append(Rejection(strategy, why.split(": ", 1)[-1][:120]))
+        self.rejected.append(Rejection(strategy, why.splitlines()[0][:160]))
         self.dirty = True
 
     def _back_off(self, strategy: Strategy, row: int, what: str) -> None:
