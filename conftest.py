@@ -17,6 +17,12 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 _CACHE = tempfile.mkdtemp(prefix="jacobkit-test-cache-")
 os.environ["JACOBKIT_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# Notebook kernels start in notebooks/: make them import this checkout's
+# jacobkit, not whichever one is installed.
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 # Notebooks run at their small size under pytest (the kernels inherit this).
 os.environ.setdefault("JACOBKIT_NOTEBOOK_SIZE", "small")
 

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import tensorflow as tf
 
+from jacobkit import memory, strategies
 from jacobkit.planner import cache, probes, selection
 from jacobkit.planner import estimates as est
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
@@ -343,8 +344,6 @@ class Session:
 
 def _smallest_configurations() -> list[Strategy]:
     """Each auto candidate at its smallest (for the refusal message)."""
-    from jacobkit import strategies
-
     found = []
     for cls in strategies.REGISTRY.values():
         strategy = cls.for_auto(1)
@@ -356,8 +355,6 @@ def _smallest_configurations() -> list[Strategy]:
 
 
 def _fmt(n: float) -> str:
-    from jacobkit import memory
-
     return memory.format_bytes(int(n))
 
 

@@ -18,6 +18,8 @@ another, and which wins.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jacobkit import strategies
 from jacobkit.planner.plan import Estimate, Rejection
 from jacobkit.strategies import Strategy
@@ -36,7 +38,7 @@ RACE_SLACK_BYTES = 256 * 2**20
 
 
 def candidates(
-    segment_rows: int, fits: callable
+    segment_rows: int, fits: Callable[[Strategy], bool]
 ) -> tuple[list[Strategy], list[Rejection]]:
     """``auto``'s candidates for segments of ``segment_rows`` rows, cheapest to
     trace first, each as large as ``fits(strategy)`` allows; and the
