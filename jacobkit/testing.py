@@ -106,28 +106,111 @@ def reference_jacobian(
     return result
 
 
-def float64_copy(model: Any) -> Any:
-    """A float64 copy of a Keras 3 functional or Sequential model, with the
-    same weights (cast), for :func:`reference_jacobian`.
+#: dtype and dtype-policy names a copy rewrites: every floating one
+_FLOATING_DTYPES = frozenset(
+    {"float16", "bfloat16", "float32", "float64", "half", "float", "double"}
+    | {"mixed_float16", "mixed_bfloat16"}
+)
+
+
+def cast_copy(model: Any, dtype: str = "float64") -> Any:
+    """A copy of a Keras functional or Sequential model (Keras 3 or
+    ``tf_keras``) whose every layer computes and stores its variables in
+    ``dtype``, nested sub-models and ``Input`` layers included, with the same
+    weights (cast).
+
+    ``cast_copy(model)`` is the float64 copy :func:`reference_jacobian` is
+    meant for; ``cast_copy(model, "float32")`` gives the float32-weights
+    twin of a mixed-precision model. The copy is built from the model's
+    config with every floating dtype and dtype policy in it (layers'
+    ``dtype``, ``Input`` dtypes, ``mixed_float16`` ...) replaced by
+    ``dtype``; integer inputs keep their dtype. The model itself is not
+    touched.
 
     Raises:
-        TypeError: for models Keras cannot clone from their config
-            (subclassed models, ``tf.Module``); build those in float64 yourself.
+        TypeError: for models that cannot be rebuilt from their config
+            (subclassed models, ``tf.Module``), or when a layer of the copy
+            still holds a floating variable of another dtype (a custom layer
+            that ignores ``dtype=``); build those yourself in ``dtype``.
     """
-    import keras
-
-    def clone(layer):
-        return layer.__class__.from_config({**layer.get_config(), "dtype": "float64"})
-
     try:
-        copy = keras.models.clone_model(model, clone_function=clone)
-    except (ValueError, TypeError, NotImplementedError) as err:
+        config = _with_dtype(model.get_config(), dtype)
+        copy = type(model).from_config(config)
+        weights = model.get_weights()
+        copied = copy.weights
+        if len(weights) != len(copied):
+            raise ValueError(f"{len(copied)} variables, expected {len(weights)}")
+        copy.set_weights(
+            [w.astype(_dtype_name(v)) for w, v in zip(weights, copied, strict=True)]
+        )
+    except (
+        AttributeError,
+        KeyError,
+        NotImplementedError,
+        TypeError,
+        ValueError,
+    ) as err:
+        reason = (str(err).strip().splitlines() or [""])[0][:200]
         raise TypeError(
-            f"float64_copy(model): cannot clone {type(model).__name__} from its "
-            "config; build a float64 copy of the model and copy its weights."
+            f"cast_copy(model, {dtype!r}): cannot rebuild {type(model).__name__} "
+            f"from its config ({type(err).__name__}: {reason}); build a {dtype} "
+            "copy of the model yourself and copy its weights."
         ) from err
-    copy.set_weights([w.astype("float64") for w in model.get_weights()])
+    kept = sorted(
+        {
+            f"{_variable_path(v)} ({_dtype_name(v)})"
+            for v in copy.weights
+            if tf.as_dtype(_dtype_name(v)).is_floating and _dtype_name(v) != dtype
+        }
+    )
+    if kept:
+        raise TypeError(
+            f"cast_copy(model, {dtype!r}): the copy still holds variables of "
+            f"another dtype: {', '.join(kept[:5])}"
+            + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+            + f". Their layers ignore dtype=; build a {dtype} copy yourself."
+        )
     return copy
+
+
+def float64_copy(model: Any) -> Any:
+    """``cast_copy(model, "float64")``: the float64 copy of a Keras model
+    (every layer, nested sub-models included) for :func:`reference_jacobian`.
+
+    Raises:
+        TypeError: as :func:`cast_copy`.
+    """
+    return cast_copy(model, "float64")
+
+
+def _with_dtype(config: Any, dtype: str) -> Any:
+    """``config`` with every floating dtype or dtype policy set to ``dtype``."""
+    if isinstance(config, list):
+        return [_with_dtype(c, dtype) for c in config]
+    if not isinstance(config, dict):
+        return config
+    rewritten = {}
+    for key, value in config.items():
+        if key == "dtype" and _is_floating_dtype(value):
+            rewritten[key] = dtype
+        else:
+            rewritten[key] = _with_dtype(value, dtype)
+    return rewritten
+
+
+def _is_floating_dtype(value: Any) -> bool:
+    """A dtype name, or a serialized dtype policy, that is floating."""
+    if isinstance(value, dict):  # {"class_name": "DTypePolicy", "config": {...}}
+        value = (value.get("config") or {}).get("name")
+    return isinstance(value, str) and value in _FLOATING_DTYPES
+
+
+def _dtype_name(variable: Any) -> str:
+    return tf.as_dtype(variable.dtype).name
+
+
+def _variable_path(variable: Any) -> str:
+    return getattr(variable, "path", None) or variable.name
 
 
 def max_relative_difference(actual: Any, expected: Any) -> float:

@@ -116,7 +116,8 @@ def _contract_summed(problem, layer_inputs, dz, targets):
     with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
         tape.watch(targets)
         z = problem.layer_linear(layer_inputs)
-    cotangents = tf.experimental.numpy.moveaxis(dz, 1, 0)  # (K, B, ...)
+    # (K, B, ...), in z's dtype: float32 under mixed precision (dz is float16)
+    cotangents = tf.cast(tf.experimental.numpy.moveaxis(dz, 1, 0), z.dtype)
     return tf.vectorized_map(
         lambda ct: tape.gradient(
             z, targets, output_gradients=ct, unconnected_gradients=ZERO
@@ -138,7 +139,10 @@ def _contract_per_example(problem, layer_inputs, dz, targets):
             tape.watch(targets)
             z = problem.layer_linear(tf.gather(layer_inputs, example[None]))
         return tape.gradient(
-            z, targets, output_gradients=cotangent, unconnected_gradients=ZERO
+            z,
+            targets,
+            output_gradients=tf.cast(cotangent, z.dtype),
+            unconnected_gradients=ZERO,
         )
 
     return tf.vectorized_map(one, (examples, cotangents), fallback_to_while_loop=False)
