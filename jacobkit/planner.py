@@ -431,6 +431,13 @@ def _choose(
         else:
             rejected.append((label, f"slower ({seconds * 1e3:.1f} ms predicted)"))
     contenders = [best] if best is not None else []
+    try:  # chunked refuses where it cannot keep the loop's accuracy (float16)
+        strategies.Chunked().check(problem)
+    except ValueError as err:
+        reason = str(err).split(": ", 1)[-1].split(". ")[0]
+        rejected[:] = [r for r in rejected if not r[0].startswith("chunked(")]
+        rejected.append(("chunked", f"{reason}: vectorized sums lose accuracy"))
+        contenders = []
     contenders += _consider_while(problem, probes, result_bytes, allowed, rejected)
     if not contenders:
         smallest = min(p for _, p in peaks) + result_bytes

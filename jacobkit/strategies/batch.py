@@ -23,6 +23,7 @@ from typing import final
 
 import tensorflow as tf
 
+from jacobkit import precision
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import ZERO, Strategy
 
@@ -64,6 +65,7 @@ class Batch(Strategy):
                 "jacobian(strategy='batch'): every target must be the layer's own "
                 "kernel or bias."
             )
+        precision.refuse_float16_variables(problem, self.name)
         leak = _cross_example_leak(problem)
         if leak > 1e-6:
             raise ValueError(
