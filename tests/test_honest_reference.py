@@ -208,3 +208,23 @@ def _reference(name: str) -> testing.Reference:
     return testing.float64_reference(
         model, inputs, [stem.kernel, stem.bias], call_kwargs={"training": False}
     )
+
+
+def test_compare_says_what_the_reference_was(tmp_path, capsys):
+    """``jacobkit compare --model`` on a nested model: the reference is a
+    float64 copy throughout, and the label says so."""
+    from jacobkit import cli
+
+    model, inputs = _nested("nested_conv")
+    model.save(tmp_path / "nested.keras")
+    np.save(tmp_path / "x.npy", inputs)
+    args = ["--model", str(tmp_path / "nested.keras"), "--inputs"]
+    args += [str(tmp_path / "x.npy"), "--layer", "stem", "--strategies"]
+    code = cli.main(["compare", *args, "loop,while", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert (
+        "reference: float64 loop on a float64 copy of the model (every variable "
+        "float64)" in out
+    ), out
+    assert "DISAGREE" not in out
