@@ -363,7 +363,7 @@ class Problem:
         # precision the kernel is float32 and ``layer_inputs`` float16. ``z``
         # is computed in the kernel's dtype, so the contraction with the
         # cotangents accumulates in float32, as the loop's gradient does.
-        dtype = self.targets[self.roles["kernel"]].dtype
+        dtype = self.targets[self.roles.get("kernel", 0)].dtype
 
         def linear(layer_inputs):
             layer_inputs = tf.cast(layer_inputs, dtype)

@@ -34,14 +34,23 @@ import tensorflow as tf
 #: forward pass, not the strategy); median 1.6e-7. 1e-5 leaves a margin of 14x.
 #: float64: at most 6.9e-16 (the residual block, ``per_example``); 1e-12 only
 #: guards against a float32 computation slipping in.
-#: float16 and bfloat16 are not measured (no test problem uses them).
+#: Reduced precision, measured over ``tests/test_mixed_precision.py`` (every
+#: strategy configuration x the generator, cnn2d and mlp examples, against
+#: the float64 copy of the model under test; strategies that refuse left out):
+#: ``"mixed_float16"`` (float32 results): at most 2.2e-3 (loop and while; batch
+#: 1.2e-3); 5e-3 leaves 2.3x. ``"mixed_bfloat16"``: at most 8.6e-3 (while,
+#: per_example); 2e-2 leaves 2.3x. float16 layers: at most 2.5e-3 (loop);
+#: bfloat16 layers: at most 5.8e-3. The eager ``loop`` under bfloat16 is the
+#: exception: 0.31 to 0.41 on cnn2d (TensorFlow's eager CPU kernels for
+#: bfloat16 Conv2D gradients; every compiled strategy gets 5e-3 there), so it
+#: is not held to these.
 TOLERANCE = {
     tf.float16: 5e-3,
-    tf.bfloat16: 5e-2,
+    tf.bfloat16: 2e-2,
     tf.float32: 1e-5,
     tf.float64: 1e-12,
     "mixed_float16": 5e-3,
-    "mixed_bfloat16": 5e-2,
+    "mixed_bfloat16": 2e-2,
 }
 
 
@@ -388,7 +397,10 @@ def assert_close(
       tight one. Measured on the nested and deep models of
       ``tests/test_reference.py``, every strategy is within 1.2x of the
       loop's own error (float32) or refuses (float16, see
-      :mod:`jacobkit.precision`), which ``BASELINE_FACTOR = 2`` covers;
+      :mod:`jacobkit.precision`), which ``BASELINE_FACTOR = 2`` covers. The
+      derived tolerance is only as tight as that loop: under bfloat16 on CPU
+      the eager loop can be far off (0.41 on a Conv2D model), so pass
+      ``precision=`` with a plain list of arrays there;
     - else the floor: :data:`TOLERANCE` for ``precision`` if given
       (``"mixed_float16"``, ``"mixed_bfloat16"``), else for the result's dtype.
 
