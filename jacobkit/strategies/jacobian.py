@@ -21,6 +21,8 @@ class Jacobian(Strategy):
 
     name = "jacobian"
 
+    trace_weight = 2.5
+
     def check(self, problem: Problem) -> None:
         precision.refuse_float16_vectorized(problem, self.name)
 
