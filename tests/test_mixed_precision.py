@@ -147,16 +147,19 @@ def test_low_precision_layers_agree_with_float64(case, dtype, problem):
 
 @pytest.mark.parametrize("policy", POLICIES, indirect=True)
 def test_auto_picks_an_accurate_strategy(policy):
-    """Under mixed_float16, auto skips the strategies that refuse and says why."""
+    """Under mixed_float16, auto never settles on a strategy that refuses
+    (it drops a candidate whose check raises, with the reason)."""
     ex = example("cnn2d")
     model = _model("cnn2d", policy)
-    result = jk.jacobian(model, ex.inputs, ex.layer)
     reference = _reference("cnn2d", policy, "features")
-    testing.assert_close(result, list(reference), precision=policy)
-    if policy == "mixed_float16":
-        assert result.strategy not in ("jacobian", "chunked")
-        reasons = dict(result.plan.rejected)
-        assert "computes in float16" in reasons["chunked"]
+    for _ in range(4):  # auto tries its candidates over the first calls
+        result = jk.jacobian(model, ex.inputs, ex.layer, cache=False)
+        testing.assert_close(result, list(reference), precision=policy)
+        if policy == "mixed_float16":
+            assert result.strategy not in ("jacobian", "chunked")
+    for rejection in result.plan.rejected:
+        if policy == "mixed_float16" and rejection.label.startswith("chunked"):
+            assert "computes in float16" in rejection.reason, rejection
 
 
 def test_the_policy_is_restored():
