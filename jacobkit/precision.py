@@ -46,14 +46,28 @@ MEASURED = {
 
 def gradient_dtype(problem: Any) -> tf.DType:
     """The dtype the targets' gradients are computed in: the target layer's
-    compute dtype (``float16`` under ``mixed_float16``), else the lowest
-    precision among the target variables."""
+    compute dtype (``float16`` under ``mixed_float16``); for a list of
+    variables, the lowest compute dtype of the Keras layers that own them,
+    else of the variables themselves."""
     layer = getattr(problem, "layer", None)
     compute = getattr(layer, "compute_dtype", None)
     if compute is not None:
         return tf.as_dtype(compute)
     dtypes = [t.dtype for t in problem.targets]
+    targets = {id(t) for t in problem.targets}
+    flatten = getattr(problem.model, "_flatten_layers", None)
+    for owner in flatten(include_self=False, recursive=True) if flatten else ():
+        owned = [_unwrapped(w) for w in getattr(owner, "weights", ())]
+        compute = getattr(owner, "compute_dtype", None)
+        if compute is not None and any(id(w) in targets for w in owned):
+            dtypes.append(tf.as_dtype(compute))
     return min(dtypes, key=lambda d: d.size)
+
+
+def _unwrapped(variable: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable; others as they are."""
+    inner = getattr(variable, "_value", None)
+    return inner if isinstance(inner, tf.Variable) else variable
 
 
 def refuse_float16_vectorized(problem: Any, name: str) -> None:

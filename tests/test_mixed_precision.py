@@ -162,6 +162,16 @@ def test_auto_picks_an_accurate_strategy(policy):
             assert "computes in float16" in rejection.reason, rejection
 
 
+@pytest.mark.parametrize("problem", ["cnn2d", "tf_keras"])
+def test_variables_of_a_float16_layer_are_refused_too(problem):
+    """A list of variables is judged by the layer that owns them."""
+    ex = example(problem)
+    model = _model(problem, "mixed_float16")
+    layer = model.get_layer(ex.layer)
+    with pytest.raises(ValueError, match="the target computes in float16"):
+        jk.jacobian(model, ex.inputs, [layer.kernel, layer.bias], strategy="chunked")
+
+
 def test_the_policy_is_restored():
     """The fixture above leaves the global policy as it found it."""
     assert keras.mixed_precision.global_policy().name == "float32"
