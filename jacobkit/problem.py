@@ -282,10 +282,18 @@ class Problem:
 
     # -- the computation strategies differentiate ---------------------------
     def call_model(self, inputs: Any) -> Any:
-        """``Y = model(inputs)``, with ``training=`` for Keras models."""
+        """``Y = model(inputs)``, with ``training=`` for Keras models.
+
+        A float16 or bfloat16 output (mixed precision) is cast to float32
+        first, so rows are summed, and cotangents seeded, in float32: each
+        row's gradient then reaches the target variables as the loop's
+        gradient of a float32 scalar does.
+        """
         if self._is_keras:
-            return self.model(inputs, training=self.training)
-        return self.model(inputs)
+            outputs = self.model(inputs, training=self.training)
+        else:
+            outputs = self.model(inputs)
+        return tf.nest.map_structure(_at_least_float32, outputs)
 
     def rows(self, inputs: Any) -> tf.Tensor:
         """The rows as a flat vector of length ``num_rows``."""
@@ -351,7 +359,14 @@ class Problem:
     def _linear_call(self) -> Callable[[tf.Tensor], tf.Tensor]:
         layer = self.layer
 
+        # Outside ``layer.__call__`` Keras does not autocast: under mixed
+        # precision the kernel is float32 and ``layer_inputs`` float16. ``z``
+        # is computed in the kernel's dtype, so the contraction with the
+        # cotangents accumulates in float32, as the loop's gradient does.
+        dtype = self.targets[self.roles.get("kernel", 0)].dtype
+
         def linear(layer_inputs):
+            layer_inputs = tf.cast(layer_inputs, dtype)
             activation = layer.activation
             object.__setattr__(layer, "activation", tf.identity)
             try:
@@ -505,6 +520,13 @@ def _to_tensors(inputs: Any) -> Any:
     ):
         return tf.nest.map_structure(convert, inputs)
     return convert(inputs)
+
+
+def _at_least_float32(value: Any) -> Any:
+    """``value`` cast to float32 if it is a float16 or bfloat16 tensor."""
+    if isinstance(value, tf.Tensor) and value.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(value, tf.float32)
+    return value
 
 
 def _check_features_type(features: Sequence[int] | None) -> tuple[int, ...] | None:

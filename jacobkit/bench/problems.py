@@ -16,7 +16,8 @@ from typing import Any
 #: what each reference kind is, in words (for the tables)
 REFERENCES = {
     "float64": "float64 eager loop (`jacobkit.testing.reference_jacobian`) "
-    "on the float64 build of the same example",
+    "on a float64 copy of the example (`jacobkit.testing.float64_copy`: every "
+    "layer and variable float64, nested models included)",
     "float32-loop": "float32 `loop` strategy (one `tape.gradient` per row)",
 }
 

@@ -23,6 +23,7 @@ from typing import final
 
 import tensorflow as tf
 
+from jacobkit import precision
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import ZERO, Strategy
 
@@ -70,6 +71,7 @@ class Batch(Strategy):
                 "jacobian(strategy='batch'): every target must be the layer's own "
                 "kernel or bias."
             )
+        precision.refuse_float16_variables(problem, self.name)
         leak = _cross_example_leak(problem)
         if leak > 1e-6:
             raise ValueError(
@@ -124,7 +126,8 @@ def _contract_summed(problem, layer_inputs, dz, targets):
     with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
         tape.watch(targets)
         z = problem.layer_linear(layer_inputs)
-    cotangents = tf.experimental.numpy.moveaxis(dz, 1, 0)  # (K, B, ...)
+    # (K, B, ...), in z's dtype: float32 under mixed precision (dz is float16)
+    cotangents = tf.cast(tf.experimental.numpy.moveaxis(dz, 1, 0), z.dtype)
     return tf.vectorized_map(
         lambda ct: tape.gradient(
             z, targets, output_gradients=ct, unconnected_gradients=ZERO
@@ -146,7 +149,10 @@ def _contract_per_example(problem, layer_inputs, dz, targets):
             tape.watch(targets)
             z = problem.layer_linear(tf.gather(layer_inputs, example[None]))
         return tape.gradient(
-            z, targets, output_gradients=cotangent, unconnected_gradients=ZERO
+            z,
+            targets,
+            output_gradients=tf.cast(cotangent, z.dtype),
+            unconnected_gradients=ZERO,
         )
 
     return tf.vectorized_map(one, (examples, cotangents), fallback_to_while_loop=False)

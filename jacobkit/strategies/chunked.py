@@ -7,6 +7,7 @@ from typing import final
 
 import tensorflow as tf
 
+from jacobkit import precision
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import (
     ZERO,
@@ -50,6 +51,9 @@ class Chunked(Strategy):
     def smaller(self) -> Chunked | None:
         """Half the rows per chunk, down to one."""
         return Chunked(self.chunk_size // 2) if self.chunk_size > 1 else None
+
+    def check(self, problem: Problem) -> None:
+        precision.refuse_float16_vectorized(problem, self.name)
 
     def build(self, problem: Problem):
         targets = problem.targets

@@ -58,7 +58,8 @@ class Forward(Strategy):
         def jvp(tangent):
             with tf.autodiff.ForwardAccumulator(target, tangent) as acc:
                 rows = problem.rows(inputs)
-            return acc.jvp(rows, unconnected_gradients=ZERO)
+            # float32 rows of a float16 model: columns in the target's dtype
+            return tf.cast(acc.jvp(rows, unconnected_gradients=ZERO), target.dtype)
 
         def chunk(start, size):
             tangents = tf.one_hot(

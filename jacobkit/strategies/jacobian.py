@@ -7,6 +7,7 @@ from typing import final
 
 import tensorflow as tf
 
+from jacobkit import precision
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import ZERO, Strategy
 
@@ -21,6 +22,9 @@ class Jacobian(Strategy):
     name = "jacobian"
 
     trace_weight = 2.5
+
+    def check(self, problem: Problem) -> None:
+        precision.refuse_float16_vectorized(problem, self.name)
 
     def build(self, problem: Problem):
         targets = problem.targets

@@ -74,12 +74,20 @@ class While(Strategy):
             ) as tape:
                 tape.watch(targets)
                 rows = problem.rows(inputs)
-            return tape.jacobian(
-                rows,
-                targets,
-                unconnected_gradients=ZERO,
-                parallel_iterations=parallel,
-                experimental_use_pfor=False,
-            )
+                # tape.jacobian stacks gradients in the rows' dtype: rows are
+                # seeded in each target's dtype (float32 rows, float16 targets)
+                seeded = {t.dtype: tf.cast(rows, t.dtype) for t in targets}
+            jacobians = {}
+            for dtype, rows_in_dtype in seeded.items():
+                group = [t for t in targets if t.dtype == dtype]
+                found = tape.jacobian(
+                    rows_in_dtype,
+                    group,
+                    unconnected_gradients=ZERO,
+                    parallel_iterations=parallel,
+                    experimental_use_pfor=False,
+                )
+                jacobians.update({id(t): j for t, j in zip(group, found)})
+            return [jacobians[id(t)] for t in targets]
 
         return compute
