@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, planner, strategies
+from jacobkit import memory, planner, quiet, strategies
 from jacobkit.problem import Problem
 from jacobkit.result import JacobianResult
 
@@ -25,6 +27,7 @@ def jacobian(
     unconnected: str = "error",
     memory_budget: int | float | str | None = None,
     device: str | None = None,
+    output: int | str | None = None,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
 
@@ -52,6 +55,10 @@ def jacobian(
             :func:`jacobkit.plan`.
         device: run on this device (``"CPU:0"``, ``"GPU:0"``); default: TF's
             placement.
+        output: for a model with several outputs (a list, tuple or dict),
+            the index or name of the one to differentiate
+            (``output="logits"``); rows are formed from it as from a
+            single-output model.
 
     Returns:
         A :class:`JacobianResult`; for a layer target ``result.kernel`` has
@@ -66,6 +73,7 @@ def jacobian(
         >>> tuple(res.kernel.shape), tuple(res.bias.shape)
         ((3, 4, 3), (3, 3))
     """
+    start = time.perf_counter()
     chosen = None if strategy == "auto" else strategies.get(strategy)
     if chosen is not None and memory_budget is not None:
         raise ValueError(
@@ -83,10 +91,14 @@ def jacobian(
             features=features,
             training=training,
             unconnected=unconnected,
+            output=output,
         )
         if chosen is not None:
-            return run_strategy(problem, chosen)
-        return run_auto(problem, memory_budget=memory_budget, device=device)
+            result = run_strategy(problem, chosen)
+        else:
+            result = run_auto(problem, memory_budget=memory_budget, device=device)
+    stats = replace(result.stats, total_time_s=time.perf_counter() - start)
+    return replace(result, stats=stats)
 
 
 def plan(
@@ -100,6 +112,7 @@ def plan(
     training: bool = False,
     unconnected: str = "error",
     device: str | None = None,
+    output: int | str | None = None,
 ) -> planner.Plan:
     """What ``jacobian(..., strategy="auto")`` would run, without running it.
 
@@ -117,6 +130,7 @@ def plan(
             features=features,
             training=training,
             unconnected=unconnected,
+            output=output,
         )
         return planner.plan_problem(problem, memory_budget=memory_budget, device=device)
 
@@ -145,7 +159,9 @@ def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
 
 def run_strategy(problem: Problem, strategy: strategies.Strategy) -> JacobianResult:
     """Run one configured strategy on a resolved problem and wrap the result."""
-    return _wrap(problem, strategy, strategy.run(problem), None)
+    with quiet.tensorflow_warnings():
+        output = strategy.run(problem)
+    return _wrap(problem, strategy, output, None)
 
 
 def run_auto(
@@ -155,11 +171,18 @@ def run_auto(
     device: str | None = None,
 ) -> JacobianResult:
     """``strategy="auto"`` on a resolved problem: plan (cached), run, wrap."""
-    chosen_plan = planner.plan_problem(
-        problem, memory_budget=memory_budget, device=device
-    )
-    ran, output = planner.run_plan(problem, chosen_plan)
-    return _wrap(problem, ran, output, chosen_plan)
+    start = time.perf_counter()
+    # TensorFlow's warnings about its own internals (pfor's "Conv2DBackprop
+    # Filter uses a while_loop", retracing of the probes' functions) are not
+    # for the user: hidden while jacobkit works (see jacobkit.quiet)
+    with quiet.tensorflow_warnings():
+        chosen_plan = planner.plan_problem(
+            problem, memory_budget=memory_budget, device=device
+        )
+        planning = time.perf_counter() - start
+        ran, output = planner.run_plan(problem, chosen_plan)
+    result = _wrap(problem, ran, output, chosen_plan)
+    return replace(result, stats=replace(result.stats, planning_time_s=planning))
 
 
 def _wrap(

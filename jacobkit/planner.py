@@ -359,6 +359,7 @@ def _consider_batch(
         features=list(chosen or range(width))[:count],
         training=problem.training,
         unconnected="zero",
+        output=problem.output,
     )
     fn = tf.function(batch.build(sub))
     try:

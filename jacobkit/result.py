@@ -25,6 +25,11 @@ class Stats:
         peak_bytes: peak device memory during the call, when measured.
         num_rows: rows this call computed (``R``, or fewer where ``auto``
             ran a strategy on a range of rows); ``None`` if not known.
+        planning_time_s: seconds ``strategy="auto"`` spent planning in this
+            call (its probes; 0.0 for a cached plan or a named strategy).
+        total_time_s: seconds of the whole ``jacobian()`` call: checking the
+            problem, planning and running (``wall_time_s`` is the run only);
+            ``None`` where the strategy was run without ``jacobian()``.
     """
 
     wall_time_s: float = 0.0
@@ -32,6 +37,8 @@ class Stats:
     traced: bool = False
     peak_bytes: int | None = None
     num_rows: int | None = None
+    planning_time_s: float = 0.0
+    total_time_s: float | None = None
 
 
 @dataclass(frozen=True)

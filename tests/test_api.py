@@ -46,11 +46,11 @@ def test_result_shapes_and_what_ran(mlp_result):
 
 def test_result_indexing(mlp_result):
     kernel, bias = mlp_result.kernel, mlp_result.bias
-    assert list(mlp_result) == ["mlp/hidden1/kernel", "mlp/hidden1/bias"]
+    assert list(mlp_result) == ["hidden1/kernel", "hidden1/bias"]
     assert len(mlp_result) == 2
-    for key in ("kernel", "mlp/hidden1/kernel", 0, -2):
+    for key in ("kernel", "hidden1/kernel", 0, -2):
         assert mlp_result[key] is kernel
-    for key in ("bias", "mlp/hidden1/bias", 1, -1):
+    for key in ("bias", "hidden1/bias", 1, -1):
         assert mlp_result[key] is bias
     assert "kernel" in mlp_result and 1 in mlp_result
     assert "weights" not in mlp_result and 2 not in mlp_result
@@ -61,7 +61,7 @@ def test_result_key_error_lists_the_targets(mlp_result):
         KeyError,
         match=re.escape(
             "JacobianResult['weights']: no such target. Targets: "
-            "'mlp/hidden1/kernel', 'mlp/hidden1/bias'; roles: 'kernel', 'bias'"
+            "'hidden1/kernel', 'hidden1/bias'; roles: 'kernel', 'bias'"
         ),
     ):
         mlp_result["weights"]
@@ -69,7 +69,7 @@ def test_result_key_error_lists_the_targets(mlp_result):
         KeyError,
         match=re.escape(
             "JacobianResult[2]: index out of range for 2 target(s): "
-            "'mlp/hidden1/kernel', 'mlp/hidden1/bias'"
+            "'hidden1/kernel', 'hidden1/bias'"
         ),
     ):
         mlp_result[2]
