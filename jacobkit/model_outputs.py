@@ -93,8 +93,8 @@ def pick(outputs: Any, output: int | str, model: Any) -> tf.Tensor:
         return values[index]
     if len(values) == 1:
         raise OutputError(
-            f"jacobian(output={output!r}): the model has a single output "
-            f"({_listed(values, names)}). Drop output=, or pass output=0."
+            f"jacobian(output={output!r}): the model has a single output (shape "
+            f"{tuple(values[0].shape)}). Drop output=, or pass output=0."
         )
     count = f"{len(values)} outputs"
     hint = ""
