@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -61,3 +62,37 @@ def hide_startup_logs() -> None:
     """Hide TensorFlow's C++ start-up logs (``TF_CPP_MIN_LOG_LEVEL=3``) unless
     the user set the level. Only effective before TensorFlow loads."""
     os.environ.setdefault(_CPP_LOG_LEVEL, "3")
+
+
+@contextlib.contextmanager
+def _native_stderr_hidden() -> Iterator[None]:
+    """Send the process's stderr (file descriptor 2) to ``os.devnull``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def start_tensorflow_quietly() -> None:
+    """Import TensorFlow and start its runtime without its C++ start-up lines.
+
+    The native libraries log while they load and while the runtime looks for
+    devices (absl's ``All log messages before absl::InitializeLog() is called
+    are written to STDERR``, oneDNN and CUDA notices, ``failed call to
+    cuInit``), partly whatever ``TF_CPP_MIN_LOG_LEVEL`` says; so the
+    process's stderr is sent to ``os.devnull`` meanwhile. For the command
+    line: a program's own stderr output in that window is lost too.
+    """
+    hide_startup_logs()
+    if "tensorflow" in sys.modules:
+        return
+    with _native_stderr_hidden():
+        import tensorflow as tf
+
+        tf.config.list_logical_devices()
