@@ -28,6 +28,7 @@ def jacobian(
     memory_budget: int | float | str | None = None,
     device: str | None = None,
     output: int | str | None = None,
+    cache: bool = True,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
 
@@ -59,6 +60,9 @@ def jacobian(
             the index or name of the one to differentiate
             (``output="logits"``); rows are formed from it as from a
             single-output model.
+        cache: for ``strategy="auto"``: read and write the plan cache on disk
+            (``$JACOBKIT_CACHE_DIR``, default ``~/.cache/jacobkit``; see
+            :mod:`jacobkit.planner.cache`). ``False`` plans in memory only.
 
     Returns:
         A :class:`JacobianResult`; for a layer target ``result.kernel`` has
@@ -96,7 +100,9 @@ def jacobian(
         if chosen is not None:
             result = run_strategy(problem, chosen)
         else:
-            result = run_auto(problem, memory_budget=memory_budget, device=device)
+            result = run_auto(
+                problem, memory_budget=memory_budget, device=device, cache=cache
+            )
     stats = replace(result.stats, total_time_s=time.perf_counter() - start)
     return replace(result, stats=stats)
 
@@ -113,13 +119,17 @@ def plan(
     unconnected: str = "error",
     device: str | None = None,
     output: int | str | None = None,
+    cache: bool = True,
 ) -> planner.Plan:
-    """What ``jacobian(..., strategy="auto")`` would run, without running it.
+    """What ``jacobian(..., strategy="auto")`` runs next, without running it.
 
-    Short probes on one and a few rows measure memory and time; the
-    :class:`Plan` gives the strategy, chunk size, predicted peak bytes and
-    time, and each rejected candidate with the reason. Arguments are those of
-    :func:`jacobian`.
+    Nothing is computed: before the first call the :class:`Plan` names the
+    strategy ``auto`` starts on (the one cheapest to trace that is predicted
+    to fit) and its predicted peak; after calls (in this process, or in an
+    earlier one through the disk cache) it gives what they measured: time
+    per call, tracing time and peak of each strategy that ran, the switches
+    and why, the candidates still to try, and each rejected one with the
+    reason. Arguments are those of :func:`jacobian`.
     """
     with _device_scope(device):
         problem = Problem(
@@ -132,7 +142,9 @@ def plan(
             unconnected=unconnected,
             output=output,
         )
-        return planner.plan_problem(problem, memory_budget=memory_budget, device=device)
+        return planner.plan_problem(
+            problem, memory_budget=memory_budget, device=device, cache=cache
+        )
 
 
 def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
@@ -169,19 +181,23 @@ def run_auto(
     *,
     memory_budget: int | float | str | None = None,
     device: str | None = None,
+    cache: bool = True,
 ) -> JacobianResult:
-    """``strategy="auto"`` on a resolved problem: plan (cached), run, wrap."""
+    """``strategy="auto"`` on a resolved problem: run it in segments (see
+    :mod:`jacobkit.planner`) and wrap; ``result.strategy`` is what later
+    calls run. ``stats.planning_time_s`` is the time spent outside the
+    segments that compute rows (the budget check, the activation estimate,
+    the plan cache)."""
     start = time.perf_counter()
     # TensorFlow's warnings about its own internals (pfor's "Conv2DBackprop
-    # Filter uses a while_loop", retracing of the probes' functions) are not
-    # for the user: hidden while jacobkit works (see jacobkit.quiet)
+    # Filter uses a while_loop", retracing of the candidates' functions) are
+    # not for the user: hidden while jacobkit works (see jacobkit.quiet)
     with quiet.tensorflow_warnings():
-        chosen_plan = planner.plan_problem(
-            problem, memory_budget=memory_budget, device=device
+        strategy, flat, stats, plan = planner.run(
+            problem, memory_budget=memory_budget, device=device, cache=cache
         )
-        planning = time.perf_counter() - start
-        ran, output = planner.run_plan(problem, chosen_plan)
-    result = _wrap(problem, ran, output, chosen_plan)
+    planning = max(time.perf_counter() - start - stats.wall_time_s, 0.0)
+    result = _wrap(problem, strategy, (flat, stats), plan)
     return replace(result, stats=replace(result.stats, planning_time_s=planning))
 
 
