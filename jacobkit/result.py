@@ -56,8 +56,15 @@ class JacobianResult(Mapping):
     (``Chunked(chunk_size=8)``, ``While(parallel_iterations=2)``) and
     ``chunk_size`` its chunk size, if it has one.
 
-    Index by the variable's name (``result["dense/kernel"]``), by its role
-    (``result["kernel"]``) or by position (``result[0]``).
+    Index by the variable's key (``result["head/kernel"]``), by its role
+    (``result["kernel"]``) or by position (``result[0]``). A key is the path
+    of the layer that holds the variable inside the model, then the
+    variable's name: ``"head/kernel"`` for a ``Sequential`` and a functional
+    model alike (the model's own name is never part of it), with the names
+    of nested sub-models and wrapped layers in front where there are some
+    (``"backbone/conv1/kernel"``, ``"lstm/lstm_cell/recurrent_kernel"``).
+    Variables outside the model's layers (and those of a ``tf.Module``) are
+    keyed by their own name.
     """
 
     jacobians: dict[str, tf.Tensor]
