@@ -86,7 +86,7 @@ def jacobian(
             "strategy= to let auto fit the budget, or drop memory_budget= and "
             "size the strategy yourself (e.g. Chunked(chunk_size=8))."
         )
-    with _device_scope(device):
+    with _device_scope(device), quiet.tensorflow_warnings():
         problem = Problem(
             model,
             inputs,
@@ -131,7 +131,7 @@ def plan(
     and why, the candidates still to try, and each rejected one with the
     reason. Arguments are those of :func:`jacobian`.
     """
-    with _device_scope(device):
+    with _device_scope(device), quiet.tensorflow_warnings():
         problem = Problem(
             model,
             inputs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import re
@@ -470,3 +471,36 @@ def test_stats_report_planning_and_the_whole_call():
     fixed = jk.jacobian(model, x, "head", strategy="chunked")
     assert fixed.stats.planning_time_s == 0.0
     assert fixed.stats.total_time_s >= fixed.stats.wall_time_s
+
+
+# -- TensorFlow's warnings about its own internals stay out ---------------------------
+class _Chatty(tf.Module):
+    """Logs on TensorFlow's logger whenever it runs (or is traced), as
+    TensorFlow's internals do (pfor's "Conv2DBackpropFilter uses a
+    while_loop. Fix that!", the retracing warning)."""
+
+    def __init__(self):
+        super().__init__(name="chatty")
+        self.w = tf.Variable(tf.ones((3, 2)), name="w")
+
+    def __call__(self, x):
+        tf.get_logger().warning("internal detail")
+        tf.get_logger().error("a real problem")
+        return x @ self.w
+
+
+@pytest.mark.parametrize("strategy", ["auto", "chunked", "loop"])
+def test_tensorflow_warnings_are_hidden_while_jacobkit_works(caplog, strategy):
+    model = _Chatty()
+    x = np.ones((2, 3), "float32")
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        model(x)  # the control: outside jacobkit both records show
+        assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]
+        caplog.clear()
+        jk.jacobian(model, x, [model.w], strategy=strategy)
+    levels = {r.levelname for r in caplog.records if r.name == "tensorflow"}
+    assert levels == {"ERROR"}  # errors still show
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        model(x)  # and nothing stays switched off afterwards
+    assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]
