@@ -204,6 +204,9 @@ class Problem:
         batch_size: the leading dimension of the output ``Y``.
         output_width: the size of ``Y``'s last (feature) axis.
         output_dtype: dtype of the rows.
+        has_loops: whether the model's computation runs a ``tf.while_loop``
+            (a recurrent layer over time steps).
+        output: the output picked by ``output=`` (index or name), or ``None``.
     """
 
     def __init__(
@@ -432,7 +435,7 @@ class Problem:
         inspected = per_model(_INSPECTED, self.model)
         if key not in inspected:
             inspected[key] = self._trace()
-        outputs_shape, rows, connected = inspected[key]
+        outputs_shape, rows, connected, self.has_loops = inspected[key]
         self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
         self.output_dtype = rows.dtype
@@ -468,8 +471,9 @@ class Problem:
             f"outputs. {fix}"
         )
 
-    def _trace(self) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool]]:
-        """(output shape or None, rows spec, connected per target), traced."""
+    def _trace(self) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool], bool]:
+        """(output shape or None, rows spec, connected per target, whether the
+        computation runs a ``tf.while_loop``), traced."""
         found: dict[str, Any] = {}
 
         def probe(inputs):
@@ -507,7 +511,7 @@ class Problem:
             found["connected"] = [g is not None for g in grads]
             return tf.constant(0.0)
 
-        tf.function(probe).get_concrete_function(self.inputs)
+        graph = tf.function(probe).get_concrete_function(self.inputs).graph
         if "call_failed" in found:
             raise self._call_error(found["call_failed"]) from found["call_failed"]
         if "invalid" in found:
@@ -529,7 +533,8 @@ class Problem:
             )
         outputs_shape = outputs.shape if isinstance(outputs, tf.Tensor) else None
         spec = tf.TensorSpec(rows.shape, rows.dtype)
-        return outputs_shape, spec, found["connected"]
+        loops = any(op.type in _LOOPS for op in graph.get_operations())
+        return outputs_shape, spec, found["connected"], loops
 
     @property
     def key(self) -> tuple:
@@ -549,6 +554,9 @@ class Problem:
             self.output,
         )
 
+
+#: op types of a ``tf.while_loop`` (recurrent layers run one over time)
+_LOOPS = ("While", "StatelessWhile")
 
 #: model -> {inspection key: what :meth:`Problem._inspect` found}
 _INSPECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

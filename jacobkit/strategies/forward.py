@@ -48,9 +48,11 @@ class Forward(Strategy):
         ``tf.while_loop`` that reads a target or carries its tangent (a Keras 3
         LSTM, GRU or SimpleRNN layer on or after the target fails with
         "Tried to take gradients (or similar) of a variable without handle
-        data"). One tangent's computation is traced here (nothing runs) to find
-        out.
+        data"). Where the model runs such a loop, one tangent's computation is
+        traced here (nothing runs) to find out.
         """
+        if not problem.has_loops:
+            return
         targets = list(problem.targets)
 
         def one_tangent(inputs):
