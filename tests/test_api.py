@@ -404,7 +404,7 @@ def test_frozen_batch_norm_and_conv_are_targets(flavour):
     )
     conv = jk.jacobian(model, x, "conv", strategy="chunked")
     assert list(conv) == ["conv/kernel", "conv/bias"]
-    # never changed: still frozen, statistics unchanged
+    # the calls changed nothing: both layers are still frozen
     assert not model.get_layer("bn").trainable
     assert not model.get_layer("conv").trainable
 
