@@ -3,21 +3,31 @@
 >>> import jacobkit as jk
 >>> res = jk.jacobian(model, inputs, "dense")   # doctest: +SKIP
 >>> res.kernel.shape                            # (F, *kernel.shape)  # doctest: +SKIP
+
+The public names are imported on first use, so that ``import jacobkit`` (and
+``jacobkit --help``) does not load TensorFlow.
 """
 
-from jacobkit import memory
+from __future__ import annotations
 
-# Before TensorFlow's runtime starts, switch its CPU allocator to the one that
-# keeps statistics, so that peak memory can be measured and budgets planned
-# on CPU (no effect once TF has started; TF_CPU_ALLOCATOR_USE_BFC=false opts out).
-memory.enable_cpu_memory_stats()
-
-from jacobkit import strategies  # noqa: E402
-from jacobkit.api import jacobian, plan  # noqa: E402
-from jacobkit.planner import Plan  # noqa: E402
-from jacobkit.result import JacobianResult, Stats  # noqa: E402
+import importlib
+import os
+import sys
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it (a module itself where the name
+#: is the module's)
+_PUBLIC = {
+    "JacobianResult": "jacobkit.result",
+    "Plan": "jacobkit.planner",
+    "Stats": "jacobkit.result",
+    "jacobian": "jacobkit.api",
+    "memory": "jacobkit.memory",
+    "plan": "jacobkit.api",
+    "strategies": "jacobkit.strategies",
+}
 
 __all__ = [
     "JacobianResult",
@@ -29,3 +39,44 @@ __all__ = [
     "plan",
     "strategies",
 ]
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from jacobkit import memory, strategies
+    from jacobkit.api import jacobian, plan
+    from jacobkit.planner import Plan
+    from jacobkit.result import JacobianResult, Stats
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jacobkit' has no attribute {name!r}")
+    imported = importlib.import_module(module)
+    value = imported if module == f"jacobkit.{name}" else getattr(imported, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
+
+def _enable_cpu_memory_stats() -> None:
+    """Before TensorFlow's runtime starts, switch its CPU allocator to the one
+    that keeps statistics, so that peak memory can be measured and budgets
+    planned on CPU (``TF_CPU_ALLOCATOR_USE_BFC=false`` opts out; see
+    :func:`jacobkit.memory.enable_cpu_memory_stats`). While TensorFlow is not
+    even imported its runtime cannot have started: setting the environment as
+    that function does is enough, and TensorFlow stays unloaded."""
+    if "tensorflow" in sys.modules:
+        importlib.import_module("jacobkit.memory").enable_cpu_memory_stats()
+    elif "TF_CPU_ALLOCATOR_USE_BFC" not in os.environ:
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if physical // 1024**2 > 1 << 16:  # above TF's 64 GiB default cap
+            os.environ.setdefault(
+                "TF_CPU_BFC_MEM_LIMIT_IN_MB", str(physical // 1024**2)
+            )
+
+
+_enable_cpu_memory_stats()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, planner, strategies
+from jacobkit import memory, planner, quiet, strategies
 from jacobkit.problem import Problem
 from jacobkit.result import JacobianResult
 
@@ -25,6 +27,7 @@ def jacobian(
     unconnected: str = "error",
     memory_budget: int | float | str | None = None,
     device: str | None = None,
+    output: int | str | None = None,
     cache: bool = True,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
@@ -53,6 +56,10 @@ def jacobian(
             :func:`jacobkit.plan`.
         device: run on this device (``"CPU:0"``, ``"GPU:0"``); default: TF's
             placement.
+        output: for a model with several outputs (a list, tuple or dict),
+            the index or name of the one to differentiate
+            (``output="logits"``); rows are formed from it as from a
+            single-output model.
         cache: for ``strategy="auto"``: read and write the plan cache on disk
             (``$JACOBKIT_CACHE_DIR``, default ``~/.cache/jacobkit``; see
             :mod:`jacobkit.planner.cache`). ``False`` plans in memory only.
@@ -70,6 +77,7 @@ def jacobian(
         >>> tuple(res.kernel.shape), tuple(res.bias.shape)
         ((3, 4, 3), (3, 3))
     """
+    start = time.perf_counter()
     chosen = None if strategy == "auto" else strategies.get(strategy)
     if chosen is not None and memory_budget is not None:
         raise ValueError(
@@ -78,7 +86,7 @@ def jacobian(
             "strategy= to let auto fit the budget, or drop memory_budget= and "
             "size the strategy yourself (e.g. Chunked(chunk_size=8))."
         )
-    with _device_scope(device):
+    with _device_scope(device), quiet.tensorflow_warnings():
         problem = Problem(
             model,
             inputs,
@@ -87,12 +95,16 @@ def jacobian(
             features=features,
             training=training,
             unconnected=unconnected,
+            output=output,
         )
         if chosen is not None:
-            return run_strategy(problem, chosen)
-        return run_auto(
-            problem, memory_budget=memory_budget, device=device, cache=cache
-        )
+            result = run_strategy(problem, chosen)
+        else:
+            result = run_auto(
+                problem, memory_budget=memory_budget, device=device, cache=cache
+            )
+    stats = replace(result.stats, total_time_s=time.perf_counter() - start)
+    return replace(result, stats=stats)
 
 
 def plan(
@@ -106,6 +118,7 @@ def plan(
     training: bool = False,
     unconnected: str = "error",
     device: str | None = None,
+    output: int | str | None = None,
     cache: bool = True,
 ) -> planner.Plan:
     """What ``jacobian(..., strategy="auto")`` runs next, without running it.
@@ -118,7 +131,7 @@ def plan(
     and why, the candidates still to try, and each rejected one with the
     reason. Arguments are those of :func:`jacobian`.
     """
-    with _device_scope(device):
+    with _device_scope(device), quiet.tensorflow_warnings():
         problem = Problem(
             model,
             inputs,
@@ -127,6 +140,7 @@ def plan(
             features=features,
             training=training,
             unconnected=unconnected,
+            output=output,
         )
         return planner.plan_problem(
             problem, memory_budget=memory_budget, device=device, cache=cache
@@ -157,7 +171,9 @@ def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
 
 def run_strategy(problem: Problem, strategy: strategies.Strategy) -> JacobianResult:
     """Run one configured strategy on a resolved problem and wrap the result."""
-    return _wrap(problem, strategy, strategy.run(problem), None)
+    with quiet.tensorflow_warnings():
+        output = strategy.run(problem)
+    return _wrap(problem, strategy, output, None)
 
 
 def run_auto(
@@ -169,11 +185,20 @@ def run_auto(
 ) -> JacobianResult:
     """``strategy="auto"`` on a resolved problem: run it in segments (see
     :mod:`jacobkit.planner`) and wrap; ``result.strategy`` is what later
-    calls run."""
-    strategy, flat, stats, plan = planner.run(
-        problem, memory_budget=memory_budget, device=device, cache=cache
-    )
-    return _wrap(problem, strategy, (flat, stats), plan)
+    calls run. ``stats.planning_time_s`` is the time spent outside the
+    segments that compute rows (the budget check, the activation estimate,
+    the plan cache)."""
+    start = time.perf_counter()
+    # TensorFlow's warnings about its own internals (pfor's "Conv2DBackprop
+    # Filter uses a while_loop", retracing of the candidates' functions) are
+    # not for the user: hidden while jacobkit works (see jacobkit.quiet)
+    with quiet.tensorflow_warnings():
+        strategy, flat, stats, plan = planner.run(
+            problem, memory_budget=memory_budget, device=device, cache=cache
+        )
+    planning = max(time.perf_counter() - start - stats.wall_time_s, 0.0)
+    result = _wrap(problem, strategy, (flat, stats), plan)
+    return replace(result, stats=replace(result.stats, planning_time_s=planning))
 
 
 def _wrap(

@@ -1,16 +1,44 @@
-"""The command line: ``jacobkit compare`` (and the subcommands registered below)."""
+"""The command line: ``jacobkit compare`` (and the subcommands registered below).
+
+Building the parser imports no TensorFlow (``jacobkit --help`` answers at
+once); each command imports it when it runs. A user's mistake (a bad option, a
+missing file, an unknown layer) ends in one line on stderr and exit code 2.
+TensorFlow's C++ start-up logs and its Python warnings are hidden unless
+``-v`` is given.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+
+from jacobkit import quiet
 
 #: Must be set before TensorFlow starts: TF's pooled CPU allocator is the one
 #: that reports peak memory on CPU.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+#: exit code for a user's mistake (argparse's own for a bad option)
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(
+            USAGE_ERROR,
+            f"{self.prog}: error: {message} (see {self.prog} --help)\n",
+        )
+
 
 #: the built-in problem: the users' generator at a size that runs in seconds
 DEFAULT_SIZES = {
@@ -22,9 +50,10 @@ DEFAULT_SIZES = {
 }
 
 
-def _add_compare(subparsers) -> None:
+def _add_compare(subparsers, common) -> None:
     p = subparsers.add_parser(
         "compare",
+        parents=[common],
         help="run every strategy on one problem and print a table",
         description=(
             "Run every strategy on one problem: time, peak memory and agreement "
@@ -45,7 +74,7 @@ def _add_compare(subparsers) -> None:
             flag,
             dest=f"size_{name}",
             type=int,
-            default=value,
+            default=None,
             help=f"built-in model's {name} (default {value})",
         )
     p.add_argument(
@@ -61,28 +90,62 @@ def _add_compare(subparsers) -> None:
     p.set_defaults(run=_run_compare)
 
 
-def _load_problem(args):
-    import numpy as np
-
-    from jacobkit import examples
-
+def _check_compare_args(args) -> None:
+    """Refuse option combinations that would be ignored (before TF loads)."""
+    sizes = [
+        "--num-features" if name == "features" else f"--{name}"
+        for name in DEFAULT_SIZES
+        if getattr(args, f"size_{name}") is not None
+    ]
     if args.model:
         if not (args.inputs and args.layer):
-            raise SystemExit(
-                "jacobkit compare --model needs --inputs X.npy and --layer NAME"
+            raise UsageError("--model needs --inputs X.npy and --layer NAME")
+        if sizes:
+            raise UsageError(
+                f"{', '.join(sizes)} size the built-in problem; with --model the "
+                "model and --inputs give the sizes. Drop them."
             )
-        import keras
+    else:
+        given = [flag for flag in ("inputs", "layer") if getattr(args, flag)]
+        if given:
+            flags = " and ".join(f"--{flag}" for flag in given)
+            raise UsageError(
+                f"{flags} need{'s' if len(given) == 1 else ''} --model (a saved "
+                "Keras model); without --model the built-in generator runs."
+            )
 
+
+def _load_inputs(path: str):
+    import numpy as np
+
+    if not os.path.exists(path):
+        raise UsageError(f"--inputs {path}: no such file.")
+    try:
+        return np.load(path)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--inputs {path}: not a .npy array ({err}).") from err
+
+
+def _load_problem(args):
+    from jacobkit import examples, saved_models
+
+    if args.model:
         from jacobkit import testing
 
-        model = keras.saving.load_model(args.model, compile=False)
-        inputs = np.load(args.inputs)
+        try:
+            model = saved_models.load(args.model)
+        except ValueError as err:
+            raise UsageError(str(err)) from err
+        inputs = _load_inputs(args.inputs)
         try:
             model64 = testing.float64_copy(model)
         except TypeError:
             model64 = None
         return model, inputs, args.layer, model64, inputs, args.model
-    sizes = {name: getattr(args, f"size_{name}") for name in DEFAULT_SIZES}
+    sizes = {
+        name: getattr(args, f"size_{name}") or value
+        for name, value in DEFAULT_SIZES.items()
+    }
     ex = examples.build("generator", **sizes)
     ex64 = examples.build("generator", "float64", **sizes)
     text = ", ".join(f"{k}={v}" for k, v in sizes.items())
@@ -119,25 +182,37 @@ def _reference(problem, model64, inputs64, layer, args):
 
 
 def _run_compare(args) -> int:
+    _check_compare_args(args)
+    if not args.verbose:
+        quiet.start_tensorflow_quietly()
     import tensorflow as tf
     from tqdm import tqdm
 
     from jacobkit import compare, memory, strategies, testing
     from jacobkit.problem import Problem
 
-    device = memory.normalize_device(args.device)
-    model, inputs, layer, model64, inputs64, described = _load_problem(args)
-    with tf.device(device):
-        problem = Problem(
-            model, inputs, layer, outputs=args.outputs, features=args.features
-        )
-        reference, ref_name = _reference(problem, model64, inputs64, layer, args)
+    try:
+        device = memory.normalize_device(args.device)
+        if args.memory_budget is not None:
+            memory.parse_budget(args.memory_budget, device=device)
+        candidates = None
         if args.strategies:
             candidates = [
                 "auto" if name.strip() == "auto" else strategies.get(name.strip())
                 for name in args.strategies.split(",")
             ]
-        else:
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from err
+    model, inputs, layer, model64, inputs64, described = _load_problem(args)
+    with tf.device(device):
+        try:
+            problem = Problem(
+                model, inputs, layer, outputs=args.outputs, features=args.features
+            )
+        except (ValueError, TypeError) as err:
+            raise UsageError(str(err)) from err
+        reference, ref_name = _reference(problem, model64, inputs64, layer, args)
+        if candidates is None:
             candidates = [*compare.default_strategies(problem.num_rows), "auto"]
         bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
         measurements = []
@@ -181,11 +256,12 @@ def _run_compare(args) -> int:
     return 1 if disagree or len(failed) == len(measurements) else 0
 
 
-def _add_bench(subparsers) -> None:
+def _add_bench(subparsers, common) -> None:
     from jacobkit.bench import command
 
     p = subparsers.add_parser(
         "bench",
+        parents=[common],
         help="run the benchmark suite: every strategy, each in a fresh subprocess",
         description=(
             "Time, peak memory and agreement with a reference of every strategy "
@@ -201,15 +277,49 @@ def _add_bench(subparsers) -> None:
 SUBCOMMANDS = {"compare": _add_compare, "bench": _add_bench}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="jacobkit", description="Per-output Jacobians of TensorFlow/Keras models."
+def _parser() -> argparse.ArgumentParser:
+    verbose = {
+        "action": "store_true",
+        "help": "show TensorFlow's start-up logs and warnings",
+    }
+    # -v before or after the subcommand (the subcommand's must not reset it)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", default=argparse.SUPPRESS, **verbose)
+    parser = _Parser(
+        prog="jacobkit",
+        description="Per-output Jacobians of TensorFlow/Keras models.",
     )
+    parser.add_argument("-v", "--verbose", **verbose)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS.values():
-        add(subparsers)
-    args = parser.parse_args(argv)
-    return args.run(args)
+        add(subparsers, common)
+    return parser
+
+
+@contextlib.contextmanager
+def _quiet_tensorflow(verbose: bool) -> Iterator[None]:
+    """Unless ``verbose``: TensorFlow's C++ logs off (if the user has not set
+    their level; only effective before TensorFlow loads) and its and Keras'
+    Python warnings hidden."""
+    if verbose:
+        yield
+        return
+    quiet.hide_startup_logs()
+    with quiet.tensorflow_warnings(all_threads=True), warnings.catch_warnings():
+        for module in ("keras", "tf_keras", "tensorflow", "absl"):
+            warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
+        yield
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (2 for a user's mistake)."""
+    args = _parser().parse_args(argv)
+    with _quiet_tensorflow(args.verbose):
+        try:
+            return args.run(args)
+        except UsageError as err:
+            print(f"jacobkit {args.command}: error: {err}", file=sys.stderr)
+            return USAGE_ERROR
 
 
 if __name__ == "__main__":

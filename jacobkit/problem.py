@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit import model_layers, model_outputs
+
 OUTPUT_MODES = ("features", "per_example", "full")
 UNCONNECTED_MODES = ("error", "zero")
 _SUPPORTED_LINEAR = {"Dense": "dense", "Conv1D": "conv1d", "Conv2D": "conv2d"}
@@ -95,13 +97,15 @@ def _find_layer(model: Any, name: str) -> Any:
         if layer.name == name:
             return layer
     names = [layer.name for layer in layers]
-    shown = ", ".join(repr(n) for n in names[:40])
-    more = f" and {len(names) - 40} more" if len(names) > 40 else ""
-    hint = (
-        f"The model's layers are: {shown}{more}."
-        if names
-        else ("The model has no named layers; pass a list of variables instead.")
-    )
+    close = model_layers.close_names(name, names)
+    if close:
+        hint = f"Did you mean {' or '.join(repr(n) for n in close)}?"
+    elif names:
+        shown = ", ".join(repr(n) for n in names[:10])
+        more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+        hint = f"The model's layers are: {shown}{more}."
+    else:
+        hint = "The model has no named layers; pass a list of variables instead."
     raise ValueError(
         f"jacobian(layer={name!r}): the model has no layer named {name!r}. {hint}"
     )
@@ -112,9 +116,18 @@ def _layer_variables(layer: Any) -> list[Any]:
     if kernel is not None and not callable(kernel):
         bias = getattr(layer, "bias", None)
         return [kernel] + ([bias] if bias is not None else [])
-    if hasattr(layer, "trainable_weights"):
-        return list(layer.trainable_weights)
-    return list(layer.trainable_variables)
+    # Every weight that is trainable by nature, whether or not the layer is
+    # frozen now: layer.trainable=False empties trainable_weights, but the
+    # tf.Variable keeps the trainable flag it was created with (moving
+    # statistics and other state are created non-trainable).
+    weights = getattr(layer, "weights", None)
+    if weights is None:
+        weights = layer.variables
+    return [
+        w
+        for w in weights
+        if as_tf_variable(w).trainable and as_tf_variable(w).dtype.is_floating
+    ]
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,9 @@ class Problem:
         batch_size: the leading dimension of the output ``Y``.
         output_width: the size of ``Y``'s last (feature) axis.
         output_dtype: dtype of the rows.
+        has_loops: whether the model's computation runs a ``tf.while_loop``
+            (a recurrent layer over time steps).
+        output: the output picked by ``output=`` (index or name), or ``None``.
     """
 
     def __init__(
@@ -203,6 +219,7 @@ class Problem:
         features: Sequence[int] | None = None,
         training: bool = False,
         unconnected: str = "error",
+        output: int | str | None = None,
     ) -> None:
         if not callable(model):
             raise TypeError(
@@ -230,13 +247,14 @@ class Problem:
         self.model = model
         self.training = bool(training)
         self.unconnected = unconnected
+        self.output = model_outputs.check_output_type(output)
         self.inputs = _to_tensors(inputs)
         self._is_keras = _is_keras_layer(model)
         self.layer, variables = self._resolve_targets(layer)
         self.targets: tuple[tf.Variable, ...] = tuple(
             as_tf_variable(v) for v in variables
         )
-        self.target_names = _unique_names(variables)
+        self.target_names = _unique_names(variables, self._target_keys(variables))
         self.roles = self._roles(variables)
         self.rows_spec = Rows(outputs, _check_features_type(features))
         self._inspect()
@@ -268,7 +286,35 @@ class Problem:
 
     def _ensure_built(self) -> None:
         if getattr(self.model, "built", True) is False:
-            self.call_model(tf.nest.map_structure(lambda t: t[:1], self.inputs))
+            try:
+                self.call_model(tf.nest.map_structure(lambda t: t[:1], self.inputs))
+            except (ValueError, TypeError, tf.errors.OpError) as err:
+                raise self._call_error(err) from err
+
+    def _target_keys(self, variables: list[Any]) -> list[str | None]:
+        """Result keys: the layer path inside the model (``"head/kernel"``)."""
+        if not self._is_keras:
+            return [None] * len(variables)
+        return model_layers.target_keys(self.model, variables, as_tf_variable)
+
+    def _call_error(self, err: Exception) -> ValueError:
+        """jacobkit's message for a model that failed on these inputs."""
+        flat = tf.nest.flatten(self.inputs)
+        mismatch = model_layers.input_mismatch(self.model, self.inputs, flat)
+        if mismatch is not None:
+            return ValueError(f"jacobian(inputs=...): {mismatch}")
+        shapes = ", ".join(str(tuple(t.shape)) for t in flat)
+        return ValueError(
+            f"jacobian(model=...): calling the model on inputs of shape {shapes} "
+            f"failed: {model_layers.error_summary(err)} Check that the inputs "
+            "are what the model takes (batch axis first)."
+        )
+
+    def recurrent_layers(self) -> str | None:
+        """``"layer 'lstm' (LSTM)"``: the recurrent layers (a ``tf.while_loop``
+        over time) the targets' values flow through, or ``None``."""
+        found = model_layers.recurrent_layers(self.model, self.layer)
+        return model_layers.describe(found) if found else None
 
     def _roles(self, variables: list[Any]) -> dict[str, int]:
         roles = {}
@@ -282,7 +328,8 @@ class Problem:
 
     # -- the computation strategies differentiate ---------------------------
     def call_model(self, inputs: Any) -> Any:
-        """``Y = model(inputs)``, with ``training=`` for Keras models.
+        """``Y = model(inputs)``, with ``training=`` for Keras models (the
+        output picked by ``output=`` of a multi-output model).
 
         A float16 or bfloat16 output (mixed precision) is cast to float32
         first, so rows are summed, and cotangents seeded, in float32: each
@@ -293,6 +340,8 @@ class Problem:
             outputs = self.model(inputs, training=self.training)
         else:
             outputs = self.model(inputs)
+        if self.output is not None:
+            outputs = model_outputs.pick(outputs, self.output, self.model)
         return tf.nest.map_structure(_at_least_float32, outputs)
 
     def rows(self, inputs: Any) -> tf.Tensor:
@@ -392,13 +441,14 @@ class Problem:
             tuple(id(t) for t in self.targets),
             self.rows_spec,
             self.training,
+            self.output,
             signature,
             repr(tf.nest.map_structure(lambda _: 0, self.inputs)),
         )
         inspected = per_model(_INSPECTED, self.model)
         if key not in inspected:
             inspected[key] = self._trace()
-        outputs_shape, rows, connected = inspected[key]
+        outputs_shape, rows, connected, self.has_loops = inspected[key]
         self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
         self.output_dtype = rows.dtype
@@ -406,6 +456,7 @@ class Problem:
         self.output_width = outputs_shape[-1] if outputs_shape is not None else None
         unconnected = [n for n, ok in zip(self.target_names, connected) if not ok]
         if unconnected and self.unconnected == "error":
+            self._check_layer_is_part_of_the_model()
             raise ValueError(
                 f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
                 "influence the model's outputs, so their Jacobian is zero (a "
@@ -413,14 +464,43 @@ class Problem:
                 "outputs, or pass unconnected='zero' to get zeros."
             )
 
-    def _trace(self) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool]]:
-        """(output shape or None, rows spec, connected per target), traced."""
+    def _check_layer_is_part_of_the_model(self) -> None:
+        layer = self.layer
+        if layer is None or not self._is_keras:
+            return
+        if model_layers.contains_layer(self.model, layer):
+            return
+        own = [n for n in _flat_layers(self.model) if n.name == layer.name]
+        fix = (
+            f"Pass its name ({layer.name!r}) or model.get_layer({layer.name!r}) "
+            "to use this model's own layer of that name."
+            if own
+            else "Pass one of this model's layers (by name or object)."
+        )
+        raise ValueError(
+            f"jacobian(layer=...): layer {layer.name!r} ({type(layer).__name__}) is "
+            f"not part of the model {self.model.name!r}: it belongs to another "
+            f"model, or was never called in this one, so it cannot influence the "
+            f"outputs. {fix}"
+        )
+
+    def _trace(self) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool], bool]:
+        """(output shape or None, rows spec, connected per target, whether the
+        computation runs a ``tf.while_loop``), traced."""
         found: dict[str, Any] = {}
 
         def probe(inputs):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(self.targets)
-                outputs = self.call_model(inputs)
+                try:
+                    outputs = self.call_model(inputs)
+                except model_outputs.OutputError as err:
+                    found["invalid"] = err
+                    return tf.constant(0.0)
+                except (ValueError, TypeError, tf.errors.OpError) as err:
+                    # raised below as jacobkit's own message, outside tf.function
+                    found["call_failed"] = err
+                    return tf.constant(0.0)
                 found["outputs"] = outputs
                 if not isinstance(outputs, tf.Tensor):
                     if not callable(self.rows_spec.mode):
@@ -444,16 +524,18 @@ class Problem:
             found["connected"] = [g is not None for g in grads]
             return tf.constant(0.0)
 
-        tf.function(probe).get_concrete_function(self.inputs)
+        graph = tf.function(probe).get_concrete_function(self.inputs).graph
+        if "call_failed" in found:
+            raise self._call_error(found["call_failed"]) from found["call_failed"]
         if "invalid" in found:
             raise found["invalid"]
         outputs = found["outputs"]
         if "rows" not in found:
             raise TypeError(
                 "jacobian(model=...): the model returned "
-                f"{type(outputs).__name__}, not a single tensor. Pass "
-                "outputs=callable that picks the tensor (outputs=lambda y: "
-                "y['name']), or wrap the model."
+                f"{type(outputs).__name__}, not a single tensor. Pick one with "
+                f"output= ({model_outputs.choices(outputs, self.model)}), or "
+                "pass outputs=callable that maps them to rows."
             )
         rows = found["rows"]
         if not rows.dtype.is_floating:
@@ -464,7 +546,8 @@ class Problem:
             )
         outputs_shape = outputs.shape if isinstance(outputs, tf.Tensor) else None
         spec = tf.TensorSpec(rows.shape, rows.dtype)
-        return outputs_shape, spec, found["connected"]
+        loops = any(op.type in _LOOPS for op in graph.get_operations())
+        return outputs_shape, spec, found["connected"], loops
 
     @property
     def key(self) -> tuple:
@@ -481,8 +564,12 @@ class Problem:
             self.rows_shape,
             self.training,
             id(self.layer),
+            self.output,
         )
 
+
+#: op types of a ``tf.while_loop`` (recurrent layers run one over time)
+_LOOPS = ("While", "StatelessWhile")
 
 #: model -> {inspection key: what :meth:`Problem._inspect` found}
 _INSPECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -570,10 +657,10 @@ def _check_output(outputs: Any, rows: Rows) -> None:
         )
 
 
-def _unique_names(variables: list[Any]) -> tuple[str, ...]:
+def _unique_names(variables: list[Any], keys: Sequence[str | None]) -> tuple[str, ...]:
     names: list[str] = []
-    for v in variables:
-        name = _variable_name(v)
+    for v, key in zip(variables, keys):
+        name = key or _variable_name(v)
         base, n = name, 1
         while name in names:
             n += 1

@@ -25,6 +25,11 @@ class Stats:
         peak_bytes: peak device memory during the call, when measured.
         num_rows: rows this call computed (``R``, or fewer where ``auto``
             ran a strategy on a range of rows); ``None`` if not known.
+        planning_time_s: seconds ``strategy="auto"`` spent planning in this
+            call (its probes; 0.0 for a cached plan or a named strategy).
+        total_time_s: seconds of the whole ``jacobian()`` call: checking the
+            problem, planning and running (``wall_time_s`` is the run only);
+            ``None`` where the strategy was run without ``jacobian()``.
     """
 
     wall_time_s: float = 0.0
@@ -32,6 +37,8 @@ class Stats:
     traced: bool = False
     peak_bytes: int | None = None
     num_rows: int | None = None
+    planning_time_s: float = 0.0
+    total_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,15 @@ class JacobianResult(Mapping):
     (``Chunked(chunk_size=8)``, ``While(parallel_iterations=2)``) and
     ``chunk_size`` its chunk size, if it has one.
 
-    Index by the variable's name (``result["dense/kernel"]``), by its role
-    (``result["kernel"]``) or by position (``result[0]``).
+    Index by the variable's key (``result["head/kernel"]``), by its role
+    (``result["kernel"]``) or by position (``result[0]``). A key is the path
+    of the layer that holds the variable inside the model, then the
+    variable's name: ``"head/kernel"`` for a ``Sequential`` and a functional
+    model alike (the model's own name is never part of it), with the names
+    of nested sub-models and wrapped layers in front where there are some
+    (``"backbone/conv1/kernel"``, ``"lstm/lstm_cell/recurrent_kernel"``).
+    Variables outside the model's layers (and those of a ``tf.Module``) are
+    keyed by their own name.
     """
 
     jacobians: dict[str, tf.Tensor]

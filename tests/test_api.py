@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import re
@@ -46,11 +47,11 @@ def test_result_shapes_and_what_ran(mlp_result):
 
 def test_result_indexing(mlp_result):
     kernel, bias = mlp_result.kernel, mlp_result.bias
-    assert list(mlp_result) == ["mlp/hidden1/kernel", "mlp/hidden1/bias"]
+    assert list(mlp_result) == ["hidden1/kernel", "hidden1/bias"]
     assert len(mlp_result) == 2
-    for key in ("kernel", "mlp/hidden1/kernel", 0, -2):
+    for key in ("kernel", "hidden1/kernel", 0, -2):
         assert mlp_result[key] is kernel
-    for key in ("bias", "mlp/hidden1/bias", 1, -1):
+    for key in ("bias", "hidden1/bias", 1, -1):
         assert mlp_result[key] is bias
     assert "kernel" in mlp_result and 1 in mlp_result
     assert "weights" not in mlp_result and 2 not in mlp_result
@@ -61,7 +62,7 @@ def test_result_key_error_lists_the_targets(mlp_result):
         KeyError,
         match=re.escape(
             "JacobianResult['weights']: no such target. Targets: "
-            "'mlp/hidden1/kernel', 'mlp/hidden1/bias'; roles: 'kernel', 'bias'"
+            "'hidden1/kernel', 'hidden1/bias'; roles: 'kernel', 'bias'"
         ),
     ):
         mlp_result["weights"]
@@ -69,7 +70,7 @@ def test_result_key_error_lists_the_targets(mlp_result):
         KeyError,
         match=re.escape(
             "JacobianResult[2]: index out of range for 2 target(s): "
-            "'mlp/hidden1/kernel', 'mlp/hidden1/bias'"
+            "'hidden1/kernel', 'hidden1/bias'"
         ),
     ):
         mlp_result[2]
@@ -305,3 +306,201 @@ def test_nested_python_list_inputs_are_one_array():
     ex = example("mlp")
     result = jk.jacobian(ex.model, ex.inputs.tolist(), ex.layer, strategy="chunked")
     testing.assert_close(result, reference("mlp", "features"))
+
+
+# -- result keys: the layer's path inside the model ------------------------------------
+def _dense_stack(flavour, kind: str):
+    layers = flavour.layers
+    if kind == "sequential":
+        return flavour.Sequential(
+            [
+                flavour.Input((4,)),
+                layers.Dense(3, name="d"),
+                layers.Dense(2, name="head"),
+            ],
+            name="seq",
+        )
+    x_in = flavour.Input((4,))
+    y = layers.Dense(2, name="head")(layers.Dense(3, name="d")(x_in))
+    return flavour.Model(x_in, y, name="func")
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional"])
+@pytest.mark.parametrize("flavour", [keras, tf_keras], ids=["keras3", "tf_keras"])
+def test_keys_do_not_depend_on_the_model_type(flavour, kind):
+    model = _dense_stack(flavour, kind)
+    x = np.ones((2, 4), "float32")
+    head = model.get_layer("head")
+    for target in ("head", head, [head.kernel, head.bias]):
+        result = jk.jacobian(model, x, target, strategy="loop")
+        assert list(result) == ["head/kernel", "head/bias"]
+        assert result["head/kernel"] is result[0]
+
+
+def test_keys_of_a_nested_model_keep_its_path():
+    """A layer inside a sub-model is keyed by the sub-model's name, then its own."""
+    inner_in = keras.Input((4,))
+    backbone = keras.Model(
+        inner_in, keras.layers.Dense(3, name="d")(inner_in), name="backbone"
+    )
+    x_in = keras.Input((4,))
+    model = keras.Model(
+        x_in, keras.layers.Dense(2, name="head")(backbone(x_in)), name="top"
+    )
+    x = np.ones((2, 4), "float32")
+    result = jk.jacobian(model, x, "d", strategy="loop")
+    assert list(result) == ["backbone/d/kernel", "backbone/d/bias"]
+
+
+def test_keys_and_targets_of_a_recurrent_layer():
+    x_in = keras.Input((5, 3))
+    rnn = keras.layers.LSTM(2, name="rnn")
+    model = keras.Model(x_in, keras.layers.Dense(2, name="head")(rnn(x_in)))
+    x = np.random.default_rng(3).normal(size=(2, 5, 3)).astype("float32")
+    result = jk.jacobian(model, x, "rnn", strategy="loop")
+    assert list(result) == [
+        "rnn/lstm_cell/kernel",
+        "rnn/lstm_cell/recurrent_kernel",
+        "rnn/lstm_cell/bias",
+    ]
+    # float32 loop vs float64 loop on a float64 copy: measured 1e-7
+    model64 = testing.float64_copy(model)
+    expected = testing.reference_jacobian(
+        model64, x.astype("float64"), model64.get_layer("rnn").weights
+    )
+    testing.assert_close(result, expected)
+
+
+# -- frozen layers: their weights are still targets; moving statistics never --------
+@pytest.mark.parametrize("flavour", [keras, tf_keras], ids=["keras3", "tf_keras"])
+def test_frozen_batch_norm_and_conv_are_targets(flavour):
+    layers = flavour.layers
+
+    def build(dtype):
+        x_in = flavour.Input((5, 5, 2), dtype=dtype)
+        h = layers.Conv2D(3, 3, name="conv", dtype=dtype)(x_in)
+        h = layers.BatchNormalization(name="bn", dtype=dtype)(h)
+        h = layers.GlobalAveragePooling2D(dtype=dtype)(h)
+        return flavour.Model(x_in, layers.Dense(2, name="head", dtype=dtype)(h))
+
+    model, model64 = build("float32"), build("float64")
+    rng = np.random.default_rng(4)
+    for layer in model.layers:  # non-trivial statistics and weights
+        layer.set_weights([rng.uniform(0.5, 1.5, w.shape) for w in layer.weights])
+    model64.set_weights(model.get_weights())
+    for layer in (model.get_layer("conv"), model.get_layer("bn")):
+        layer.trainable = False
+    x = rng.normal(size=(2, 5, 5, 2)).astype("float32")
+
+    result = jk.jacobian(model, x, "bn", strategy="chunked")
+    assert list(result) == ["bn/gamma", "bn/beta"]
+    bn64 = model64.get_layer("bn")
+    # float32 vs float64 reference: measured 3e-7
+    testing.assert_close(
+        result,
+        testing.reference_jacobian(
+            model64, x.astype("float64"), [bn64.gamma, bn64.beta]
+        ),
+    )
+    conv = jk.jacobian(model, x, "conv", strategy="chunked")
+    assert list(conv) == ["conv/kernel", "conv/bias"]
+    # the calls changed nothing: both layers are still frozen
+    assert not model.get_layer("bn").trainable
+    assert not model.get_layer("conv").trainable
+
+
+# -- output=: one output of a multi-output model ------------------------------------
+def _two_outputs(dtype: str):
+    x_in = keras.Input((5,), dtype=dtype)
+    h = keras.layers.Dense(4, activation="tanh", name="dense", dtype=dtype)(x_in)
+    logits = keras.layers.Dense(3, name="logits", dtype=dtype)(h)
+    aux = keras.layers.Dense(2, name="aux", dtype=dtype)(h)
+    return keras.Model(x_in, [logits, aux])
+
+
+@pytest.mark.parametrize("output", ["logits", 0, "aux", -1])
+def test_output_picks_one_output(output):
+    model, model64 = _two_outputs("float32"), _two_outputs("float64")
+    model64.set_weights(model.get_weights())
+    x = np.random.default_rng(5).normal(size=(3, 5)).astype("float32")
+    index = {"logits": 0, "aux": 1}.get(output, output)
+    dense64 = model64.get_layer("dense")
+
+    def picked64(inputs):
+        return model64(inputs)[index]
+
+    expected = testing.reference_jacobian(
+        picked64, x.astype("float64"), [dense64.kernel, dense64.bias]
+    )
+    result = jk.jacobian(model, x, "dense", strategy="chunked", output=output)
+    width = 3 if index == 0 else 2
+    assert result.rows_shape == (width,)  # one row per feature of that output
+    # float32 vs float64 reference: measured 1e-7
+    testing.assert_close(result, expected)
+
+
+def test_output_of_a_dict_output_model_and_in_plan():
+    x_in = keras.Input((5,))
+    h = keras.layers.Dense(4, name="dense")(x_in)
+    model = keras.Model(
+        x_in,
+        {"score": keras.layers.Dense(3, name="score")(h), "aux": h},
+    )
+    x = np.ones((2, 5), "float32")
+    by_name = jk.jacobian(model, x, "dense", strategy="loop", output="score")
+    by_callable = jk.jacobian(
+        model,
+        x,
+        "dense",
+        strategy="loop",
+        outputs=lambda y: tf.reduce_sum(y["score"], axis=0),
+    )
+    np.testing.assert_array_equal(by_name.kernel.numpy(), by_callable.kernel.numpy())
+    plan = jk.plan(model, x, "dense", output="score", memory_budget="1GiB")
+    assert plan.result_bytes == 3 * (5 * 4 + 4) * 4
+
+
+# -- stats: planning and the whole call -----------------------------------------------
+def test_stats_report_planning_and_the_whole_call():
+    model = _dense_stack(keras, "functional")
+    x = np.ones((2, 4), "float32")
+    first = jk.jacobian(model, x, "head", memory_budget="1GiB")
+    stats = first.stats
+    assert stats.planning_time_s > 0
+    assert stats.total_time_s >= stats.planning_time_s + stats.wall_time_s
+    fixed = jk.jacobian(model, x, "head", strategy="chunked")
+    assert fixed.stats.planning_time_s == 0.0
+    assert fixed.stats.total_time_s >= fixed.stats.wall_time_s
+
+
+# -- TensorFlow's warnings about its own internals stay out ---------------------------
+class _Chatty(tf.Module):
+    """Logs on TensorFlow's logger whenever it runs (or is traced), as
+    TensorFlow's internals do (pfor's "Conv2DBackpropFilter uses a
+    while_loop. Fix that!", the retracing warning)."""
+
+    def __init__(self):
+        super().__init__(name="chatty")
+        self.w = tf.Variable(tf.ones((3, 2)), name="w")
+
+    def __call__(self, x):
+        tf.get_logger().warning("internal detail")
+        tf.get_logger().error("a real problem")
+        return x @ self.w
+
+
+@pytest.mark.parametrize("strategy", ["auto", "chunked", "loop"])
+def test_tensorflow_warnings_are_hidden_while_jacobkit_works(caplog, strategy):
+    model = _Chatty()
+    x = np.ones((2, 3), "float32")
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        model(x)  # the control: outside jacobkit both records show
+        assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]
+        caplog.clear()
+        jk.jacobian(model, x, [model.w], strategy=strategy)
+    levels = {r.levelname for r in caplog.records if r.name == "tensorflow"}
+    assert levels == {"ERROR"}  # errors still show
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        model(x)  # and nothing stays switched off afterwards
+    assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]

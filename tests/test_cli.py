@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
+import tf_keras
 
 from jacobkit import cli, examples, strategies
+
+ROOT = pathlib.Path(__file__).parent.parent
 
 SMALL = ["--batch", "2", "--sequence", "8", "--channels", "3", "--filters", "4"]
 
@@ -79,6 +87,172 @@ def test_compare_saved_model(tmp_path, capsys):
     assert isinstance(keras.saving.load_model(model_path), keras.Model)
 
 
-def test_compare_model_needs_inputs_and_layer(tmp_path):
-    with pytest.raises(SystemExit, match="--model needs --inputs X.npy and --layer"):
-        cli.main(["compare", "--model", str(tmp_path / "m.keras")])
+# -- user mistakes: one line on stderr, exit code 2 ------------------------------
+def _small_saved_model(tmp_path, flavour=keras, suffix=".keras"):
+    """A saved Dense model ("d" -> "head") and its inputs: (model path, x path)."""
+    layers = flavour.layers
+    model = flavour.Sequential(
+        [
+            flavour.Input((5,)),
+            layers.Dense(3, activation="tanh", name="d"),
+            layers.Dense(2, name="head"),
+        ]
+    )
+    model_path = tmp_path / f"small{suffix}"
+    inputs_path = tmp_path / "x.npy"
+    model.save(model_path)
+    np.save(inputs_path, np.random.default_rng(0).normal(size=(3, 5)).astype("f4"))
+    return str(model_path), str(inputs_path)
+
+
+def _mistakes(model, x, tmp_path):
+    missing = str(tmp_path / "missing.keras")
+    return {
+        "layer-without-model": (
+            ["compare", "--layer", "head"],
+            "jacobkit compare: error: --layer needs --model (a saved Keras model); "
+            "without --model the built-in generator runs.",
+        ),
+        "inputs-and-layer-without-model": (
+            ["compare", "--inputs", x, "--layer", "head"],
+            "jacobkit compare: error: --inputs and --layer need --model (a saved "
+            "Keras model); without --model the built-in generator runs.",
+        ),
+        "model-without-inputs": (
+            ["compare", "--model", model],
+            "jacobkit compare: error: --model needs --inputs X.npy and --layer NAME",
+        ),
+        "missing-model": (
+            ["compare", "--model", missing, "--inputs", x, "--layer", "head"],
+            f"jacobkit compare: error: --model {missing}: no such file.",
+        ),
+        "missing-inputs": (
+            ["compare", "--model", model, "--inputs", missing, "--layer", "head"],
+            f"jacobkit compare: error: --inputs {missing}: no such file.",
+        ),
+        "size-with-model": (
+            [
+                "compare",
+                "--model",
+                model,
+                "--inputs",
+                x,
+                "--layer",
+                "head",
+                "--batch",
+                "4",
+            ],
+            "jacobkit compare: error: --batch size the built-in problem; with "
+            "--model the model and --inputs give the sizes. Drop them.",
+        ),
+        "layer-typo": (
+            ["compare", "--model", model, "--inputs", x, "--layer", "Head"],
+            "jacobkit compare: error: jacobian(layer='Head'): the model has no "
+            "layer named 'Head'. Did you mean 'head'?",
+        ),
+        "unknown-strategy": (
+            ["compare", "--strategies", "loop,fastest"],
+            "jacobkit compare: error: jacobian(strategy='fastest'): unknown "
+            "strategy. Choose one of "
+            f"{', '.join(repr(n) for n in strategies.names())}, or pass a "
+            "configured instance such as jacobkit.strategies.Chunked(chunk_size=16).",
+        ),
+        "bad-option": (
+            ["compare", "--repeats", "many"],
+            "jacobkit compare: error: argument --repeats: invalid int value: 'many' "
+            "(see jacobkit compare --help)",
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _small_saved_model(tmp_path_factory.mktemp("saved"))
+
+
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        "layer-without-model",
+        "inputs-and-layer-without-model",
+        "model-without-inputs",
+        "missing-model",
+        "missing-inputs",
+        "size-with-model",
+        "layer-typo",
+        "unknown-strategy",
+        "bad-option",
+    ],
+)
+def test_user_mistakes_give_one_line_and_exit_code_2(saved, tmp_path, capsys, mistake):
+    argv, message = _mistakes(*saved, tmp_path)[mistake]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err == message + "\n"
+    assert captured.out == ""
+
+
+# -- saved models of either Keras --------------------------------------------------
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])
+@pytest.mark.parametrize("flavour", [keras, tf_keras], ids=["keras3", "tf_keras"])
+def test_compare_loads_either_keras(tmp_path, capsys, flavour, suffix):
+    model, x = _small_saved_model(tmp_path, flavour, suffix)
+    argv = ["compare", "--model", model, "--inputs", x, "--layer", "d"]
+    code = cli.main([*argv, "--strategies", "loop,chunked", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = _table_rows(out)
+    assert set(rows) == {"loop", "chunked(16)"}, out
+    for cells in rows.values():
+        assert float(cells[-1]) < 1e-4, out
+
+
+# -- start-up: no TensorFlow for --help, no TensorFlow logs unless -v ---------------
+def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_help_does_not_import_tensorflow():
+    done = _run(
+        "import sys\n"
+        "from jacobkit import cli\n"
+        "try:\n"
+        "    cli.main(['--help'])\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0\n"
+        "print('tensorflow' in sys.modules, 'keras' in sys.modules)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False False", done.stdout
+    assert "compare" in done.stdout and done.stderr == ""
+
+
+def test_tensorflow_logs_stay_hidden_unless_verbose(saved):
+    model, x = saved
+    argv = ["compare", "--model", model, "--inputs", x, "--layer", "hed"]
+    code = "import sys; from jacobkit import cli; sys.exit(cli.main(sys.argv[1:]))"
+    quiet = _run(code.replace("sys.argv[1:]", repr(argv)))
+    assert quiet.returncode == 2
+    # TensorFlow loaded (the layer name is checked on the model): one line
+    assert quiet.stderr.splitlines() == [
+        "jacobkit compare: error: jacobian(layer='hed'): the model has no layer "
+        "named 'hed'. Did you mean 'head'?"
+    ], quiet.stderr
+    verbose = _run(code.replace("sys.argv[1:]", repr(["-v", *argv])))
+    assert verbose.returncode == 2
+    # TensorFlow 2.21 logs while its libraries load (absl's "All log messages
+    # before absl::InitializeLog() is called are written to STDERR", oneDNN)
+    assert len(verbose.stderr.splitlines()) > 1, verbose.stderr
+    assert verbose.stderr.splitlines()[-1] == quiet.stderr.splitlines()[-1]

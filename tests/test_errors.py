@@ -107,16 +107,50 @@ def test_errors_come_before_large_allocations(wide, kwargs):
 
 
 # -- layer= -------------------------------------------------------------------
-def test_unknown_layer_name_lists_the_layers():
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("hiden", "Did you mean 'hidden'?"),
+        ("Head", "Did you mean 'head'?"),
+        ("HIDDEN_1", "Did you mean 'hidden'?"),
+        ("output", "The model's layers are: 'x', 'hidden', 'head'."),
+    ],
+)
+def test_unknown_layer_name_suggests_the_closest(name, hint):
     model, x = mlp()
     with pytest.raises(
         ValueError,
         match=exactly(
-            "jacobian(layer='hiden'): the model has no layer named 'hiden'. "
-            "The model's layers are: 'x', 'hidden', 'head'."
+            f"jacobian(layer={name!r}): the model has no layer named {name!r}. {hint}"
         ),
     ):
-        jk.jacobian(model, x, "hiden", strategy="chunked")
+        jk.jacobian(model, x, name, strategy="chunked")
+
+
+def test_unknown_layer_name_in_a_large_model():
+    """No list of 40 names: the closest ones, or the first ten."""
+    layers = [keras.layers.Dense(2, name=f"block{i}") for i in range(24)]
+    model = keras.Sequential(
+        [keras.Input((2,), name="x"), *layers, keras.layers.Dense(2, name="head")]
+    )
+    x = np.ones((1, 2), "float32")
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(layer='haed'): the model has no layer named 'haed'. "
+            "Did you mean 'head'?"
+        ),
+    ):
+        jk.jacobian(model, x, "haed", strategy="chunked")
+    first = ", ".join(repr(n) for n in ["x", *(f"block{i}" for i in range(9))])
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(layer='logits'): the model has no layer named 'logits'. "
+            f"The model's layers are: {first} and 16 more."
+        ),
+    ):
+        jk.jacobian(model, x, "logits", strategy="chunked")
 
 
 def test_unknown_layer_name_on_a_model_without_layers():
@@ -209,18 +243,83 @@ def _two_branch_model():
     unused = keras.layers.Dense(3, name="unused")
     y = used(x_in)
     unused(x_in)  # built, on a branch that goes nowhere
-    model = keras.Model(x_in, y)
+    model = keras.Model(x_in, y, name="two_branch")
     x = np.random.default_rng(1).normal(size=(2, 5)).astype("float32")
     return model, x, used, unused
 
 
+class _IdleLayer(keras.Model):
+    """Holds a built layer "idle" that its call never uses."""
+
+    def __init__(self):
+        super().__init__(name="idle_layer")
+        self.used = keras.layers.Dense(3, name="used")
+        self.idle = keras.layers.Dense(3, name="idle")
+        self.idle.build((None, 5))
+
+    def call(self, x):
+        return self.used(x)
+
+
 @pytest.mark.parametrize("strategy", ["loop", "chunked"])
 def test_unconnected_layer_raises(strategy):
+    model = _IdleLayer()
+    x = np.ones((2, 5), "float32")
+    with pytest.raises(
+        ValueError, match=exactly(_UNCONNECTED.format("idle/kernel, idle/bias"))
+    ):
+        jk.jacobian(model, x, "idle", strategy=strategy)
+
+
+def _not_part(name: str, model: str, fix: str) -> str:
+    return (
+        f"jacobian(layer=...): layer {name!r} (Dense) is not part of the model "
+        f"{model!r}: it belongs to another model, or was never called in this "
+        f"one, so it cannot influence the outputs. {fix}"
+    )
+
+
+def test_layer_of_another_model():
+    model, x = mlp()
+    twin, _ = mlp()  # same layer names, other variables
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, name="other")])
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            _not_part(
+                "head",
+                "small",
+                "Pass its name ('head') or model.get_layer('head') to use this "
+                "model's own layer of that name.",
+            )
+        ),
+    ):
+        jk.jacobian(model, x, twin.get_layer("head"), strategy="chunked")
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            _not_part(
+                "other", "small", "Pass one of this model's layers (by name or object)."
+            )
+        ),
+    ):
+        jk.jacobian(model, x, other.layers[-1], strategy="chunked")
+
+
+def test_layer_built_beside_the_model():
+    """A functional model keeps only the layers between its inputs and outputs."""
     model, x, _, unused = _two_branch_model()
     with pytest.raises(
-        ValueError, match=exactly(_UNCONNECTED.format("unused/kernel, unused/bias"))
+        ValueError,
+        match=exactly(
+            _not_part(
+                "unused",
+                "two_branch",
+                "Pass one of this model's layers (by name or object).",
+            )
+        ),
     ):
-        jk.jacobian(model, x, unused, strategy=strategy)
+        jk.jacobian(model, x, unused, strategy="chunked")
 
 
 def test_unused_tf_variable_raises():
@@ -527,8 +626,8 @@ def test_model_with_a_dict_output_needs_a_callable_outputs():
         TypeError,
         match=exactly(
             "jacobian(model=...): the model returned dict, not a single tensor. "
-            "Pass outputs=callable that picks the tensor (outputs=lambda y: "
-            "y['name']), or wrap the model."
+            "Pick one with output= (output=0 .. 0 or output='score'), or pass "
+            "outputs=callable that maps them to rows."
         ),
     ):
         jk.jacobian(model, x, "dense", strategy="chunked")
@@ -585,3 +684,191 @@ def test_while_parallel_iterations_must_be_a_positive_int(parallel):
         ),
     ):
         jk.strategies.While(parallel)
+
+
+# -- inputs of the wrong shape --------------------------------------------------
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+def test_inputs_without_the_batch_axis(flavour):
+    ex = examples.build("mlp" if flavour == "keras3" else "tf_keras")
+    x = ex.inputs[0]
+    width = x.shape[-1]
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"jacobian(inputs=...): the model expects shape (None, {width}) (batch "
+            f"first), got shape ({width},): the batch axis is missing. Add it: "
+            "x[None] (or np.expand_dims(x, 0)) for a single example."
+        ),
+    ):
+        jk.jacobian(ex.model, x, ex.layer, strategy="chunked")
+
+
+@pytest.mark.parametrize("example", ["cnn2d", "generator", "tf_keras"])
+def test_inputs_of_the_wrong_shape(example):
+    ex = examples.build(example)
+    x = ex.inputs[..., :-1]  # one channel short
+    want = (None, *ex.inputs.shape[1:])
+    got = x.shape
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"jacobian(inputs=...): the model expects shape {want} (batch first), "
+            f"got shape {got}. Pass an array of shape "
+            f"(batch, {', '.join(map(str, want[1:]))})."
+        ),
+    ):
+        jk.jacobian(ex.model, x, ex.layer, strategy="chunked")
+
+
+def test_inputs_of_a_multi_input_model():
+    ex = examples.build("multi_input")
+    xa, xb = ex.inputs
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(inputs=...): the model takes 2 input(s) ('a' (None, 6), 'b' "
+            "(None, 4, 3)), got 1 of shape(s) (3, 6). Pass one array per input, "
+            "in a tuple, list or dict keyed by input name."
+        ),
+    ):
+        jk.jacobian(ex.model, xa, ex.layer, strategy="chunked")
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(inputs=...): input 'b' of the model expects shape (None, 4, "
+            "3) (batch first), got shape (3, 4). Pass an array of shape (batch, "
+            "4, 3)."
+        ),
+    ):
+        jk.jacobian(ex.model, {"a": xa, "b": xb[..., 0]}, ex.layer, strategy="chunked")
+
+
+@pytest.mark.parametrize("example", ["subclassed", "tf_module"])
+def test_a_model_that_fails_on_the_inputs(example):
+    """Models that declare no input shapes: the model's own complaint, in one
+    line of jacobkit's message (no tf.function trace)."""
+    ex = examples.build(example)
+    x = ex.inputs[:, :-1]
+    with pytest.raises(ValueError) as raised:
+        jk.jacobian(ex.model, x, ex.layer, strategy="chunked")
+    message = str(raised.value)
+    assert message.startswith(
+        f"jacobian(model=...): calling the model on inputs of shape {x.shape} failed: "
+    ), message
+    assert message.endswith(
+        "Check that the inputs are what the model takes (batch axis first)."
+    )
+    assert "\n" not in message and "in user code" not in message
+
+
+# -- strategies that cannot run through a layer --------------------------------------
+def _recurrent_model(flavour, kind: str = "LSTM"):
+    layers = flavour.layers
+    x_in = flavour.Input((6, 3))
+    h = layers.Dense(3, name="pre")(x_in)
+    h = getattr(layers, kind)(4, name="rnn")(h)
+    y = layers.Dense(2, name="head")(h)
+    model = flavour.Model(x_in, y)
+    x = np.random.default_rng(2).normal(size=(2, 6, 3)).astype("float32")
+    return model, x
+
+
+@pytest.mark.parametrize(
+    "flavour, kind, target",
+    [
+        (keras, "LSTM", "rnn"),
+        (keras, "LSTM", "pre"),  # its tangent flows into the loop
+        (keras, "GRU", "rnn"),
+        (tf_keras, "SimpleRNN", "rnn"),
+    ],
+    ids=["keras3-lstm", "keras3-before-lstm", "keras3-gru", "tf_keras-simplernn"],
+)
+def test_forward_mode_refuses_a_recurrent_loop(flavour, kind, target):
+    model, x = _recurrent_model(flavour, kind)
+    with (
+        PeakMemory("CPU:0") as memory,
+        pytest.raises(
+            ValueError,
+            match=exactly(
+                f"jacobian(strategy='forward'): forward mode cannot run through layer "
+                f"'rnn' ({kind}): TensorFlow's forward mode does not support its "
+                "tf.while_loop over time steps. Use strategy='chunked', 'while' or "
+                "'loop' for this target (or 'auto', which does not pick forward mode "
+                "here)."
+            ),
+        ),
+    ):
+        jk.jacobian(model, x, target, strategy="forward")
+    assert memory.extra_bytes < 1 * MiB
+
+
+# -- output= ------------------------------------------------------------------------
+def _two_outputs():
+    x_in = keras.Input((5,))
+    h = keras.layers.Dense(4, activation="tanh", name="dense")(x_in)
+    logits = keras.layers.Dense(3, name="logits")(h)
+    aux = keras.layers.Dense(2, name="aux")(h)
+    model = keras.Model(x_in, [logits, aux], name="two_outputs")
+    return model, np.ones((2, 5), "float32")
+
+
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        (
+            "logit",
+            "jacobian(output='logit'): the model has 2 outputs: 0 'logits' (shape "
+            "(2, 3)), 1 'aux' (shape (2, 2)). Pass output= one of these indices "
+            "or names. Did you mean 'logits'?",
+        ),
+        (
+            2,
+            "jacobian(output=2): the model has 2 outputs: 0 'logits' (shape (2, "
+            "3)), 1 'aux' (shape (2, 2)). Pass output= one of these indices or "
+            "names.",
+        ),
+    ],
+    ids=["name", "index"],
+)
+def test_output_that_the_model_does_not_have(output, message):
+    model, x = _two_outputs()
+    with pytest.raises(ValueError, match=exactly(message)):
+        jk.jacobian(model, x, "dense", strategy="chunked", output=output)
+
+
+def test_output_of_a_single_output_model():
+    model, x = mlp()
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(output=1): the model has a single output (shape (3, 4)). "
+            "Drop output=, or pass output=0."
+        ),
+    ):
+        jk.jacobian(model, x, "head", strategy="chunked", output=1)
+
+
+@pytest.mark.parametrize("output", [1.0, ["logits"]], ids=repr)
+def test_output_of_the_wrong_type(output):
+    model, x = _two_outputs()
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            f"jacobian(output={output!r}): expected the index (0, 1, ...) or the "
+            f"name of one of the model's outputs, got {type(output).__name__}."
+        ),
+    ):
+        jk.jacobian(model, x, "dense", strategy="chunked", output=output)
+
+
+def test_a_multi_output_model_without_output():
+    model, x = _two_outputs()
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            "jacobian(model=...): the model returned list, not a single tensor. "
+            "Pick one with output= (output=0 .. 1 or output='logits' / 'aux'), or "
+            "pass outputs=callable that maps them to rows."
+        ),
+    ):
+        jk.jacobian(model, x, "dense", strategy="chunked")

@@ -41,6 +41,42 @@ class Forward(Strategy):
         """Half the tangents per chunk, down to one."""
         return Forward(self.chunk_size // 2) if self.chunk_size > 1 else None
 
+    def check(self, problem: Problem) -> None:
+        """Refuse a model forward mode cannot run through, before it runs.
+
+        ``tf.autodiff.ForwardAccumulator`` cannot push a tangent through a
+        ``tf.while_loop`` that reads a target or carries its tangent (a Keras 3
+        LSTM, GRU or SimpleRNN layer on or after the target fails with
+        "Tried to take gradients (or similar) of a variable without handle
+        data"). Where the model runs such a loop, one tangent's computation is
+        traced here (nothing runs) to find out.
+        """
+        if not problem.has_loops:
+            return
+        targets = list(problem.targets)
+
+        def one_tangent(inputs):
+            tangents = [tf.zeros(t.shape, t.dtype) for t in targets]
+            with tf.autodiff.ForwardAccumulator(targets, tangents) as acc:
+                rows = problem.rows(inputs)
+            return acc.jvp(rows, unconnected_gradients=ZERO)
+
+        try:
+            tf.function(one_tangent).get_concrete_function(problem.inputs)
+        except (ValueError, TypeError, LookupError, tf.errors.OpError) as err:
+            layers = problem.recurrent_layers()
+            where = (
+                f"through {layers}: TensorFlow's forward mode does not support "
+                "its tf.while_loop over time steps"
+                if layers
+                else f"through this model: {_first_line(err)}"
+            )
+            raise ValueError(
+                f"jacobian(strategy='forward'): forward mode cannot run {where}. "
+                "Use strategy='chunked', 'while' or 'loop' for this target (or "
+                "'auto', which does not pick forward mode here)."
+            ) from err
+
     def build(self, problem: Problem):
         num_rows = problem.num_rows
 
@@ -73,3 +109,9 @@ class Forward(Strategy):
         (columns,) = map_chunks(chunk, num_params, self.chunk_size, [target.dtype])
         # columns: (P, R) -> (R, *target.shape)
         return tf.reshape(tf.transpose(columns), (num_rows, *target.shape))
+
+
+def _first_line(err: BaseException) -> str:
+    """The last line of a traced error that says what went wrong."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__

@@ -1,0 +1,238 @@
+"""What jacobkit reads from a model's layer tree, read-only.
+
+- :func:`target_keys`: stable result keys, the layer's path inside the model
+  (``"head/kernel"``; ``"backbone/conv1/kernel"`` in a nested sub-model),
+  never the model's own name.
+- :func:`close_names`: "did you mean" suggestions for a layer-name typo.
+- :func:`contains_layer`: whether a layer is part of a model at all.
+- :func:`recurrent_layers`: the layers that loop over time (a
+  ``tf.while_loop``), for strategies that cannot run through one.
+- :func:`input_mismatch`: the model's expected input shapes against the ones
+  received, in words.
+
+Nothing here calls a model or changes a layer.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+#: class names (anywhere in a layer's MRO) of Keras layers that run a
+#: ``tf.while_loop`` over time steps
+_RECURRENT = ("RNN", "Bidirectional")
+
+
+def children(layer: Any) -> list[Any]:
+    """The layers ``layer`` holds directly (sub-models, wrapped layers, cells)."""
+    flatten = getattr(layer, "_flatten_layers", None)
+    if flatten is None:
+        return []
+    return list(flatten(include_self=False, recursive=False))
+
+
+def walk(model: Any) -> Iterator[tuple[Any, tuple[str, ...]]]:
+    """``(layer, path)`` for ``model`` (path ``()``) and every layer inside it,
+    depth first; ``path`` is the names from below ``model`` down to the layer.
+    A layer reached twice (shared) is yielded once, at its first path."""
+    seen: set[int] = set()
+
+    def visit(layer: Any, path: tuple[str, ...]):
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        yield layer, path
+        for child in children(layer):
+            yield from visit(child, (*path, child.name))
+
+    yield from visit(model, ())
+
+
+def _short_name(variable: Any) -> str:
+    """``"kernel"`` for Keras 3's ``"kernel"`` and tf_keras' ``"dense/kernel:0"``."""
+    name = variable.name.rsplit("/", 1)[-1]
+    return name[:-2] if name.endswith(":0") else name
+
+
+def target_keys(
+    model: Any, variables: Sequence[Any], unwrap: Callable[[Any], Any]
+) -> list[str | None]:
+    """The result key of each variable: ``"<layer path>/<variable name>"``.
+
+    The layer path is the names of the layers from below ``model`` down to the
+    layer that holds the variable itself (its deepest owner: an LSTM's kernel
+    is ``"lstm/lstm_cell/kernel"``, a nested sub-model's layer
+    ``"backbone/conv1/kernel"``). The model's own name is never part of it, so
+    a ``Sequential`` and a functional model give the same keys. ``None`` for a
+    variable that is not in the model's layer tree. ``unwrap`` maps a variable
+    to the ``tf.Variable`` that identifies it.
+    """
+    wanted = {id(unwrap(v)) for v in variables}
+    owner: dict[int, tuple[str, ...]] = {}
+    for layer, path in walk(model):
+        for weight in getattr(layer, "weights", ()):
+            key = id(unwrap(weight))
+            if key in wanted and len(path) >= len(owner.get(key, ())):
+                owner[key] = (*path, _short_name(weight))
+    return [
+        "/".join(owner[id(unwrap(v))]) if id(unwrap(v)) in owner else None
+        for v in variables
+    ]
+
+
+def contains_layer(model: Any, layer: Any) -> bool:
+    """Whether ``layer`` is ``model`` or one of the layers inside it."""
+    return any(candidate is layer for candidate, _ in walk(model))
+
+
+def close_names(name: str, names: Sequence[str], n: int = 3) -> list[str]:
+    """Up to ``n`` of ``names`` closest to ``name`` (``difflib``, ignoring
+    case: ``"Head"`` and ``"HEAD1"`` both suggest ``"head"``)."""
+    lowered: dict[str, str] = {}
+    for candidate in names:
+        lowered.setdefault(candidate.lower(), candidate)
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.6)
+    return [lowered[c] for c in close]
+
+
+def _is_recurrent(layer: Any) -> bool:
+    return any(
+        cls.__name__ in _RECURRENT and cls.__module__.startswith(("keras", "tf_keras"))
+        for cls in type(layer).__mro__
+    )
+
+
+def recurrent_layers(model: Any, target: Any = None) -> list[Any]:
+    """The outermost recurrent layers (LSTM, GRU, SimpleRNN, Bidirectional,
+    ...) that values of ``target`` flow through: the one that is or holds
+    ``target``, else those after it in the model's layer order; every one
+    when ``target`` is ``None`` (a list of variables) or comes after them all.
+    """
+    found: list[tuple[int, Any, tuple[str, ...]]] = []
+    target_at = None
+    for position, (layer, path) in enumerate(walk(model)):
+        if layer is target:
+            target_at = (position, path)
+        if _is_recurrent(layer) and not any(path[: len(p)] == p for _, _, p in found):
+            found.append((position, layer, path))
+    if target_at is not None:
+        position, path = target_at
+        holding = [layer for _, layer, p in found if path[: len(p)] == p]
+        if holding:
+            return holding
+        after = [layer for at, layer, _ in found if at > position]
+        if after:
+            return after
+    return [layer for _, layer, _ in found]
+
+
+def describe(layers: Sequence[Any]) -> str:
+    """``"layer 'lstm' (LSTM)"`` or ``"layers 'a' (LSTM), 'b' (GRU)"``."""
+    named = ", ".join(f"{layer.name!r} ({type(layer).__name__})" for layer in layers)
+    return f"layer{'s' if len(layers) > 1 else ''} {named}"
+
+
+# -- input shapes --------------------------------------------------------------
+def _expected_inputs(model: Any) -> list[tuple[str, tuple]] | None:
+    """``[(name, shape)]`` of the model's declared inputs (batch axis
+    ``None``), or ``None`` where the model declares none (subclassed models,
+    plain functions)."""
+    try:
+        declared = getattr(model, "inputs", None)
+    except (AttributeError, ValueError):
+        return None
+    if not declared:
+        return None
+    expected = []
+    for tensor in declared:
+        shape = getattr(tensor, "shape", None)
+        if shape is None:
+            return None
+        dims = tuple(None if d is None else int(d) for d in tuple(shape))
+        if not dims:
+            return None
+        expected.append((str(getattr(tensor, "name", "")), (None, *dims[1:])))
+    return expected
+
+
+def _fits(expected: tuple, received: tuple) -> bool:
+    return len(expected) == len(received) and all(
+        e is None or e == r for e, r in zip(expected, received)
+    )
+
+
+def _shape(dims: tuple) -> str:
+    return (
+        "("
+        + ", ".join("None" if d is None else str(d) for d in dims)
+        + (",)" if len(dims) == 1 else ")")
+    )
+
+
+def _batch_first(dims: tuple) -> str:
+    return "(batch" + "".join(f", {d}" for d in dims[1:]) + ")"
+
+
+def input_mismatch(model: Any, inputs: Any, flat: Sequence[Any]) -> str | None:
+    """What is wrong with the shapes of ``inputs`` (``flat``: its tensors, in
+    ``tf.nest`` order) for the model's declared inputs, in words; ``None``
+    where the shapes fit or the model declares none."""
+    expected = _expected_inputs(model)
+    if expected is None:
+        return None
+    received = [tuple(int(d) if d is not None else None for d in t.shape) for t in flat]
+    if len(expected) != len(received):
+        listed = ", ".join(f"{name!r} {_shape(dims)}" for name, dims in expected)
+        got = ", ".join(_shape(r) for r in received)
+        return (
+            f"the model takes {len(expected)} input(s) ({listed}), got "
+            f"{len(received)} of shape(s) {got}. Pass one array per input, "
+            "in a tuple, list or dict keyed by input name."
+        )
+    if isinstance(inputs, dict):
+        by_name = dict(expected)
+        if set(by_name) == set(inputs):
+            expected = [(name, by_name[name]) for name in sorted(inputs)]
+    for (name, want), got in zip(expected, received):
+        if _fits(want, got):
+            continue
+        which = f"input {name!r} of " if len(expected) > 1 else ""
+        start = (
+            f"{which}the model expects shape {_shape(want)} (batch first), got "
+            f"shape {_shape(got)}"
+        )
+        if len(got) == len(want) - 1 and _fits(want[1:], got):
+            return (
+                f"{start}: the batch axis is missing. Add it: x[None] (or "
+                "np.expand_dims(x, 0)) for a single example."
+            )
+        return f"{start}. Pass an array of shape {_batch_first(want)}."
+    return None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_NOISE = (
+    "Exception encountered when calling",
+    "Arguments received by",
+    "Call arguments received by",
+    "in user code:",
+)
+
+
+def error_summary(err: BaseException) -> str:
+    """The informative line of a (Keras, ``tf.function``) error: the last
+    exception's own message, without traceback frames or argument lists."""
+    text = _ANSI.sub("", str(err))
+    lines = [line.strip() for line in text.splitlines()]
+    # tf.function's "in user code:" block ends with "    SomeError: message"
+    for i in range(len(lines) - 1, -1, -1):
+        match = re.match(r"^\w+(Error|Exception): (.*)$", lines[i])
+        if match:
+            lines = [match.group(2), *lines[i + 1 :]]
+            break
+    for line in lines:
+        if line and not line.startswith(_NOISE) and not line.startswith(("•", "File ")):
+            return line if line.endswith((".", "!", "?")) else line + "."
+    return type(err).__name__ + "."
