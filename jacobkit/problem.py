@@ -8,15 +8,16 @@ Everything that depends on the Keras flavour (Keras 3, ``tf_keras``, a plain
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from jacobkit import linear, taps
 
 OUTPUT_MODES = ("features", "per_example", "full")
 UNCONNECTED_MODES = ("error", "zero")
@@ -281,8 +282,11 @@ class Problem:
         return roles
 
     # -- the computation strategies differentiate ---------------------------
-    def call_model(self, inputs: Any) -> Any:
-        """``Y = model(inputs)``, with ``training=`` for Keras models."""
+    def call_model(self, inputs: Any, hook: taps.Hook | None = None) -> Any:
+        """``Y = model(inputs)``, with ``training=`` for Keras models; with a
+        ``hook``, the target layer's node is computed by it (:attr:`layer_tap`)."""
+        if hook is not None:
+            return self.layer_tap(inputs, self.training, hook)
         if self._is_keras:
             return self.model(inputs, training=self.training)
         return self.model(inputs)
@@ -291,14 +295,14 @@ class Problem:
         """The rows as a flat vector of length ``num_rows``."""
         return tf.reshape(self.rows_spec.of(self.call_model(inputs)), (-1,))
 
-    def per_example_rows(self, inputs: Any) -> tf.Tensor:
+    def per_example_rows(self, inputs: Any, hook: taps.Hook | None = None) -> tf.Tensor:
         """Rows before any sum over the batch: shape ``(B, K)``.
 
         Only for the built-in ``outputs`` modes. ``rows`` equals
         ``per_example_rows(...).sum(0)`` for ``"features"`` and the flattened
         ``per_example_rows(...)`` otherwise.
         """
-        selected = self.rows_spec.select(self.call_model(inputs))
+        selected = self.rows_spec.select(self.call_model(inputs, hook))
         return self.rows_spec.per_example(selected)
 
     # -- the target layer's linear part (for the batch strategy) ------------
@@ -315,51 +319,25 @@ class Problem:
                 return _SUPPORTED_LINEAR[cls.__name__]
         return None
 
-    @contextlib.contextmanager
-    def tap_layer(
-        self, on_output: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
-    ) -> Iterator[None]:
-        """While active, each call of the target layer hands its input ``x``
-        and pre-activation output ``z`` to ``on_output(x, z)``, which returns
-        the ``z`` to continue with (the activation is applied after)."""
-        layer = self.layer
-        original_call = layer.call
-
-        def call(inputs, *args, **kwargs):
-            activation = layer.activation
-
-            def tapped(z):
-                return activation(on_output(inputs, z))
-
-            object.__setattr__(layer, "activation", tapped)
-            try:
-                return original_call(inputs, *args, **kwargs)
-            finally:
-                object.__setattr__(layer, "activation", activation)
-
-        object.__setattr__(layer, "call", call)
-        try:
-            yield
-        finally:
-            object.__delattr__(layer, "call")
+    @functools.cached_property
+    def layer_tap(self) -> taps.LayerTap:
+        """Runs the model with the target layer's node handed to a hook,
+        without touching the model (raises ``taps.TapError`` if it cannot)."""
+        return taps.LayerTap(self.model, self.layer)
 
     def layer_linear(self, layer_inputs: tf.Tensor) -> tf.Tensor:
-        """The target layer's pre-activation output for ``layer_inputs``."""
-        return self._linear_call(layer_inputs)
+        """The target layer's pre-activation output for ``layer_inputs``,
+        computed beside the layer with its own variables."""
+        kernel = self.targets[self.roles["kernel"]]
+        bias = self.targets[self.roles["bias"]] if "bias" in self.roles else None
+        return linear.pre_activation(
+            self.layer, self.linear_layer_kind, layer_inputs, kernel, bias
+        )
 
-    @functools.cached_property
-    def _linear_call(self) -> Callable[[tf.Tensor], tf.Tensor]:
-        layer = self.layer
-
-        def linear(layer_inputs):
-            activation = layer.activation
-            object.__setattr__(layer, "activation", tf.identity)
-            try:
-                return layer.call(layer_inputs)
-            finally:
-                object.__setattr__(layer, "activation", activation)
-
-        return linear
+    def layer_activation(self, z: tf.Tensor) -> tf.Tensor:
+        """The target layer's activation applied to ``z``."""
+        activation = getattr(self.layer, "activation", None)
+        return z if activation is None else activation(z)
 
     # -- checks -------------------------------------------------------------
     def _inspect(self) -> None:

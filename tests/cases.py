@@ -65,6 +65,7 @@ OUTPUTS = {
 BATCH_REFUSES = {
     "shared_layer": "runs 2 times per forward pass",
     "tf_module": "supports Dense, Conv1D and Conv2D",
+    "subclassed": "not from a functional graph",
 }
 
 

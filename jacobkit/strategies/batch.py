@@ -22,8 +22,10 @@ from typing import final
 
 import tensorflow as tf
 
+from jacobkit import linear
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.taps import TapError
 
 _SUPPORTED = "Dense, Conv1D and Conv2D (Keras 3 or tf_keras)"
 
@@ -62,6 +64,22 @@ class Batch(Strategy):
                 "jacobian(strategy='batch'): every target must be the layer's own "
                 "kernel or bias."
             )
+        name = problem.layer.name
+        why = linear.unsupported(problem.layer, problem.linear_layer_kind)
+        if why is not None:
+            raise ValueError(
+                f"jacobian(strategy='batch'): layer {name!r} is not supported: "
+                f"{why}. Use strategy='chunked' or 'jacobian'."
+            )
+        try:
+            problem.layer_tap  # noqa: B018 - built here to raise early
+        except TapError as err:
+            raise ValueError(
+                f"jacobian(strategy='batch'): {err}; the batch strategy needs "
+                "the layer's input and output once per forward pass. Use "
+                "strategy='chunked' or 'jacobian'."
+            ) from err
+        _check_closed_form(problem)
         leak = _cross_example_leak(problem)
         if leak > 1e-6:
             raise ValueError(
@@ -88,26 +106,30 @@ class Batch(Strategy):
         return compute
 
 
-def _tapped_forward(problem: Problem, inputs):
-    """Forward pass recording the target layer's input and output ``z``."""
+def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
+    """Forward pass recording the target layer's input and output ``z``.
+
+    The model's graph is run with the layer's node computed beside the layer
+    (``activation(linear(x))``, :meth:`Problem.layer_tap`); the user's layer is
+    never changed. With ``check``, the node's output as the layer itself
+    computes it is recorded too.
+    """
     taps = []
 
-    def on_output(layer_inputs, z):
+    def on_layer(call, args, kwargs):
+        layer_inputs = args[0]
+        z = problem.layer_linear(layer_inputs)
         tape.watch(z)
-        taps.append((layer_inputs, z))
-        return z
+        activated = problem.layer_activation(z)
+        taps.append((layer_inputs, z, call(*args, **kwargs) if check else None))
+        return activated
 
     tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
-    with tape, problem.tap_layer(on_output):
-        per_example = problem.per_example_rows(inputs)
-    if len(taps) != 1:
-        raise ValueError(
-            f"jacobian(strategy='batch'): layer {problem.layer.name!r} runs "
-            f"{len(taps)} times per forward pass (a shared layer); its input then "
-            "depends on its own kernel and the contraction would be wrong. Use "
-            "strategy='chunked' or 'jacobian'."
-        )
-    layer_inputs, z = taps[0]
+    with tape:
+        per_example = problem.per_example_rows(inputs, hook=on_layer)
+    layer_inputs, z, own = taps[0]
+    if check:
+        return layer_inputs, z, per_example, tape, own
     return layer_inputs, z, per_example, tape
 
 
@@ -142,6 +164,21 @@ def _contract_per_example(problem, layer_inputs, dz, targets):
         )
 
     return tf.vectorized_map(one, (examples, cotangents), fallback_to_while_loop=False)
+
+
+def _check_closed_form(problem: Problem) -> None:
+    """Refuse a layer whose output is not ``activation(linear(x))``."""
+    _, z, _, _, own = _tapped_forward(problem, problem.inputs, check=True)
+    activated = problem.layer_activation(z)
+    scale = float(tf.reduce_max(tf.abs(own))) + 1e-30
+    # float32 rounding of the same operations differs by < 1e-6 relative
+    if float(tf.reduce_max(tf.abs(activated - own))) > 1e-4 * scale:
+        raise ValueError(
+            f"jacobian(strategy='batch'): layer {problem.layer.name!r} "
+            f"({type(problem.layer).__name__}) computes more than "
+            "activation(x @ kernel + bias) (or a convolution): its output "
+            "differs from that closed form. Use strategy='chunked' or 'jacobian'."
+        )
 
 
 def _cross_example_leak(problem: Problem) -> float:
