@@ -16,11 +16,14 @@ from jacobkit import strategies  # noqa: E402
 from jacobkit.api import jacobian, plan  # noqa: E402
 from jacobkit.planner import Plan  # noqa: E402
 from jacobkit.result import JacobianResult, Stats  # noqa: E402
+from jacobkit.targets import Inputs, Output  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Inputs",
     "JacobianResult",
+    "Output",
     "Plan",
     "Stats",
     "__version__",

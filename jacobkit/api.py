@@ -168,7 +168,7 @@ def _wrap(
     """The strategy's flat ``(R, *v.shape)`` Jacobians, shaped and named."""
     flat, stats = output
     jacobians = {
-        name: tf.reshape(jac, problem.rows_shape + tuple(target.shape))
+        name: problem.shaped(jac, target)
         for name, jac, target in zip(problem.target_names, flat, problem.targets)
     }
     roles = {role: problem.target_names[i] for role, i in problem.roles.items()}

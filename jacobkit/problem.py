@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import linear, taps
+from jacobkit import targets as tensor_targets
 
 OUTPUT_MODES = ("features", "per_example", "full")
 UNCONNECTED_MODES = ("error", "zero")
@@ -233,17 +234,37 @@ class Problem:
         self.unconnected = unconnected
         self.inputs = _to_tensors(inputs)
         self._is_keras = _is_keras_layer(model)
+        self.rows_spec = Rows(outputs, _check_features_type(features))
+        #: ``Inputs``/``Output`` targets (``jacobkit.targets``), or None
+        self.tensor_targets: tensor_targets.TensorTargets | None = None
         self.layer, variables = self._resolve_targets(layer)
         self.targets: tuple[tf.Variable, ...] = tuple(
             as_tf_variable(v) for v in variables
         )
-        self.target_names = _unique_names(variables)
+        self.target_names = (
+            self.tensor_targets.names
+            if self.tensor_targets is not None
+            else _unique_names(variables)
+        )
         self.roles = self._roles(variables)
-        self.rows_spec = Rows(outputs, _check_features_type(features))
         self._inspect()
+        if self.blocked:
+            tensor_targets.check_independent(self)
 
     # -- resolution ---------------------------------------------------------
     def _resolve_targets(self, layer: Any) -> tuple[Any, list[Any]]:
+        if tensor_targets.is_tensor_target(layer):
+            if isinstance(layer, tensor_targets.Output):
+                self._ensure_built()
+            self.tensor_targets = tensor_targets.TensorTargets(
+                layer,
+                self.model,
+                self.inputs,
+                self._call,
+                self.training,
+                lambda name: _find_layer(self.model, name),
+            )
+            return None, list(self.tensor_targets.variables)
         if isinstance(layer, str):
             self._ensure_built()
             layer = _find_layer(self.model, layer)
@@ -287,12 +308,23 @@ class Problem:
         ``hook``, the target layer's node is computed by it (:attr:`layer_tap`)."""
         if hook is not None:
             return self.layer_tap(inputs, self.training, hook)
+        if self.tensor_targets is not None:
+            return self.tensor_targets.call(inputs)
+        return self._call(inputs)
+
+    def _call(self, inputs: Any) -> Any:
         if self._is_keras:
             return self.model(inputs, training=self.training)
         return self.model(inputs)
 
     def rows(self, inputs: Any) -> tf.Tensor:
-        """The rows as a flat vector of length ``num_rows``."""
+        """The rows as a flat vector of length ``num_rows``.
+
+        For :attr:`blocked` problems these are the per-example rows summed over
+        the batch (``num_rows = K``), whose Jacobian holds every example's own
+        block (see :mod:`jacobkit.targets`)."""
+        if self.blocked:
+            return tf.reshape(tf.reduce_sum(self.per_example_rows(inputs), 0), (-1,))
         return tf.reshape(self.rows_spec.of(self.call_model(inputs)), (-1,))
 
     def per_example_rows(self, inputs: Any, hook: taps.Hook | None = None) -> tf.Tensor:
@@ -304,6 +336,25 @@ class Problem:
         """
         selected = self.rows_spec.select(self.call_model(inputs, hook))
         return self.rows_spec.per_example(selected)
+
+    @property
+    def blocked(self) -> bool:
+        """True for tensor targets with per-example rows (``"per_example"``,
+        ``"full"``): strategies compute ``K`` batch-summed rows and each
+        result keeps only each example's own block, shape
+        ``rows_shape + target.shape[1:]`` (:mod:`jacobkit.targets`)."""
+        return self.tensor_targets is not None and self.rows_spec.mode in (
+            "per_example",
+            "full",
+        )
+
+    def shaped(self, jacobian: tf.Tensor, target: tf.Variable) -> tf.Tensor:
+        """A strategy's ``(num_rows, *target.shape)`` Jacobian in the result's
+        shape: ``rows_shape + target.shape``, or the own-example blocks
+        ``rows_shape + target.shape[1:]`` when :attr:`blocked`."""
+        if self.blocked:
+            return tensor_targets.own_example_blocks(jacobian, self.rows_shape)
+        return tf.reshape(jacobian, self.rows_shape + tuple(target.shape))
 
     # -- the target layer's linear part (for the batch strategy) ------------
     @property
@@ -364,6 +415,8 @@ class Problem:
         outputs_shape, rows, connected = inspected[key]
         self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
+        if self.blocked:  # K batch-summed rows, see :attr:`blocked`
+            self.num_rows = int(np.prod(self.rows_shape[1:], dtype=np.int64))
         self.output_dtype = rows.dtype
         self.batch_size = outputs_shape[0] if outputs_shape is not None else None
         self.output_width = outputs_shape[-1] if outputs_shape is not None else None
@@ -466,7 +519,10 @@ def per_model(cache: weakref.WeakKeyDictionary, model: Any) -> dict:
 
 def _to_tensors(inputs: Any) -> Any:
     def convert(value):
-        if isinstance(value, (tf.Tensor, np.ndarray, np.generic, list, float, int)):
+        if isinstance(
+            value, (tf.Tensor, tf.Variable, np.ndarray, np.generic, list, float, int)
+        ):
+            # a tf.Variable input is read: its value is the input tensor
             return tf.convert_to_tensor(value)
         raise TypeError(
             "jacobian(inputs=...): expected NumPy arrays or tf.Tensors (in a "
@@ -479,7 +535,10 @@ def _to_tensors(inputs: Any) -> Any:
     if isinstance(inputs, (tuple, dict)) or (
         isinstance(inputs, list)
         and inputs
-        and all(isinstance(v, (tf.Tensor, np.ndarray, tuple, dict)) for v in inputs)
+        and all(
+            isinstance(v, (tf.Tensor, tf.Variable, np.ndarray, tuple, dict))
+            for v in inputs
+        )
     ):
         return tf.nest.map_structure(convert, inputs)
     return convert(inputs)

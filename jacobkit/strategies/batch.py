@@ -44,6 +44,14 @@ class Batch(Strategy):
     name = "batch"
 
     def check(self, problem: Problem) -> None:
+        if problem.tensor_targets is not None:
+            raise ValueError(
+                "jacobian(strategy='batch'): differentiates a Dense or Conv "
+                f"layer's kernel and bias, got the tensor target(s) "
+                f"{', '.join(problem.target_names)}. Use strategy='chunked' or "
+                "'jacobian' (per-example rows of Inputs()/Output() targets cost "
+                "K rows there, not B x K)."
+            )
         if problem.linear_layer_kind is None:
             what = (
                 "a list of variables"
