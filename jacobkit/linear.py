@@ -64,3 +64,82 @@ def pre_activation(
             dilations=list(layer.dilation_rate),
         )
     return z if bias is None else z + bias
+
+
+def unfold(layer: Any, kind: str, x: tf.Tensor) -> tf.Tensor:
+    """The input seen by each output position, shape ``(B, P, I)``.
+
+    ``P`` output positions and ``I`` inputs per position: for Dense, ``I = C``
+    and the positions are the middle axes; for Conv, the patches
+    (``tf.image.extract_patches``, with the layer's strides, dilation and
+    padding), ``I = prod(kernel_size) * C`` ordered as the kernel's leading
+    axes, so ``z[b, p] = unfold(x)[b, p] @ kernel.reshape(I, -1) + bias``.
+    """
+    batch = x.shape[0]
+    if kind == "dense":
+        return tf.reshape(x, (batch, -1, x.shape[-1]))
+    x, padding = conv_padding(layer, x)
+    sizes, strides, rates = (
+        list(layer.kernel_size),
+        list(layer.strides),
+        list(layer.dilation_rate),
+    )
+    if kind == "conv1d":  # a Conv1D is a Conv2D of height 1
+        x = x[:, None]
+        sizes, strides, rates = [1, *sizes], [1, *strides], [1, *rates]
+    patches = tf.image.extract_patches(
+        x,
+        sizes=[1, *sizes, 1],
+        strides=[1, *strides, 1],
+        rates=[1, *rates, 1],
+        padding=padding,
+    )
+    return tf.reshape(patches, (batch, -1, patches.shape[-1]))
+
+
+def kernel_and_bias_gradients(
+    layer: Any,
+    kind: str,
+    x: tf.Tensor,
+    dz: tf.Tensor,
+    kernel_shape: tuple[int, ...],
+    *,
+    summed: bool,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Per-row gradients of the kernel and bias from the cotangents at ``z``.
+
+    NOTE (the closed form). ``z[b, p, o] = sum_i U[b, p, i] W[i, o] + c[o]``
+    with ``U = unfold(x)``, so a row ``r`` with cotangent ``G = dr/dz`` has
+    ``dr/dW[i, o] = sum_{b, p} U[b, p, i] G[b, p, o]`` and
+    ``dr/dc[o] = sum_{b, p} G[b, p, o]`` (BackPACK's and Opacus's per-sample
+    rules). A row of example ``b`` only has ``G`` zero outside ``b``, so its
+    gradient is the same sum over ``p`` alone: one batched einsum for every
+    (example, row) pair, no loop and no per-row backward pass.
+
+    Args:
+        x: the layer's input, ``(B, ...)``.
+        dz: ``(B, K, *z.shape[1:])``, ``dz[b, k] = dP[b, k] / dz[b]``.
+        kernel_shape: the kernel's shape.
+        summed: rows summed over the batch (``"features"``): gradients of the
+            ``K`` rows ``sum_b P[b, k]``; otherwise of the ``B × K`` rows
+            ``P[b, k]``, row-major.
+
+    Returns:
+        ``(kernel, bias)`` gradients, ``(R, *kernel_shape)`` and
+        ``(R, units)`` with ``R = K`` if ``summed`` else ``B * K``.
+    """
+    batch, rows = dz.shape[0], dz.shape[1]
+    units = dz.shape[-1]
+    patches = unfold(layer, kind, x)  # (B, P, I)
+    cotangents = tf.reshape(dz, (batch, rows, -1, units))  # (B, K, P, O)
+    if summed:
+        kernel = tf.einsum("bpi,bkpo->kio", patches, cotangents)
+        bias = tf.reduce_sum(cotangents, axis=(0, 2))
+    else:
+        kernel = tf.einsum("bpi,bkpo->bkio", patches, cotangents)
+        bias = tf.reduce_sum(cotangents, axis=2)
+    count = rows if summed else batch * rows
+    return (
+        tf.reshape(kernel, (count, *kernel_shape)),
+        tf.reshape(bias, (count, units)),
+    )

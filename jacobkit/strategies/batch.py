@@ -6,10 +6,12 @@ then ``a = activation(z)``. ``x`` does not depend on ``W`` or ``b`` (checked:
 the layer must run once per forward pass), so by the chain rule every row ``r``
 has ``dr/dW = VJP of linear at x, applied to the cotangent dr/dz``, and the
 VJP of a map that is linear in ``(W, b)`` is exact, not a linearization.
-For rows that depend on a single example ``b`` only (``"per_example"`` and
-``"full"``), ``dr/dz`` is zero outside example ``b``, so the VJP only needs
-``x[b]``; ``"features"`` rows are sums over examples, so their VJP is taken
-over the whole batch at once. ``dr/dz`` itself comes from
+That VJP is written in closed form over the unfolded input (see the NOTE in
+:func:`jacobkit.linear.kernel_and_bias_gradients`): for rows that depend on a
+single example ``b`` only (``"per_example"`` and ``"full"``), ``dr/dz`` is
+zero outside example ``b``, so one batched einsum gives every (example, row)
+pair; ``"features"`` rows are sums over examples, and the same einsum also
+sums over the batch. ``dr/dz`` itself comes from
 ``tape.batch_jacobian`` of the per-example rows ``P (B, K)`` with respect to
 ``z``, which is correct only when examples do not mix (no batch statistics,
 no attention across the batch): that is checked once, numerically, before
@@ -109,9 +111,7 @@ class Batch(Strategy):
             layer_inputs, z, per_example, tape = _tapped_forward(problem, inputs)
             # (B, K, *z.shape[1:]): d P[b, k] / d z[b]
             dz = tape.batch_jacobian(per_example, z, unconnected_gradients=ZERO)
-            if summed:
-                return _contract_summed(problem, layer_inputs, dz, targets)
-            return _contract_per_example(problem, layer_inputs, dz, targets)
+            return _contract(problem, layer_inputs, dz, targets, summed=summed)
 
         return compute
 
@@ -143,37 +143,22 @@ def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
     return layer_inputs, z, per_example, tape
 
 
-def _contract_summed(problem, layer_inputs, dz, targets):
-    """Rows summed over examples: one VJP over the whole batch per row."""
-    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-        tape.watch(targets)
-        z = problem.layer_linear(layer_inputs)
-    cotangents = tf.experimental.numpy.moveaxis(dz, 1, 0)  # (K, B, ...)
-    return tf.vectorized_map(
-        lambda ct: tape.gradient(
-            z, targets, output_gradients=ct, unconnected_gradients=ZERO
-        ),
-        cotangents,
-        fallback_to_while_loop=False,
+def _contract(problem, layer_inputs, dz, targets, *, summed):
+    """The kernel/bias Jacobians from ``dz`` in closed form (see the NOTE in
+    :func:`jacobkit.linear.kernel_and_bias_gradients`): one einsum, no
+    per-row ``vectorized_map`` and no while-loop fallback."""
+    roles = problem.roles
+    kernel, bias = linear.kernel_and_bias_gradients(
+        problem.layer,
+        problem.linear_layer_kind,
+        layer_inputs,
+        dz,
+        tuple(targets[roles["kernel"]].shape),
+        summed=summed,
     )
-
-
-def _contract_per_example(problem, layer_inputs, dz, targets):
-    """Rows of single examples: one VJP per (example, row) with ``x[b]`` only."""
-    batch, per_row = dz.shape[0], dz.shape[1]
-    examples = tf.repeat(tf.range(batch), per_row)  # (B*K,), row-major (b, k)
-    cotangents = tf.reshape(dz, (batch * per_row, 1, *dz.shape[2:]))
-
-    def one(elems):
-        example, cotangent = elems
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(targets)
-            z = problem.layer_linear(tf.gather(layer_inputs, example[None]))
-        return tape.gradient(
-            z, targets, output_gradients=cotangent, unconnected_gradients=ZERO
-        )
-
-    return tf.vectorized_map(one, (examples, cotangents), fallback_to_while_loop=False)
+    by_role = {"kernel": kernel, "bias": bias}
+    order = sorted(roles, key=roles.get)
+    return [tf.cast(by_role[role], targets[roles[role]].dtype) for role in order]
 
 
 def _check_closed_form(problem: Problem) -> None:
