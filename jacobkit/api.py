@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from jacobkit import memory, planner, strategies
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, per_model
 from jacobkit.result import JacobianResult
 
 
@@ -25,6 +26,7 @@ def jacobian(
     unconnected: str = "error",
     memory_budget: int | float | str | None = None,
     device: str | None = None,
+    reduce: str | None = None,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
 
@@ -52,6 +54,10 @@ def jacobian(
             :func:`jacobkit.plan`.
         device: run on this device (``"CPU:0"``, ``"GPU:0"``); default: TF's
             placement.
+        reduce: ``"norm"`` returns, per target, the L2 norm of every row's
+            Jacobian (shape ``rows_shape``) without holding more than one
+            chunk of rows' Jacobians (strategies ``chunked`` and ``batch``;
+            ``auto`` picks batch where it applies). Default: the Jacobians.
 
     Returns:
         A :class:`JacobianResult`; for a layer target ``result.kernel`` has
@@ -83,7 +89,10 @@ def jacobian(
             features=features,
             training=training,
             unconnected=unconnected,
+            reduce=reduce,
         )
+        if chosen is None and problem.reduce is not None:
+            chosen = _norm_strategy(problem, memory_budget)
         if chosen is not None:
             return run_strategy(problem, chosen)
         return run_auto(problem, memory_budget=memory_budget, device=device)
@@ -119,6 +128,30 @@ def plan(
             unconnected=unconnected,
         )
         return planner.plan_problem(problem, memory_budget=memory_budget, device=device)
+
+
+#: model -> {problem key: the strategy auto runs for reduce="norm"}
+_NORM_STRATEGY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _norm_strategy(problem: Problem, memory_budget: Any) -> strategies.Strategy:
+    """``auto`` for ``reduce="norm"``: the batch strategy's closed forms where
+    it applies (Dense/Conv layer targets), else ``chunked`` (16 rows held)."""
+    if memory_budget is not None:
+        raise ValueError(
+            f"jacobian(reduce={problem.reduce!r}, memory_budget="
+            f"{memory_budget!r}): norms hold one chunk of rows' Jacobians and "
+            "are not planned under a budget. Drop memory_budget=, or pass "
+            "strategy=Chunked(chunk_size=...) to size the chunk."
+        )
+    chosen = per_model(_NORM_STRATEGY, problem.model)
+    if problem.key not in chosen:
+        try:
+            strategies.Batch().check(problem)
+            chosen[problem.key] = strategies.Batch()
+        except ValueError:
+            chosen[problem.key] = strategies.Chunked(16)
+    return chosen[problem.key]
 
 
 def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
@@ -181,4 +214,5 @@ def _wrap(
         roles=roles,
         plan=plan,
         strategy_config=strategy,
+        reduce=problem.reduce,
     )

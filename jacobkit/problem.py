@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import linear, taps
+from jacobkit import linear, norms, taps
 from jacobkit import targets as tensor_targets
 
 OUTPUT_MODES = ("features", "per_example", "full")
@@ -205,6 +205,7 @@ class Problem:
         features: Sequence[int] | None = None,
         training: bool = False,
         unconnected: str = "error",
+        reduce: str | None = None,
     ) -> None:
         if not callable(model):
             raise TypeError(
@@ -230,6 +231,8 @@ class Problem:
                 f"{type(training).__name__}."
             )
         self.model = model
+        #: ``None`` (Jacobians) or ``"norm"`` (each row's L2 norm, norms.py)
+        self.reduce = norms.check_reduce(reduce)
         self.training = bool(training)
         self.unconnected = unconnected
         self.inputs = _to_tensors(inputs)
@@ -351,7 +354,13 @@ class Problem:
     def shaped(self, jacobian: tf.Tensor, target: tf.Variable) -> tf.Tensor:
         """A strategy's ``(num_rows, *target.shape)`` Jacobian in the result's
         shape: ``rows_shape + target.shape``, or the own-example blocks
-        ``rows_shape + target.shape[1:]`` when :attr:`blocked`."""
+        ``rows_shape + target.shape[1:]`` when :attr:`blocked`. With
+        ``reduce="norm"``: the norms ``(num_rows,)`` (``(K, B)`` blocked) as
+        ``rows_shape``."""
+        if self.reduce is not None:
+            if self.blocked:
+                jacobian = tf.transpose(jacobian)
+            return tf.reshape(jacobian, self.rows_shape)
         if self.blocked:
             return tensor_targets.own_example_blocks(jacobian, self.rows_shape)
         return tf.reshape(jacobian, self.rows_shape + tuple(target.shape))
@@ -497,6 +506,7 @@ class Problem:
             self.rows_shape,
             self.training,
             id(self.layer),
+            self.reduce,
         )
 
 

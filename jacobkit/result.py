@@ -50,7 +50,13 @@ class JacobianResult(Mapping):
     ``chunk_size`` its chunk size, if it has one.
 
     Index by the variable's name (``result["dense/kernel"]``), by its role
-    (``result["kernel"]``) or by position (``result[0]``).
+    (``result["kernel"]``) or by position (``result[0]``). Tensor targets are
+    named ``"inputs"`` (``"inputs/<name>"`` for one of several inputs) and
+    ``"<layer>/output"``; their per-example rows keep only each example's own
+    block, shape ``rows_shape + target.shape[1:]`` (:mod:`jacobkit.targets`).
+
+    With ``reduce="norm"`` each entry is instead the L2 norm of every row's
+    Jacobian, shape ``rows_shape``.
     """
 
     jacobians: dict[str, tf.Tensor]
@@ -61,6 +67,7 @@ class JacobianResult(Mapping):
     roles: dict[str, str] = field(default_factory=dict)
     plan: Any = None
     strategy_config: Any = None
+    reduce: str | None = None
 
     @property
     def kernel(self) -> tf.Tensor:

@@ -25,9 +25,9 @@ from typing import final
 
 import tensorflow as tf
 
-from jacobkit import linear
+from jacobkit import linear, norms
 from jacobkit.problem import Problem
-from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.base import ZERO, Strategy, map_chunks
 from jacobkit.taps import TapError
 
 _SUPPORTED = "Dense, Conv1D and Conv2D (Keras 3 or tf_keras)"
@@ -44,6 +44,7 @@ class Batch(Strategy):
     """
 
     name = "batch"
+    supports_norm = True
 
     def check(self, problem: Problem) -> None:
         if problem.tensor_targets is not None:
@@ -111,6 +112,8 @@ class Batch(Strategy):
             layer_inputs, z, per_example, tape = _tapped_forward(problem, inputs)
             # (B, K, *z.shape[1:]): d P[b, k] / d z[b]
             dz = tape.batch_jacobian(per_example, z, unconnected_gradients=ZERO)
+            if problem.reduce == "norm":
+                return _norms(problem, layer_inputs, dz, targets, summed=summed)
             return _contract(problem, layer_inputs, dz, targets, summed=summed)
 
         return compute
@@ -155,6 +158,23 @@ def _contract(problem, layer_inputs, dz, targets, *, summed):
         dz,
         tuple(targets[roles["kernel"]].shape),
         summed=summed,
+    )
+    by_role = {"kernel": kernel, "bias": bias}
+    order = sorted(roles, key=roles.get)
+    return [tf.cast(by_role[role], targets[roles[role]].dtype) for role in order]
+
+
+def _norms(problem, layer_inputs, dz, targets, *, summed):
+    """Per-row norms of the kernel/bias Jacobians (Gram form or chunks of
+    rows, :func:`jacobkit.norms.kernel_and_bias_norms`)."""
+    roles = problem.roles
+    kernel, bias = norms.kernel_and_bias_norms(
+        problem.layer,
+        problem.linear_layer_kind,
+        layer_inputs,
+        dz,
+        summed=summed,
+        map_chunks=map_chunks,
     )
     by_role = {"kernel": kernel, "bias": bias}
     order = sorted(roles, key=roles.get)
