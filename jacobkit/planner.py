@@ -148,6 +148,8 @@ class _Prefix:
         self.num_rows = count
         self.targets = problem.targets
         self.model = problem.model
+        self.reduce = problem.reduce
+        self.blocked = problem.blocked
         self.key = (problem.key, "prefix", count)
 
     def rows(self, inputs: Any) -> tf.Tensor:
