@@ -94,15 +94,16 @@ def kernel_and_bias_norms(
     def chunk(start, count):
         part = cotangents[:, start : start + count]
         if summed:
-            kernel = tf.einsum("bpi,bkpo->kio", patches, part)
+            kernel = linear.summed_matmul(patches, part)
             bias = tf.reduce_sum(part, axis=(0, 2))
-        else:
-            kernel = tf.einsum("bpi,bkpo->kbio", patches, part)
-            bias = tf.transpose(tf.reduce_sum(part, axis=2), (1, 0, 2))
-        return [
-            tf.sqrt(tf.reduce_sum(tf.square(kernel), axis=(-2, -1))),
-            tf.norm(bias, axis=-1),
-        ]
+        else:  # (B, c, I, O) -> norms (B, c) -> (c, B)
+            kernel = linear.per_example_matmul(patches, part)
+            bias = tf.reduce_sum(part, axis=2)
+        kernel = tf.sqrt(tf.reduce_sum(tf.square(kernel), axis=(-2, -1)))
+        bias = tf.norm(bias, axis=-1)
+        if not summed:
+            kernel, bias = tf.transpose(kernel), tf.transpose(bias)
+        return [kernel, bias]
 
     kernel, bias = map_chunks(chunk, rows, size, [dz.dtype, dz.dtype])
     if summed:
