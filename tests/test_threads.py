@@ -16,7 +16,7 @@ import pytest
 
 import jacobkit as jk
 from jacobkit import examples, testing
-from tests.cases import reference
+from tests.cases import TARGETS, reference, tensor_reference
 
 ROUNDS = 3
 
@@ -25,13 +25,23 @@ def _attributes(layer) -> tuple:
     return (dict(vars(layer)).get("call"), layer.activation, type(layer).call)
 
 
-@pytest.mark.parametrize("strategy", list(jk.strategies.REGISTRY))
-def test_two_jacobian_threads_and_a_model_thread(strategy):
+CASES = [(name, "conv1") for name in jk.strategies.REGISTRY] + [
+    ("chunked", "output(conv2)")
+]
+
+
+@pytest.mark.parametrize(("strategy", "target"), CASES)
+def test_two_jacobian_threads_and_a_model_thread(strategy, target):
     ex = examples.build("generator")
+    if target == "conv1":
+        expected = reference("generator", "per_example")
+    else:  # the tap of an Output target runs the graph beside the model too
+        case = TARGETS[[c.id for c in TARGETS].index(target)]
+        expected = [tensor_reference(TARGETS.index(case), "per_example")]
+        target = case.target
     model, layer = ex.model, ex.model.get_layer("conv1")
     before = _attributes(layer)
     expected_outputs = model(ex.inputs, training=False).numpy()
-    expected = reference("generator", "per_example")
     start = threading.Barrier(3)
     errors: list[BaseException] = []
     results: list[jk.JacobianResult] = []
@@ -46,7 +56,7 @@ def test_two_jacobian_threads_and_a_model_thread(strategy):
                     jk.jacobian(
                         model,
                         ex.inputs,
-                        "conv1",
+                        target,
                         strategy=strategy,
                         outputs="per_example",
                     )
