@@ -335,7 +335,7 @@ class Problem:
 
         Only for the built-in ``outputs`` modes. ``rows`` equals
         ``per_example_rows(...).sum(0)`` for ``"features"`` and the flattened
-        ``per_example_rows(...)`` otherwise.
+        ``per_example_rows(...)`` otherwise. ``hook`` as in :meth:`call_model`.
         """
         selected = self.rows_spec.select(self.call_model(inputs, hook))
         return self.rows_spec.per_example(selected)

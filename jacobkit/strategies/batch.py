@@ -38,9 +38,15 @@ _SUPPORTED = "Dense, Conv1D and Conv2D (Keras 3 or tf_keras)"
 class Batch(Strategy):
     """Batched Jacobian with respect to the target layer's own pre-activation
     output ``z``, then the kernel/bias Jacobian by contracting with the layer's
-    input (see the NOTE in this module). Vectorized over rows with no per-row
-    pass through the layers before the target; extra memory R × B × size(z)
-    per example.
+    input in closed form: unfolded patches and one batched matmul, per example
+    for per-example rows (see the NOTE in this module). Vectorized over rows
+    with no per-row pass through the layers before the target; extra memory
+    R × B × size(z) per example. With ``reduce="norm"``, the norms come from
+    the Gram form or chunks of rows (:mod:`jacobkit.norms`).
+
+    Needs a Dense/Conv1D/Conv2D layer that runs once per forward pass in a
+    functional or Sequential model: the layer is tapped by running the
+    model's graph beside it (:mod:`jacobkit.taps`), never by changing it.
     """
 
     name = "batch"
