@@ -52,6 +52,12 @@ class Batch(Strategy):
     name = "batch"
     supports_norm = True
 
+    trace_weight = 2.0
+
+    @classmethod
+    def for_auto(cls, num_rows: int) -> Batch:
+        return Batch()
+
     def check(self, problem: Problem) -> None:
         if problem.tensor_targets is not None:
             raise ValueError(
