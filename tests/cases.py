@@ -147,7 +147,6 @@ def _tf_keras_hidden(ex):
 
 
 TARGETS = [
-    TargetCase("inputs", "mlp", jk.Inputs(), _whole_model),
     TargetCase("inputs", "generator", jk.Inputs(), _whole_model),
     TargetCase("inputs", "tf_module", jk.Inputs(), _whole_model),
     TargetCase("inputs(b)", "multi_input", jk.Inputs("b"), _multi_input_b),
