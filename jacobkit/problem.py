@@ -310,12 +310,15 @@ class Problem:
         """``Y = model(inputs)``, with ``training=`` for Keras models; with a
         ``hook``, the target layer's node is computed by it (:attr:`layer_tap`)."""
         if hook is not None:
-            return self.layer_tap(inputs, self.training, hook)
-        if self.tensor_targets is not None:
-            return self.tensor_targets.call(inputs)
-        return self._call(inputs)
+            outputs = self.layer_tap(inputs, self.training, hook)
+        elif self.tensor_targets is not None:
+            outputs = self.tensor_targets.call(inputs)
+        else:
+            outputs = self._call(inputs)
+        return outputs
 
     def _call(self, inputs: Any) -> Any:
+        """The model's own call, every output (the taps run the same graph)."""
         if self._is_keras:
             return self.model(inputs, training=self.training)
         return self.model(inputs)
