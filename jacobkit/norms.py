@@ -14,7 +14,9 @@ Two ways, used by the strategies that support norms:
   only when ``P²`` is small against ``I O K / (I + K O)`` (about ``I``: the
   kernel's inputs per position), so for a Dense layer on vectors (``P = 1``)
   and not for a Conv1D over a long sequence (``P = T``); :func:`use_gram`
-  decides by that predicted count.
+  decides by that predicted count, weighted by the measured
+  :data:`GRAM_WEIGHT` (crossover measured between P = 16 and 32 for a
+  Conv1D(32, 5) on 8 channels: ``benchmarks/results/cpu/norms_crossover.md``).
 """
 
 from __future__ import annotations
@@ -51,12 +53,21 @@ def row_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
     return tf.sqrt(tf.reduce_sum(squares, axis=axes) if axes else squares)
 
 
+#: the Gram form's multiply-adds cost this many times a materializing one
+#: (its einsums run slower than the plain matmuls of the chunks). Measured
+#: with ``benchmarks/norms_crossover.py`` (Conv1D(32, 5) on 8 channels,
+#: 144 rows per example, CPU): Gram faster up to P = 16, chunks from P = 32;
+#: 2 puts the predicted crossover between the two (at P = 32 the two forms
+#: were within 10% of each other in a second run).
+GRAM_WEIGHT = 2.0
+
+
 def use_gram(positions: int, inputs: int, units: int, rows: int) -> bool:
-    """True where the Gram form's predicted multiply-adds, per example,
-    ``P² (I + K O)``, are fewer than materializing ``K P I O``."""
-    return positions * positions * (inputs + rows * units) < (
-        rows * positions * inputs * units
-    )
+    """True where the Gram form's predicted cost per example,
+    ``GRAM_WEIGHT × P² (I + K O)`` multiply-adds, is below materializing's
+    ``K P I O``."""
+    gram = GRAM_WEIGHT * positions * positions * (inputs + rows * units)
+    return gram < rows * positions * inputs * units
 
 
 def kernel_and_bias_norms(
@@ -67,6 +78,7 @@ def kernel_and_bias_norms(
     *,
     summed: bool,
     map_chunks: Callable[..., list[tf.Tensor]],
+    form: str | None = None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Per-row norms of a Dense/Conv layer's kernel and bias Jacobians from
     the cotangents ``dz`` (``(B, K, *z.shape[1:])``) at its output.
@@ -74,13 +86,15 @@ def kernel_and_bias_norms(
     Returns ``(kernel, bias)`` norms of shape ``(R,)``, ``R = K`` if
     ``summed`` else ``B * K`` (row-major), by the Gram form for per-example
     rows where :func:`use_gram` says so, else by materializing chunks of rows
-    (``map_chunks(fn, total, chunk_size, dtypes)``).
+    (``map_chunks(fn, total, chunk_size, dtypes)``). ``form`` forces
+    ``"gram"`` or ``"chunks"`` (the crossover benchmark measures both).
     """
     batch, rows, units = dz.shape[0], dz.shape[1], dz.shape[-1]
     patches = linear.unfold(layer, kind, x)  # (B, P, I)
     positions, inputs = patches.shape[1], patches.shape[2]
     cotangents = tf.reshape(dz, (batch, rows, positions, units))  # (B, K, P, O)
-    if not summed and use_gram(positions, inputs, units, rows):
+    gram = use_gram(positions, inputs, units, rows) if form is None else form == "gram"
+    if not summed and gram:
         gram_inputs = tf.einsum("bpi,bqi->bpq", patches, patches)
         gram_rows = tf.einsum("bkpo,bkqo->bkpq", cotangents, cotangents)
         kernel = tf.sqrt(
