@@ -20,7 +20,9 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it (a module itself where the name
 #: is the module's)
 _PUBLIC = {
+    "Inputs": "jacobkit.targets",
     "JacobianResult": "jacobkit.result",
+    "Output": "jacobkit.targets",
     "Plan": "jacobkit.planner",
     "Stats": "jacobkit.result",
     "jacobian": "jacobkit.api",
@@ -30,7 +32,9 @@ _PUBLIC = {
 }
 
 __all__ = [
+    "Inputs",
     "JacobianResult",
+    "Output",
     "Plan",
     "Stats",
     "__version__",
@@ -45,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.result import JacobianResult, Stats
+    from jacobkit.targets import Inputs, Output
 
 
 def __getattr__(name: str) -> Any:

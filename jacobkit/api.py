@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import memory, planner, quiet, strategies
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, per_model
 from jacobkit.result import JacobianResult
 
 
@@ -28,6 +29,7 @@ def jacobian(
     memory_budget: int | float | str | None = None,
     device: str | None = None,
     output: int | str | None = None,
+    reduce: str | None = None,
     cache: bool = True,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
@@ -60,6 +62,10 @@ def jacobian(
             the index or name of the one to differentiate
             (``output="logits"``); rows are formed from it as from a
             single-output model.
+        reduce: ``"norm"`` returns, per target, the L2 norm of every row's
+            Jacobian (shape ``rows_shape``) without holding more than one
+            chunk of rows' Jacobians (strategies ``chunked`` and ``batch``;
+            ``auto`` picks batch where it applies). Default: the Jacobians.
         cache: for ``strategy="auto"``: read and write the plan cache on disk
             (``$JACOBKIT_CACHE_DIR``, default ``~/.cache/jacobkit``; see
             :mod:`jacobkit.planner.cache`). ``False`` plans in memory only.
@@ -96,7 +102,10 @@ def jacobian(
             training=training,
             unconnected=unconnected,
             output=output,
+            reduce=reduce,
         )
+        if chosen is None and problem.reduce is not None:
+            chosen = _norm_strategy(problem, memory_budget)
         if chosen is not None:
             result = run_strategy(problem, chosen)
         else:
@@ -145,6 +154,30 @@ def plan(
         return planner.plan_problem(
             problem, memory_budget=memory_budget, device=device, cache=cache
         )
+
+
+#: model -> {problem key: the strategy auto runs for reduce="norm"}
+_NORM_STRATEGY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _norm_strategy(problem: Problem, memory_budget: Any) -> strategies.Strategy:
+    """``auto`` for ``reduce="norm"``: the batch strategy's closed forms where
+    it applies (Dense/Conv layer targets), else ``chunked`` (16 rows held)."""
+    if memory_budget is not None:
+        raise ValueError(
+            f"jacobian(reduce={problem.reduce!r}, memory_budget="
+            f"{memory_budget!r}): norms hold one chunk of rows' Jacobians and "
+            "are not planned under a budget. Drop memory_budget=, or pass "
+            "strategy=Chunked(chunk_size=...) to size the chunk."
+        )
+    chosen = per_model(_NORM_STRATEGY, problem.model)
+    if problem.key not in chosen:
+        try:
+            strategies.Batch().check(problem)
+            chosen[problem.key] = strategies.Batch()
+        except ValueError:
+            chosen[problem.key] = strategies.Chunked(16)
+    return chosen[problem.key]
 
 
 def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
@@ -207,7 +240,7 @@ def _wrap(
     """The strategy's flat ``(R, *v.shape)`` Jacobians, shaped and named."""
     flat, stats = output
     jacobians = {
-        name: tf.reshape(jac, problem.rows_shape + tuple(target.shape))
+        name: problem.shaped(jac, target)
         for name, jac, target in zip(problem.target_names, flat, problem.targets)
     }
     roles = {role: problem.target_names[i] for role, i in problem.roles.items()}
@@ -220,4 +253,5 @@ def _wrap(
         roles=roles,
         plan=plan,
         strategy_config=strategy,
+        reduce=problem.reduce,
     )

@@ -8,17 +8,17 @@ Everything that depends on the Keras flavour (Keras 3, ``tf_keras``, a plain
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import model_layers, model_outputs
+from jacobkit import linear, model_layers, model_outputs, norms, taps
+from jacobkit import targets as tensor_targets
 
 OUTPUT_MODES = ("features", "per_example", "full")
 UNCONNECTED_MODES = ("error", "zero")
@@ -220,6 +220,7 @@ class Problem:
         training: bool = False,
         unconnected: str = "error",
         output: int | str | None = None,
+        reduce: str | None = None,
     ) -> None:
         if not callable(model):
             raise TypeError(
@@ -245,22 +246,44 @@ class Problem:
                 f"{type(training).__name__}."
             )
         self.model = model
+        #: ``None`` (Jacobians) or ``"norm"`` (each row's L2 norm, norms.py)
+        self.reduce = norms.check_reduce(reduce)
         self.training = bool(training)
         self.unconnected = unconnected
         self.output = model_outputs.check_output_type(output)
         self.inputs = _to_tensors(inputs)
         self._is_keras = _is_keras_layer(model)
+        self.rows_spec = Rows(outputs, _check_features_type(features))
+        #: ``Inputs``/``Output`` targets (``jacobkit.targets``), or None
+        self.tensor_targets: tensor_targets.TensorTargets | None = None
         self.layer, variables = self._resolve_targets(layer)
         self.targets: tuple[tf.Variable, ...] = tuple(
             as_tf_variable(v) for v in variables
         )
-        self.target_names = _unique_names(variables, self._target_keys(variables))
+        self.target_names = (
+            self.tensor_targets.names
+            if self.tensor_targets is not None
+            else _unique_names(variables, self._target_keys(variables))
+        )
         self.roles = self._roles(variables)
-        self.rows_spec = Rows(outputs, _check_features_type(features))
         self._inspect()
+        if self.blocked:
+            tensor_targets.check_independent(self)
 
     # -- resolution ---------------------------------------------------------
     def _resolve_targets(self, layer: Any) -> tuple[Any, list[Any]]:
+        if tensor_targets.is_tensor_target(layer):
+            if isinstance(layer, tensor_targets.Output):
+                self._ensure_built()
+            self.tensor_targets = tensor_targets.TensorTargets(
+                layer,
+                self.model,
+                self.inputs,
+                self._call,
+                self.training,
+                lambda name: _find_layer(self.model, name),
+            )
+            return None, list(self.tensor_targets.variables)
         if isinstance(layer, str):
             self._ensure_built()
             layer = _find_layer(self.model, layer)
@@ -327,36 +350,78 @@ class Problem:
         return roles
 
     # -- the computation strategies differentiate ---------------------------
-    def call_model(self, inputs: Any) -> Any:
+    def call_model(self, inputs: Any, hook: taps.Hook | None = None) -> Any:
         """``Y = model(inputs)``, with ``training=`` for Keras models (the
-        output picked by ``output=`` of a multi-output model).
+        output picked by ``output=`` of a multi-output model); with a
+        ``hook``, the target layer's node is computed by it (:attr:`layer_tap`).
 
         A float16 or bfloat16 output (mixed precision) is cast to float32
         first, so rows are summed, and cotangents seeded, in float32: each
         row's gradient then reaches the target variables as the loop's
         gradient of a float32 scalar does.
         """
-        if self._is_keras:
-            outputs = self.model(inputs, training=self.training)
+        if hook is not None:
+            outputs = self.layer_tap(inputs, self.training, hook)
+        elif self.tensor_targets is not None:
+            outputs = self.tensor_targets.call(inputs)
         else:
-            outputs = self.model(inputs)
+            outputs = self._call(inputs)
         if self.output is not None:
             outputs = model_outputs.pick(outputs, self.output, self.model)
         return tf.nest.map_structure(_at_least_float32, outputs)
 
+    def _call(self, inputs: Any) -> Any:
+        """The model's own call, every output (the taps run the same graph)."""
+        if self._is_keras:
+            outputs = self.model(inputs, training=self.training)
+        else:
+            outputs = self.model(inputs)
+        return outputs
+
     def rows(self, inputs: Any) -> tf.Tensor:
-        """The rows as a flat vector of length ``num_rows``."""
+        """The rows as a flat vector of length ``num_rows``.
+
+        For :attr:`blocked` problems these are the per-example rows summed over
+        the batch (``num_rows = K``), whose Jacobian holds every example's own
+        block (see :mod:`jacobkit.targets`)."""
+        if self.blocked:
+            return tf.reshape(tf.reduce_sum(self.per_example_rows(inputs), 0), (-1,))
         return tf.reshape(self.rows_spec.of(self.call_model(inputs)), (-1,))
 
-    def per_example_rows(self, inputs: Any) -> tf.Tensor:
+    def per_example_rows(self, inputs: Any, hook: taps.Hook | None = None) -> tf.Tensor:
         """Rows before any sum over the batch: shape ``(B, K)``.
 
         Only for the built-in ``outputs`` modes. ``rows`` equals
         ``per_example_rows(...).sum(0)`` for ``"features"`` and the flattened
-        ``per_example_rows(...)`` otherwise.
+        ``per_example_rows(...)`` otherwise. ``hook`` as in :meth:`call_model`.
         """
-        selected = self.rows_spec.select(self.call_model(inputs))
+        selected = self.rows_spec.select(self.call_model(inputs, hook))
         return self.rows_spec.per_example(selected)
+
+    @property
+    def blocked(self) -> bool:
+        """True for tensor targets with per-example rows (``"per_example"``,
+        ``"full"``): strategies compute ``K`` batch-summed rows and each
+        result keeps only each example's own block, shape
+        ``rows_shape + target.shape[1:]`` (:mod:`jacobkit.targets`)."""
+        return self.tensor_targets is not None and self.rows_spec.mode in (
+            "per_example",
+            "full",
+        )
+
+    def shaped(self, jacobian: tf.Tensor, target: tf.Variable) -> tf.Tensor:
+        """A strategy's ``(num_rows, *target.shape)`` Jacobian in the result's
+        shape: ``rows_shape + target.shape``, or the own-example blocks
+        ``rows_shape + target.shape[1:]`` when :attr:`blocked`. With
+        ``reduce="norm"``: the norms ``(num_rows,)`` (``(K, B)`` blocked) as
+        ``rows_shape``."""
+        if self.reduce is not None:
+            if self.blocked:
+                jacobian = tf.transpose(jacobian)
+            return tf.reshape(jacobian, self.rows_shape)
+        if self.blocked:
+            return tensor_targets.own_example_blocks(jacobian, self.rows_shape)
+        return tf.reshape(jacobian, self.rows_shape + tuple(target.shape))
 
     # -- the target layer's linear part (for the batch strategy) ------------
     @property
@@ -372,58 +437,34 @@ class Problem:
                 return _SUPPORTED_LINEAR[cls.__name__]
         return None
 
-    @contextlib.contextmanager
-    def tap_layer(
-        self, on_output: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
-    ) -> Iterator[None]:
-        """While active, each call of the target layer hands its input ``x``
-        and pre-activation output ``z`` to ``on_output(x, z)``, which returns
-        the ``z`` to continue with (the activation is applied after)."""
-        layer = self.layer
-        original_call = layer.call
-
-        def call(inputs, *args, **kwargs):
-            activation = layer.activation
-
-            def tapped(z):
-                return activation(on_output(inputs, z))
-
-            object.__setattr__(layer, "activation", tapped)
-            try:
-                return original_call(inputs, *args, **kwargs)
-            finally:
-                object.__setattr__(layer, "activation", activation)
-
-        object.__setattr__(layer, "call", call)
-        try:
-            yield
-        finally:
-            object.__delattr__(layer, "call")
+    @functools.cached_property
+    def layer_tap(self) -> taps.LayerTap:
+        """Runs the model with the target layer's node handed to a hook,
+        without touching the model (raises ``taps.TapError`` if it cannot)."""
+        return taps.LayerTap(self.model, self.layer)
 
     def layer_linear(self, layer_inputs: tf.Tensor) -> tf.Tensor:
-        """The target layer's pre-activation output for ``layer_inputs``."""
-        return self._linear_call(layer_inputs)
+        """The target layer's pre-activation output for ``layer_inputs``,
+        computed beside the layer with its own variables.
 
-    @functools.cached_property
-    def _linear_call(self) -> Callable[[tf.Tensor], tf.Tensor]:
-        layer = self.layer
+        Outside ``layer.__call__`` Keras does not autocast: under mixed
+        precision the kernel is float32 and ``layer_inputs`` float16. ``z`` is
+        computed in the kernel's dtype, so the contraction with the cotangents
+        accumulates in float32, as the loop's gradient does."""
+        kernel = self.targets[self.roles["kernel"]]
+        bias = self.targets[self.roles["bias"]] if "bias" in self.roles else None
+        return linear.pre_activation(
+            self.layer,
+            self.linear_layer_kind,
+            tf.cast(layer_inputs, kernel.dtype),
+            kernel,
+            bias,
+        )
 
-        # Outside ``layer.__call__`` Keras does not autocast: under mixed
-        # precision the kernel is float32 and ``layer_inputs`` float16. ``z``
-        # is computed in the kernel's dtype, so the contraction with the
-        # cotangents accumulates in float32, as the loop's gradient does.
-        dtype = self.targets[self.roles.get("kernel", 0)].dtype
-
-        def linear(layer_inputs):
-            layer_inputs = tf.cast(layer_inputs, dtype)
-            activation = layer.activation
-            object.__setattr__(layer, "activation", tf.identity)
-            try:
-                return layer.call(layer_inputs)
-            finally:
-                object.__setattr__(layer, "activation", activation)
-
-        return linear
+    def layer_activation(self, z: tf.Tensor) -> tf.Tensor:
+        """The target layer's activation applied to ``z``."""
+        activation = getattr(self.layer, "activation", None)
+        return z if activation is None else activation(z)
 
     # -- checks -------------------------------------------------------------
     def _inspect(self) -> None:
@@ -451,6 +492,8 @@ class Problem:
         outputs_shape, rows, connected, self.has_loops = inspected[key]
         self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
+        if self.blocked:  # K batch-summed rows, see :attr:`blocked`
+            self.num_rows = int(np.prod(self.rows_shape[1:], dtype=np.int64))
         self.output_dtype = rows.dtype
         self.batch_size = outputs_shape[0] if outputs_shape is not None else None
         self.output_width = outputs_shape[-1] if outputs_shape is not None else None
@@ -565,6 +608,7 @@ class Problem:
             self.training,
             id(self.layer),
             self.output,
+            self.reduce,
         )
 
 
@@ -590,7 +634,10 @@ def per_model(cache: weakref.WeakKeyDictionary, model: Any) -> dict:
 
 def _to_tensors(inputs: Any) -> Any:
     def convert(value):
-        if isinstance(value, (tf.Tensor, np.ndarray, np.generic, list, float, int)):
+        if isinstance(
+            value, (tf.Tensor, tf.Variable, np.ndarray, np.generic, list, float, int)
+        ):
+            # a tf.Variable input is read: its value is the input tensor
             return tf.convert_to_tensor(value)
         raise TypeError(
             "jacobian(inputs=...): expected NumPy arrays or tf.Tensors (in a "
@@ -603,7 +650,10 @@ def _to_tensors(inputs: Any) -> Any:
     if isinstance(inputs, (tuple, dict)) or (
         isinstance(inputs, list)
         and inputs
-        and all(isinstance(v, (tf.Tensor, np.ndarray, tuple, dict)) for v in inputs)
+        and all(
+            isinstance(v, (tf.Tensor, tf.Variable, np.ndarray, tuple, dict))
+            for v in inputs
+        )
     ):
         return tf.nest.map_structure(convert, inputs)
     return convert(inputs)

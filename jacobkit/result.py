@@ -65,6 +65,14 @@ class JacobianResult(Mapping):
     (``"backbone/conv1/kernel"``, ``"lstm/lstm_cell/recurrent_kernel"``).
     Variables outside the model's layers (and those of a ``tf.Module``) are
     keyed by their own name.
+
+    Tensor targets are named ``"inputs"`` (``"inputs/<name>"`` for one of
+    several inputs) and ``"<layer>/output"``; their per-example rows keep only
+    each example's own block, shape ``rows_shape + target.shape[1:]``
+    (:mod:`jacobkit.targets`).
+
+    With ``reduce="norm"`` each entry is instead the L2 norm of every row's
+    Jacobian, shape ``rows_shape``.
     """
 
     jacobians: dict[str, tf.Tensor]
@@ -75,6 +83,7 @@ class JacobianResult(Mapping):
     roles: dict[str, str] = field(default_factory=dict)
     plan: Any = None
     strategy_config: Any = None
+    reduce: str | None = None
 
     @property
     def kernel(self) -> tf.Tensor:

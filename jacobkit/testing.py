@@ -123,6 +123,39 @@ def reference_jacobian(
     return result
 
 
+def reference_tensor_jacobian(
+    model: Callable[[Any], tf.Tensor],
+    tensor: Any,
+    *,
+    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    features: Sequence[int] | None = None,
+) -> np.ndarray:
+    """The Jacobian of every row with respect to the tensor ``model`` is
+    called on, one gradient per row, eagerly (the reference for
+    ``jacobkit.Inputs()`` and, with ``model`` the rest of a network after a
+    layer, ``jacobkit.Output(layer)``).
+
+    Returns:
+        ``rows_shape + tensor.shape``; for ``"per_example"`` and ``"full"``
+        rows, each example's own block only: ``rows_shape + tensor.shape[1:]``
+        (row ``[b, ...]`` with respect to ``tensor[b]``).
+    """
+    x = tf.convert_to_tensor(tensor)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = model(x)
+        rows_shape, rows = _row_tensors(y, outputs, features)
+    grads = [
+        tape.gradient(row, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        for row in rows
+    ]
+    full = np.stack([np.asarray(g) for g in grads]).reshape(rows_shape + x.shape)
+    if outputs not in ("per_example", "full"):
+        return full
+    middle = (slice(None),) * (len(rows_shape) - 1)
+    return np.stack([full[b][(*middle, b)] for b in range(rows_shape[0])])
+
+
 #: dtype and dtype-policy names a copy rewrites: every floating one
 _FLOATING_DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "half", "float", "double"}

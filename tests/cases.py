@@ -65,6 +65,7 @@ OUTPUTS = {
 BATCH_REFUSES = {
     "shared_layer": "runs 2 times per forward pass",
     "tf_module": "supports Dense, Conv1D and Conv2D",
+    "subclassed": "not from a functional graph",
 }
 
 
@@ -97,3 +98,69 @@ def reference(name: str, outputs: str, features: tuple | None = None) -> list:
         features=features,
         call_kwargs=call_kwargs(ex.model),
     )
+
+
+# -- tensor targets: jk.Inputs() and jk.Output(layer) ----------------------------
+@dataclass(frozen=True)
+class TargetCase:
+    """A problem with a tensor target. ``split(ex)`` takes the float64
+    example and returns ``(rest, tensor)``: the target tensor's value and the
+    rest of the model as a function of it, written out by hand (the obvious
+    reference, :func:`jacobkit.testing.reference_tensor_jacobian`)."""
+
+    id: str
+    problem: str
+    target: object
+    split: Callable[[examples.Example], tuple[Callable, object]]
+
+
+def _whole_model(ex):
+    return (lambda x: ex.model(x, **call_kwargs(ex.model))), ex.inputs
+
+
+def _generator_conv2(ex):
+    layer = ex.model.get_layer
+    a = layer("conv2")(layer("conv1")(ex.inputs))
+    return (lambda a: layer("head")(layer("conv3")(a))), a
+
+
+def _residual_conv_a(ex):
+    layer, x = ex.model.get_layer, ex.inputs
+
+    def rest(a):
+        h = tf.nn.relu(layer("bn")(a, training=False))
+        h = x + layer("conv_b")(h)
+        return layer("head")(tf.reduce_mean(h, axis=(1, 2)))
+
+    return rest, layer("conv_a")(x)
+
+
+def _multi_input_b(ex):
+    xa, xb = ex.inputs
+    xa = tf.constant(xa)  # Keras refuses a mix of arrays and tensors
+    return (lambda b: ex.model((xa, b), training=False)), xb
+
+
+def _tf_keras_hidden(ex):
+    layer = ex.model.get_layer
+    return (lambda a: layer("k2_head")(a)), layer("k2_hidden")(ex.inputs)
+
+
+TARGETS = [
+    TargetCase("inputs", "generator", jk.Inputs(), _whole_model),
+    TargetCase("inputs", "tf_module", jk.Inputs(), _whole_model),
+    TargetCase("inputs(b)", "multi_input", jk.Inputs("b"), _multi_input_b),
+    TargetCase("output(conv2)", "generator", jk.Output("conv2"), _generator_conv2),
+    TargetCase("output(conv_a)", "residual", jk.Output("conv_a"), _residual_conv_a),
+    TargetCase(
+        "output(k2_hidden)", "tf_keras", jk.Output("k2_hidden"), _tf_keras_hidden
+    ),
+]
+
+
+@functools.cache
+def tensor_reference(index: int, outputs: str):
+    """float64 reference for ``TARGETS[index]`` and an ``outputs`` mode."""
+    case = TARGETS[index]
+    rest, tensor = case.split(example(case.problem, "float64"))
+    return testing.reference_tensor_jacobian(rest, tensor, outputs=OUTPUTS[outputs])

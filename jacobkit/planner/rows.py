@@ -94,9 +94,10 @@ class RowRange:
         """Rows ``[start, start + size)`` of the problem's flat rows."""
         return tf.slice(self._problem.rows(inputs), [self.start], [self.num_rows])
 
-    def per_example_rows(self, inputs: Any) -> tf.Tensor:
-        """For ``"features"`` rows: ``(B, size)``, the segment's columns."""
-        per_example = self._problem.per_example_rows(inputs)
+    def per_example_rows(self, inputs: Any, hook: Any = None) -> tf.Tensor:
+        """For ``"features"`` rows: ``(B, size)``, the segment's columns
+        (``hook`` as in :meth:`~jacobkit.problem.Problem.call_model`)."""
+        per_example = self._problem.per_example_rows(inputs, hook)
         if self.num_rows == self._problem.num_rows:
             return per_example
         return tf.slice(per_example, [0, self.start], [-1, self.num_rows])

@@ -45,6 +45,9 @@ class Strategy(abc.ABC):
     compiled: ClassVar[bool] = True
     #: rows (or tangents) per vectorized pass; a field where a strategy has one
     chunk_size: int | None = None
+    #: True where :meth:`build` honours ``problem.reduce == "norm"`` (returns
+    #: each row's norm, ``(R,)``, holding one chunk of rows' Jacobians)
+    supports_norm: ClassVar[bool] = False
     #: tracing cost relative to ``while`` (1.0), before it was measured. On
     #: CPU, TF 2.21, pfor-based strategies traced 1.4-4x slower than while.
     trace_weight: ClassVar[float] = 2.0
@@ -116,6 +119,14 @@ class Strategy(abc.ABC):
         compiled = per_model(_COMPILED, problem.model)
         key = (problem.key, self.key)
         if key not in compiled:
+            if problem.reduce is not None and not self.supports_norm:
+                raise ValueError(
+                    f"jacobian(reduce={problem.reduce!r}, strategy="
+                    f"{self.name!r}): this strategy materializes every row's "
+                    "Jacobian at once. Norms are computed chunk by chunk by "
+                    "strategy='chunked' (any target) or 'batch' (Dense and "
+                    "Conv layer targets), or strategy='auto'."
+                )
             self.check(problem)
             fn = self.build(problem)
             compiled[key] = _Compiled(tf.function(fn) if self.compiled else fn)

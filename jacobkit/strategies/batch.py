@@ -6,10 +6,12 @@ then ``a = activation(z)``. ``x`` does not depend on ``W`` or ``b`` (checked:
 the layer must run once per forward pass), so by the chain rule every row ``r``
 has ``dr/dW = VJP of linear at x, applied to the cotangent dr/dz``, and the
 VJP of a map that is linear in ``(W, b)`` is exact, not a linearization.
-For rows that depend on a single example ``b`` only (``"per_example"`` and
-``"full"``), ``dr/dz`` is zero outside example ``b``, so the VJP only needs
-``x[b]``; ``"features"`` rows are sums over examples, so their VJP is taken
-over the whole batch at once. ``dr/dz`` itself comes from
+That VJP is written in closed form over the unfolded input (see the NOTE in
+:func:`jacobkit.linear.kernel_and_bias_gradients`): for rows that depend on a
+single example ``b`` only (``"per_example"`` and ``"full"``), ``dr/dz`` is
+zero outside example ``b``, so one batched einsum gives every (example, row)
+pair; ``"features"`` rows are sums over examples, and the same einsum also
+sums over the batch. ``dr/dz`` itself comes from
 ``tape.batch_jacobian`` of the per-example rows ``P (B, K)`` with respect to
 ``z``, which is correct only when examples do not mix (no batch statistics,
 no attention across the batch): that is checked once, numerically, before
@@ -23,11 +25,14 @@ from typing import final
 
 import tensorflow as tf
 
-from jacobkit import precision
+from jacobkit import linear, norms, precision
 from jacobkit.problem import Problem
-from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.base import ZERO, Strategy, map_chunks
+from jacobkit.taps import TapError
 
 _SUPPORTED = "Dense, Conv1D and Conv2D (Keras 3 or tf_keras)"
+#: machine epsilon of the half-precision compute dtypes of mixed precision
+_EPSILON = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
 
 
 @final
@@ -35,12 +40,19 @@ _SUPPORTED = "Dense, Conv1D and Conv2D (Keras 3 or tf_keras)"
 class Batch(Strategy):
     """Batched Jacobian with respect to the target layer's own pre-activation
     output ``z``, then the kernel/bias Jacobian by contracting with the layer's
-    input (see the NOTE in this module). Vectorized over rows with no per-row
-    pass through the layers before the target; extra memory R × B × size(z)
-    per example.
+    input in closed form: unfolded patches and one batched matmul, per example
+    for per-example rows (see the NOTE in this module). Vectorized over rows
+    with no per-row pass through the layers before the target; extra memory
+    R × B × size(z) per example. With ``reduce="norm"``, the norms come from
+    the Gram form or chunks of rows (:mod:`jacobkit.norms`).
+
+    Needs a Dense/Conv1D/Conv2D layer that runs once per forward pass in a
+    functional or Sequential model: the layer is tapped by running the
+    model's graph beside it (:mod:`jacobkit.taps`), never by changing it.
     """
 
     name = "batch"
+    supports_norm = True
 
     trace_weight = 2.0
 
@@ -49,6 +61,14 @@ class Batch(Strategy):
         return Batch()
 
     def check(self, problem: Problem) -> None:
+        if problem.tensor_targets is not None:
+            raise ValueError(
+                "jacobian(strategy='batch'): differentiates a Dense or Conv "
+                f"layer's kernel and bias, got the tensor target(s) "
+                f"{', '.join(problem.target_names)}. Use strategy='chunked' or "
+                "'jacobian' (per-example rows of Inputs()/Output() targets cost "
+                "K rows there, not B x K)."
+            )
         if problem.linear_layer_kind is None:
             what = (
                 "a list of variables"
@@ -72,6 +92,22 @@ class Batch(Strategy):
                 "kernel or bias."
             )
         precision.refuse_float16_variables(problem, self.name)
+        name = problem.layer.name
+        why = linear.unsupported(problem.layer, problem.linear_layer_kind)
+        if why is not None:
+            raise ValueError(
+                f"jacobian(strategy='batch'): layer {name!r} is not supported: "
+                f"{why}. Use strategy='chunked' or 'jacobian'."
+            )
+        try:
+            problem.layer_tap  # noqa: B018 - built here to raise early
+        except TapError as err:
+            raise ValueError(
+                f"jacobian(strategy='batch'): {err}; the batch strategy needs "
+                "the layer's input and output once per forward pass. Use "
+                "strategy='chunked' or 'jacobian'."
+            ) from err
+        _check_closed_form(problem)
         leak = _cross_example_leak(problem)
         if leak > 1e-6:
             raise ValueError(
@@ -91,71 +127,95 @@ class Batch(Strategy):
             layer_inputs, z, per_example, tape = _tapped_forward(problem, inputs)
             # (B, K, *z.shape[1:]): d P[b, k] / d z[b]
             dz = tape.batch_jacobian(per_example, z, unconnected_gradients=ZERO)
-            if summed:
-                return _contract_summed(problem, layer_inputs, dz, targets)
-            return _contract_per_example(problem, layer_inputs, dz, targets)
+            if problem.reduce == "norm":
+                return _norms(problem, layer_inputs, dz, targets, summed=summed)
+            return _contract(problem, layer_inputs, dz, targets, summed=summed)
 
         return compute
 
 
-def _tapped_forward(problem: Problem, inputs):
-    """Forward pass recording the target layer's input and output ``z``."""
+def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
+    """Forward pass recording the target layer's input and output ``z``.
+
+    The model's graph is run with the layer's node computed beside the layer
+    (``activation(linear(x))``, :meth:`Problem.layer_tap`); the user's layer is
+    never changed. With ``check``, the node's output as the layer itself
+    computes it is recorded too.
+    """
     taps = []
 
-    def on_output(layer_inputs, z):
+    def on_layer(call, args, kwargs):
+        layer_inputs = args[0]
+        z = problem.layer_linear(layer_inputs)
         tape.watch(z)
-        taps.append((layer_inputs, z))
-        return z
+        activated = problem.layer_activation(z)
+        taps.append((layer_inputs, z, call(*args, **kwargs) if check else None))
+        return activated
 
     tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
-    with tape, problem.tap_layer(on_output):
-        per_example = problem.per_example_rows(inputs)
-    if len(taps) != 1:
-        raise ValueError(
-            f"jacobian(strategy='batch'): layer {problem.layer.name!r} runs "
-            f"{len(taps)} times per forward pass (a shared layer); its input then "
-            "depends on its own kernel and the contraction would be wrong. Use "
-            "strategy='chunked' or 'jacobian'."
-        )
-    layer_inputs, z = taps[0]
+    with tape:
+        per_example = problem.per_example_rows(inputs, hook=on_layer)
+    layer_inputs, z, own = taps[0]
+    if check:
+        return layer_inputs, z, per_example, tape, own
     return layer_inputs, z, per_example, tape
 
 
-def _contract_summed(problem, layer_inputs, dz, targets):
-    """Rows summed over examples: one VJP over the whole batch per row."""
-    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-        tape.watch(targets)
-        z = problem.layer_linear(layer_inputs)
-    # (K, B, ...), in z's dtype: float32 under mixed precision (dz is float16)
-    cotangents = tf.cast(tf.experimental.numpy.moveaxis(dz, 1, 0), z.dtype)
-    return tf.vectorized_map(
-        lambda ct: tape.gradient(
-            z, targets, output_gradients=ct, unconnected_gradients=ZERO
-        ),
-        cotangents,
-        fallback_to_while_loop=False,
+def _contract(problem, layer_inputs, dz, targets, *, summed):
+    """The kernel/bias Jacobians from ``dz`` in closed form (see the NOTE in
+    :func:`jacobkit.linear.kernel_and_bias_gradients`): one einsum, no
+    per-row ``vectorized_map`` and no while-loop fallback."""
+    roles = problem.roles
+    # under mixed precision the layer input is float16 and ``dz`` float32
+    # (``z`` is computed in the kernel's dtype): contract in float32, as the
+    # loop's gradient accumulates
+    kernel, bias = linear.kernel_and_bias_gradients(
+        problem.layer,
+        problem.linear_layer_kind,
+        tf.cast(layer_inputs, dz.dtype),
+        dz,
+        tuple(targets[roles["kernel"]].shape),
+        summed=summed,
     )
+    by_role = {"kernel": kernel, "bias": bias}
+    order = sorted(roles, key=roles.get)
+    return [tf.cast(by_role[role], targets[roles[role]].dtype) for role in order]
 
 
-def _contract_per_example(problem, layer_inputs, dz, targets):
-    """Rows of single examples: one VJP per (example, row) with ``x[b]`` only."""
-    batch, per_row = dz.shape[0], dz.shape[1]
-    examples = tf.repeat(tf.range(batch), per_row)  # (B*K,), row-major (b, k)
-    cotangents = tf.reshape(dz, (batch * per_row, 1, *dz.shape[2:]))
+def _norms(problem, layer_inputs, dz, targets, *, summed):
+    """Per-row norms of the kernel/bias Jacobians (Gram form or chunks of
+    rows, :func:`jacobkit.norms.kernel_and_bias_norms`)."""
+    roles = problem.roles
+    kernel, bias = norms.kernel_and_bias_norms(
+        problem.layer,
+        problem.linear_layer_kind,
+        layer_inputs,
+        dz,
+        summed=summed,
+        map_chunks=map_chunks,
+    )
+    by_role = {"kernel": kernel, "bias": bias}
+    order = sorted(roles, key=roles.get)
+    return [tf.cast(by_role[role], targets[roles[role]].dtype) for role in order]
 
-    def one(elems):
-        example, cotangent = elems
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(targets)
-            z = problem.layer_linear(tf.gather(layer_inputs, example[None]))
-        return tape.gradient(
-            z,
-            targets,
-            output_gradients=tf.cast(cotangent, z.dtype),
-            unconnected_gradients=ZERO,
+
+def _check_closed_form(problem: Problem) -> None:
+    """Refuse a layer whose output is not ``activation(linear(x))``."""
+    _, z, _, _, own = _tapped_forward(problem, problem.inputs, check=True)
+    activated = problem.layer_activation(z)
+    # float32 rounding of the same operations differs by < 1e-6 relative; a
+    # float16/bfloat16 layer (mixed precision) rounds its own output to a few
+    # of its epsilons, against ``z`` computed in float32
+    allowed = 1e-4 if own.dtype.size >= 4 else 16 * _EPSILON[own.dtype]
+    own = tf.cast(own, activated.dtype)
+    scale = float(tf.reduce_max(tf.abs(own))) + 1e-30
+    if float(tf.reduce_max(tf.abs(activated - own))) > allowed * scale:
+        raise ValueError(
+            f"jacobian(strategy='batch'): layer {problem.layer.name!r} "
+            f"({type(problem.layer).__name__}) computes more than "
+            "activation(x @ kernel + bias) (or a convolution): its output "
+            "differs from that closed form. Use strategy='chunked' or 'jacobian'."
         )
-
-    return tf.vectorized_map(one, (examples, cotangents), fallback_to_while_loop=False)
 
 
 def _cross_example_leak(problem: Problem) -> float:

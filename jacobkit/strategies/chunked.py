@@ -7,7 +7,7 @@ from typing import final
 
 import tensorflow as tf
 
-from jacobkit import precision
+from jacobkit import norms, precision
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import (
     ZERO,
@@ -33,6 +33,7 @@ class Chunked(Strategy):
 
     name = "chunked"
     chunk_size: int = 16
+    supports_norm = True
 
     trace_weight = 2.0
 
@@ -59,6 +60,8 @@ class Chunked(Strategy):
         targets = problem.targets
         num_rows = problem.num_rows
         dtypes = [t.dtype for t in targets]
+        reduce = problem.reduce
+        blocked = problem.blocked
 
         def compute(inputs):
             with tf.GradientTape(
@@ -69,13 +72,16 @@ class Chunked(Strategy):
 
             def chunk(start, size):
                 cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
-                return tf.vectorized_map(
+                jacobians = tf.vectorized_map(
                     lambda ct: tape.gradient(
                         rows, targets, output_gradients=ct, unconnected_gradients=ZERO
                     ),
                     cotangents,
                     fallback_to_while_loop=False,
                 )
+                if reduce == "norm":  # one chunk of Jacobians held at a time
+                    return [norms.row_norms(j, blocked) for j in jacobians]
+                return jacobians
 
             return map_chunks(chunk, num_rows, self.chunk_size, dtypes)
 

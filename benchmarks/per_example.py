@@ -1,0 +1,209 @@
+"""Per-example Jacobians at the price of summed ones (the batch strategy's
+closed-form contraction).
+
+For the built-in generator (target ``conv1``) and the MLP (target
+``hidden1``), at B = 16 and B = 64, measures in one process:
+
+- ``outputs="per_example"`` with ``strategy="batch"`` (what ``auto`` picks
+  where batch applies),
+- the same model's ``outputs="features"`` call (batch, and chunked(16)),
+- ``outputs="per_example"`` with ``strategy="jacobian"`` (``tape.jacobian``),
+  unless its predicted peak is too large for a shared machine,
+
+each traced first, then timed in interleaved rounds (median), and its peak
+memory measured on one more call. The targets are: per-example steady time
+≤ 1.5× the features call, ≥ 10× faster than ``jacobian``, peak ≤ 2× the
+result + the features call's peak. After timing, the per-example result is
+verified: summed over the batch it must equal the features result, and it
+must equal ``jacobian``'s where that ran.
+
+    python benchmarks/per_example.py --out benchmarks/results/cpu
+    python benchmarks/per_example.py --quick --out /tmp/per_example
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import jacobkit as jk  # noqa: E402
+from jacobkit import examples, memory  # noqa: E402
+
+PROBLEMS = {
+    "generator": {"sequence": 64, "channels": 8, "filters": 32, "features": 144},
+    "mlp": {"inputs": 32, "hidden": 64, "features": 144},
+}
+BATCHES = [16, 64]
+#: skip tape.jacobian when its predicted peak (from the B=16 run, growing as
+#: B², rows × batch) exceeds this on a shared machine
+JACOBIAN_LIMIT_BYTES = 4 * 2**30
+ROUNDS = 5
+
+
+def _call(ex, outputs, strategy):
+    return jk.jacobian(
+        ex.model, ex.inputs, ex.layer, outputs=outputs, strategy=strategy
+    )
+
+
+def _peak(fn) -> int | None:
+    try:
+        with memory.PeakMemory("CPU:0") as peak:
+            fn()
+    except RuntimeError:
+        return None
+    return peak.extra_bytes
+
+
+def measure(name: str, batch: int, sizes: dict, skip_jacobian: bool) -> dict:
+    ex = examples.build(name, batch=batch, **sizes)
+    labels = {
+        "per_example": ("per_example", "batch"),
+        "features (batch)": ("features", "batch"),
+        "features (chunked 16)": ("features", jk.strategies.Chunked(16)),
+    }
+    if not skip_jacobian:
+        labels["per_example (jacobian)"] = ("per_example", "jacobian")
+    first, results = {}, {}
+    for label, (outputs, strategy) in labels.items():
+        start = time.perf_counter()
+        results[label] = _call(ex, outputs, strategy)
+        first[label] = time.perf_counter() - start
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for _ in range(ROUNDS):  # interleaved: load on the machine hits all alike
+        for label, (outputs, strategy) in labels.items():
+            start = time.perf_counter()
+            _call(ex, outputs, strategy)
+            times[label].append(time.perf_counter() - start)
+    peaks = {
+        label: _peak(lambda o=outputs, s=strategy: _call(ex, o, s))
+        for label, (outputs, strategy) in labels.items()
+    }
+    per_example = results["per_example"]
+    summed = [tf.reduce_sum(t, axis=0) for t in per_example.jacobians.values()]
+    features = list(results["features (batch)"].jacobians.values())
+    errors = {
+        "sum over batch vs features": max(
+            float(tf.reduce_max(tf.abs(a - b)) / tf.reduce_max(tf.abs(b)))
+            for a, b in zip(summed, features)
+        )
+    }
+    if "per_example (jacobian)" in results:
+        errors["vs jacobian"] = max(
+            float(tf.reduce_max(tf.abs(a - b)) / tf.reduce_max(tf.abs(b)))
+            for a, b in zip(
+                per_example.jacobians.values(),
+                results["per_example (jacobian)"].jacobians.values(),
+            )
+        )
+    result_bytes = sum(
+        t.shape.num_elements() * t.dtype.size for t in per_example.jacobians.values()
+    )
+    return {
+        "problem": name,
+        "batch": batch,
+        "sizes": sizes,
+        "rows": int(np.prod(per_example.rows_shape)),
+        "result_bytes": result_bytes,
+        "steady_s": {k: statistics.median(v) for k, v in times.items()},
+        "first_s": first,
+        "peak_bytes": peaks,
+        "relative_error": errors,
+    }
+
+
+def render(runs: list[dict], note: str) -> str:
+    lines = [
+        "# Per-example Jacobians: closed-form batch strategy",
+        "",
+        note,
+        "",
+        "Steady time = median of interleaved calls of `jk.jacobian` after a "
+        "first (tracing) call; peak = extra CPU memory of one more call "
+        "(`jacobkit.memory.PeakMemory`, BFC allocator). Targets (issue 10): "
+        "per-example ≤ 1.5× the features call, ≥ 10× faster than `jacobian`, "
+        "peak ≤ 2× result + the features call's peak.",
+        "",
+        "| problem | B | rows | label | steady | first call | peak |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for run in runs:
+        for label, steady in run["steady_s"].items():
+            peak = run["peak_bytes"][label]
+            lines.append(
+                f"| {run['problem']} | {run['batch']} | {run['rows']} | {label} | "
+                f"{steady * 1e3:.1f} ms | {run['first_s'][label]:.2f} s | "
+                f"{memory.format_bytes(peak) if peak is not None else '?'} |"
+            )
+    lines += [
+        "",
+        "| problem | B | per-example / features (batch) | per-example / features "
+        "(chunked 16) | jacobian / per-example | peak / (2 × result + features "
+        "peak), features by batch / chunked 16 | max rel. error |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for run in runs:
+        steady, peaks = run["steady_s"], run["peak_bytes"]
+        mine = steady["per_example"]
+        jac = steady.get("per_example (jacobian)")
+        bounds = []
+        for label in ("features (batch)", "features (chunked 16)"):
+            if peaks["per_example"] is not None and peaks[label] is not None:
+                bound = peaks["per_example"] / (2 * run["result_bytes"] + peaks[label])
+                bounds.append(f"{bound:.2f}")
+        errors = ", ".join(f"{k}: {v:.1e}" for k, v in run["relative_error"].items())
+        lines.append(
+            f"| {run['problem']} | {run['batch']} | "
+            f"{mine / steady['features (batch)']:.2f} | "
+            f"{mine / steady['features (chunked 16)']:.2f} | "
+            f"{f'{jac / mine:.0f}×' if jac else 'not run (predicted peak too large)'}"
+            f" | {' / '.join(bounds) or '?'} | {errors} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="B = 4 only")
+    parser.add_argument(
+        "--note",
+        default="Measured on a CPU shared with other jobs (2 cores, loaded): "
+        "ratios within one process are meaningful, absolute times are noisy.",
+    )
+    args = parser.parse_args()
+    batches = [4] if args.quick else BATCHES
+    runs = []
+    for name, sizes in PROBLEMS.items():
+        jacobian_peak = None
+        for batch in batches:
+            skip = (
+                jacobian_peak is not None
+                and jacobian_peak * (batch / batches[0]) ** 2 > JACOBIAN_LIMIT_BYTES
+            )
+            run = measure(name, batch, sizes, skip)
+            jacobian_peak = run["peak_bytes"].get("per_example (jacobian)")
+            runs.append(run)
+            print(json.dumps(run["steady_s"]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.processor() or platform.machine()}, TF {tf.__version__}"
+    (args.out / "per_example.json").write_text(
+        json.dumps({"machine": machine, "runs": runs}, indent=1) + "\n"
+    )
+    (args.out / "per_example.md").write_text(
+        render(runs, f"{args.note} Machine: {machine}.")
+    )
+
+
+if __name__ == "__main__":
+    main()

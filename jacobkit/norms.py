@@ -1,0 +1,129 @@
+"""``reduce="norm"``: the L2 norm of every row's Jacobian, without holding more
+than one chunk of rows' Jacobians.
+
+Two ways, used by the strategies that support norms:
+
+- **chunked materialization**: compute a chunk of rows' Jacobians, reduce each
+  to its norm, drop the chunk (``chunked``, any target; ``batch`` for Dense
+  and Conv layers, from the closed form of :mod:`jacobkit.linear`).
+- **the Gram ("ghost norm") form**, for a per-example row of a Dense or Conv
+  layer: with ``U = unfold(x[b])`` (``P × I``) and ``G`` the row's cotangent at
+  ``z[b]`` (``P × O``), ``dW = Uᵀ G`` and
+  ``||dW||² = sum_{p,q} (U Uᵀ)[p, q] (G Gᵀ)[p, q]``: ``B P² (I + K O)``
+  multiply-adds instead of ``B K P I O``, never forming ``dW``. It is cheaper
+  only when ``P²`` is small against ``I O K / (I + K O)`` (about ``I``: the
+  kernel's inputs per position), so for a Dense layer on vectors (``P = 1``)
+  and not for a Conv1D over a long sequence (``P = T``); :func:`use_gram`
+  decides by that predicted count, weighted by the measured
+  :data:`GRAM_WEIGHT` (crossover measured between P = 16 and 32 for a
+  Conv1D(32, 5) on 8 channels: ``benchmarks/results/cpu/norms_crossover.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit import linear
+
+REDUCE_MODES = (None, "norm")
+#: rows' Jacobians held at once by the chunked materialization in ``batch``
+#: (elements); 2**22 float32 = 16 MiB
+CHUNK_ELEMENTS = 2**22
+
+
+def check_reduce(reduce: Any) -> str | None:
+    if reduce not in REDUCE_MODES:
+        raise ValueError(
+            f"jacobian(reduce={reduce!r}): expected None (the Jacobians) or "
+            "'norm' (the L2 norm of each row's Jacobian per target, shape "
+            "rows_shape)."
+        )
+    return reduce
+
+
+def row_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
+    """L2 norms over a chunk's parameter axes: ``(c, *v.shape) -> (c,)``, or
+    ``(c, B, *block) -> (c, B)`` for own-example blocks (``blocked``)."""
+    first = 2 if blocked else 1
+    axes = list(range(first, jacobians.shape.rank))
+    squares = tf.square(jacobians)
+    return tf.sqrt(tf.reduce_sum(squares, axis=axes) if axes else squares)
+
+
+#: the Gram form's multiply-adds cost this many times a materializing one
+#: (its einsums run slower than the plain matmuls of the chunks). Measured
+#: with ``benchmarks/norms_crossover.py`` (Conv1D(32, 5) on 8 channels,
+#: 144 rows per example, CPU): Gram faster up to P = 16, chunks from P = 32;
+#: 2 puts the predicted crossover between the two (at P = 32 the two forms
+#: were within 10% of each other in a second run).
+GRAM_WEIGHT = 2.0
+
+
+def use_gram(positions: int, inputs: int, units: int, rows: int) -> bool:
+    """True where the Gram form's predicted cost per example,
+    ``GRAM_WEIGHT × P² (I + K O)`` multiply-adds, is below materializing's
+    ``K P I O``."""
+    gram = GRAM_WEIGHT * positions * positions * (inputs + rows * units)
+    return gram < rows * positions * inputs * units
+
+
+def kernel_and_bias_norms(
+    layer: Any,
+    kind: str,
+    x: tf.Tensor,
+    dz: tf.Tensor,
+    *,
+    summed: bool,
+    map_chunks: Callable[..., list[tf.Tensor]],
+    form: str | None = None,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Per-row norms of a Dense/Conv layer's kernel and bias Jacobians from
+    the cotangents ``dz`` (``(B, K, *z.shape[1:])``) at its output.
+
+    Returns ``(kernel, bias)`` norms of shape ``(R,)``, ``R = K`` if
+    ``summed`` else ``B * K`` (row-major), by the Gram form for per-example
+    rows where :func:`use_gram` says so, else by materializing chunks of rows
+    (``map_chunks(fn, total, chunk_size, dtypes)``). ``form`` forces
+    ``"gram"`` or ``"chunks"`` (the crossover benchmark measures both).
+    """
+    batch, rows, units = dz.shape[0], dz.shape[1], dz.shape[-1]
+    patches = linear.unfold(layer, kind, x)  # (B, P, I)
+    positions, inputs = patches.shape[1], patches.shape[2]
+    cotangents = tf.reshape(dz, (batch, rows, positions, units))  # (B, K, P, O)
+    gram = use_gram(positions, inputs, units, rows) if form is None else form == "gram"
+    if not summed and gram:
+        gram_inputs = tf.einsum("bpi,bqi->bpq", patches, patches)
+        gram_rows = tf.einsum("bkpo,bkqo->bkpq", cotangents, cotangents)
+        kernel = tf.sqrt(
+            tf.maximum(tf.einsum("bpq,bkpq->bk", gram_inputs, gram_rows), 0.0)
+        )
+        bias = tf.norm(tf.reduce_sum(cotangents, axis=2), axis=-1)
+        return tf.reshape(kernel, (-1,)), tf.reshape(bias, (-1,))
+    per_row = (1 if summed else batch) * inputs * units
+    size = max(1, min(rows, CHUNK_ELEMENTS // max(per_row, 1)))
+
+    def chunk(start, count):
+        part = cotangents[:, start : start + count]
+        if summed:
+            kernel = linear.summed_matmul(patches, part)
+            bias = tf.reduce_sum(part, axis=(0, 2))
+        else:  # (B, c, I, O) -> norms (B, c) -> (c, B)
+            kernel = linear.per_example_matmul(patches, part)
+            bias = tf.reduce_sum(part, axis=2)
+        kernel = tf.sqrt(tf.reduce_sum(tf.square(kernel), axis=(-2, -1)))
+        bias = tf.norm(bias, axis=-1)
+        if not summed:
+            kernel, bias = tf.transpose(kernel), tf.transpose(bias)
+        return [kernel, bias]
+
+    kernel, bias = map_chunks(chunk, rows, size, [dz.dtype, dz.dtype])
+    if summed:
+        return kernel, bias
+    # (K, B) -> (B, K), row-major (b, k)
+    return (
+        tf.reshape(tf.transpose(kernel), (-1,)),
+        tf.reshape(tf.transpose(bias), (-1,)),
+    )

@@ -1,0 +1,193 @@
+"""Taps on one layer of a functional Keras model, leaving the model untouched.
+
+The batch strategy needs a layer's input and pre-activation output, and
+``Output("layer")`` targets need to differentiate with respect to a layer's
+output. Both are got here by running the model's own functional graph node by
+node, as the model's ``call`` does, and handing the target layer's node to a
+hook instead of calling the layer. Nothing on the user's model, layers or
+variables is replaced or added, so other threads may run the same model (or
+tap it) at the same time.
+
+Earlier versions replaced ``layer.call`` and ``layer.activation`` while
+tracing: a second thread then crashed (``'Conv1D' object has no attribute
+'call'``) or ran the model with the activation replaced. Sub-models from an
+intermediate tensor (``keras.Model(layer.output, model.output)``) are not
+used either: Keras clones the graph nodes between them and appends the clones
+to the user's downstream layers.
+
+Subclassed models have no graph to run: their ``call`` is Python code that
+calls the layer itself, so a layer inside one cannot be tapped without
+changing it, and :class:`LayerTap` refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+#: hook(call, args, kwargs) -> the node's outputs; ``call(*args, **kwargs)``
+#: runs the layer as the model would.
+Hook = Callable[[Callable[..., Any], tuple, dict], Any]
+
+
+class TapError(ValueError):
+    """The layer cannot be tapped; the message says why (completed by callers)."""
+
+
+def _keras3_graph(model: Any) -> Any:
+    """The Keras 3 ``Functional`` that runs ``model``, or ``None``."""
+    try:
+        import keras
+        from keras.src.models.functional import Functional
+    except ImportError:  # pragma: no cover - keras ships with tensorflow
+        return None
+    if isinstance(model, keras.Sequential):
+        return getattr(model, "_functional", None)
+    return model if isinstance(model, Functional) else None
+
+
+def _tf_keras_graph(model: Any) -> Any:
+    """The ``tf_keras`` graph network ``model`` runs, or ``None``."""
+    try:
+        import tf_keras
+    except ImportError:
+        return None
+    if isinstance(model, tf_keras.Model) and getattr(model, "_is_graph_network", False):
+        return model
+    return None
+
+
+def _nodes(graph: Any) -> list[Any]:
+    return [
+        node
+        for depth in sorted(graph._nodes_by_depth, reverse=True)
+        for node in graph._nodes_by_depth[depth]
+        if not node.is_input
+    ]
+
+
+def _operation(node: Any) -> Any:
+    return getattr(node, "operation", None) or getattr(node, "layer", None)
+
+
+def _path(model: Any, layer: Any) -> list[tuple[Any, Any, bool]] | None:
+    """``[(graph, op, is_keras3), ...]`` from ``model`` down to the graph that
+    calls ``layer``; ``op`` is what to intercept at that level (a nested model
+    on the way, then the layer). ``None`` when ``layer`` is not in a graph."""
+    graph = _keras3_graph(model)
+    keras3 = graph is not None
+    if graph is None:
+        graph = _tf_keras_graph(model)
+    if graph is None:
+        return None
+    operations = [_operation(node) for node in _nodes(graph)]
+    count = sum(op is layer for op in operations)
+    if count:
+        if count > 1:
+            raise TapError(
+                f"layer {layer.name!r} runs {count} times per forward pass (a "
+                "shared layer)"
+            )
+        return [(graph, layer, keras3)]
+    seen: list[Any] = []
+    for op in operations:
+        if any(op is s for s in seen) or op is model:
+            continue
+        seen.append(op)
+        inner = _path(op, layer)
+        if inner is not None:
+            if sum(o is op for o in operations) > 1:
+                raise TapError(
+                    f"layer {layer.name!r} is inside {op.name!r}, which runs "
+                    f"{sum(o is op for o in operations)} times per forward pass"
+                )
+            return [(graph, op, keras3), *inner]
+    return None
+
+
+class LayerTap:
+    """Runs ``model`` with ``layer``'s node handed to a hook.
+
+    Args:
+        model: a functional or Sequential Keras 3 / ``tf_keras`` model; the
+            layer may sit in a functional model nested inside it.
+        layer: the layer to tap; it must run once per forward pass.
+
+    Raises:
+        TapError: ``layer`` runs more than once per forward pass, or ``model``
+            (or the model around ``layer``) is subclassed or a plain function.
+    """
+
+    def __init__(self, model: Any, layer: Any) -> None:
+        path = _path(model, layer)
+        if path is None:
+            raise TapError(
+                f"layer {layer.name!r} is called from the Python code of a "
+                f"subclassed model or a function ({type(model).__name__}), not "
+                "from a functional graph, so its input and output cannot be "
+                "tapped without changing the layer"
+            )
+        self.model = model
+        self.layer = layer
+        self._path = path
+
+    def __call__(self, inputs: Any, training: bool, hook: Hook) -> Any:
+        """The model's outputs for ``inputs``, the tapped node computed by
+        ``hook(call, args, kwargs)`` (``call`` is the layer as the model
+        would call it)."""
+        return self._run(0, inputs, training, hook)
+
+    def _run(self, level: int, inputs: Any, training: bool, hook: Hook) -> Any:
+        graph, target, keras3 = self._path[level]
+        if level + 1 == len(self._path):
+            replace = hook
+        else:
+
+            def replace(call, args, kwargs):
+                return self._run(level + 1, args[0], training, hook)
+
+        run = _run_keras3 if keras3 else _run_tf_keras
+        return run(graph, inputs, training, target, replace)
+
+
+def _run_keras3(graph, inputs, training, target, replace):
+    """Keras 3 ``Functional.call``, with ``target``'s node given to ``replace``."""
+    from keras.src.models.functional import operation_fn, unpack_singleton
+
+    flat = graph._standardize_inputs(inputs)
+
+    def operation(op):
+        call = operation_fn(op, training=training)
+        if op is target:
+            return lambda *args, **kwargs: replace(call, args, kwargs)
+        return call
+
+    return unpack_singleton(graph._run_through_graph(flat, operation_fn=operation))
+
+
+def _run_tf_keras(graph, inputs, training, target, replace):
+    """``tf_keras`` ``Functional._run_internal_graph``, with ``target``'s node
+    given to ``replace`` and ``training`` passed to every layer that takes it."""
+    usage = graph._tensor_usage_count
+    tensors: dict[str, list[Any]] = {}
+    flat = graph._flatten_to_reference_inputs(inputs)
+    for reference, value in zip(graph.inputs, flat):
+        value = graph._conform_to_reference_input(value, ref_input=reference)
+        tensors[str(id(reference))] = [value] * usage[str(id(reference))]
+    for node in _nodes(graph):
+        if any(i not in tensors for i in node.flat_input_ids):
+            continue
+        args, kwargs = node.map_arguments(tensors)
+        layer = node.layer
+        if getattr(layer, "_expects_training_arg", False):
+            kwargs = {**kwargs, "training": training}
+        if layer is target:
+            outputs = replace(layer, args, kwargs)
+        else:
+            outputs = layer(*args, **kwargs)
+        for output_id, value in zip(node.flat_output_ids, tf.nest.flatten(outputs)):
+            tensors[output_id] = [value] * usage[output_id]
+    results = [tensors[str(id(x))].pop() for x in graph.outputs]
+    return tf.nest.pack_sequence_as(graph._nested_outputs, results)

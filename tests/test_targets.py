@@ -1,0 +1,134 @@
+"""``jk.Inputs()`` and ``jk.Output(layer)`` targets: every registered strategy
+× every tensor-target problem × every ``outputs`` mode against the float64
+reference, result names and shapes, and the errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import jacobkit as jk
+from jacobkit import testing
+from tests.cases import OUTPUTS, TARGETS, example, tensor_reference
+
+
+@pytest.mark.parametrize("outputs", list(OUTPUTS))
+@pytest.mark.parametrize(
+    "index", range(len(TARGETS)), ids=[f"{c.problem}-{c.id}" for c in TARGETS]
+)
+@pytest.mark.parametrize("strategy", list(jk.strategies.REGISTRY))
+def test_agrees_with_float64_reference(strategy, index, outputs):
+    case = TARGETS[index]
+    ex = example(case.problem)
+    call = dict(strategy=strategy, outputs=OUTPUTS[outputs])
+    if strategy == "batch":
+        with pytest.raises(ValueError, match="differentiates a Dense or Conv"):
+            jk.jacobian(ex.model, ex.inputs, case.target, **call)
+        return
+    result = jk.jacobian(ex.model, ex.inputs, case.target, **call)
+    expected = tensor_reference(index, outputs)
+    assert len(result) == 1
+    assert tuple(result[0].shape) == expected.shape
+    # measured over this product: at most 3.4e-7 relative (forward, residual
+    # Output(conv_a), callable rows), median 1.2e-7; default float32 1e-5
+    testing.assert_close(result, [expected])
+
+
+def test_per_example_blocks_have_shape_b_f_then_the_input():
+    ex = example("generator")
+    batch, sequence, channels = ex.inputs.shape
+    res = jk.jacobian(ex.model, ex.inputs, jk.Inputs(), outputs="per_example")
+    assert list(res) == ["inputs"]
+    assert res.rows_shape == (batch, 5)
+    assert tuple(res["inputs"].shape) == (batch, 5, sequence, channels)
+    act = jk.jacobian(
+        ex.model, ex.inputs, jk.Output("conv3"), outputs="per_example", strategy="loop"
+    )
+    assert list(act) == ["conv3/output"]
+    assert tuple(act[0].shape) == (batch, 5, sequence, 6)
+
+
+def test_names_of_every_input_of_a_multi_input_model():
+    ex = example("multi_input")
+    res = jk.jacobian(ex.model, ex.inputs, jk.Inputs(), strategy="chunked")
+    assert list(res) == ["inputs/a", "inputs/b"]
+    by_name = jk.jacobian(ex.model, ex.inputs, jk.Inputs("b"), strategy="chunked")
+    by_index = jk.jacobian(ex.model, ex.inputs, jk.Inputs(1), strategy="chunked")
+    assert list(by_name) == list(by_index) == ["inputs/b"]
+    np.testing.assert_array_equal(res["inputs/b"], by_name[0])
+    np.testing.assert_array_equal(by_index[0], by_name[0])
+
+
+def test_a_variable_input_and_a_tensor_input_give_the_same_jacobian():
+    """USERS.md case 4: a function called with a tf.Tensor or a tf.Variable."""
+
+    def f(x):
+        return tf.tanh(x[:, :3] * x[:, 1:])
+
+    x = np.random.default_rng(0).normal(size=(3, 4))
+    expected = testing.reference_tensor_jacobian(f, x, outputs="per_example")
+    for value in (tf.constant(x, tf.float32), tf.Variable(x, dtype=tf.float32)):
+        res = jk.jacobian(f, value, jk.Inputs(), outputs="per_example")
+        testing.assert_close(res, [expected])
+
+
+def test_the_model_gains_no_graph_nodes():
+    """A sub-model from an intermediate tensor would append cloned nodes to
+    the user's downstream layers; the tap leaves them as they are."""
+    ex = example("generator")
+    before = {layer.name: len(layer._inbound_nodes) for layer in ex.model.layers}
+    jk.jacobian(ex.model, ex.inputs, jk.Output("conv1"), strategy="chunked")
+    jk.jacobian(ex.model, ex.inputs, "conv2", strategy="batch")
+    after = {layer.name: len(layer._inbound_nodes) for layer in ex.model.layers}
+    assert after == before
+
+
+def test_unknown_input_name():
+    ex = example("multi_input")
+    with pytest.raises(ValueError) as err:
+        jk.jacobian(ex.model, ex.inputs, jk.Inputs("c"))
+    assert str(err.value) == (
+        "jacobian(layer=Inputs('c')): the model has no input 'c'; its inputs "
+        "are ['a', 'b']. Pass one of those names, a position, or Inputs() for "
+        "all of them."
+    )
+
+
+def test_output_of_a_shared_layer_is_refused():
+    ex = example("shared_layer")
+    with pytest.raises(ValueError, match=r"Output\('shared'\)\): layer 'shared' runs"):
+        jk.jacobian(ex.model, ex.inputs, jk.Output("shared"))
+
+
+def test_output_in_a_subclassed_model_is_refused():
+    ex = example("subclassed")
+    with pytest.raises(ValueError, match="not from a functional graph"):
+        jk.jacobian(ex.model, ex.inputs, jk.Output("inner"))
+
+
+def test_integer_input_is_refused():
+    def f(x):
+        return tf.cast(x, tf.float32) * 2.0
+
+    with pytest.raises(TypeError, match=r"Inputs\(None\)\): input\(s\) \['0'\]"):
+        jk.jacobian(f, np.ones((2, 3), "int32"), jk.Inputs())
+
+
+def test_per_example_blocks_refused_when_examples_mix():
+    import keras
+
+    x = keras.Input((4,))
+    h = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(3)(x))
+    model = keras.Model(x, keras.layers.Dense(2)(h))
+    inputs = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+    with pytest.raises(ValueError, match="mixes examples across the batch"):
+        jk.jacobian(model, inputs, jk.Inputs(), outputs="per_example", training=True)
+    # the full Jacobian over the batch is the way out, and is right
+    res = jk.jacobian(model, inputs, jk.Inputs(), outputs=lambda y: y, training=True)
+    expected = testing.reference_tensor_jacobian(
+        lambda v: model(v, training=True),
+        inputs.astype("float64"),
+        outputs=lambda y: y,
+    )
+    testing.assert_close(res, [expected], tolerance=1e-4)
