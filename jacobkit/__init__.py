@@ -16,6 +16,7 @@ from jacobkit import strategies  # noqa: E402
 from jacobkit.api import jacobian, plan  # noqa: E402
 from jacobkit.planner import Plan  # noqa: E402
 from jacobkit.result import JacobianResult, Stats  # noqa: E402
+from jacobkit.verify import VerificationError, verify  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -23,9 +24,11 @@ __all__ = [
     "JacobianResult",
     "Plan",
     "Stats",
+    "VerificationError",
     "__version__",
     "jacobian",
     "memory",
     "plan",
     "strategies",
+    "verify",
 ]

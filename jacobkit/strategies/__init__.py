@@ -14,6 +14,7 @@ from jacobkit.strategies.chunked import Chunked
 from jacobkit.strategies.forward import Forward
 from jacobkit.strategies.jacobian import Jacobian
 from jacobkit.strategies.loop import Loop
+from jacobkit.strategies.structured import Structured
 from jacobkit.strategies.while_loop import While
 
 REGISTRY: dict[str, type[Strategy]] = {}
@@ -30,7 +31,7 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-for _cls in (Loop, Jacobian, While, Batch, Chunked, Forward):
+for _cls in (Loop, Jacobian, While, Batch, Chunked, Forward, Structured):
     register(_cls)
 
 
@@ -66,6 +67,7 @@ __all__ = [
     "Jacobian",
     "Loop",
     "Strategy",
+    "Structured",
     "While",
     "get",
     "names",
