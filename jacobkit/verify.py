@@ -5,24 +5,35 @@ NOTE (Freivalds' check, and what it can miss). Write the result as a matrix
 a target). For a random cotangent ``v`` over the rows, ``v^T J`` is the
 gradient of ``sum_r v_r * row_r``: one backward pass computes it directly,
 and contracting the result with ``v`` computes it from ``J``. A wrong result
-``J' = J + E`` gives a difference ``v^T E``. With ``v`` standard Gaussian,
-``v^T E`` is Gaussian with covariance ``E^T E``, so for ``E != 0`` it is
-nonzero with probability 1: in exact arithmetic no error is missed.
+``J' = J + E`` gives a difference ``v^T E``.
 
-In floating point the check compares with a tolerance, so an error is seen
-only when ``max |v^T E|`` exceeds ``tolerance * max |v^T J|``. Take one wrong
-element, ``E[r, p] = delta``: then ``(v^T E)_p = v_r * delta`` and the check
-misses it when ``|v_r| < a``, ``a = tolerance * max|v^T J| / |delta|``, which
-has probability ``P(|N(0, 1)| < a) <= a * sqrt(2 / pi)`` per probe, and at
-most ``(0.8 * a)^k`` over ``k`` independent probes. ``max |v^T J|`` grows
-like ``sqrt(R)`` times a typical row's largest entry, so with the float32
-tolerance (:data:`TOLERANCE`) and R = 144 an element wrong by 1% of the
-largest entry has ``a ~ 1e-4 * 12 / 1e-2 = 0.12`` and is missed with
-probability below ``0.1^2 = 1%`` at ``probes=2``. A whole wrong row (a
-transposed, shifted or zeroed row) has ``|delta| ~ max|J|`` in many
-elements at once and is caught with probability indistinguishable from 1.
-Errors below ``tolerance * max |v^T J|`` in size (rounding-level errors) are
-not seen at all: this is a check for wrong results, not for precision.
+*Which cotangents.* Each ``v_r`` is drawn uniformly from the nonzero
+integers ``-16..16`` (:data:`COTANGENT_RANGE`), not from a Gaussian: the
+backward pass sums the cotangent over every position of the batch (a bias
+gradient sums ``B*T`` copies of ``v_f``), and in float32 a Gaussian
+cotangent made that sum itself wrong by 8.4e-5 relative on a generator
+with B=64, T=128 (every strategy's result "failed" against it), while
+small integers sum exactly. With Gaussian ``v`` a wrong ``J`` would be
+missed with probability 0 in exact arithmetic; with these integers:
+
+- *In exact arithmetic*, for any ``E != 0`` pick a column ``e`` of ``E``
+  and a row ``r`` with ``e_r != 0``; whatever the other entries of ``v``,
+  at most one of the 32 values of ``v_r`` makes ``v^T e = 0``. So a probe
+  misses with probability at most 1/32, and ``k`` independent probes with
+  at most ``32^-k`` (``probes=2``: < 0.1%). Errors that cancel that way
+  need several wrong entries in one column with tuned ratios; a single
+  wrong element, or a whole wrong row, always gives ``v^T E != 0``
+  (``|v_r| >= 1``).
+- *With a tolerance* (floating point), an error is seen only where
+  ``max |v^T E| > tolerance * max |v^T J|``. One wrong element
+  ``E[r, p] = delta`` gives ``|(v^T E)_p| = |v_r| * |delta|`` with
+  ``|v_r|`` between 1 and 16: it is always caught when
+  ``|delta| > tolerance * max |v^T J|`` and never when it is 16 times
+  smaller. ``max |v^T J|`` grows like ``sqrt(R)`` times the largest entry
+  of ``J`` times ~10 (the size of ``v``): with the float32 tolerance and
+  R = 144, an element wrong by more than ~1.2% of ``J``'s largest entry is
+  always caught. Rounding-level errors are not seen at all: this is a
+  check for wrong results, not for precision.
 """
 
 from __future__ import annotations
@@ -38,12 +49,16 @@ from jacobkit.problem import Problem
 #: Default tolerances on the worst relative difference, by the result's dtype.
 #: Measured (TF 2.21 CPU, probes=2, seed 0) over every strategy configuration
 #: x every conformance problem x every ``outputs`` mode (560 results each):
-#: float32 at most 6.9e-7 (median 1.8e-7); float64 at most 1.5e-15 (median
-#: 3e-16). The difference grows with the size of the sums in the backward
-#: pass: 2.5e-6 on a generator with B=8, T=32, 32 features. float32: 1e-4
-#: leaves room for larger problems (see the NOTE for what it can miss);
-#: float64: 1e-10. float16/bfloat16 are not measured.
+#: float32 at most 6.7e-7 (median 2.0e-7); float64 at most 2.1e-15 (median
+#: 3.9e-16). The difference grows with the sums in the backward pass: up to
+#: 1.6e-6 on the generator with B=64, T=128, D=32, F=144 (``conv1``, three
+#: seeds). float32: 1e-4 keeps a margin of 60x there for larger problems (a
+#: failed check makes ``structured`` fall back); float64: 1e-10.
+#: float16/bfloat16 are not measured.
 TOLERANCE = {tf.float16: 5e-2, tf.bfloat16: 1e-1, tf.float32: 1e-4, tf.float64: 1e-10}
+
+#: cotangents are drawn from the nonzero integers in ``-16..16`` (see the NOTE)
+COTANGENT_RANGE = 16
 
 
 class VerificationError(AssertionError):
@@ -65,8 +80,8 @@ def verify(
 ) -> float:
     """Check a result against ``probes`` backward passes with random cotangents.
 
-    For each probe, a standard Gaussian ``v`` over the rows (shape
-    ``rows_shape``): ``v^T J`` from one backward pass of
+    For each probe, a random ``v`` over the rows (shape ``rows_shape``, each
+    entry a nonzero integer in ``-16..16``): ``v^T J`` from one backward pass of
     ``sum(v * rows)`` is compared with the same contraction of the result,
     for every target. The cost is one forward and ``probes`` backward
     passes, whatever the number of rows R. See the NOTE in this module for
@@ -160,7 +175,9 @@ def check(
             f"verify(probes={probes}): need at least one probe; 2 is the default."
         )
     rng = np.random.default_rng(seed)
-    cotangents = rng.standard_normal((int(probes), problem.num_rows))
+    shape = (int(probes), problem.num_rows)
+    magnitudes = rng.integers(1, COTANGENT_RANGE + 1, size=shape)
+    cotangents = magnitudes * rng.choice([-1.0, 1.0], size=shape)
     targets = problem.targets
     with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
         tape.watch(targets)

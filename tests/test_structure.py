@@ -226,7 +226,7 @@ def test_options_are_checked():
         jk.strategies.Structured(3)
     with pytest.raises(ValueError, match=r"probes=-1"):
         jk.strategies.Structured(probes=-1)
-    assert jk.strategies.Structured().label == "structured(chunked)"
+    assert jk.strategies.Structured().label == "structured(while)"
     assert jk.strategies.Structured(jk.strategies.Chunked(8)).label == (
         "structured(chunked(8))"
     )

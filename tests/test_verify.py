@@ -62,11 +62,12 @@ def test_catches_a_corrupted_row(tagger):
         jk.verify(_corrupted(result, zero_row), ex.model, ex.inputs, ex.layer)
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(3))
 def test_catches_one_wrong_element(tagger, seed):
-    """One kernel entry off by 5% of the largest: per the module's NOTE, it
-    is missed only when ``|v_r| < a`` for every probe, with
-    ``a = 1e-4 * max|v^T J| / delta`` (here ~0.01: probability ~1e-4)."""
+    """One kernel entry off by 5% of the largest, in a column where it must
+    be zero. Per the NOTE in jacobkit/verify.py it is caught whatever the
+    cotangents (``|v_r| >= 1``): ``tolerance * max|v^T J|`` is at most
+    ``1e-4 * 16 * 5 rows * the largest entry``, 0.8% of it."""
     ex, result = tagger
     largest = float(np.max(np.abs(result.kernel)))
 

@@ -39,14 +39,17 @@ class Structured(Strategy):
     Attributes:
         inner: the strategy for the D rows of a linear head's input, and the
             fallback if the first call's check fails: a configured strategy
-            or a registered name (default ``"chunked"``, 16 rows per chunk).
+            or a registered name. Default ``"while"``: on the generator
+            (B=64, T=128, D=32 of 144 features, target ``conv1``) it was the
+            fastest inner strategy for ``"features"`` rows (0.11 s vs 0.24 s
+            for ``chunked``), with the lowest peak and the shortest trace.
         probes: random cotangents of the first call's check (0: no check).
         tolerance: that check's tolerance (``None``: by dtype, see
             :data:`jacobkit.verify.TOLERANCE`).
     """
 
     name = "structured"
-    inner: Strategy | str = "chunked"
+    inner: Strategy | str = "while"
     probes: int = 2
     tolerance: float | None = None
 
@@ -100,6 +103,11 @@ class Structured(Strategy):
         return structure.find(problem).describe()
 
     def check(self, problem: Problem) -> None:
+        if not isinstance(problem, Problem):
+            raise ValueError(
+                "jacobian(strategy='structured'): computes every row of a whole "
+                f"problem at once, not a view of some rows ({type(problem).__name__})."
+            )
         try:
             found = structure.find(problem)
         except structure.NotApplicable as err:
