@@ -230,3 +230,27 @@ def test_options_are_checked():
     assert jk.strategies.Structured(jk.strategies.Chunked(8)).label == (
         "structured(chunked(8))"
     )
+
+
+def test_auto_uses_it_where_it_applies_and_the_plan_says_so():
+    ex = _bottleneck()
+    planned = jk.plan(ex.model, ex.inputs, "conv1", outputs="per_example")
+    assert planned.strategy.name == "structured"
+    result = jk.jacobian(ex.model, ex.inputs, "conv1", outputs="per_example")
+    assert result.strategy == "structured"
+    text = str(result.plan)
+    assert text.startswith("auto -> structured(while)"), text
+    assert "structure: linear head 'head': 4 rows of its input" in text, text
+    assert "rejected batch: not needed: structured(while) is exact here" in text
+    testing.assert_close(result, _reference("conv1", "per_example"))
+
+
+def test_auto_says_why_it_does_not_use_it():
+    ex = examples.build("mlp")
+    planned = jk.plan(ex.model, ex.inputs, ex.layer)
+    assert planned.strategy.name != "structured"
+    assert planned.structure is None
+    assert (
+        "rejected structured: no exact shortcut applies to this problem "
+        "(separable channels: 'hidden1' has 16 output channels"
+    ) in str(planned)

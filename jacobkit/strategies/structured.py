@@ -98,6 +98,11 @@ class Structured(Strategy):
             return None
         return Structured(smaller, self.probes, self.tolerance)
 
+    def rows_at_once(self, num_rows: int) -> int:
+        """At most the inner strategy's (it runs on fewer rows, or not at
+        all)."""
+        return self.resolved_inner().rows_at_once(num_rows)
+
     def describe(self, problem: Problem) -> str:
         """The shortcut used for ``problem``, in words (for plans)."""
         return structure.find(problem).describe()
