@@ -25,10 +25,12 @@ _PUBLIC = {
     "Output": "jacobkit.targets",
     "Plan": "jacobkit.planner",
     "Stats": "jacobkit.result",
+    "VerificationError": "jacobkit.verify",
     "jacobian": "jacobkit.api",
     "memory": "jacobkit.memory",
     "plan": "jacobkit.api",
     "strategies": "jacobkit.strategies",
+    "verify": "jacobkit.verify",
 }
 
 __all__ = [
@@ -37,11 +39,13 @@ __all__ = [
     "Output",
     "Plan",
     "Stats",
+    "VerificationError",
     "__version__",
     "jacobian",
     "memory",
     "plan",
     "strategies",
+    "verify",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
@@ -50,6 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.planner import Plan
     from jacobkit.result import JacobianResult, Stats
     from jacobkit.targets import Inputs, Output
+    from jacobkit.verify import VerificationError, verify
 
 
 def __getattr__(name: str) -> Any:

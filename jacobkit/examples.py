@@ -126,6 +126,41 @@ def generator(
     )
 
 
+def dense_head(
+    dtype: str = "float32",
+    seed: int = 0,
+    *,
+    batch: int = 3,
+    sequence: int = 8,
+    channels: int = 4,
+    filters: int = 6,
+    features: int = 5,
+) -> Example:
+    """A Conv1D → Dense(features, tanh) → Activation(sigmoid) tagger on
+    ``(batch, sequence, channels)``. Target: the Dense head (``"head"``),
+    whose output channel ``f`` reaches only output feature ``f`` (the rows'
+    Jacobians have disjoint support: row colouring applies)."""
+    keras = _keras()
+    layers = keras.layers
+    x = keras.Input((sequence, channels), dtype=dtype)
+    h = layers.Conv1D(
+        filters, 3, padding="same", activation="relu", name="conv1", dtype=dtype
+    )(x)
+    h = layers.Dense(features, activation="tanh", name="head", dtype=dtype)(h)
+    y = layers.Activation("sigmoid", name="squash", dtype=dtype)(h)
+    model = keras.Model(x, y, name="dense_head")
+    _randomize_weights(model, seed)
+    (inputs,) = _rng_inputs(seed, dtype, (batch, sequence, channels))
+    return Example(
+        "dense_head",
+        model,
+        inputs,
+        "head",
+        "Conv1D → Dense head (target) → sigmoid",
+        {"batch": batch, "sequence": sequence, "features": features},
+    )
+
+
 def mlp(
     dtype: str = "float32",
     seed: int = 0,
@@ -426,6 +461,7 @@ BUILDERS: dict[str, Callable[..., Example]] = {
     "shared_layer": shared_layer,
     "tf_module": tf_module,
     "frozen_resnet": frozen_resnet,
+    "dense_head": dense_head,
 }
 
 

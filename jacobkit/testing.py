@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit.verify import VerificationError, verify  # noqa: F401 - re-exported
+
 #: Tolerances on :func:`max_relative_difference` by the dtype of the result
 #: under test, against the float64 reference. Measured over every strategy
 #: configuration in ``tests/cases.py`` (``STRATEGIES``) x every problem

@@ -69,6 +69,24 @@ BATCH_REFUSES = {
 }
 
 
+#: (problem, outputs) pairs where the structured strategy applies (with the
+#: structure it finds); on every other pair it must refuse with
+#: STRUCTURED_REFUSES. The residual block ends in Dense(4) on 3 pooled
+#: channels (a linear head); dense_head's target is its head, followed only
+#: by an elementwise sigmoid (separable channels).
+STRUCTURED_APPLIES = {
+    **{
+        ("residual", mode): "linear head"
+        for mode in ("features", "per_example", "full")
+    },
+    **{
+        ("dense_head", mode): "separable channels"
+        for mode in ("features", "per_example")
+    },
+}
+STRUCTURED_REFUSES = "no exact shortcut applies"
+
+
 def call_kwargs(model) -> dict:
     return {} if isinstance(model, examples._Affine) else {"training": False}
 

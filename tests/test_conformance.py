@@ -13,6 +13,8 @@ from tests.cases import (
     OUTPUTS,
     PROBLEMS,
     STRATEGIES,
+    STRUCTURED_APPLIES,
+    STRUCTURED_REFUSES,
     example,
     reference,
 )
@@ -28,6 +30,16 @@ def test_agrees_with_float64_reference(case, problem, outputs):
     refuse = strategy.name == "batch" and (
         problem in BATCH_REFUSES or outputs == "callable"
     )
+    if strategy.name == "structured" and (problem, outputs) not in STRUCTURED_APPLIES:
+        with pytest.raises(ValueError, match=STRUCTURED_REFUSES):
+            jk.jacobian(
+                ex.model,
+                ex.inputs,
+                ex.layer,
+                strategy=strategy,
+                outputs=OUTPUTS[outputs],
+            )
+        return
     if refuse:
         match = _batch_refusal(problem, outputs)
         with pytest.raises(ValueError, match=match):
@@ -63,6 +75,12 @@ def test_feature_subset(case):
     ex = example("generator")
     features = (4, 0, 2)
     strategy = case.make(len(features))
+    if strategy.name == "structured":  # 3 features, 6 channels before the head
+        with pytest.raises(ValueError, match="6 inputs for 3 features, no fewer"):
+            jk.jacobian(
+                ex.model, ex.inputs, ex.layer, strategy=strategy, features=[4, 0, 2]
+            )
+        return
     result = jk.jacobian(
         ex.model, ex.inputs, ex.layer, strategy=strategy, features=list(features)
     )

@@ -22,6 +22,19 @@ from tests.cases import call_kwargs, reference, target_variables
 SIZES = {"batch": 16, "sequence": 64, "channels": 8, "filters": 32, "features": 48}
 
 
+@pytest.fixture(autouse=True)
+def _no_structure(monkeypatch):
+    """These tests exercise segments, switches and budgets, which ``auto``
+    skips where an exact structural shortcut applies (this generator ends in
+    a linear head on 32 < 48 channels). tests/test_structure.py covers auto
+    with the shortcut."""
+
+    def refuse(self, problem):
+        raise ValueError("jacobian(strategy='structured'): off in test_planner")
+
+    monkeypatch.setattr(jk.strategies.Structured, "check", refuse)
+
+
 @pytest.fixture
 def generator():
     """A fresh model per test: a fresh plan."""

@@ -27,14 +27,15 @@ def test_every_strategy_but_the_loop_is_compiled():
 
 def _model(seed: int = 0):
     """Two Dense layers "a" and "b" of the same shapes (6 -> 6), then a head
-    of 4 features: a cache that mixed up the two would still return
-    Jacobians of the right shape."""
+    of 8 features: a cache that mixed up the two would still return
+    Jacobians of the right shape. (8 > 6: the structured strategy applies,
+    through the linear head.)"""
     model = keras.Sequential(
         [
             keras.Input((6,)),
             keras.layers.Dense(6, activation="tanh", name="a"),
             keras.layers.Dense(6, activation="tanh", name="b"),
-            keras.layers.Dense(4, name="head"),
+            keras.layers.Dense(8, name="head"),
         ]
     )
     rng = np.random.default_rng(seed)

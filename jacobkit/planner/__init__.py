@@ -33,7 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory
+from jacobkit import memory, strategies
 from jacobkit.planner import cache as disk
 from jacobkit.planner import probes
 from jacobkit.planner.execution import Session, entry_of, restore
@@ -78,12 +78,23 @@ def session_for(
             "Raise memory_budget, keep fewer rows with features=[...], or use a "
             "smaller batch."
         )
+    shortcut, structure = _structured(problem)
     entry = disk.load(name) if name is not None else None
     row_bytes = _row_bytes(entry)
     if row_bytes is None:
         row_bytes = probes.activation_bytes(problem)
     measured_on = device if probes.peak_measurable(device) else None
-    session = Session(problem, budget, budget * SAFETY, measured_on, row_bytes)
+    session = Session(
+        problem,
+        budget,
+        budget * SAFETY,
+        measured_on,
+        row_bytes,
+        shortcut=shortcut,
+        structure=structure,
+    )
+    if session.structure is not None:  # one candidate: nothing to learn or load
+        entry = None
     if entry is not None:
         try:
             used = restore(session, entry)
@@ -95,10 +106,30 @@ def session_for(
             )
             used = False
         if not used:  # planned afresh, and rewritten after the first call
-            session = Session(problem, budget, budget * SAFETY, measured_on, row_bytes)
+            session = Session(
+                problem,
+                budget,
+                budget * SAFETY,
+                measured_on,
+                row_bytes,
+                structure=structure,
+            )
             session.dirty = True
     sessions[(key, name)] = session
     return session, name
+
+
+def _structured(problem: Problem) -> tuple[Strategy | None, str]:
+    """``(Structured(), what it found)`` where an exact structural shortcut
+    applies to ``problem`` (:mod:`jacobkit.structure`), else ``(None, why
+    not)``."""
+    shortcut = strategies.Structured()
+    try:
+        shortcut.check(problem)
+    except ValueError as err:
+        why = str(err).split("): ", 1)[-1]
+        return None, why.split(". Use another strategy")[0]
+    return shortcut, shortcut.describe(problem)
 
 
 def _row_bytes(entry: dict | None) -> int | None:

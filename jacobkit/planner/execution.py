@@ -53,6 +53,11 @@ class Session:
             margin).
         device: where peak memory is measured, or ``None`` if it cannot be.
         row_bytes: the forward pass's activations (the memory prior).
+        shortcut: an exact structural shortcut (the ``structured`` strategy)
+            that applies to ``problem``, or ``None``; where it fits the
+            budget it is the only candidate and computes every row at once.
+        structure: what the shortcut found, or why none applies (the plan
+            shows it).
     """
 
     def __init__(
@@ -62,6 +67,8 @@ class Session:
         allowed_bytes: float,
         device: str | None,
         row_bytes: int,
+        shortcut: Strategy | None = None,
+        structure: str = "",
     ) -> None:
         self.num_rows = problem.num_rows
         self.budget_bytes = budget_bytes
@@ -73,11 +80,14 @@ class Session:
         size = segment_size(self.num_rows, target)
         if size < self.num_rows and 2 * self.result_bytes > allowed_bytes:
             size = self.num_rows  # no room to concatenate segments
+        if shortcut is not None:
+            size = self.num_rows  # it computes every row at once
         self.segment_rows = size
         self.segment_result_bytes = probes.result_bytes(problem, size)
         self.probes: list[Probe] = []
         self.known: dict[Strategy, Estimate] = {}
         found, self.rejected = selection.candidates(size, self.fits)
+        found, self.structure = _with_shortcut(self, found, shortcut, structure)
         if not found:
             smallest = min(
                 est.predicted_peak(s, 1, row_bytes, self.segment_result_bytes)
@@ -157,6 +167,7 @@ class Session:
             last_call=self.last_call,
             source=self.source,
             calls=self.calls,
+            structure=self.structure,
         )
 
     # -- choosing ------------------------------------------------------------
@@ -398,3 +409,24 @@ def restore(session: Session, entry: dict) -> bool:
     session.spent_s = spent
     session.source = "disk cache"
     return True
+
+
+def _with_shortcut(
+    session: Session, found: list[Strategy], shortcut: Strategy | None, structure: str
+) -> tuple[list[Strategy], str | None]:
+    """The candidates when an exact shortcut applies (it alone, if it fits the
+    budget), and the structure line of the plan. The registry's own
+    "not offered" rejection of the shortcut's name becomes the reason."""
+    named = "structured"
+    session.rejected = [r for r in session.rejected if r.label != named]
+    if shortcut is None:
+        if structure:
+            session.rejected.append(Rejection(named, structure))
+        return found, None
+    if not session.fits(shortcut):
+        session.rejected.append(Rejection(shortcut, "predicted peak over the budget"))
+        return found, None
+    session.rejected += [
+        Rejection(s, f"not needed: {shortcut.label} is exact here") for s in found
+    ]
+    return [shortcut], structure

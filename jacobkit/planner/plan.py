@@ -128,6 +128,8 @@ class Plan:
         source: ``"not run yet"``, ``"measured"`` (this process measured
             it) or ``"disk cache"`` (loaded, nothing re-measured to choose).
         calls: ``jacobian`` calls this process made with this plan.
+        structure: the exact structural shortcut :attr:`strategy` uses (see
+            :mod:`jacobkit.structure`), or ``None``.
     """
 
     strategy: Strategy
@@ -144,6 +146,7 @@ class Plan:
     last_call: tuple[Probe, ...] = ()
     source: str = "not run yet"
     calls: int = 0
+    structure: str | None = None
 
     @property
     def chunk_size(self) -> int | None:
@@ -168,6 +171,11 @@ class Plan:
             f"{memory.format_bytes(self.result_bytes)}; {self.num_rows} rows in "
             f"segments of {self.segment_rows}; {self.source})"
         ]
+        if self.structure:
+            lines.append(
+                f"  structure: {self.structure} (exact; checked with jk.verify "
+                "on the first call)"
+            )
         for e in self.estimates:
             per_call = e.seconds(self.num_rows)
             lines.append(

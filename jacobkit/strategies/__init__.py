@@ -16,6 +16,7 @@ from jacobkit.strategies.chunked import Chunked
 from jacobkit.strategies.forward import Forward
 from jacobkit.strategies.jacobian import Jacobian
 from jacobkit.strategies.loop import Loop
+from jacobkit.strategies.structured import Structured
 from jacobkit.strategies.while_loop import While
 
 REGISTRY: dict[str, type[Strategy]] = {}
@@ -32,7 +33,7 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-for _cls in (Loop, Jacobian, While, Batch, Chunked, Forward):
+for _cls in (Loop, Jacobian, While, Batch, Chunked, Forward, Structured):
     register(_cls)
 
 
@@ -87,6 +88,7 @@ __all__ = [
     "Jacobian",
     "Loop",
     "Strategy",
+    "Structured",
     "While",
     "from_spec",
     "get",

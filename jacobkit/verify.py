@@ -1,0 +1,226 @@
+"""``verify``: a cheap check of any result, a few backward passes instead of R.
+
+NOTE (Freivalds' check, and what it can miss). Write the result as a matrix
+``J`` of shape ``(R, P)`` (one row per row of the Jacobian, P = parameters of
+a target). For a random cotangent ``v`` over the rows, ``v^T J`` is the
+gradient of ``sum_r v_r * row_r``: one backward pass computes it directly,
+and contracting the result with ``v`` computes it from ``J``. A wrong result
+``J' = J + E`` gives a difference ``v^T E``.
+
+*Which cotangents.* Each ``v_r`` is drawn uniformly from the nonzero
+integers ``-16..16`` (:data:`COTANGENT_RANGE`), not from a Gaussian: the
+backward pass sums the cotangent over every position of the batch (a bias
+gradient sums ``B*T`` copies of ``v_f``), and in float32 a Gaussian
+cotangent made that sum itself wrong by 8.4e-5 relative on a generator
+with B=64, T=128 (every strategy's result "failed" against it), while
+small integers sum exactly. With Gaussian ``v`` a wrong ``J`` would be
+missed with probability 0 in exact arithmetic; with these integers:
+
+- *In exact arithmetic*, for any ``E != 0`` pick a column ``e`` of ``E``
+  and a row ``r`` with ``e_r != 0``; whatever the other entries of ``v``,
+  at most one of the 32 values of ``v_r`` makes ``v^T e = 0``. So a probe
+  misses with probability at most 1/32, and ``k`` independent probes with
+  at most ``32^-k`` (``probes=2``: < 0.1%). Errors that cancel that way
+  need several wrong entries in one column with tuned ratios; a single
+  wrong element, or a whole wrong row, always gives ``v^T E != 0``
+  (``|v_r| >= 1``).
+- *With a tolerance* (floating point), an error is seen only where
+  ``max |v^T E| > tolerance * max |v^T J|``. One wrong element
+  ``E[r, p] = delta`` gives ``|(v^T E)_p| = |v_r| * |delta|`` with
+  ``|v_r|`` between 1 and 16: it is always caught when
+  ``|delta| > tolerance * max |v^T J|`` and never when it is 16 times
+  smaller. ``max |v^T J|`` grows like ``sqrt(R)`` times the largest entry
+  of ``J`` times ~10 (the size of ``v``): with the float32 tolerance and
+  R = 144, an element wrong by more than ~1.2% of ``J``'s largest entry is
+  always caught. Rounding-level errors are not seen at all: this is a
+  check for wrong results, not for precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit.problem import Problem
+
+#: Default tolerances on the worst relative difference, by the result's dtype.
+#: Measured (TF 2.21 CPU, probes=2, seed 0) over every strategy configuration
+#: x every conformance problem x every ``outputs`` mode (560 results each):
+#: float32 at most 6.7e-7 (median 2.0e-7); float64 at most 2.1e-15 (median
+#: 3.9e-16). The difference grows with the sums in the backward pass: up to
+#: 1.6e-6 on the generator with B=64, T=128, D=32, F=144 (``conv1``, three
+#: seeds). float32: 1e-4 keeps a margin of 60x there for larger problems (a
+#: failed check makes ``structured`` fall back); float64: 1e-10.
+#: float16/bfloat16 are not measured.
+TOLERANCE = {tf.float16: 5e-2, tf.bfloat16: 1e-1, tf.float32: 1e-4, tf.float64: 1e-10}
+
+#: cotangents are drawn from the nonzero integers in ``-16..16`` (see the NOTE)
+COTANGENT_RANGE = 16
+
+
+class VerificationError(AssertionError):
+    """A result failed :func:`verify`: it is not the Jacobian of the rows."""
+
+
+def verify(
+    result: Any,
+    model: Any,
+    inputs: Any,
+    layer: Any,
+    probes: int = 2,
+    *,
+    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    features: Sequence[int] | None = None,
+    training: bool = False,
+    tolerance: float | None = None,
+    seed: int = 0,
+) -> float:
+    """Check a result against ``probes`` backward passes with random cotangents.
+
+    For each probe, a random ``v`` over the rows (shape ``rows_shape``, each
+    entry a nonzero integer in ``-16..16``): ``v^T J`` from one backward pass of
+    ``sum(v * rows)`` is compared with the same contraction of the result,
+    for every target. The cost is one forward and ``probes`` backward
+    passes, whatever the number of rows R. See the NOTE in this module for
+    the probability of missing an error.
+
+    Args:
+        result: a :class:`~jacobkit.JacobianResult`, or a list of arrays
+            (one per target, shape ``rows_shape + v.shape``).
+        model, inputs, layer: as given to :func:`jacobkit.jacobian`.
+        probes: the number of random cotangents (>= 1).
+        outputs, features, training: the rows, as given to
+            :func:`jacobkit.jacobian` (they must match the result's).
+        tolerance: the largest relative difference accepted; default by
+            the result's dtype (:data:`TOLERANCE`).
+        seed: seeds the random cotangents.
+
+    Returns:
+        The worst relative difference ``max |a - b| / max(|a|, |b|)`` over
+        probes and targets (``a`` from the backward pass, ``b`` from the
+        result).
+
+    Raises:
+        VerificationError: the difference exceeds the tolerance (an
+            ``AssertionError``).
+        ValueError: the result's shapes do not fit the problem.
+
+    Example:
+        >>> import keras, numpy as np, jacobkit as jk
+        >>> model = keras.Sequential([keras.Input((4,)),
+        ...                           keras.layers.Dense(3, name="head")])
+        >>> x = np.ones((2, 4), "float32")
+        >>> res = jk.jacobian(model, x, "head", strategy="loop")
+        >>> jk.verify(res, model, x, "head") < 1e-4
+        True
+    """
+    problem = Problem(
+        model,
+        inputs,
+        layer,
+        outputs=outputs,
+        features=features,
+        training=training,
+        unconnected="zero",
+    )
+    actual = (
+        list(result.jacobians.values())
+        if hasattr(result, "jacobians")
+        else list(result)
+    )
+    flat = _flatten(problem, actual)
+    return check(problem, flat, probes=probes, tolerance=tolerance, seed=seed)
+
+
+def _flatten(problem: Problem, jacobians: list[Any]) -> list[tf.Tensor]:
+    """The result's Jacobians as ``(R, *v.shape)``, after checking shapes."""
+    if len(jacobians) != len(problem.targets):
+        raise ValueError(
+            f"verify(result=...): the result has {len(jacobians)} Jacobian(s) "
+            f"but layer= gives {len(problem.targets)} target(s) "
+            f"({', '.join(problem.target_names)}). Pass the layer the result "
+            "was computed for."
+        )
+    flat = []
+    for jac, target, name in zip(jacobians, problem.targets, problem.target_names):
+        expected = problem.rows_shape + tuple(target.shape)
+        if tuple(jac.shape) != expected:
+            raise ValueError(
+                f"verify(result=...): the Jacobian for {name} has shape "
+                f"{tuple(jac.shape)}, but the rows and target give {expected} "
+                f"(rows_shape {problem.rows_shape}). Pass the outputs= and "
+                "features= the result was computed with."
+            )
+        flat.append(tf.reshape(jac, (problem.num_rows, *target.shape)))
+    return flat
+
+
+def check(
+    problem: Problem,
+    jacobians: list[Any],
+    *,
+    probes: int = 2,
+    tolerance: float | None = None,
+    seed: int = 0,
+) -> float:
+    """:func:`verify` on a resolved problem and flat ``(R, *v.shape)``
+    Jacobians (what strategies return). Raises :class:`VerificationError`."""
+    if isinstance(probes, bool) or not isinstance(probes, (int, np.integer)):
+        raise TypeError(f"verify(probes={probes!r}): expected an int >= 1.")
+    if probes < 1:
+        raise ValueError(
+            f"verify(probes={probes}): need at least one probe; 2 is the default."
+        )
+    rng = np.random.default_rng(seed)
+    shape = (int(probes), problem.num_rows)
+    magnitudes = rng.integers(1, COTANGENT_RANGE + 1, size=shape)
+    cotangents = magnitudes * rng.choice([-1.0, 1.0], size=shape)
+    targets = problem.targets
+    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+        tape.watch(targets)
+        rows = problem.rows(problem.inputs)
+    matrices = [
+        np.asarray(jac, dtype=np.float64).reshape(problem.num_rows, -1)
+        for jac in jacobians
+    ]
+    worst = 0.0
+    for probe, v in enumerate(cotangents):
+        direct = tape.gradient(
+            rows,
+            targets,
+            output_gradients=tf.constant(v, dtype=rows.dtype),
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+        for i, (grad, matrix) in enumerate(zip(direct, matrices)):
+            a = np.asarray(grad, dtype=np.float64).reshape(-1)
+            b = v @ matrix
+            diff = _relative(a, b)
+            worst = max(worst, diff)
+            tol = (
+                tolerance
+                if tolerance is not None
+                else TOLERANCE[tf.as_dtype(jacobians[i].dtype)]
+            )
+            if not diff <= tol:
+                raise VerificationError(
+                    f"verify: the Jacobian for {problem.target_names[i]} is "
+                    f"wrong: probe {probe} (a random combination of the rows) "
+                    f"differs from one backward pass by {diff:.2e} relative, "
+                    f"more than the tolerance {tol:.1e}. The result is not "
+                    "the Jacobian of these rows (or was computed for other "
+                    "outputs=/features=/inputs)."
+                )
+    del tape
+    return worst
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    """``max |a - b| / max(max |a|, max |b|)``; 0 when both are zero."""
+    if a.size == 0:
+        return 0.0
+    scale = max(float(np.max(np.abs(a))), float(np.max(np.abs(b))))
+    error = float(np.max(np.abs(a - b)))
+    return error / scale if scale > 0 else error

@@ -1,0 +1,256 @@
+"""The ``structured`` strategy: exact where the structure is certain, refused
+(with the reason) elsewhere, never touching the user's model, and checking
+itself on its first call.
+
+The conformance suite runs it on every test problem (it applies to
+``residual``, a linear head, and ``dense_head``, separable channels); these
+tests add the cases that suite does not reach: a bottleneck generator (D=4
+channels before a 9-feature head), ``features=`` subsets, the nested case
+(a target right before the linear head, itself separable) and the refusals.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import jacobkit as jk
+from jacobkit import examples, testing
+from jacobkit.problem import Problem
+
+
+@functools.cache
+def _bottleneck(dtype: str = "float32") -> examples.Example:
+    """The generator with 4 filters before a 9-feature linear head."""
+    return examples.generator(dtype, filters=4, features=9)
+
+
+@functools.cache
+def _reference(layer: str, outputs: str, features: tuple | None = None) -> list:
+    ex = _bottleneck("float64")
+    target = ex.model.get_layer(layer)
+    return testing.reference_jacobian(
+        ex.model,
+        ex.inputs,
+        [target.kernel, target.bias],
+        outputs=outputs,
+        features=features,
+    )
+
+
+CASES = [
+    # (layer, outputs, features, the structure found)
+    ("conv1", "features", None, "linear head 'head': 4 rows"),
+    ("conv1", "per_example", None, "linear head 'head': 4 rows"),
+    ("conv1", "full", None, "linear head 'head': 4 rows"),
+    ("conv1", "features", (8, 0, 8, -1, 3), "linear head 'head': 4 rows"),
+    ("conv1", "per_example", (7, 2, 5, 1, 0), "linear head 'head': 4 rows"),
+    ("conv3", "features", None, "linear head 'head': 4 rows"),
+    ("conv3", "per_example", None, "linear head 'head': 4 rows"),
+    ("head", "features", None, "separable channels: head -> output"),
+    ("head", "per_example", (8, 0, 8, -1), "separable channels: head -> output"),
+]
+
+
+@pytest.mark.parametrize(
+    ("layer", "outputs", "features", "found"),
+    CASES,
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+def test_agrees_with_the_float64_reference(layer, outputs, features, found):
+    ex = _bottleneck()
+    chosen = None if features is None else list(features)
+    problem = Problem(ex.model, ex.inputs, layer, outputs=outputs, features=chosen)
+    assert found in jk.strategies.Structured().describe(problem)
+    result = jk.jacobian(
+        ex.model,
+        ex.inputs,
+        layer,
+        strategy="structured",
+        outputs=outputs,
+        features=chosen,
+    )
+    assert result.strategy == "structured"
+    testing.assert_close(result, _reference(layer, outputs, features))
+
+
+def test_any_inner_strategy_computes_the_pre_head_rows():
+    ex = _bottleneck()
+    for inner in ("while", "batch", jk.strategies.Chunked(3), "loop"):
+        result = jk.jacobian(
+            ex.model,
+            ex.inputs,
+            "conv1",
+            strategy=jk.strategies.Structured(inner),
+            outputs="per_example",
+        )
+        testing.assert_close(result, _reference("conv1", "per_example"))
+
+
+def _refusal(model, inputs, layer, **kwargs) -> str:
+    with pytest.raises(ValueError, match="no exact shortcut applies") as info:
+        jk.jacobian(model, inputs, layer, strategy="structured", **kwargs)
+    return str(info.value)
+
+
+def _small(head_activation="linear", after=(), features=5, width=3, dense=None):
+    x = keras.Input((4,))
+    h = keras.layers.Dense(width, activation="tanh", name="hidden")(x)
+    y = (dense or keras.layers.Dense)(
+        features, activation=head_activation, name="head"
+    )(h)
+    for layer in after:
+        y = layer(y)
+    model = keras.Model(x, y)
+    rng = np.random.default_rng(0)
+    return model, rng.normal(size=(3, 4)).astype("float32")
+
+
+class _MyDense(keras.layers.Dense):
+    """A Dense subclass: its ``call`` could be anything."""
+
+
+@pytest.mark.parametrize(
+    ("build", "layer", "kwargs", "why"),
+    [
+        (lambda: _small("softmax"), "head", {}, "activation 'softmax' is not"),
+        (lambda: _small("softmax"), "hidden", {}, "has activation 'softmax', not"),
+        (lambda: _small(width=5), "hidden", {}, "5 inputs for 5 features, no fewer"),
+        (
+            lambda: _small(width=5),
+            "hidden",
+            {"features": [0, 1]},
+            "5 inputs for 2 features",
+        ),
+        (lambda: _small(dense=_MyDense), "hidden", {}, "not a stock Dense layer"),
+        (lambda: _small(dense=_MyDense), "head", {}, "is not a stock Dense or Conv"),
+        (
+            lambda: _small(after=[keras.layers.Softmax()]),
+            "head",
+            {},
+            "is not elementwise",
+        ),
+        (
+            lambda: _small(after=[keras.layers.Dropout(0.5)]),
+            "head",
+            {"training": True},
+            "'dropout' .* is not elementwise",
+        ),
+        (lambda: _small(), "head", {"outputs": "full"}, "not colourable"),
+        (lambda: _small(), "hidden", {"outputs": lambda y: y[0]}, "callable outputs"),
+    ],
+)
+def test_refuses_where_not_certain(build, layer, kwargs, why):
+    model, x = build()
+    message = _refusal(model, x, layer, **kwargs)
+    assert re.search(why, message), message
+
+
+def test_refuses_models_without_a_keras_3_graph():
+    for name, why in [
+        ("subclassed", "no functional graph"),
+        ("tf_keras", "not a Keras 3 model"),
+        ("tf_module", "not a Keras 3 model"),
+    ]:
+        ex = examples.build(name)
+        assert why in _refusal(ex.model, ex.inputs, ex.layer)
+
+
+def test_applies_with_inference_only_layers_after_the_target():
+    model, x = _small(after=[keras.layers.Dropout(0.5), keras.layers.ReLU()])
+    result = jk.jacobian(model, x, "head", strategy="structured")
+    layer = model.get_layer("head")
+    expected = testing.reference_jacobian(
+        model, x, [layer.kernel, layer.bias], call_kwargs={"training": False}
+    )
+    # float32 result against a float32 loop: measured 0 to 6e-8
+    testing.assert_close(result, expected, tolerance=1e-6)
+
+
+def test_never_touches_the_users_model():
+    ex = examples.generator(filters=4, features=9)
+    model = ex.model
+    config = model.get_config()
+    weights = [w.copy() for w in model.get_weights()]
+    layers = {layer.name: layer for layer in model.layers}
+    before = {
+        name: (
+            len(layer._inbound_nodes),
+            len(layer._outbound_nodes),
+            dict(vars(layer)).keys(),
+            getattr(layer, "activation", None),
+        )
+        for name, layer in layers.items()
+    }
+    for layer, outputs in [("conv1", "features"), ("head", "per_example")]:
+        jk.jacobian(model, ex.inputs, layer, strategy="structured", outputs=outputs)
+    after = {
+        name: (
+            len(layer._inbound_nodes),
+            len(layer._outbound_nodes),
+            dict(vars(layer)).keys(),
+            getattr(layer, "activation", None),
+        )
+        for name, layer in layers.items()
+    }
+    assert after == before
+    assert model.get_config() == config
+    for old, new in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(old, new)
+
+
+def test_a_failed_first_check_warns_and_falls_back():
+    """A tolerance of 0 fails any float32 result (rounding differs between
+    the check's backward pass and the result): the strategy warns once and
+    from then on runs its inner strategy, whose result is right."""
+    ex = _bottleneck()
+    strict = jk.strategies.Structured("while", tolerance=0.0)
+    with pytest.warns(RuntimeWarning, match=r"failed its check .* running while"):
+        first = jk.jacobian(ex.model, ex.inputs, "conv1", strategy=strict)
+    testing.assert_close(first, _reference("conv1", "features"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = jk.jacobian(ex.model, ex.inputs, "conv1", strategy=strict)
+    testing.assert_close(again, _reference("conv1", "features"))
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="the inner strategy computes the rows"):
+        jk.strategies.Structured("auto")
+    with pytest.raises(TypeError, match=r"Structured\(inner=3\)"):
+        jk.strategies.Structured(3)
+    with pytest.raises(ValueError, match=r"probes=-1"):
+        jk.strategies.Structured(probes=-1)
+    assert jk.strategies.Structured().label == "structured(while)"
+    assert jk.strategies.Structured(jk.strategies.Chunked(8)).label == (
+        "structured(chunked(8))"
+    )
+
+
+def test_auto_uses_it_where_it_applies_and_the_plan_says_so():
+    ex = _bottleneck()
+    planned = jk.plan(ex.model, ex.inputs, "conv1", outputs="per_example")
+    assert planned.strategy.name == "structured"
+    result = jk.jacobian(ex.model, ex.inputs, "conv1", outputs="per_example")
+    assert result.strategy == "structured"
+    text = str(result.plan)
+    assert text.startswith("auto -> structured(while)"), text
+    assert "structure: linear head 'head': 4 rows of its input" in text, text
+    assert "rejected batch: not needed: structured(while) is exact here" in text
+    testing.assert_close(result, _reference("conv1", "per_example"))
+
+
+def test_auto_says_why_it_does_not_use_it():
+    ex = examples.build("mlp")
+    planned = jk.plan(ex.model, ex.inputs, ex.layer)
+    assert planned.strategy.name != "structured"
+    assert planned.structure is None
+    assert (
+        "rejected structured: no exact shortcut applies to this problem "
+        "(separable channels: 'hidden1' has 16 output channels"
+    ) in str(planned)
