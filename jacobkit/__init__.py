@@ -12,7 +12,7 @@ from jacobkit import memory
 # on CPU (no effect once TF has started; TF_CPU_ALLOCATOR_USE_BFC=false opts out).
 memory.enable_cpu_memory_stats()
 
-from jacobkit import strategies  # noqa: E402
+from jacobkit import data, strategies  # noqa: E402
 from jacobkit.api import jacobian, plan  # noqa: E402
 from jacobkit.planner import Plan  # noqa: E402
 from jacobkit.result import JacobianResult, Stats  # noqa: E402
@@ -24,6 +24,7 @@ __all__ = [
     "Plan",
     "Stats",
     "__version__",
+    "data",
     "jacobian",
     "memory",
     "plan",

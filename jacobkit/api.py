@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, planner, strategies
+from jacobkit import data, memory, planner, strategies
 from jacobkit.problem import Problem
 from jacobkit.result import JacobianResult, Stats
 
@@ -25,6 +26,10 @@ def jacobian(
     unconnected: str = "error",
     memory_budget: int | float | str | None = None,
     device: str | None = None,
+    steps: int | None = None,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
 
@@ -34,6 +39,11 @@ def jacobian(
             ``tf.Module``).
         inputs: a NumPy array or ``tf.Tensor``, or the tuple/dict a
             multi-input model takes. The output ``Y`` has shape ``(B, ..., F)``.
+            Or many batches: a ``tf.data.Dataset`` of batches (of ``(x, y)``
+            or ``(x, y, w)`` tuples: ``x`` is used) or any other iterable of
+            batches (a generator, ``jacobkit.data.batches(x, 64)``); then
+            ``"features"`` rows are summed over the dataset and
+            ``"per_example"`` rows follow in dataset order (:mod:`jacobkit.data`).
         layer: a layer object, a layer name, or a list of variables
             (``tf.Variable`` or ``keras.Variable``).
         strategy: ``"auto"``, a registered name (``"loop"``, ``"jacobian"``,
@@ -52,6 +62,15 @@ def jacobian(
             :func:`jacobkit.plan`.
         device: run on this device (``"CPU:0"``, ``"GPU:0"``); default: TF's
             placement.
+        steps: take at most this many batches of a dataset (needed for an
+            infinite one).
+        out: a directory: write the Jacobians there as ``.npy`` files with a
+            manifest, batch by batch (:mod:`jacobkit.store`); the result then
+            holds read-only ``numpy.memmap`` arrays. The same call after an
+            interruption continues where it stopped.
+        overwrite: with ``out=``, discard what the directory holds.
+        progress: show a progress bar over the batches (quiet anyway when
+            the output is not a terminal, or under pytest).
 
     Returns:
         A :class:`JacobianResult`; for a layer target ``result.kernel`` has
@@ -73,6 +92,23 @@ def jacobian(
             "a memory budget is planned for by strategy='auto' only. Drop "
             "strategy= to let auto fit the budget, or drop memory_budget= and "
             "size the strategy yourself (e.g. Chunked(chunk_size=8))."
+        )
+    if out is not None or data.is_batches(inputs):
+        return data.jacobian_batches(
+            model,
+            inputs,
+            layer,
+            strategy=strategy,
+            outputs=outputs,
+            features=features,
+            training=training,
+            unconnected=unconnected,
+            memory_budget=memory_budget,
+            device=device,
+            steps=steps,
+            out=out,
+            overwrite=overwrite,
+            progress=progress,
         )
     with _device_scope(device):
         problem = Problem(

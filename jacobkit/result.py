@@ -40,9 +40,13 @@ class JacobianResult(Mapping):
 
     Index by the variable's name (``result["dense/kernel"]``), by its role
     (``result["kernel"]``) or by position (``result[0]``).
+
+    The Jacobians are ``tf.Tensor`` objects, except after
+    ``jacobian(..., out=DIR)``: then they are read-only ``numpy.memmap``
+    arrays of the ``.npy`` files in ``DIR`` (read from disk when indexed).
     """
 
-    jacobians: dict[str, tf.Tensor]
+    jacobians: dict[str, tf.Tensor | np.ndarray]
     rows_shape: tuple[int, ...]
     strategy: str
     chunk_size: int | None
@@ -90,7 +94,7 @@ class JacobianResult(Mapping):
 
     def numpy(self) -> dict[str, np.ndarray]:
         """Every Jacobian as a NumPy array, keyed by variable name."""
-        return {name: value.numpy() for name, value in self.jacobians.items()}
+        return {name: np.asarray(value) for name, value in self.jacobians.items()}
 
     def __repr__(self) -> str:
         shapes = ", ".join(

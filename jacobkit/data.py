@@ -1,0 +1,525 @@
+"""Beyond one batch: ``jacobian()`` over a dataset, in memory or into ``out=``.
+
+``jacobian(model, inputs, layer, ...)`` comes here when ``inputs`` is a
+``tf.data.Dataset`` or another iterable of batches (a generator, a
+:func:`batches` view of an array), or when ``out=`` is given. For each batch
+it builds the per-batch :class:`~jacobkit.problem.Problem` and runs the
+strategy, planned once on the first batch for ``strategy="auto"``, through
+the same path as a one-batch call; then it accumulates or writes:
+
+- ``outputs="features"`` (and a callable ``g(Y)`` whose rows do not depend on
+  the batch size): the rows are summed over the whole dataset. The sum is
+  kept in float64 and cast to the rows' dtype at the end.
+- ``outputs="per_example"`` / ``"full"``: the rows of each batch follow those
+  of the batch before, in dataset order: ``(N, F)`` rows for ``N`` examples.
+
+A last, smaller batch reuses the plan (it is not re-planned). With
+``"per_example"``/``"full"`` rows and ``training=False`` it is padded to the
+first batch's size (repeating its last example; the padding rows are
+dropped), so nothing is traced again; ``"features"`` rows sum over the batch,
+so padding would change them, and the smaller batch is traced once (see
+:data:`PAD_LAST_BATCH` for the measured trade-off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit import planner, store, strategies
+from jacobkit.problem import Problem
+from jacobkit.result import JacobianResult, Stats
+
+logger = logging.getLogger(__name__)
+
+#: Pad a last, smaller batch of per-example rows to the first batch's size
+#: instead of tracing the computation for its shape. Measured on the test
+#: generator model (see the README, "Beyond one batch"): padding costs one
+#: batch's compute on padded rows, a new trace costs the tracing time, which
+#: was the larger of the two on every problem measured.
+PAD_LAST_BATCH = True
+
+
+class batches:  # noqa: N801 - reads as a function: jk.data.batches(x, 64)
+    """The batches ``x[i:i + batch_size]`` of an array (or a tuple/dict of
+    arrays with a common first axis), without copying: slices of a
+    ``numpy.memmap`` are read only when their batch is computed.
+
+    Its length (the number of batches) is known, so progress shows an ETA.
+
+    >>> len(batches(np.zeros((10, 3)), 4))
+    3
+    """
+
+    def __init__(self, x: Any, batch_size: int) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise TypeError(
+                f"batches(batch_size={batch_size!r}): expected a positive int."
+            )
+        if batch_size < 1:
+            raise ValueError(f"batches(batch_size={batch_size}): must be >= 1.")
+        sizes = {int(np.shape(a)[0]) for a in tf.nest.flatten(x)}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"batches(x): the arrays' first axes differ ({sorted(sizes)}); "
+                "every input needs one entry per example."
+            )
+        self.x = x
+        self.batch_size = batch_size
+        self.num_examples = sizes.pop()
+
+    def __len__(self) -> int:
+        return -(-self.num_examples // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        for start in range(0, self.num_examples, self.batch_size):
+            window = slice(start, start + self.batch_size)
+            yield tf.nest.map_structure(
+                lambda a, window=window: np.asarray(a[window]), self.x
+            )
+
+
+def is_batches(inputs: Any) -> bool:
+    """Whether ``inputs`` is a dataset or iterable of batches (not the arrays
+    of one batch: a list, tuple or dict is a multi-input model's inputs)."""
+    if isinstance(inputs, tf.data.Dataset):
+        return True
+    return isinstance(inputs, Iterable) and not isinstance(
+        inputs, (list, tuple, dict, np.ndarray, tf.Tensor, str, bytes)
+    )
+
+
+# -- the source of batches -----------------------------------------------------
+def _features_of(element: Any) -> Any:
+    """``x`` of a dataset element: ``(x, y)`` and ``(x, y, w)`` tuples give
+    ``x``, anything else is ``x`` itself (Keras' convention)."""
+    if isinstance(element, tuple) and 1 <= len(element) <= 3:
+        return element[0]
+    return element
+
+
+def _count(inputs: Any, steps: int | None) -> int | None:
+    """The number of batches (``None`` if unknown), checked before any work."""
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, (int, np.integer))
+    ):
+        raise TypeError(f"jacobian(steps={steps!r}): expected a positive int or None.")
+    if steps is not None and steps < 1:
+        raise ValueError(
+            f"jacobian(steps={steps}): must be >= 1 (the number of batches to "
+            "take from the dataset), or None for all of them."
+        )
+    if isinstance(inputs, tf.data.Dataset):
+        cardinality = int(inputs.cardinality())
+        if cardinality == tf.data.INFINITE_CARDINALITY:
+            if steps is None:
+                raise ValueError(
+                    "jacobian(inputs=<tf.data.Dataset>): the dataset is infinite "
+                    "(it repeats). Pass steps=N to take its first N batches, or "
+                    "drop .repeat()."
+                )
+            count = int(steps)
+        elif cardinality == tf.data.UNKNOWN_CARDINALITY:
+            count = None
+        else:
+            count = cardinality if steps is None else min(cardinality, int(steps))
+        spec = _features_of(inputs.element_spec)
+        for s in tf.nest.flatten(spec):
+            if not isinstance(s, tf.TensorSpec) or not s.dtype.is_floating:
+                what = (
+                    s.dtype.name if isinstance(s, tf.TensorSpec) else type(s).__name__
+                )
+                raise TypeError(
+                    f"jacobian(inputs=<tf.data.Dataset>): its elements hold {what} "
+                    f"(element_spec {inputs.element_spec}); Jacobians need float "
+                    "inputs. Cast them with dataset.map(lambda x: tf.cast(x, "
+                    "tf.float32)), or pick the features with dataset.map."
+                )
+    else:
+        try:
+            count = len(inputs)
+        except TypeError:
+            count = None
+        if count is not None and steps is not None:
+            count = min(count, int(steps))
+    if count == 0:
+        raise ValueError(
+            "jacobian(inputs=...): the dataset has no batches, so there is "
+            "nothing to differentiate. Check the dataset (a filter or take(0)?)."
+        )
+    return count
+
+
+def _iterate(inputs: Any, steps: int | None) -> Iterator[Any]:
+    """Each batch's ``x``, as NumPy arrays (nested like the model's inputs)."""
+    if isinstance(inputs, tf.data.Dataset):
+        source = inputs.take(steps) if steps is not None else inputs
+        for element in source:
+            yield tf.nest.map_structure(np.asarray, _features_of(element))
+        return
+    for k, element in enumerate(inputs):
+        if steps is not None and k >= steps:
+            return
+        yield tf.nest.map_structure(np.asarray, _features_of(element))
+
+
+def _check_batch(k: int, x: Any, first: Any) -> None:
+    """Each batch: float arrays, one batch axis, shapes like the first batch's."""
+    flat = tf.nest.flatten(x)
+    for a in flat:
+        if a.dtype.kind != "f":
+            raise TypeError(
+                f"jacobian(inputs=...): batch {k} holds {a.dtype} values; "
+                "Jacobians need float inputs. Cast the batches to float32."
+            )
+        if a.ndim == 0:
+            raise ValueError(
+                f"jacobian(inputs=...): batch {k} is a scalar; each batch needs a "
+                "leading batch axis (shape (B, ...))."
+            )
+    if len({a.shape[0] for a in flat}) != 1:
+        raise ValueError(
+            f"jacobian(inputs=...): in batch {k} the inputs' batch axes differ "
+            f"({[a.shape[0] for a in flat]})."
+        )
+    if first is None:
+        return
+    try:
+        tf.nest.assert_same_structure(x, first)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"jacobian(inputs=...): batch {k} is structured differently from "
+            "batch 0; every batch must hold the same inputs."
+        ) from err
+    for a, b in zip(flat, tf.nest.flatten(first), strict=True):
+        if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+            raise ValueError(
+                f"jacobian(inputs=...): batch {k} has shape {a.shape} ({a.dtype}) "
+                f"but batch 0 has {b.shape} ({b.dtype}); batches may differ only "
+                "in the batch axis (the first). Resize or pad the examples."
+            )
+
+
+def _pad(x: Any, size: int) -> Any:
+    """``x`` with its last example repeated up to ``size`` examples."""
+
+    def pad(a):
+        extra = np.repeat(a[-1:], size - a.shape[0], axis=0)
+        return np.concatenate([a, extra], axis=0)
+
+    return tf.nest.map_structure(pad, x)
+
+
+def _non_finite(x: Any) -> int:
+    return int(
+        sum(np.size(a) - np.count_nonzero(np.isfinite(a)) for a in tf.nest.flatten(x))
+    )
+
+
+# -- fingerprints of the call --------------------------------------------------
+def _model_fingerprint(model: Any) -> str:
+    """sha256 over the model's class and every weight (name, shape, values)."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    weights = getattr(model, "weights", None)
+    if weights is None:
+        weights = getattr(model, "variables", ())
+    for w in weights:
+        name = getattr(w, "path", None) or getattr(w, "name", "")
+        value = np.ascontiguousarray(np.asarray(w))
+        h.update(f"{name}{value.dtype.str}{value.shape}".encode())
+        h.update(memoryview(value).cast("B"))
+    return h.hexdigest()[:32]
+
+
+def _fingerprint(
+    problem: Problem,
+    *,
+    outputs: Any,
+    strategy: Any,
+    first: Any,
+    steps: int | None,
+) -> dict[str, Any]:
+    mode = (
+        outputs
+        if isinstance(outputs, str)
+        else getattr(outputs, "__qualname__", type(outputs).__name__)
+    )
+    return {
+        "model": _model_fingerprint(problem.model),
+        "targets": [
+            [name, list(t.shape), t.dtype.name]
+            for name, t in zip(problem.target_names, problem.targets, strict=True)
+        ],
+        "rows": {
+            "outputs": mode,
+            "features": list(problem.rows_spec.features)
+            if problem.rows_spec.features is not None
+            else None,
+            "training": problem.training,
+            "unconnected": problem.unconnected,
+        },
+        "strategy": strategy if isinstance(strategy, str) else strategy.label,
+        "inputs": {
+            "structure": json.loads(
+                json.dumps(
+                    tf.nest.map_structure(
+                        lambda a: [list(a.shape[1:]), a.dtype.name], first
+                    ),
+                    default=str,
+                )
+            ),
+            "batch_size": int(tf.nest.flatten(first)[0].shape[0]),
+            "steps": steps,
+        },
+    }
+
+
+# -- the run -------------------------------------------------------------------
+def _progress_disabled(progress: bool) -> bool | None:
+    """tqdm's ``disable``: off on request and under pytest; ``None`` lets tqdm
+    switch it off when the output is not a terminal."""
+    if not progress or "PYTEST_CURRENT_TEST" in os.environ:
+        return True
+    return None
+
+
+def jacobian_batches(
+    model: Any,
+    inputs: Any,
+    layer: Any,
+    *,
+    strategy: str | strategies.Strategy,
+    outputs: str | Callable[[Any], tf.Tensor],
+    features: Sequence[int] | None,
+    training: bool,
+    unconnected: str,
+    memory_budget: Any,
+    device: str | None,
+    steps: int | None = None,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> JacobianResult:
+    """:func:`jacobkit.jacobian` over the batches of ``inputs`` (see the module
+    docstring). ``inputs`` that are one batch (arrays) are one batch here."""
+    from tqdm.auto import tqdm
+
+    from jacobkit import api
+
+    chosen = None if strategy == "auto" else strategies.get(strategy)
+    if is_batches(inputs):
+        count = _count(inputs, steps)
+        source = _iterate(inputs, steps)
+    else:
+        count = 1
+        source = iter([tf.nest.map_structure(np.asarray, inputs)])
+    summed = not (isinstance(outputs, str) and outputs in ("per_example", "full"))
+
+    def build(x: Any) -> Problem:
+        return Problem(
+            model,
+            x,
+            layer,
+            outputs=outputs,
+            features=features,
+            training=training,
+            unconnected=unconnected,
+        )
+
+    start_time = time.perf_counter()
+    with api._device_scope(device):
+        first = next(source, None)
+        if first is None:
+            raise ValueError(
+                "jacobian(inputs=...): the dataset has no batches, so there is "
+                "nothing to differentiate."
+            )
+        _check_batch(0, first, None)
+        first_size = int(tf.nest.flatten(first)[0].shape[0])
+        problem = build(first)
+        rows_shape0 = problem.rows_shape
+        per_row = problem.rows_shape if summed else problem.rows_shape[1:]
+        writer = None
+        if out is not None:
+            writer = store.Store(
+                out,
+                fingerprint=_fingerprint(
+                    problem,
+                    outputs=outputs,
+                    strategy=strategy,
+                    first=first,
+                    steps=steps,
+                ),
+                targets=[
+                    (name, per_row + tuple(t.shape), problem.output_dtype.name)
+                    for name, t in zip(
+                        problem.target_names, problem.targets, strict=True
+                    )
+                ],
+                kind="sum" if summed else "rows",
+                num_batches=count,
+                rows_capacity=None if count is None else count * first_size,
+                overwrite=overwrite,
+            )
+        done = writer.batches_done if writer is not None else 0
+        sums: list[np.ndarray] | None = writer.saved_sum() if writer else None
+        parts: list[list[tf.Tensor]] = [[] for _ in problem.targets]
+        chain = store.EMPTY_CHAIN
+        plan = None
+        ran_strategy = chosen
+        trace = 0.0
+        traced = False
+        rows_computed = 0
+        num_examples = 0
+        warned_non_finite = False
+        bar = tqdm(
+            total=count,
+            unit="batch",
+            desc="jacobian",
+            disable=_progress_disabled(progress),
+            file=sys.stderr,
+        )
+        k = -1
+        try:
+            for k, x in enumerate(_chain_first(first, source)):
+                if k:
+                    _check_batch(k, x, first)
+                n = int(tf.nest.flatten(x)[0].shape[0])
+                num_examples += n
+                digest = store.digest_batch(tf.nest.flatten(x))
+                if k < done:  # done by an earlier, interrupted call
+                    chain = store.chain(chain, digest)
+                    if k == done - 1 and chain != writer.inputs_chain:
+                        raise ValueError(
+                            f"jacobian(out={os.fspath(out)!r}): the inputs differ "
+                            f"from those of the run that wrote it (within its "
+                            f"first {done} batches, which it finished). Pass "
+                            "overwrite=True to start afresh, or another out=."
+                        )
+                    bar.update(1)
+                    continue
+                bad = _non_finite(x)
+                if bad and not warned_non_finite:
+                    warnings.warn(
+                        f"jacobian(inputs=...): batch {k} holds {bad} NaN/Inf "
+                        "value(s); the Jacobians of every row they reach are "
+                        "NaN (with outputs='features', every row). Later batches "
+                        "are not reported.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    warned_non_finite = True
+                padded = (
+                    not summed and PAD_LAST_BATCH and not training and n < first_size
+                )
+                batch_problem = build(_pad(x, first_size) if padded else x)
+                if batch_problem.rows_shape != rows_shape0 and summed:
+                    raise ValueError(
+                        f"jacobian(outputs=...): batch {k} gives rows of shape "
+                        f"{batch_problem.rows_shape}, batch 0 gave {rows_shape0}; "
+                        "over a dataset, a callable's rows are summed, so they "
+                        "must not depend on the batch size."
+                    )
+                if chosen is None and plan is None:
+                    plan = planner.plan_problem(
+                        problem, memory_budget=memory_budget, device=device
+                    )
+                logger.debug("computing batch %d", k)
+                result = _run(batch_problem, chosen, plan)
+                ran_strategy = result
+                trace += result.stats.trace_time_s if result.stats.traced else 0.0
+                traced = traced or result.stats.traced
+                rows_computed += batch_problem.num_rows
+                values = [result.jacobians[name] for name in problem.target_names]
+                if summed:
+                    if sums is None:
+                        sums = [np.zeros(v.shape, np.float64) for v in values]
+                    for total, v in zip(sums, values, strict=True):
+                        total += np.asarray(v, dtype=np.float64)
+                    if writer is not None:
+                        writer.write_sum(sums, digest)
+                else:
+                    if padded:
+                        values = [v[:n] for v in values]
+                    if writer is not None:
+                        writer.write_rows([np.asarray(v) for v in values], digest)
+                    else:
+                        for part, v in zip(parts, values, strict=True):
+                            part.append(v)
+                bar.update(1)
+                bar.set_postfix_str(
+                    f"{rows_computed / max(time.perf_counter() - start_time, 1e-9):.0f}"
+                    " rows/s"
+                )
+        finally:
+            bar.close()
+        if k + 1 < done:
+            raise ValueError(
+                f"jacobian(out={os.fspath(out)!r}): the directory counts {done} "
+                f"batches done, but the inputs have only {k + 1}. Pass "
+                "overwrite=True to start afresh, or another out=."
+            )
+    if summed:
+        total_rows_shape = rows_shape0
+        if writer is not None:
+            jacobians = writer.finish(sums)
+        else:
+            jacobians = {
+                name: tf.constant(s.astype(problem.output_dtype.as_numpy_dtype))
+                for name, s in zip(problem.target_names, sums, strict=True)
+            }
+    else:
+        total_rows_shape = (num_examples, *rows_shape0[1:])
+        if writer is not None:
+            jacobians = writer.finish()
+        else:
+            jacobians = {
+                name: tf.concat(part, axis=0) if len(part) > 1 else part[0]
+                for name, part in zip(problem.target_names, parts, strict=True)
+            }
+    shown = ran_strategy if isinstance(ran_strategy, JacobianResult) else None
+    roles = {role: problem.target_names[i] for role, i in problem.roles.items()}
+    return JacobianResult(
+        jacobians=jacobians,
+        rows_shape=total_rows_shape,
+        strategy=shown.strategy if shown else (chosen.name if chosen else "auto"),
+        chunk_size=shown.chunk_size
+        if shown
+        else (chosen.chunk_size if chosen else None),
+        stats=Stats(
+            wall_time_s=time.perf_counter() - start_time,
+            trace_time_s=trace,
+            traced=traced,
+        ),
+        roles=roles,
+        plan=plan,
+    )
+
+
+def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
+
+
+def _run(
+    problem: Problem, chosen: strategies.Strategy | None, plan: planner.Plan | None
+) -> JacobianResult:
+    """One batch through the path ``jacobian()`` takes: the configured
+    strategy, or the plan made on the first batch (with its race and
+    out-of-memory back-off), never a new plan."""
+    from jacobkit import api
+
+    if chosen is not None:
+        return api.run_strategy(problem, chosen)
+    ran, output = planner.run_plan(problem, plan)
+    return api._wrap(problem, ran, output, plan)
