@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from jacobkit import data, memory, planner, strategies
 from jacobkit.problem import Problem
-from jacobkit.result import JacobianResult, Stats
+from jacobkit.result import JacobianResult
 
 
 def jacobian(
@@ -202,7 +202,7 @@ def _wrap(
     problem: Problem, strategy: strategies.Strategy, output: Any, plan: Any
 ) -> JacobianResult:
     """The strategy's flat ``(R, *v.shape)`` Jacobians, shaped and named."""
-    flat, wall, trace, traced = output
+    flat, stats = output
     jacobians = {
         name: tf.reshape(jac, problem.rows_shape + tuple(target.shape))
         for name, jac, target in zip(problem.target_names, flat, problem.targets)
@@ -213,7 +213,8 @@ def _wrap(
         rows_shape=problem.rows_shape,
         strategy=strategy.name,
         chunk_size=strategy.chunk_size,
-        stats=Stats(wall_time_s=wall, trace_time_s=trace, traced=traced),
+        stats=stats,
         roles=roles,
         plan=plan,
+        strategy_config=strategy,
     )

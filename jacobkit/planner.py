@@ -521,19 +521,18 @@ def run_plan(problem: Problem, plan: Plan) -> tuple[strategies.Strategy, Any]:
             for key in [k for k in plans if k[0] == problem.key]:
                 plans[key] = _pinned(plans[key], strategy)
         elif plan.race is not None:
-            _, wall, _, traced = output
-            plan.race.record(strategy, wall, traced)
+            _, stats = output
+            plan.race.record(strategy, stats.wall_time_s, stats.traced)
         return strategy, output
 
 
 def _smaller(strategy: strategies.Strategy, num_rows: int):
     """Half as much at once, or ``None`` where one row at a time ran out."""
-    if strategy.name == "while":
-        parallel = strategy.parallel_iterations or _WHILE_MAX_PARALLEL
-        return strategies.While(parallel // 2) if parallel > 1 else None
-    # batch vectorizes all rows at once
-    size = strategy.chunk_size or (num_rows if strategy.name == "batch" else 1)
-    return strategies.Chunked(size // 2) if size > 1 else None
+    smaller = strategy.smaller()
+    if smaller is None and strategy.chunk_size is None and num_rows > 1:
+        # batch (or jacobian) vectorizes all rows at once: chunks of half
+        return strategies.Chunked(num_rows // 2)
+    return smaller
 
 
 def _pinned(plan: Plan, worked: strategies.Strategy) -> Plan:

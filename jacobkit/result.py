@@ -14,18 +14,24 @@ import tensorflow as tf
 class Stats:
     """What a call cost.
 
+    Every field has a default, so a strategy (or a test) builds one with only
+    what it measured: ``Stats(wall_time_s=0.2, num_rows=16)``.
+
     Attributes:
         wall_time_s: seconds for this call, tracing included if it traced.
         trace_time_s: seconds of the first (tracing) call of the compiled
             computation this call reused; 0.0 for the eager ``loop``.
         traced: whether this call traced (compiled) the computation.
         peak_bytes: peak device memory during the call, when measured.
+        num_rows: rows this call computed (``R``, or fewer where ``auto``
+            ran a strategy on a range of rows); ``None`` if not known.
     """
 
-    wall_time_s: float
-    trace_time_s: float
-    traced: bool
+    wall_time_s: float = 0.0
+    trace_time_s: float = 0.0
+    traced: bool = False
     peak_bytes: int | None = None
+    num_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,11 @@ class JacobianResult(Mapping):
     with respect to ``v``. With the default ``outputs="features"`` and a layer
     target, ``kernel`` has shape ``(F, *layer.kernel.shape)`` and ``bias``
     shape ``(F, *layer.bias.shape)``.
+
+    ``strategy`` is the name of the strategy that ran (for ``auto``: the one
+    later calls run), ``strategy_config`` the configured instance
+    (``Chunked(chunk_size=8)``, ``While(parallel_iterations=2)``) and
+    ``chunk_size`` its chunk size, if it has one.
 
     Index by the variable's name (``result["dense/kernel"]``), by its role
     (``result["kernel"]``) or by position (``result[0]``).
@@ -53,6 +64,7 @@ class JacobianResult(Mapping):
     stats: Stats
     roles: dict[str, str] = field(default_factory=dict)
     plan: Any = None
+    strategy_config: Any = None
 
     @property
     def kernel(self) -> tf.Tensor:

@@ -40,6 +40,8 @@ def test_result_shapes_and_what_ran(mlp_result):
     assert tuple(mlp_result.bias.shape) == (10, 16)
     assert mlp_result.strategy == "chunked"
     assert mlp_result.chunk_size == 5
+    assert mlp_result.strategy_config == jk.strategies.Chunked(chunk_size=5)
+    assert mlp_result.stats.num_rows == 10
 
 
 def test_result_indexing(mlp_result):
@@ -108,6 +110,17 @@ def test_chunk_size_is_none_for_unchunked_strategies():
     ex = example("mlp")
     result = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy="jacobian")
     assert result.strategy == "jacobian" and result.chunk_size is None
+
+
+def test_result_keeps_the_configured_strategy():
+    ex = example("mlp")
+    configured = jk.strategies.While(parallel_iterations=3)
+    result = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy=configured)
+    assert result.strategy == "while" and result.strategy_config == configured
+    assert result.strategy_config.parallel_iterations == 3
+    assert configured.label == "while(parallel=3)"
+    assert configured.smaller() == jk.strategies.While(1)
+    assert jk.strategies.Chunked(1).smaller() is None
 
 
 # -- targets -------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import numbers
 import time
 import weakref
@@ -13,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem import Problem, per_model
+from jacobkit.result import Stats
 
 #: model -> {(problem key, strategy key): compiled computation}
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -29,11 +31,19 @@ class Strategy(abc.ABC):
     ``(R, *v.shape)`` (``R = problem.num_rows``). The base class compiles it
     with ``tf.function`` once per (model, targets, rows, strategy) and reuses
     it; a new input signature retraces as ``tf.function`` does.
+
+    Options are the fields of a frozen dataclass subclass (``Chunked``'s
+    ``chunk_size``, ``While``'s ``parallel_iterations``): :attr:`key`,
+    :attr:`label`, equality, hashing and ``repr`` all derive from them, so a
+    new option needs no code beyond its field (and its validation in
+    ``__post_init__``). A field may set ``metadata={"label": "short"}`` for a
+    shorter name in the label. :meth:`smaller` is the out-of-memory back-off.
     """
 
     name: ClassVar[str]
     #: False for strategies that must run eagerly (the users' baseline loop).
     compiled: ClassVar[bool] = True
+    #: rows (or tangents) per vectorized pass; a field where a strategy has one
     chunk_size: int | None = None
 
     @abc.abstractmethod
@@ -43,19 +53,39 @@ class Strategy(abc.ABC):
     def check(self, problem: Problem) -> None:  # noqa: B027 - optional hook
         """Raise a clear error if this strategy cannot solve ``problem``."""
 
+    def smaller(self) -> Strategy | None:
+        """The same computation holding less at once (half the chunk, half the
+        rows in flight), or ``None`` where nothing smaller exists. The
+        planner calls it after an out-of-memory error."""
+        return None
+
+    # -- identity, derived from the dataclass fields -------------------------
+    @property
+    def options(self) -> dict[str, Any]:
+        """The configured options, ``{field name: value}`` (empty if none)."""
+        if not dataclasses.is_dataclass(self):
+            return {}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     @property
     def key(self) -> tuple:
         """What distinguishes two configurations of this strategy."""
-        return (self.name, self.chunk_size)
+        return (self.name, tuple(self.options.items()))
 
     @property
     def label(self) -> str:
-        return (
-            self.name if self.chunk_size is None else f"{self.name}({self.chunk_size})"
-        )
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(chunk_size={self.chunk_size})"
+        """Short display name: ``chunked(16)``, ``while(parallel=5)``, ``batch``."""
+        parts = []
+        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        for f in fields:
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.name == "chunk_size":
+                parts.append(str(value))
+            else:
+                parts.append(f"{f.metadata.get('label', f.name)}={value}")
+        return f"{self.name}({', '.join(parts)})" if parts else self.name
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Strategy) and other.key == self.key
@@ -74,8 +104,9 @@ class Strategy(abc.ABC):
             compiled[key] = _Compiled(tf.function(fn) if self.compiled else fn)
         return compiled[key]
 
-    def run(self, problem: Problem) -> tuple[list[tf.Tensor], float, float, bool]:
-        """Run on ``problem.inputs``: (jacobians, wall s, trace s, traced)."""
+    def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
+        """Run on ``problem.inputs``: the ``(R, *v.shape)`` Jacobians per
+        target, and what the call cost (:class:`~jacobkit.result.Stats`)."""
         return self.compiled_for(problem)(problem.inputs)
 
 
@@ -91,7 +122,7 @@ class _Compiled:
         get = getattr(self.fn, "experimental_get_tracing_count", None)
         return get() if get else 0
 
-    def __call__(self, inputs: Any) -> tuple[list[tf.Tensor], float, float, bool]:
+    def __call__(self, inputs: Any) -> tuple[list[tf.Tensor], Stats]:
         before = self.tracing_count
         start = time.perf_counter()
         jacobians = self.fn(inputs)
@@ -101,7 +132,14 @@ class _Compiled:
         traced = self.tracing_count > before
         if traced:
             self.trace_time_s = wall
-        return list(jacobians), wall, self.trace_time_s, traced
+        jacobians = list(jacobians)
+        stats = Stats(
+            wall_time_s=wall,
+            trace_time_s=self.trace_time_s,
+            traced=traced,
+            num_rows=int(jacobians[0].shape[0]) if jacobians else 0,
+        )
+        return jacobians, stats
 
 
 def _block(tensor: tf.Tensor) -> None:

@@ -18,6 +18,7 @@ the first run.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import final
 
 import tensorflow as tf
@@ -29,6 +30,7 @@ _SUPPORTED = "Dense, Conv1D and Conv2D (Keras 3 or tf_keras)"
 
 
 @final
+@dataclass(frozen=True)
 class Batch(Strategy):
     """Batched Jacobian with respect to the target layer's own pre-activation
     output ``z``, then the kernel/bias Jacobian by contracting with the layer's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import final
 
 import tensorflow as tf
@@ -17,6 +18,7 @@ from jacobkit.strategies.base import (
 
 
 @final
+@dataclass(frozen=True)
 class Chunked(Strategy):
     """Vectorized chunking: the rows are split into chunks of ``chunk_size``;
     each chunk is one vectorized backward pass (``tf.vectorized_map`` of
@@ -29,9 +31,16 @@ class Chunked(Strategy):
     """
 
     name = "chunked"
+    chunk_size: int = 16
 
-    def __init__(self, chunk_size: int = 16) -> None:
-        self.chunk_size = check_chunk_size(self.name, chunk_size)
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "chunk_size", check_chunk_size(self.name, self.chunk_size)
+        )
+
+    def smaller(self) -> Chunked | None:
+        """Half the rows per chunk, down to one."""
+        return Chunked(self.chunk_size // 2) if self.chunk_size > 1 else None
 
     def build(self, problem: Problem):
         targets = problem.targets

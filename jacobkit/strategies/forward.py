@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import final
 
 import tensorflow as tf
@@ -11,6 +12,7 @@ from jacobkit.strategies.base import ZERO, Strategy, check_chunk_size, map_chunk
 
 
 @final
+@dataclass(frozen=True)
 class Forward(Strategy):
     """``tf.autodiff.ForwardAccumulator`` with one tangent per parameter
     element: chunks of ``chunk_size`` one-hot tangents are pushed through the
@@ -26,9 +28,16 @@ class Forward(Strategy):
     """
 
     name = "forward"
+    chunk_size: int = 64
 
-    def __init__(self, chunk_size: int = 64) -> None:
-        self.chunk_size = check_chunk_size(self.name, chunk_size)
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "chunk_size", check_chunk_size(self.name, self.chunk_size)
+        )
+
+    def smaller(self) -> Forward | None:
+        """Half the tangents per chunk, down to one."""
+        return Forward(self.chunk_size // 2) if self.chunk_size > 1 else None
 
     def build(self, problem: Problem):
         num_rows = problem.num_rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import final
 
 import tensorflow as tf
@@ -11,6 +12,7 @@ from jacobkit.strategies.base import ZERO, Strategy
 
 
 @final
+@dataclass(frozen=True)
 class Jacobian(Strategy):
     """``tape.jacobian(rows, targets, experimental_use_pfor=True)`` inside a
     ``tf.function``: every row is vectorized into one pass. Fast, but the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import final
 
 import tensorflow as tf
@@ -11,6 +12,7 @@ from jacobkit.strategies.base import ZERO, Strategy
 
 
 @final
+@dataclass(frozen=True)
 class Loop(Strategy):
     """A persistent ``tf.GradientTape`` and one ``tape.gradient`` per row, in
     eager Python: what users write first. R backward passes run one after

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass, field
 from typing import final
 
 import tensorflow as tf
@@ -10,8 +11,12 @@ import tensorflow as tf
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import ZERO, Strategy
 
+#: TensorFlow's default ``parallel_iterations`` of a while loop
+DEFAULT_PARALLEL_ITERATIONS = 10
+
 
 @final
+@dataclass(frozen=True)
 class While(Strategy):
     """``tape.jacobian(rows, targets, experimental_use_pfor=False)`` inside a
     ``tf.function``: R backward passes in a ``tf.while_loop``, no Python
@@ -25,34 +30,30 @@ class While(Strategy):
     """
 
     name = "while"
+    parallel_iterations: int | None = field(
+        default=None, metadata={"label": "parallel"}
+    )
 
-    def __init__(self, parallel_iterations: int | None = None) -> None:
-        if parallel_iterations is not None and (
-            isinstance(parallel_iterations, bool)
-            or not isinstance(parallel_iterations, numbers.Integral)
-            or parallel_iterations < 1
+    def __post_init__(self) -> None:
+        parallel = self.parallel_iterations
+        if parallel is not None and (
+            isinstance(parallel, bool)
+            or not isinstance(parallel, numbers.Integral)
+            or parallel < 1
         ):
             raise ValueError(
-                f"strategies.while(parallel_iterations={parallel_iterations!r}): "
+                f"strategies.while(parallel_iterations={parallel!r}): "
                 "expected a positive int (rows in flight at once), or None for "
                 "TensorFlow's default."
             )
-        self.parallel_iterations = (
-            None if parallel_iterations is None else int(parallel_iterations)
-        )
+        if parallel is not None:
+            object.__setattr__(self, "parallel_iterations", int(parallel))
 
-    @property
-    def key(self) -> tuple:
-        return (self.name, None, self.parallel_iterations)
-
-    @property
-    def label(self) -> str:
-        if self.parallel_iterations is None:
-            return self.name
-        return f"{self.name}(parallel={self.parallel_iterations})"
-
-    def __repr__(self) -> str:
-        return f"While(parallel_iterations={self.parallel_iterations})"
+    def smaller(self) -> While | None:
+        """Half the rows in flight (from TensorFlow's default of 10), down
+        to one."""
+        parallel = self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS
+        return While(parallel // 2) if parallel > 1 else None
 
     def build(self, problem: Problem):
         targets = problem.targets
