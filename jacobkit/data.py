@@ -500,9 +500,11 @@ def jacobian_batches(
             wall_time_s=time.perf_counter() - start_time,
             trace_time_s=trace,
             traced=traced,
+            num_rows=rows_computed,
         ),
         roles=roles,
         plan=plan,
+        strategy_config=shown.strategy_config if shown else chosen,
     )
 
 
