@@ -439,7 +439,12 @@ def jacobian_batches(
                 ran_strategy = result
                 trace += result.stats.trace_time_s if result.stats.traced else 0.0
                 traced = traced or result.stats.traced
-                rows_computed += batch_problem.num_rows
+                # rows of this batch's examples (not of the padding)
+                rows_computed += (
+                    batch_problem.num_rows
+                    * n
+                    // max(n, int(tf.nest.flatten(batch_problem.inputs)[0].shape[0]))
+                )
                 values = [result.jacobians[name] for name in problem.target_names]
                 if summed:
                     if sums is None:
