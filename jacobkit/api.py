@@ -30,6 +30,7 @@ def jacobian(
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    distribute: tf.distribute.Strategy | None = None,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
 
@@ -71,6 +72,9 @@ def jacobian(
         overwrite: with ``out=``, discard what the directory holds.
         progress: show a progress bar over the batches (quiet anyway when
             the output is not a terminal, or under pytest).
+        distribute: a ``tf.distribute.Strategy`` (``MirroredStrategy``,
+            ``MultiWorkerMirroredStrategy``): the batches are split across
+            its replicas (:mod:`jacobkit.distribute`).
 
     Returns:
         A :class:`JacobianResult`; for a layer target ``result.kernel`` has
@@ -93,7 +97,7 @@ def jacobian(
             "strategy= to let auto fit the budget, or drop memory_budget= and "
             "size the strategy yourself (e.g. Chunked(chunk_size=8))."
         )
-    if out is not None or data.is_batches(inputs):
+    if out is not None or distribute is not None or data.is_batches(inputs):
         return data.jacobian_batches(
             model,
             inputs,
@@ -109,6 +113,7 @@ def jacobian(
             out=out,
             overwrite=overwrite,
             progress=progress,
+            distribute=distribute,
         )
     with _device_scope(device):
         problem = Problem(

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit import distribute as distributing
 from jacobkit import planner, store, strategies
 from jacobkit.problem import Problem
 from jacobkit.result import JacobianResult, Stats
@@ -324,6 +325,7 @@ def jacobian_batches(
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    distribute: tf.distribute.Strategy | None = None,
 ) -> JacobianResult:
     """:func:`jacobkit.jacobian` over the batches of ``inputs`` (see the module
     docstring). ``inputs`` that are one batch (arrays) are one batch here."""
@@ -332,6 +334,8 @@ def jacobian_batches(
     from jacobkit import api
 
     chosen = None if strategy == "auto" else strategies.get(strategy)
+    if distribute is not None:
+        distributing.check(distribute, out=out)
     if is_batches(inputs):
         count = _count(inputs, steps)
         source = _iterate(inputs, steps)
@@ -399,6 +403,65 @@ def jacobian_batches(
         rows_computed = 0
         num_examples = 0
         warned_non_finite = False
+
+        def deliver(values: list[Any], digest: str) -> None:
+            """Add one batch's Jacobians (rows of its own examples) to the
+            sums, or write/keep its rows; count it done."""
+            nonlocal sums
+            if summed:
+                if sums is None:
+                    sums = [np.zeros(v.shape, np.float64) for v in values]
+                for total, v in zip(sums, values, strict=True):
+                    total += np.asarray(v, dtype=np.float64)
+                if writer is not None:
+                    writer.write_sum(sums, digest)
+            elif writer is not None:
+                writer.write_rows([np.asarray(v) for v in values], digest)
+            else:
+                for part, v in zip(parts, values, strict=True):
+                    part.append(v)
+
+        replicas = None
+        pending: list[tuple[int, Any, int, str]] = []
+
+        def flush_replicas() -> None:
+            """Run the pending batches, one per replica, and deliver them."""
+            nonlocal replicas, plan, rows_computed
+            if not pending:
+                return
+            if replicas is None:
+                ran = chosen
+                if ran is None:
+                    plan = planner.plan_problem(
+                        problem, memory_budget=memory_budget, device=device
+                    )
+                    ran = plan.strategy
+                replicas = distributing.Replicas(
+                    distribute,
+                    ran.compiled_for(problem).fn,
+                    summed=summed,
+                    batch_size=first_size,
+                )
+            for k, *_ in pending:
+                logger.debug("computing batch %d", k)
+            results = replicas.run([x for _, x, _, _ in pending])
+            for (_, _, n, digest), flat in zip(pending, results, strict=True):
+                rows_computed += (
+                    problem.num_rows if summed else problem.num_rows // first_size * n
+                )
+                if flat is None:  # another worker's batch: in its sums
+                    continue
+                values = []
+                for f, t in zip(flat, problem.targets, strict=True):
+                    if summed:
+                        values.append(np.reshape(f, rows_shape0 + tuple(t.shape)))
+                    else:
+                        shape = (-1, *rows_shape0[1:], *t.shape)
+                        values.append(np.reshape(f, shape)[:n])
+                deliver(values, digest)
+            bar.update(len(pending))
+            pending.clear()
+
         bar = tqdm(
             total=count,
             unit="batch",
@@ -436,6 +499,11 @@ def jacobian_batches(
                         stacklevel=3,
                     )
                     warned_non_finite = True
+                if distribute is not None:
+                    pending.append((k, x, n, digest))
+                    if len(pending) == distribute.num_replicas_in_sync:
+                        flush_replicas()
+                    continue
                 padded = (
                     not summed
                     and PAD_LAST_BATCH
@@ -471,28 +539,18 @@ def jacobian_batches(
                     // max(n, int(tf.nest.flatten(batch_problem.inputs)[0].shape[0]))
                 )
                 values = [result.jacobians[name] for name in problem.target_names]
-                if summed:
-                    if sums is None:
-                        sums = [np.zeros(v.shape, np.float64) for v in values]
-                    for total, v in zip(sums, values, strict=True):
-                        total += np.asarray(v, dtype=np.float64)
-                    if writer is not None:
-                        writer.write_sum(sums, digest)
-                else:
-                    if padded:
-                        values = [v[:n] for v in values]
-                    if writer is not None:
-                        writer.write_rows([np.asarray(v) for v in values], digest)
-                    else:
-                        for part, v in zip(parts, values, strict=True):
-                            part.append(v)
+                deliver([v[:n] for v in values] if padded else values, digest)
                 bar.update(1)
                 bar.set_postfix_str(
                     f"{rows_computed / max(time.perf_counter() - start_time, 1e-9):.0f}"
                     " rows/s"
                 )
+            flush_replicas()
         finally:
             bar.close()
+        if distribute is not None and summed:
+            like = [np.zeros(rows_shape0 + tuple(t.shape)) for t in problem.targets]
+            sums = replicas.all_sum(sums, like) if replicas is not None else sums
         if k + 1 < done:
             raise ValueError(
                 f"jacobian(out={os.fspath(out)!r}): the directory counts {done} "
