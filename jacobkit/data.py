@@ -466,6 +466,7 @@ def jacobian_batches(
             total=count,
             unit="batch",
             desc="jacobian",
+            delay=1.0,  # calls that take a moment show no bar
             disable=_progress_disabled(progress),
             file=sys.stderr,
         )
