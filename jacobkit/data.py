@@ -541,11 +541,12 @@ def jacobian_batches(
                 )
                 values = [result.jacobians[name] for name in problem.target_names]
                 deliver([v[:n] for v in values] if padded else values, digest)
-                bar.update(1)
                 bar.set_postfix_str(
                     f"{rows_computed / max(time.perf_counter() - start_time, 1e-9):.0f}"
-                    " rows/s"
+                    " rows/s",
+                    refresh=False,
                 )
+                bar.update(1)
             flush_replicas()
         finally:
             bar.close()
