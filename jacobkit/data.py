@@ -16,10 +16,9 @@ the same path as a one-batch call; then it accumulates or writes:
 A last, smaller batch reuses the plan (it is not re-planned). With
 ``"per_example"``/``"full"`` rows and ``training=False`` it is padded to the
 first batch's size (repeating its last example; the padding rows are
-dropped) where that is predicted faster than tracing its shape once (see
-:data:`PAD_LAST_BATCH` for the measured trade-off); ``"features"`` rows sum
-over the batch, so padding would change them, and the smaller batch is
-traced once.
+dropped), so nothing is traced again (see :data:`PAD_LAST_BATCH` for the
+measured trade-off); ``"features"`` rows sum over the batch, so padding would
+change them, and the smaller batch is traced once.
 """
 
 from __future__ import annotations
@@ -45,25 +44,17 @@ from jacobkit.result import JacobianResult, Stats
 logger = logging.getLogger(__name__)
 
 #: Pad a smaller batch of per-example rows (``training=False``) to the first
-#: batch's size when that is predicted faster than tracing its shape: padding
-#: costs a full batch's compute (``steady``), a new shape costs the tracing
-#: overhead (the first batch's time minus ``steady``) plus the smaller batch's
-#: share of ``steady``. Measured on a loaded 2-core CPU, a last batch of 5 of
-#: 16 examples, per-example rows (padded full batch / first call of the new
-#: shape): the mlp example 10 ms / 637 ms (chunked), 7 / 428 ms (batch); the
-#: generator at 64x8x32x144: 2340 / 1178 ms (chunked), 1132 / 1087 ms
-#: (batch). Neither wins everywhere, so each run decides from its own times;
-#: ``False`` never pads.
+#: batch's size instead of tracing the computation for its shape. Measured on
+#: a loaded 2-core CPU, a last batch of 5 of 16 examples, per-example rows
+#: (padded full batch / first call of the new shape): the mlp example 10 ms /
+#: 637 ms (chunked), 7 / 428 ms (batch); the generator at 64x8x32x144:
+#: 2340 / 1178 ms (chunked), 1132 / 1087 ms (batch). Neither wins everywhere
+#: and either costs about one batch once per dataset. Padding is the rule
+#: because it does not depend on timings: a run's numbers (a padded batch's
+#: rows differ from an unpadded one's in the last float32 bits) must not
+#: depend on how loaded the machine was, or a resumed run would not equal an
+#: uninterrupted one bit for bit.
 PAD_LAST_BATCH = True
-
-
-def _pad_is_faster(
-    n: int, size: int, first_s: float | None, steady_s: float | None
-) -> bool:
-    """Whether computing ``size`` rows (padding ``n``) beats tracing for ``n``."""
-    if first_s is None or steady_s is None:
-        return False  # nothing measured yet: a trace costs about one first batch
-    return steady_s * (1 - n / size) < first_s - steady_s
 
 
 class batches:  # noqa: N801 - reads as a function: jk.data.batches(x, 64)
@@ -397,8 +388,6 @@ def jacobian_batches(
         plan = None
         ran_strategy = chosen
         trace = 0.0
-        first_s: float | None = None  # the first batch computed (it traces)
-        steady_s: float | None = None  # the fastest full batch after it
         traced = False
         rows_computed = 0
         num_examples = 0
@@ -506,11 +495,7 @@ def jacobian_batches(
                         flush_replicas()
                     continue
                 padded = (
-                    not summed
-                    and PAD_LAST_BATCH
-                    and not training
-                    and n < first_size
-                    and _pad_is_faster(n, first_size, first_s, steady_s)
+                    not summed and PAD_LAST_BATCH and not training and n < first_size
                 )
                 batch_problem = build(_pad(x, first_size) if padded else x)
                 if batch_problem.rows_shape != rows_shape0 and summed:
@@ -529,10 +514,6 @@ def jacobian_batches(
                 ran_strategy = result
                 trace += result.stats.trace_time_s if result.stats.traced else 0.0
                 traced = traced or result.stats.traced
-                if first_s is None:
-                    first_s = result.stats.wall_time_s
-                elif not result.stats.traced and n == first_size:
-                    steady_s = min(steady_s or np.inf, result.stats.wall_time_s)
                 # rows of this batch's examples (not of the padding)
                 rows_computed += (
                     batch_problem.num_rows

@@ -104,8 +104,7 @@ def test_last_smaller_batch_neither_replans_nor_retraces_twice(outputs):
     assert per_batch[0] > 0  # inspected and traced on the first batch
     assert list(per_batch[1:-1]) == [0] * 5, per_batch
     if outputs == "per_example":
-        # padded to the first batch's size (training=False; a full batch
-        # takes milliseconds here, a trace far longer): nothing new
+        # padded to the first batch's size (training=False): nothing new
         assert per_batch[-1] == 0, per_batch
     else:
         # "features" rows sum over the batch: padding would change them, so
