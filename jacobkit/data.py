@@ -330,6 +330,11 @@ def jacobian_batches(
     if is_batches(inputs):
         count = _count(inputs, steps)
         source = _iterate(inputs, steps)
+    elif distribute is not None:  # one batch: its examples across replicas
+        arrays = tf.nest.map_structure(np.asarray, inputs)
+        size = int(tf.nest.flatten(arrays)[0].shape[0])
+        split = batches(arrays, -(-size // distribute.num_replicas_in_sync))
+        count, source = len(split), iter(split)
     else:
         count = 1
         source = iter([tf.nest.map_structure(np.asarray, inputs)])

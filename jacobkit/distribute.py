@@ -20,6 +20,8 @@ computation serves every replica:
   ``"features"`` sums are kept per worker and gathered once at the end. Every
   worker's call returns the full result, in memory.
 
+Arrays (one batch) are split into one batch per replica first.
+
 ``auto`` plans once, on the first batch, for the first replica's device; every
 replica then runs that plan's strategy (no race, no back-off).
 """

@@ -54,6 +54,10 @@ _RUN = f"""
         result = jk.jacobian(ex.model, dataset, ex.layer, outputs=outputs,
                              strategy="chunked", distribute=strategy)
         np.save(f"{{out}}/{{name}}-{{outputs}}.npy", np.asarray(result.kernel))
+        # one batch of arrays: its examples split across the replicas
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer, outputs=outputs,
+                             strategy="chunked", distribute=strategy)
+        np.save(f"{{out}}/{{name}}-array-{{outputs}}.npy", np.asarray(result.kernel))
 """
 
 _MIRRORED = textwrap.dedent(
@@ -111,7 +115,7 @@ def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
         if "computed on" in line
     }
     assert {d.split("device:")[-1] for d in devices} == {"CPU:0", "CPU:1"}, devices
-    _assert_agree(tmp_path, ["mirrored"])
+    _assert_agree(tmp_path, ["mirrored", "mirrored-array"])
 
 
 def _free_port() -> int:
@@ -150,4 +154,4 @@ def test_multi_worker_mirrored_strategy_on_two_local_workers(tmp_path):
     for child, printed in zip(children, outputs, strict=True):
         assert child.returncode == 0, printed[-3000:]
     # every worker's call returns the full result
-    _assert_agree(tmp_path, ["worker0", "worker1"])
+    _assert_agree(tmp_path, ["worker0", "worker1", "worker0-array", "worker1-array"])
