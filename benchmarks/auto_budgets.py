@@ -3,8 +3,9 @@
 For each memory budget, runs ``jacobian(strategy="auto", memory_budget=...)``
 and every fixed strategy/chunk size, each alone in a fresh subprocess (clean
 peak memory), and checks that the measured peak of auto's first call
-(planning probes included), of every call while it races its shortlist, and
-of a steady call stay within the budget. Times come from one more process
+(every segment it times included), of every call until it settles, and of
+a steady call stay within the budget. The child program is
+:mod:`jacobkit.bench.budget_child`. Times come from one more process
 that calls every label in interleaved rounds; auto's steady time should be
 within 1.25x of the fastest fixed candidate whose peak stayed within that
 budget. With no budget, auto is compared with ``tape.jacobian`` (``jacobian``
@@ -52,67 +53,17 @@ NO_BUDGET_PROBLEMS = [
     ("frozen_resnet", {"batch": 8, "size": 64, "classes": 3}),
 ]
 TIMEOUT_S = 600
-
-_CHILD = r"""
-import json, sys, statistics
-import jacobkit as jk
-from jacobkit import examples, memory
-spec = json.loads(sys.argv[1])
-ex = examples.build(spec["problem"], **spec["sizes"])
+#: chunked's chunk sizes measured beside auto (and every row at once)
+CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def call(label):
-    if label.startswith("auto"):
-        budget = label.partition("@")[2]
-        kwargs = {"memory_budget": budget} if budget else {}
-    elif label.startswith("chunked("):
-        kwargs = {"strategy": jk.strategies.Chunked(int(label[8:-1]))}
-    else:
-        kwargs = {"strategy": label}
-    return jk.jacobian(ex.model, ex.inputs, ex.layer, **kwargs)
-
-
-found = {}
-for label in spec["labels"]:  # first call (auto: planning probes), then settle
-    with memory.PeakMemory() as first:
-        result = call(label)
-    peaks = [first.extra_bytes]
-    plan = result.plan
-    calls = 1
-    while plan is not None and plan.race is not None and plan.race.winner is None:
-        with memory.PeakMemory() as racing:
-            call(label)
-        peaks.append(racing.extra_bytes)
-        calls += 1
-    found[label] = {
-        "first_peak": first.extra_bytes, "max_peak": max(peaks),
-        "settle_calls": calls, "times": [],
-        "predicted_peak": plan.predicted_peak_bytes if plan else None,
-        "predicted_s": plan.predicted_time_s if plan else None,
-        "plan": plan.summary() if plan else None,
-    }
-for _ in range(spec["rounds"]):  # interleaved: load changes hit every label alike
-    for label in spec["labels"]:
-        found[label]["times"].append(call(label).stats.wall_time_s)
-for label in spec["labels"]:
-    with memory.PeakMemory() as steady:
-        result = call(label)
-    size = f"({result.chunk_size})" if result.chunk_size else ""
-    plan = result.plan
-    race = plan.race if plan is not None else None
-    ran = race.winner if race is not None else (plan.strategy if plan else None)
-    found[label].update(
-        steady_peak=steady.extra_bytes,
-        chosen=result.strategy + size,
-        ran=ran.label if ran is not None and ran.name == result.strategy
-        else result.strategy + size,
-        steady_s=statistics.median(found[label]["times"] or [float("nan")]),
-    )
-print("RESULT " + json.dumps(found))
-"""
-
-
-def _run(problem: str, sizes: dict, labels: list[str], rounds: int) -> dict:
+def _run(
+    problem: str,
+    sizes: dict,
+    labels: list[str],
+    rounds: int,
+    chunk_sizes: tuple[int, ...] = (),
+) -> dict:
     """Run ``labels`` in one fresh process; ``{label: measurements}``, or
     ``{label: {"error": ...}}`` for each if the process failed."""
     env = {
@@ -120,10 +71,16 @@ def _run(problem: str, sizes: dict, labels: list[str], rounds: int) -> dict:
         "TF_CPU_ALLOCATOR_USE_BFC": "true",
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
-    spec = {"problem": problem, "sizes": sizes, "labels": labels, "rounds": rounds}
+    spec = {
+        "problem": problem,
+        "sizes": sizes,
+        "labels": labels,
+        "rounds": rounds,
+        "chunk_sizes": list(chunk_sizes),
+    }
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD, json.dumps(spec)],
+            [sys.executable, "-m", "jacobkit.bench.budget_child", json.dumps(spec)],
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
@@ -152,15 +109,19 @@ def _paired(numerator: list[float], denominator: list[float]) -> float:
 def measure_budgets(sizes: dict, budgets: list[str], rounds: int) -> dict:
     """Peaks of every label alone in a fresh process, and times of every label
     in one process in interleaved rounds."""
-    chunks = sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < sizes["features"]})
-    fixed = [f"chunked({c})" for c in chunks + [sizes["features"]]]
-    fixed += ["jacobian", "while", "batch"]
+    from jacobkit import compare
+
+    fixed = [
+        s.label
+        for s in compare.configurations(sizes["features"], CHUNK_SIZES)
+        if s.name not in ("loop", "forward")  # minutes per call at these sizes
+    ]
     autos = [f"auto@{b}" for b in budgets]
     alone = {}
     for label in tqdm(fixed + autos, desc="peaks, fresh processes", file=sys.stderr):
-        alone.update(_run("generator", sizes, [label], 0))
+        alone.update(_run("generator", sizes, [label], 0, CHUNK_SIZES))
     print(f"timing {len(fixed + autos)} labels x {rounds} rounds...", file=sys.stderr)
-    timed = _run("generator", sizes, fixed + autos, rounds)
+    timed = _run("generator", sizes, fixed + autos, rounds, CHUNK_SIZES)
     return {"budgets": budgets, "fixed": fixed, "alone": alone, "timed": timed}
 
 
@@ -286,11 +247,12 @@ def render(raw: dict) -> tuple[list[dict], str]:
             "target = the first Conv1D.",
             "",
             "Peaks: each strategy, and auto at each budget, alone in a fresh "
-            "process: its first call (auto: planning probes included), every "
-            "call while auto races its shortlist, and a steady call. Times: "
+            "process: its first call, every call until auto settles (every "
+            "candidate tried, or none worth its tracing), and a steady call. "
+            "Times: "
             f"{rounds} interleaved rounds in one process (each round calls "
             "every label once, so a load change on this shared machine hits "
-            "every label alike), after auto's race has settled. Ratios: of the "
+            "every label alike), after auto has settled. Ratios: of the "
             "medians, and the median of the per-round (paired) ratios.",
             "",
             budget_table,

@@ -31,6 +31,7 @@ def jacobian(
     overwrite: bool = False,
     progress: bool = True,
     distribute: tf.distribute.Strategy | None = None,
+    cache: bool = True,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
 
@@ -75,6 +76,9 @@ def jacobian(
         distribute: a ``tf.distribute.Strategy`` (``MirroredStrategy``,
             ``MultiWorkerMirroredStrategy``): the batches are split across
             its replicas (:mod:`jacobkit.distribute`).
+        cache: for ``strategy="auto"``: read and write the plan cache on disk
+            (``$JACOBKIT_CACHE_DIR``, default ``~/.cache/jacobkit``; see
+            :mod:`jacobkit.planner.cache`). ``False`` plans in memory only.
 
     Returns:
         A :class:`JacobianResult`; for a layer target ``result.kernel`` has
@@ -114,6 +118,7 @@ def jacobian(
             overwrite=overwrite,
             progress=progress,
             distribute=distribute,
+            cache=cache,
         )
     with _device_scope(device):
         problem = Problem(
@@ -127,7 +132,9 @@ def jacobian(
         )
         if chosen is not None:
             return run_strategy(problem, chosen)
-        return run_auto(problem, memory_budget=memory_budget, device=device)
+        return run_auto(
+            problem, memory_budget=memory_budget, device=device, cache=cache
+        )
 
 
 def plan(
@@ -141,13 +148,17 @@ def plan(
     training: bool = False,
     unconnected: str = "error",
     device: str | None = None,
+    cache: bool = True,
 ) -> planner.Plan:
-    """What ``jacobian(..., strategy="auto")`` would run, without running it.
+    """What ``jacobian(..., strategy="auto")`` runs next, without running it.
 
-    Short probes on one and a few rows measure memory and time; the
-    :class:`Plan` gives the strategy, chunk size, predicted peak bytes and
-    time, and each rejected candidate with the reason. Arguments are those of
-    :func:`jacobian`.
+    Nothing is computed: before the first call the :class:`Plan` names the
+    strategy ``auto`` starts on (the one cheapest to trace that is predicted
+    to fit) and its predicted peak; after calls (in this process, or in an
+    earlier one through the disk cache) it gives what they measured: time
+    per call, tracing time and peak of each strategy that ran, the switches
+    and why, the candidates still to try, and each rejected one with the
+    reason. Arguments are those of :func:`jacobian`.
     """
     with _device_scope(device):
         problem = Problem(
@@ -159,7 +170,9 @@ def plan(
             training=training,
             unconnected=unconnected,
         )
-        return planner.plan_problem(problem, memory_budget=memory_budget, device=device)
+        return planner.plan_problem(
+            problem, memory_budget=memory_budget, device=device, cache=cache
+        )
 
 
 def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
@@ -194,13 +207,15 @@ def run_auto(
     *,
     memory_budget: int | float | str | None = None,
     device: str | None = None,
+    cache: bool = True,
 ) -> JacobianResult:
-    """``strategy="auto"`` on a resolved problem: plan (cached), run, wrap."""
-    chosen_plan = planner.plan_problem(
-        problem, memory_budget=memory_budget, device=device
+    """``strategy="auto"`` on a resolved problem: run it in segments (see
+    :mod:`jacobkit.planner`) and wrap; ``result.strategy`` is what later
+    calls run."""
+    strategy, flat, stats, plan = planner.run(
+        problem, memory_budget=memory_budget, device=device, cache=cache
     )
-    ran, output = planner.run_plan(problem, chosen_plan)
-    return _wrap(problem, ran, output, chosen_plan)
+    return _wrap(problem, strategy, (flat, stats), plan)
 
 
 def _wrap(

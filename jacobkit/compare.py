@@ -6,6 +6,7 @@ Used by ``jacobkit compare``, the benchmark runner and the notebooks.
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -21,17 +22,23 @@ from jacobkit.problem import Problem
 
 @dataclass(frozen=True)
 class Measurement:
-    """One strategy on one problem.
+    """One strategy (or ``auto``) on one problem.
 
     Attributes:
-        strategy: the strategy's label (``"chunked(8)"``).
-        name: the registered name.
+        strategy: the strategy's label (``"chunked(8)"``; ``"auto: while"``
+            names what auto settled on).
+        name: the registered name, or ``"auto"``.
         chunk_size: rows (or tangents) per vectorized pass, if chunked.
-        first_call_s: the first call, tracing included.
-        steady_s: median of the timed calls after the first.
+        first_call_s: the first call, tracing (and auto's planning) included.
+        first_3_calls_s: the first three calls together.
+        steady_s: median of the timed calls after the first three (for auto,
+            after it settled, or after :data:`SETTLE_CALLS` calls).
         spread_s: (max - min) of the timed calls.
         peak_bytes: peak device memory above the baseline during a steady call
             (``None`` where the device reports no statistics).
+        growth_bytes: growth of the process's resident memory from before the
+            first call to after the last (the allocator keeps what it took;
+            ``None`` where the system does not report it).
         max_rel_diff: :func:`jacobkit.testing.max_relative_difference` to the
             reference, the largest over targets.
         error: ``"ExceptionName: message"`` if the strategy failed.
@@ -41,9 +48,11 @@ class Measurement:
     name: str
     chunk_size: int | None
     first_call_s: float | None = None
+    first_3_calls_s: float | None = None
     steady_s: float | None = None
     spread_s: float | None = None
     peak_bytes: int | None = None
+    growth_bytes: int | None = None
     max_rel_diff: float | None = None
     error: str | None = None
 
@@ -51,11 +60,25 @@ class Measurement:
         return asdict(self)
 
 
-def default_strategies(num_rows: int) -> list[strategies.Strategy]:
-    """Every registered strategy, and ``chunked`` at a few chunk sizes."""
+#: auto's calls before its steady calls are timed, at most (it usually
+#: settles sooner: every candidate tried, or none worth its tracing)
+SETTLE_CALLS = 12
+
+
+def configurations(
+    num_rows: int, chunk_sizes: Iterable[int] = (1, 8, 32)
+) -> list[strategies.Strategy]:
+    """The one list of strategy configurations that ``jacobkit compare``,
+    ``jacobkit bench`` and the benchmarks measure: every registered strategy
+    with its defaults, and ``chunked`` at ``chunk_sizes`` and at every row."""
     chosen = [cls() for name, cls in strategies.REGISTRY.items() if name != "chunked"]
-    sizes = sorted({min(c, num_rows) for c in (1, 8, 32, num_rows)})
+    sizes = sorted({min(c, num_rows) for c in (*chunk_sizes, num_rows)})
     return chosen + [strategies.Chunked(c) for c in sizes]
+
+
+def default_strategies(num_rows: int) -> list[strategies.Strategy]:
+    """:func:`configurations` with the default chunk sizes."""
+    return configurations(num_rows)
 
 
 def measure(
@@ -66,21 +89,18 @@ def measure(
     repeats: int = 3,
     device: str | None = None,
 ) -> Measurement:
-    """Time ``strategy`` on ``problem`` (first call, then ``repeats`` steady
-    calls), measure the peak memory of one steady call, and compare with
-    ``reference``. A failure is recorded, not raised."""
+    """Time ``strategy`` on ``problem`` (the first call, the first three, then
+    ``repeats`` steady calls), measure the peak memory of one steady call and
+    the process's memory growth, and compare with ``reference``. A failure is
+    recorded, not raised."""
     base = Measurement(strategy.label, strategy.name, strategy.chunk_size)
-    try:
-        start = time.perf_counter()
-        first = run_strategy(problem, strategy)
-        first_call = time.perf_counter() - start
-        times = []
-        for _ in range(repeats):
-            times.append(run_strategy(problem, strategy).stats.wall_time_s)
-        peak = _steady_peak(lambda: run_strategy(problem, strategy), device)
-    except _FAILURES as err:
-        return _failed(base, err)
-    return _measured(base, first, first_call, times, peak, reference)
+    return measure_calls(
+        base,
+        functools.partial(run_strategy, problem, strategy),
+        reference,
+        repeats=repeats,
+        device=device,
+    )
 
 
 def measure_auto(
@@ -90,28 +110,92 @@ def measure_auto(
     repeats: int = 3,
     device: str | None = None,
     memory_budget: int | float | str | None = None,
+    cache: bool = True,
 ) -> Measurement:
-    """``strategy="auto"`` measured like :func:`measure`: the first call
-    (planning probes and compiling included), then the calls while it races
-    its shortlist (not timed), then ``repeats`` steady calls. The label names
-    what it settled on (``"auto: while(parallel=10)"``)."""
+    """``strategy="auto"`` measured like :func:`measure` (its first call
+    includes whatever planning it does), with the calls until it settles not
+    timed. The label names what it settled on (``"auto: while(parallel=10)"``).
+    """
     call = functools.partial(
-        run_auto, problem, memory_budget=memory_budget, device=device
+        run_auto, problem, memory_budget=memory_budget, device=device, cache=cache
     )
+    return measure_calls(
+        Measurement("auto", "auto", None),
+        call,
+        reference,
+        repeats=repeats,
+        device=device,
+        settled=lambda result: result.plan.settled,
+    )
+
+
+def measure_calls(
+    base: Measurement,
+    call: Callable[[], Any],
+    reference: Sequence[Any] | None = None,
+    *,
+    repeats: int = 3,
+    device: str | None = None,
+    settled: Callable[[Any], bool] | None = None,
+) -> Measurement:
+    """The one measuring path: ``call()`` (a ``JacobianResult``) three times
+    (first call, first three calls), until ``settled(result)`` (at most
+    :data:`SETTLE_CALLS` calls), ``repeats`` timed steady calls, and one with
+    its peak measured. For auto, ``base`` is relabelled with what it ran last.
+    """
     try:
-        start = time.perf_counter()
-        first = call()
-        first_call = time.perf_counter() - start
-        race = first.plan.race
-        while race is not None and race.winner is None:
-            call()
-        times = [call().stats.wall_time_s for _ in range(repeats)]
+        resident = process_memory_bytes()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            result = call()
+            times.append(time.perf_counter() - start)
+        first = result
+        calls = 3
+        while settled is not None and not settled(result) and calls < SETTLE_CALLS:
+            result = call()
+            calls += 1
+        steady = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            result = call()
+            steady.append(time.perf_counter() - start)
         peak = _steady_peak(call, device)
+        after = process_memory_bytes()
     except _FAILURES as err:
-        return _failed(Measurement("auto", "auto", None), err)
-    settled = race.winner if race is not None else first.plan.strategy
-    base = Measurement(f"auto: {settled.label}", "auto", settled.chunk_size)
-    return _measured(base, first, first_call, times, peak, reference)
+        return _failed(base, err)
+    if base.name == "auto":
+        ran = result.strategy_config
+        base = Measurement(f"auto: {ran.label}", "auto", ran.chunk_size)
+    diff = None
+    if reference is not None:
+        diff = max(
+            testing.max_relative_difference(a, e)
+            for a, e in zip(first.jacobians.values(), reference, strict=True)
+        )
+    growth = None if resident is None or after is None else max(after - resident, 0)
+    return Measurement(
+        **{
+            **base.as_dict(),
+            "first_call_s": times[0],
+            "first_3_calls_s": sum(times),
+            "steady_s": statistics.median(steady) if steady else times[-1],
+            "spread_s": (max(steady) - min(steady)) if steady else 0.0,
+            "peak_bytes": peak,
+            "growth_bytes": growth,
+            "max_rel_diff": diff,
+        }
+    )
+
+
+def process_memory_bytes() -> int | None:
+    """This process's resident memory (Linux ``/proc``; ``None`` elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 #: what a measurement records as a failure instead of raising
@@ -123,32 +207,6 @@ def _failed(base: Measurement, err: Exception) -> Measurement:
     message = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return Measurement(
         **{**base.as_dict(), "error": f"{type(err).__name__}: {message}"[:300]}
-    )
-
-
-def _measured(
-    base: Measurement,
-    first: Any,
-    first_call: float,
-    times: list[float],
-    peak: int | None,
-    reference: Sequence[Any] | None,
-) -> Measurement:
-    diff = None
-    if reference is not None:
-        diff = max(
-            testing.max_relative_difference(a, e)
-            for a, e in zip(first.jacobians.values(), reference, strict=True)
-        )
-    return Measurement(
-        **{
-            **base.as_dict(),
-            "first_call_s": first_call,
-            "steady_s": statistics.median(times) if times else first_call,
-            "spread_s": (max(times) - min(times)) if times else 0.0,
-            "peak_bytes": peak,
-            "max_rel_diff": diff,
-        }
     )
 
 
@@ -186,19 +244,22 @@ def format_table(measurements: Sequence[Measurement]) -> str:
     """A Markdown table of measurements, with times as ratios to ``loop``."""
     loop = next((m for m in measurements if m.name == "loop" and m.steady_s), None)
     lines = [
-        "| strategy | first call (s) | steady (s) | vs loop | peak memory "
-        "| max rel. diff |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| strategy | first call (s) | first 3 calls (s) | steady (s) | vs loop "
+        "| peak memory | process growth | max rel. diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in measurements:
         if m.error:
-            lines.append(f"| {m.strategy} | failed: {m.error[:60]} | | | | |")
+            lines.append(f"| {m.strategy} | failed: {m.error[:60]} | | | | | | |")
             continue
         ratio = f"{loop.steady_s / m.steady_s:.1f}x" if loop else ""
         peak = memory.format_bytes(m.peak_bytes) if m.peak_bytes is not None else "n/a"
+        growth = (
+            memory.format_bytes(m.growth_bytes) if m.growth_bytes is not None else "n/a"
+        )
         diff = f"{m.max_rel_diff:.1e}" if m.max_rel_diff is not None else ""
         lines.append(
-            f"| {m.strategy} | {m.first_call_s:.3f} | {m.steady_s:.4f} | {ratio} "
-            f"| {peak} | {diff} |"
+            f"| {m.strategy} | {m.first_call_s:.3f} | {m.first_3_calls_s:.3f} "
+            f"| {m.steady_s:.4f} | {ratio} | {peak} | {growth} | {diff} |"
         )
     return "\n".join(lines)

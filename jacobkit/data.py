@@ -4,8 +4,9 @@
 ``tf.data.Dataset`` or another iterable of batches (a generator, a
 :func:`batches` view of an array), or when ``out=`` is given. For each batch
 it builds the per-batch :class:`~jacobkit.problem.Problem` and runs the
-strategy, planned once on the first batch for ``strategy="auto"``, through
-the same path as a one-batch call; then it accumulates or writes:
+strategy through the same path as a one-batch call (``strategy="auto"``
+keeps one planning session, made for the first batch's shapes, across the
+batches, as it does across calls); then it accumulates or writes:
 
 - ``outputs="features"`` (and a callable ``g(Y)`` whose rows do not depend on
   the batch size): the rows are summed over the whole dataset. The sum is
@@ -13,7 +14,8 @@ the same path as a one-batch call; then it accumulates or writes:
 - ``outputs="per_example"`` / ``"full"``: the rows of each batch follow those
   of the batch before, in dataset order: ``(N, F)`` rows for ``N`` examples.
 
-A last, smaller batch reuses the plan (it is not re-planned). With
+A last, smaller batch is not planned for: it runs the strategy ``auto`` runs
+next. With
 ``"per_example"``/``"full"`` rows and ``training=False`` it is padded to the
 first batch's size (repeating its last example; the padding rows are
 dropped), so nothing is traced again (see :data:`PAD_LAST_BATCH` for the
@@ -317,6 +319,7 @@ def jacobian_batches(
     overwrite: bool = False,
     progress: bool = True,
     distribute: tf.distribute.Strategy | None = None,
+    cache: bool = True,
 ) -> JacobianResult:
     """:func:`jacobkit.jacobian` over the batches of ``inputs`` (see the module
     docstring). ``inputs`` that are one batch (arrays) are one batch here."""
@@ -427,7 +430,10 @@ def jacobian_batches(
                 ran = chosen
                 if ran is None:
                     plan = planner.plan_problem(
-                        problem, memory_budget=memory_budget, device=device
+                        problem,
+                        memory_budget=memory_budget,
+                        device=device,
+                        cache=cache,
                     )
                     ran = plan.strategy
                 replicas = distributing.Replicas(
@@ -510,12 +516,31 @@ def jacobian_batches(
                         "over a dataset, a callable's rows are summed, so they "
                         "must not depend on the batch size."
                     )
-                if chosen is None and plan is None:
-                    plan = planner.plan_problem(
-                        problem, memory_budget=memory_budget, device=device
-                    )
                 logger.debug("computing batch %d", k)
-                result = _run(batch_problem, chosen, plan)
+                if chosen is not None:
+                    result = api.run_strategy(batch_problem, chosen)
+                elif _shapes(batch_problem.inputs) == _shapes(problem.inputs):
+                    # auto's session for this shape: it keeps planning (and
+                    # learning) across the batches as across calls
+                    result = api.run_auto(
+                        batch_problem,
+                        memory_budget=memory_budget,
+                        device=device,
+                        cache=cache,
+                    )
+                    plan = result.plan
+                else:
+                    # a smaller batch: what auto runs next, not a new session
+                    if isinstance(ran_strategy, JacobianResult):
+                        following = ran_strategy.strategy_config
+                    else:  # (the earlier batches were done by another call)
+                        following = planner.plan_problem(
+                            problem,
+                            memory_budget=memory_budget,
+                            device=device,
+                            cache=cache,
+                        ).strategy
+                    result = api.run_strategy(batch_problem, following)
                 ran_strategy = result
                 trace += result.stats.trace_time_s if result.stats.traced else 0.0
                 traced = traced or result.stats.traced
@@ -589,15 +614,5 @@ def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield from rest
 
 
-def _run(
-    problem: Problem, chosen: strategies.Strategy | None, plan: planner.Plan | None
-) -> JacobianResult:
-    """One batch through the path ``jacobian()`` takes: the configured
-    strategy, or the plan made on the first batch (with its race and
-    out-of-memory back-off), never a new plan."""
-    from jacobkit import api
-
-    if chosen is not None:
-        return api.run_strategy(problem, chosen)
-    ran, output = planner.run_plan(problem, plan)
-    return api._wrap(problem, ran, output, plan)
+def _shapes(inputs: Any) -> tuple:
+    return tuple(tuple(t.shape) for t in tf.nest.flatten(inputs))

@@ -22,8 +22,9 @@ computation serves every replica:
 
 Arrays (one batch) are split into one batch per replica first.
 
-``auto`` plans once, on the first batch, for the first replica's device; every
-replica then runs that plan's strategy (no race, no back-off).
+``auto`` picks its starting strategy (``jacobkit.plan``) on the first batch,
+for the first replica's device (a plan cached on disk gives the strategy that
+won earlier); every replica then runs it (no switching, no back-off).
 """
 
 from __future__ import annotations

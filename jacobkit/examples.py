@@ -82,10 +82,14 @@ def generator(
     channels: int = 4,
     filters: int = 6,
     features: int = 5,
+    filters2: int | None = None,
+    filters3: int | None = None,
 ) -> Example:
     """The users' core case: Conv1D stack → Dense(features) on
     ``(batch, sequence, channels)``; output ``(batch, sequence, features)``.
-    Target: the first Conv1D (``"conv1"``)."""
+    The convolutions have ``filters``, ``filters2`` and ``filters3`` filters
+    (the last two default to ``filters``). Target: the first Conv1D
+    (``"conv1"``)."""
     keras = _keras()
     layers = keras.layers
     x = keras.Input((sequence, channels), dtype=dtype)
@@ -93,10 +97,20 @@ def generator(
         filters, 5, padding="same", activation="relu", name="conv1", dtype=dtype
     )(x)
     h = layers.Conv1D(
-        filters, 5, padding="same", activation="relu", name="conv2", dtype=dtype
+        filters2 or filters,
+        5,
+        padding="same",
+        activation="relu",
+        name="conv2",
+        dtype=dtype,
     )(h)
     h = layers.Conv1D(
-        filters, 3, padding="same", activation="tanh", name="conv3", dtype=dtype
+        filters3 or filters,
+        3,
+        padding="same",
+        activation="tanh",
+        name="conv3",
+        dtype=dtype,
     )(h)
     y = layers.Dense(features, name="head", dtype=dtype)(h)
     model = keras.Model(x, y, name="generator")

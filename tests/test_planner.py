@@ -1,8 +1,9 @@
-"""Memory-aware ``auto``: budgets are respected, refused when impossible, and
-out-of-memory errors back off to smaller chunks."""
+"""``auto``: every row computed once and kept, switches between segments of
+real calls, budgets respected, out-of-memory back-off through ``smaller()``."""
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -11,69 +12,122 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import examples, memory, planner, testing
-from jacobkit.race import RUNS
-from jacobkit.strategies import Chunked, While
-from tests.cases import reference, target_variables
+from jacobkit.planner import selection
+from jacobkit.strategies import Batch, Chunked, While
+from tests.cases import call_kwargs, reference, target_variables
 
-# A generator big enough that the budget matters. Measured on CPU: chunks of
-# 1-16 rows peak near 33 MiB (fixed buffers dominate), all 48 rows at 55 MiB.
+# A generator big enough that segments and budgets matter (48 rows: four
+# segments of 12). Measured on CPU: while(10) segments peak near 3 MiB,
+# chunked(12) and batch near 10 MiB.
 SIZES = {"batch": 16, "sequence": 64, "channels": 8, "filters": 32, "features": 48}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def generator():
+    """A fresh model per test: a fresh plan."""
     return examples.build("generator", **SIZES)
 
 
-@pytest.mark.parametrize("budget", ["40MiB", "64MiB", "128MiB", "1GiB"])
-def test_measured_peak_stays_within_budget(generator, budget):
+@functools.cache
+def generator_reference() -> list:
+    ex = examples.build("generator", "float64", **SIZES)
+    return testing.reference_jacobian(
+        ex.model, ex.inputs, target_variables(ex), call_kwargs=call_kwargs(ex.model)
+    )
+
+
+@pytest.fixture
+def eager_trials(monkeypatch):
+    """Try every candidate as soon as the current strategy's rate is known."""
+    monkeypatch.setattr(selection, "RENT", 0.0)
+
+
+def _covers_every_row_once(plan: jk.Plan) -> None:
+    rows = sorted(
+        (p.start, p.start + p.rows) for p in plan.last_call if p.call == plan.calls
+    )
+    assert rows[0][0] == 0 and rows[-1][1] == plan.num_rows, rows
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), rows
+
+
+def test_first_call_starts_cheapest_to_trace_and_keeps_every_row(generator):
     ex = generator
-    limit = memory.parse_budget(budget)
-    with memory.PeakMemory("CPU:0") as first:  # planning probes included
-        result = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget=budget)
-    assert first.extra_bytes <= limit, result.plan.summary()
-    race = result.plan.race
-    for _ in range(3 * (RUNS + 1)):  # every raced candidate stays within it too
-        if race is None or race.winner is not None:
-            break
-        with memory.PeakMemory("CPU:0") as call:
-            jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget=budget)
-        assert call.extra_bytes <= limit, result.plan.summary()
-    with memory.PeakMemory("CPU:0") as steady:
-        again = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget=budget)
-    assert steady.extra_bytes <= limit, result.plan.summary()
-    if race is not None:
-        assert race.winner is not None and again.strategy == race.winner.name
-    assert result.plan.predicted_peak_bytes <= limit
+    result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+    plan = result.plan
+    # float32 against float64: measured max relative error ~2e-6 here;
+    # testing.assert_close's default tolerance (1e-4 relative) holds it
+    testing.assert_close(result, generator_reference())
+    assert plan.strategy.name == "while" and result.strategy == "while"
+    assert plan.segment_rows == 12 and len(plan.last_call) == 4
+    assert {p.strategy for p in plan.last_call} == {plan.strategy}
+    _covers_every_row_once(plan)
+    assert result.stats.num_rows == 48 and result.stats.traced
+    # the first segment traced, the others measured the steady rate
+    assert [p.traced for p in plan.last_call] == [True, False, False, False]
+    (measured,) = plan.estimates
+    assert measured.trace_s > 0 and measured.seconds_per_row > 0
+    assert {s.name for s in plan.pending} == {"batch", "chunked"}
 
 
-def test_tighter_budget_rejects_what_does_not_fit(generator):
+def test_candidates_are_tried_on_segments_of_real_calls(generator, eager_trials):
     ex = generator
-    small = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="40MiB")
-    large = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
-    assert small.predicted_peak_bytes <= 40 * 2**20 * planner.SAFETY
-    # all 48 rows at once peak near 55 MiB: over 40 MiB, well under 1 GiB
-    over = "% of the budget"
-    assert any(over in why for _, why in small.rejected), small.summary()
-    assert not any(over in why for _, why in large.rejected), large.summary()
+    expected = generator_reference()
+    for _ in range(4):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        testing.assert_close(result, expected)
+        _covers_every_row_once(result.plan)
+        assert result.stats.num_rows == 48
+    plan = result.plan
+    first = plan.switches[0]
+    # tried in the first call, right after while's rate was known: rows
+    # 0-23 by while, 24-47 by the candidate, nothing computed twice
+    assert (first.call, first.row, first.old.name) == (1, 24, "while")
+    assert "trying it" in first.reason
+    assert plan.settled and plan.pending == ()
+    assert {e.strategy.name for e in plan.estimates} == {"while", "batch", "chunked"}
+    assert all(e.seconds_per_row > 0 and e.trace_s >= 0 for e in plan.estimates)
+    text = plan.summary()
+    assert text.startswith(f"auto -> {plan.strategy.label}: predicted peak")
+    assert "switched while(parallel=10) -> batch: trying it" in text
+    assert re.search(r"measured chunked\(12\): [\d.]+ ms per call, trace", text)
 
 
-def test_plan_explains_itself(generator):
+def test_plan_before_any_call_runs_nothing(generator):
     ex = generator
     plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="64MiB")
     assert isinstance(plan, jk.Plan)
+    assert plan.source == "not run yet" and plan.calls == 0
+    assert plan.estimates == () and plan.predicted_time_s is None
     assert plan.budget_bytes == 64 * 2**20
     assert plan.result_bytes == 48 * (5 * 8 * 32 + 32) * 4
-    assert plan.predicted_time_s > 0
+    assert plan.strategy.name == "while"
+    assert plan.predicted_peak_bytes <= 64 * 2**20 * planner.SAFETY
     text = plan.summary()
-    assert text.startswith(f"auto -> {plan.strategy.label}: predicted peak")
-    assert "64.0 MiB budget" in text
-    labels = {label for label, _ in plan.rejected}
-    assert {"jacobian", "loop"} <= labels
-    # every kind of candidate is accounted for: chosen, raced or rejected
-    kinds = {label.split("(")[0] for label in labels}
-    kinds |= {s.name for s in (plan.strategy, *plan.shortlist)}
-    assert {"chunked", "while", "batch", "jacobian", "loop"} <= kinds
+    assert "64.0 MiB budget" in text and "not run yet" in text
+    kinds = {r.label.split("(")[0] for r in plan.rejected}
+    kinds |= {s.name for s in (plan.strategy, *plan.pending)}
+    assert {"chunked", "while", "batch", "jacobian", "loop", "forward"} <= kinds
+
+
+@pytest.mark.parametrize("budget", ["12MiB", "1GiB"])
+def test_measured_peak_stays_within_budget(generator, eager_trials, budget):
+    ex = generator
+    limit = memory.parse_budget(budget)
+    for _ in range(4):  # trials included
+        with memory.PeakMemory("CPU:0") as call:
+            result = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget=budget)
+        assert call.extra_bytes <= limit, result.plan.summary()
+    assert result.plan.predicted_peak_bytes <= limit
+
+
+def test_tighter_budget_holds_fewer_rows_at_once(generator):
+    ex = generator
+    small = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="12MiB")
+    large = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
+    assert large.strategy == While(10)
+    assert small.strategy.name == "while"
+    assert small.strategy.parallel_iterations < 10, small.summary()
+    assert small.predicted_peak_bytes <= 12 * 2**20 * planner.SAFETY
 
 
 def test_budget_below_result_is_refused_before_allocating(generator):
@@ -99,13 +153,6 @@ def test_budget_below_one_row_is_refused(generator):
         jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1MiB")
 
 
-@pytest.fixture
-def chunked_only(monkeypatch):
-    """Keep plans on chunk sizes: batch or while may be faster on small problems."""
-    monkeypatch.setattr(planner, "_consider_batch", lambda *args: ([], []))
-    monkeypatch.setattr(planner, "_consider_while", lambda *args: [])
-
-
 def inject_out_of_memory(monkeypatch, cls, size_of, most: int) -> list:
     """Make ``cls.run`` raise TensorFlow's out-of-memory error whenever
     ``size_of(strategy) > most``; returns the list of sizes tried."""
@@ -122,43 +169,44 @@ def inject_out_of_memory(monkeypatch, cls, size_of, most: int) -> list:
     return tried
 
 
-def test_out_of_memory_backs_off_and_remembers(monkeypatch, chunked_only):
-    ex = examples.build("mlp")
-    sizes_tried = inject_out_of_memory(monkeypatch, Chunked, lambda s: s.chunk_size, 2)
-    # plan all rows in one chunk, whatever the (noisy) timing probes say
-    monkeypatch.setattr(planner, "_candidate_sizes", lambda rows: [rows])
-    plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
-    assert plan.chunk_size == 10, "the injected error must hit the planned size"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
-    assert result.chunk_size == 2
-    assert sizes_tried[0] == plan.chunk_size and sizes_tried[-1] == 2
-    backoff = [w for w in caught if "ran out of memory" in str(w.message)]
-    assert len(backoff) == 1, "warn once, however many halvings"
-    testing.assert_close(result, reference("mlp", "features"))
-    sizes_tried.clear()
-    again = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
-    assert again.chunk_size == 2 and sizes_tried == [2], "remembered the size"
-
-
 def test_out_of_memory_in_while_halves_the_rows_in_flight(monkeypatch):
-    ex = examples.build("mlp")
-    # plan while only, with as many rows in flight as TensorFlow's default
-    monkeypatch.setattr(planner, "_consider_batch", lambda *args: ([], []))
-    monkeypatch.setattr(planner, "_candidate_sizes", lambda rows: [])
+    ex = examples.build("mlp")  # 10 rows: one segment
     tried = inject_out_of_memory(monkeypatch, While, lambda s: s.parallel_iterations, 2)
-    plan = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
-    assert plan.strategy == While(10)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
-    assert tried == [10, 5, 2] and result.strategy == "while"
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+    assert tried == [10, 5, 2] and result.strategy_config == While(2)
     assert len([w for w in caught if "ran out of memory" in str(w.message)]) == 1
     testing.assert_close(result, reference("mlp", "features"))
+    switch = result.plan.switches[-1]
+    assert (switch.old, switch.new, switch.reason) == (
+        While(5),
+        While(2),
+        "ran out of memory",
+    )
     tried.clear()
-    jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
+    jk.jacobian(ex.model, ex.inputs, ex.layer)
     assert tried == [2], "remembered what worked"
+
+
+@pytest.fixture
+def chunked_only(monkeypatch):
+    """auto lists only chunked (a strategy joins auto through for_auto)."""
+    for cls in (While, Batch):
+        monkeypatch.setattr(cls, "for_auto", classmethod(lambda cls, rows: None))
+
+
+def test_out_of_memory_in_chunked_halves_the_chunk(monkeypatch, chunked_only):
+    ex = examples.build("generator", **SIZES)
+    sizes = inject_out_of_memory(monkeypatch, Chunked, lambda s: s.chunk_size, 3)
+    assert jk.plan(ex.model, ex.inputs, ex.layer).strategy == Chunked(12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+    # 12 -> 6 -> 3 on the first segment, then 3 for the other three
+    assert sizes == [12, 6, 3, 3, 3, 3] and result.chunk_size == 3
+    assert len([w for w in caught if "ran out of memory" in str(w.message)]) == 1
+    testing.assert_close(result, generator_reference())
 
 
 def test_out_of_memory_at_one_row_is_raised(monkeypatch, chunked_only):
@@ -170,15 +218,14 @@ def test_out_of_memory_at_one_row_is_raised(monkeypatch, chunked_only):
     monkeypatch.setattr(Chunked, "run", always_oom)
     with pytest.raises(tf.errors.ResourceExhaustedError), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        jk.jacobian(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
+        jk.jacobian(ex.model, ex.inputs, ex.layer)
 
 
 def test_auto_agrees_with_reference():
     ex = examples.build("generator")
     result = jk.jacobian(ex.model, ex.inputs, ex.layer)
-    assert result.plan is not None and result.strategy in ("chunked", "batch", "while")
+    assert result.plan is not None and result.strategy == "while"
     testing.assert_close(result, reference("generator", "features"))
-    assert target_variables(examples.build("generator"))  # builder is deterministic
 
 
 def test_default_budget_is_a_fraction_of_free_memory(generator):
@@ -188,3 +235,17 @@ def test_default_budget_is_a_fraction_of_free_memory(generator):
     assert 0.5 * memory.DEFAULT_BUDGET_FRACTION * free < plan.budget_bytes
     assert plan.budget_bytes <= free
     assert planner.SAFETY < 1
+
+
+def test_per_example_rows_in_segments(eager_trials):
+    """A segment of per-example rows may cut an example in two: batch refuses
+    such segments (its check) and the others compute them."""
+    ex = examples.build("mlp")  # 4 examples x 10 features: segments of 10
+    for _ in range(4):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer, outputs="per_example")
+        testing.assert_close(result, reference("mlp", "per_example"))
+        _covers_every_row_once(result.plan)
+    plan = result.plan
+    assert plan.segment_rows == 10 and plan.num_rows == 40
+    (batch,) = [r for r in plan.rejected if r.label == "batch"]
+    assert "each belong to one example" in batch.reason

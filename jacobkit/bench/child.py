@@ -156,23 +156,32 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
     from jacobkit import compare, strategies
 
     _check_device(task["device"])
-    cls = strategies.REGISTRY[task["strategy"]]
-    chunk = task.get("chunk_size")
-    strategy = cls(chunk) if chunk is not None else cls()
+    auto = task["strategy"] == "auto"
+    if auto:  # the plan cache: empty before the cold run, its result after
+        os.environ["JACOBKIT_CACHE_DIR"] = task["plan_cache"]
+    strategy = None if auto else strategies.from_spec(task["spec"])
     reference = None
     if task.get("reference_path") and os.path.exists(task["reference_path"]):
         with np.load(task["reference_path"]) as saved:
             reference = [saved[f"arr_{i}"] for i in range(len(saved.files))]
     with tf.device(task["device"]):
         _, problem = _build(task, "float32")
-        measured = compare.measure(
-            problem,
-            strategy,
-            reference,
-            repeats=task["repeats"],
-            device=task["device"],
-        )
+        if auto:
+            measured = compare.measure_auto(
+                problem, reference, repeats=task["repeats"], device=task["device"]
+            )
+        else:
+            measured = compare.measure(
+                problem,
+                strategy,
+                reference,
+                repeats=task["repeats"],
+                device=task["device"],
+            )
     answer = measured.as_dict()
+    # the runner's label stays the row's label; what ran (auto: what it
+    # settled on) is recorded beside it
+    answer["ran"] = answer.pop("strategy")
     answer["num_rows"] = problem.num_rows
     if measured.error:
         answer["failure"] = classify_failure(measured.error)

@@ -20,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="small problems, every strategy: a few minutes on two CPU cores",
     )
     parser.add_argument(
+        "--suite",
+        choices=["quick", "full", "auto", "auto-quick"],
+        help="the problems: quick (= --quick), full (default), auto (auto's "
+        "targets: the wide generator and MLP; auto-quick: the same, small)",
+    )
+    parser.add_argument(
         "--device", default="CPU:0", help="CPU:0 or GPU:0 (default CPU:0)"
     )
     parser.add_argument(
@@ -53,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
         saved = Path(args.out) / "results.json"
         runner.write_outputs(json.loads(saved.read_text()), args.out)
         return 0
-    suite = "quick" if args.quick else "full"
+    suite = args.suite or ("quick" if args.quick else "full")
     settings = runner.Settings(
         suite=suite,
         device=memory.normalize_device(args.device),
-        repeats=args.repeats or (3 if args.quick else 5),
+        repeats=args.repeats or (3 if "quick" in suite else 5),
         timeout_s=args.timeout,
         progress=not args.no_progress,
     )

@@ -153,8 +153,11 @@ def _chunk_figure(results: dict[str, Any], path: Path) -> Path:
 
 
 def write_all(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """``time_vs_rows.png``, ``memory_vs_rows.png`` and ``time_vs_chunk.png``."""
+    """``time_vs_rows.png``, ``memory_vs_rows.png`` and ``time_vs_chunk.png``
+    (none for a suite without sweeps, such as ``auto``'s)."""
     out = Path(out_dir)
+    if not sweeps(results):
+        return []
     return [
         _sweep_figure(results, "steady_s", out / "time_vs_rows.png"),
         _sweep_figure(results, "peak_bytes", out / "memory_vs_rows.png"),

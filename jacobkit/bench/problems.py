@@ -45,6 +45,10 @@ class BenchProblem:
         chunk_sizes: extra ``chunked`` chunk sizes to run on this problem
             (the time-versus-chunk-size plot).
         headline: shown in the headline table.
+        auto_targets: ``auto`` is checked against the fastest fixed strategy
+            on this problem (the auto table of ``results.md``).
+        skip: strategy names not run on this problem, each too slow at its
+            size to say anything (``loop``: one eager pass per row).
     """
 
     id: str
@@ -56,6 +60,8 @@ class BenchProblem:
     sweeps: tuple[Sweep, ...] = ()
     chunk_sizes: tuple[int, ...] = ()
     headline: bool = False
+    auto_targets: bool = False
+    skip: tuple[str, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -77,6 +83,7 @@ class BenchProblem:
             "reference": self.reference,
             "sweeps": [{"group": s.group, "axis": s.axis} for s in self.sweeps],
             "headline": self.headline,
+            "auto_targets": self.auto_targets,
         }
 
 
@@ -237,4 +244,69 @@ def full_suite() -> list[BenchProblem]:
     return merge_duplicates(problems)
 
 
-SUITES = {"quick": quick_suite, "full": full_suite}
+def auto_suite() -> list[BenchProblem]:
+    """The problems of ``auto``'s targets (issue 8): the users' generator at
+    B=64, T=128, C=16 with Conv1D 64/128/128 → Dense(144), target the first
+    Conv1D; and an MLP 512→1024→1024→144 at B=256, target the first Dense.
+    ``loop`` and ``forward`` are not run (minutes per call at these sizes)."""
+    slow = ("loop", "forward")
+    return [
+        BenchProblem(
+            id="generator-conv1-F144-B64-wide",
+            builder="generator",
+            sizes={
+                "batch": 64,
+                "sequence": 128,
+                "channels": 16,
+                "filters": 64,
+                "filters2": 128,
+                "filters3": 128,
+                "features": 144,
+            },
+            layer="conv1",
+            chunk_sizes=(8, 36),
+            headline=True,
+            auto_targets=True,
+            skip=slow,
+        ),
+        BenchProblem(
+            id="mlp-hidden1-F144-B256-wide",
+            builder="mlp",
+            sizes={"batch": 256, "inputs": 512, "hidden": 1024, "features": 144},
+            layer="hidden1",
+            chunk_sizes=(36,),
+            headline=True,
+            auto_targets=True,
+            skip=slow,
+        ),
+    ]
+
+
+def auto_quick_suite() -> list[BenchProblem]:
+    """:func:`auto_suite` at small sizes (a check of the machinery)."""
+    return [
+        replace(
+            problem,
+            id=problem.id.replace("-wide", "-small"),
+            sizes={
+                **problem.sizes,
+                "batch": 8,
+                **(
+                    {"sequence": 32, "filters": 8, "filters2": 16, "filters3": 16}
+                    if problem.builder == "generator"
+                    else {"inputs": 32, "hidden": 64}
+                ),
+                "features": 48,
+            },
+            chunk_sizes=(8,),
+        )
+        for problem in auto_suite()
+    ]
+
+
+SUITES = {
+    "quick": quick_suite,
+    "full": full_suite,
+    "auto": auto_suite,
+    "auto-quick": auto_quick_suite,
+}

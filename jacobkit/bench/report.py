@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jacobkit import memory
 from jacobkit.bench import machine
 from jacobkit.memory import format_bytes
 
@@ -142,14 +143,14 @@ def problem_table(rows: Sequence[dict[str, Any]]) -> str:
     by_label = _by_label(rows)
     loop, jacobian = by_label.get("loop"), by_label.get("jacobian")
     lines = [
-        "| strategy | first call | median | spread | vs loop | vs jacobian "
-        "| peak memory | max rel. diff | |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| strategy | first call | first 3 calls | median | spread | vs loop "
+        "| vs jacobian | peak memory | process growth | max rel. diff | |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         if not row.get("ok"):
             lines.append(
-                f"| {row['strategy']} | | | | | | | | {failure_text(row)}: "
+                f"| {row['strategy']} | | | | | | | | | | {failure_text(row)}: "
                 f"{_cell(row.get('error') or '')} |"
             )
             continue
@@ -157,11 +158,83 @@ def problem_table(rows: Sequence[dict[str, Any]]) -> str:
         flag = "**disagrees**" if diff is not None and diff > 1e-4 else ""
         lines.append(
             f"| {row['strategy']} | {seconds(row['first_call_s'])} "
+            f"| {seconds(row.get('first_3_calls_s'))} "
             f"| {seconds(row['steady_s'])} | {seconds(row['spread_s'])} "
             f"| {speedup(loop, row)} | {speedup(jacobian, row)} | {peak(row)} "
-            f"| {'' if diff is None else f'{diff:.1e}'} | {flag} |"
+            f"| {_growth(row)} | {'' if diff is None else f'{diff:.1e}'} | {flag} |"
         )
     return "\n".join(lines)
+
+
+def _growth(row: dict[str, Any]) -> str:
+    growth = row.get("growth_bytes")
+    return "n/a" if growth is None else memory.format_bytes(growth)
+
+
+#: auto's targets (issue 8), as (column, limit) pairs
+AUTO_LIMITS = {"first call": 1.25, "first 3 calls": 1.2, "steady": 1.1, "warm": 1.1}
+#: process growth allowed over the chosen strategy's steady peak (x2, + this)
+GROWTH_SLACK_BYTES = 256 * 2**20
+
+
+def auto_table(results: dict[str, Any]) -> str:
+    """``auto`` against the best fixed strategy, on problems flagged
+    ``auto_targets``: each ratio with its target, and the memory check."""
+    lines = [
+        "| problem | auto ran | first call: auto / fastest fixed "
+        "| first 3 calls: auto / best | steady: auto / best "
+        "| growth <= 2 x peak + 256 MiB | warm cache first call / its own |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
+    grouped = rows_by_problem(results)
+    for problem in results["problems"]:
+        if not problem.get("auto_targets"):
+            continue
+        rows = [r for r in grouped[problem["problem"]] if r.get("ok")]
+        fixed = [r for r in rows if r["name"] != "auto"]
+        by_label = _by_label(rows)
+        auto, warm = by_label.get("auto"), by_label.get("auto, warm cache")
+        if auto is None or not fixed:
+            lines.append(f"| {problem['problem']} | failed | | | | | |")
+            continue
+        ran = (auto.get("ran") or "").removeprefix("auto: ")
+        own = by_label.get(ran) or next(
+            (r for r in fixed if r["name"] == ran.split("(")[0]), None
+        )
+
+        growth, peak_bytes = auto.get("growth_bytes"), auto.get("peak_bytes")
+        if growth is None or peak_bytes is None:
+            fits = "n/a"
+        else:
+            allowed = 2 * peak_bytes + GROWTH_SLACK_BYTES
+            fits = (
+                f"{'yes' if growth <= allowed else '**no**'} "
+                f"({memory.format_bytes(growth)} vs {memory.format_bytes(allowed)})"
+            )
+        warm_ratio = "n/a"
+        if warm is not None and own is not None and own.get("first_call_s"):
+            value = warm["first_call_s"] / own["first_call_s"]
+            over = "" if value <= AUTO_LIMITS["warm"] else " **over**"
+            warm_ratio = f"{value:.2f} ({own['strategy']}){over}"
+        lines.append(
+            f"| {problem['problem']} | {ran} "
+            f"| {_ratio(auto, fixed, 'first_call_s', AUTO_LIMITS['first call'])} "
+            f"| {_ratio(auto, fixed, 'first_3_calls_s', AUTO_LIMITS['first 3 calls'])} "
+            f"| {_ratio(auto, fixed, 'steady_s', AUTO_LIMITS['steady'])} | {fits} "
+            f"| {warm_ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(row: dict, fixed: list[dict], key: str, limit: float) -> str:
+    """``row[key]`` over the least of ``fixed``, naming it, marked if over
+    ``limit``."""
+    best = min(fixed, key=lambda r: r.get(key) or float("inf"))
+    if not row.get(key) or not best.get(key):
+        return "n/a"
+    value = row[key] / best[key]
+    mark = "" if value <= limit else " **over**"
+    return f"{value:.2f} ({best['strategy']}){mark}"
 
 
 def _cell(text: str) -> str:
@@ -204,6 +277,20 @@ def render(results: dict[str, Any]) -> str:
         headline_memory_table(results),
         "",
     ]
+    if any(p.get("auto_targets") for p in results["problems"]):
+        parts += [
+            "## auto against the best fixed strategy",
+            "",
+            "Targets: first call <= 1.25x the fastest fixed strategy's first "
+            "call; first 3 calls <= 1.2x the best; steady <= 1.1x the best; "
+            "process memory growth <= 2x auto's steady peak + 256 MiB; with a "
+            "warm plan cache (a fresh process after the cold one), first call "
+            "<= 1.1x the chosen strategy's own first call. Every row ran in a "
+            "fresh process; auto's steady calls are timed after it settled.",
+            "",
+            auto_table(results),
+            "",
+        ]
     for problem in results["problems"]:
         rows = grouped[problem["problem"]]
         reference = f"reference: `{problem['reference']}`"

@@ -68,18 +68,45 @@ class Settings:
     progress: bool = True
 
 
-def strategy_configs(problem: BenchProblem) -> list[tuple[str, int | None, str]]:
-    """``(name, chunk_size, label)`` to run on ``problem``: every registered
-    strategy at its defaults, then ``chunked`` at the problem's chunk sizes."""
-    from jacobkit import strategies
+@dataclass(frozen=True)
+class Config:
+    """One row of a problem's table: a strategy configuration, or ``auto``.
 
-    configs = []
-    for name, cls in strategies.REGISTRY.items():
-        configs.append((name, None, cls().label))
-    for size in problem.chunk_sizes:
-        configs.append(("chunked", size, strategies.Chunked(size).label))
-    seen: set[str] = set()
-    return [c for c in configs if not (c[2] in seen or seen.add(c[2]))]
+    Attributes:
+        label: the row's label (``"chunked(8)"``, ``"auto"``,
+            ``"auto, warm cache"``).
+        name: the registered name, or ``"auto"``.
+        spec: :func:`jacobkit.strategies.to_spec` of the configuration
+            (``None`` for auto).
+        cache: for auto: ``"cold"`` (an empty plan cache) or ``"warm"`` (the
+            cache the cold run left: a second run of the same script).
+    """
+
+    label: str
+    name: str
+    spec: dict[str, Any] | None = None
+    cache: str | None = None
+
+    @property
+    def chunk_size(self) -> int | None:
+        return (self.spec or {}).get("options", {}).get("chunk_size")
+
+
+def strategy_configs(problem: BenchProblem) -> list[Config]:
+    """What to run on ``problem``: :func:`jacobkit.compare.configurations`
+    (every registered strategy at its defaults, ``chunked`` at the problem's
+    chunk sizes and at every row) less the problem's ``skip``, then ``auto``
+    with a cold and with a warm plan cache, each in a fresh process."""
+    from jacobkit import compare, strategies
+
+    configs = [
+        Config(s.label, s.name, strategies.to_spec(s))
+        for s in compare.configurations(problem.num_rows, problem.chunk_sizes)
+        if s.name not in problem.skip
+    ]
+    configs += [Config("auto", "auto", cache="cold")]
+    configs += [Config("auto, warm cache", "auto", cache="warm")]
+    return configs
 
 
 def run_suite(
@@ -130,14 +157,16 @@ def run_suite(
             base["reference_seconds"] = ref.get("seconds")
             base["reference_error"] = ref.get("error")
             bar.update()
-            for name, chunk_size, label in configs[problem.id]:
+            plan_cache = str(pool.scratch / f"{problem.id}-plans")
+            for config in configs[problem.id]:
+                label = config.label
                 bar.set_postfix_str(f"{problem.id} {label}")
                 row = {
                     **base,
                     "strategy": label,
-                    "name": name,
-                    "chunk_size": chunk_size,
-                    "default": chunk_size is None,
+                    "name": config.name,
+                    "chunk_size": config.chunk_size,
+                    "default": config.chunk_size is None and config.cache != "warm",
                 }
                 skip = _skip_reason(stopped, problem, label)
                 if skip:
@@ -146,8 +175,9 @@ def run_suite(
                     task = {
                         **base,
                         "kind": "measure",
-                        "strategy": name,
-                        "chunk_size": chunk_size,
+                        "strategy": config.name,
+                        "spec": config.spec,
+                        "plan_cache": plan_cache if config.cache else None,
                         "repeats": settings.repeats,
                         "reference_path": None if ref.get("error") else reference_path,
                     }

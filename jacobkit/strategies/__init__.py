@@ -8,6 +8,8 @@ test problem, so a new strategy is checked by registering it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from jacobkit.strategies.base import Strategy
 from jacobkit.strategies.batch import Batch
 from jacobkit.strategies.chunked import Chunked
@@ -58,6 +60,25 @@ def get(strategy: str | Strategy) -> Strategy:
     )
 
 
+def to_spec(strategy: Strategy) -> dict:
+    """A configured strategy as JSON-friendly data: ``{"name", "options"}``."""
+    return {"name": strategy.name, "options": dict(strategy.options)}
+
+
+def from_spec(spec: Any) -> Strategy:
+    """The strategy :func:`to_spec` described; ``ValueError`` if ``spec``
+    names no registered strategy or options it does not take."""
+    if not isinstance(spec, dict) or spec.get("name") not in REGISTRY:
+        raise ValueError(f"not a registered strategy: {spec!r}")
+    options = spec.get("options") or {}
+    if not isinstance(options, dict):
+        raise ValueError(f"options of {spec['name']!r} must be a dict: {options!r}")
+    try:
+        return REGISTRY[spec["name"]](**options)
+    except TypeError as err:
+        raise ValueError(f"bad options for {spec['name']!r}: {err}") from err
+
+
 __all__ = [
     "REGISTRY",
     "Batch",
@@ -67,7 +88,9 @@ __all__ = [
     "Loop",
     "Strategy",
     "While",
+    "from_spec",
     "get",
     "names",
     "register",
+    "to_spec",
 ]

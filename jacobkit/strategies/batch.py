@@ -41,6 +41,12 @@ class Batch(Strategy):
 
     name = "batch"
 
+    trace_weight = 2.0
+
+    @classmethod
+    def for_auto(cls, num_rows: int) -> Batch:
+        return Batch()
+
     def check(self, problem: Problem) -> None:
         if problem.linear_layer_kind is None:
             what = (

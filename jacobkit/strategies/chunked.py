@@ -33,6 +33,15 @@ class Chunked(Strategy):
     name = "chunked"
     chunk_size: int = 16
 
+    trace_weight = 2.0
+
+    @classmethod
+    def for_auto(cls, num_rows: int) -> Chunked:
+        return Chunked(num_rows)
+
+    def rows_at_once(self, num_rows: int) -> int:
+        return min(self.chunk_size, num_rows)
+
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "chunk_size", check_chunk_size(self.name, self.chunk_size)

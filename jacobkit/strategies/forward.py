@@ -30,6 +30,8 @@ class Forward(Strategy):
     name = "forward"
     chunk_size: int = 64
 
+    trace_weight = 3.0
+
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "chunk_size", check_chunk_size(self.name, self.chunk_size)

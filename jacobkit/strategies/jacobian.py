@@ -20,6 +20,8 @@ class Jacobian(Strategy):
 
     name = "jacobian"
 
+    trace_weight = 2.5
+
     def build(self, problem: Problem):
         targets = problem.targets
 

@@ -23,6 +23,11 @@ class Loop(Strategy):
     name = "loop"
     compiled = False
 
+    trace_weight = 0.0
+
+    def rows_at_once(self, num_rows: int) -> int:
+        return 1
+
     def build(self, problem: Problem):
         targets = problem.targets
 

@@ -34,6 +34,15 @@ class While(Strategy):
         default=None, metadata={"label": "parallel"}
     )
 
+    trace_weight = 1.0
+
+    @classmethod
+    def for_auto(cls, num_rows: int) -> While:
+        return While(min(DEFAULT_PARALLEL_ITERATIONS, num_rows))
+
+    def rows_at_once(self, num_rows: int) -> int:
+        return min(self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS, num_rows)
+
     def __post_init__(self) -> None:
         parallel = self.parallel_iterations
         if parallel is not None and (

@@ -1,0 +1,110 @@
+"""The child process of ``benchmarks/auto_budgets.py``: one model, several
+labels (fixed strategies and ``auto@budget``), in one fresh process.
+
+For each label: the peak memory of the first call, of every call until
+``auto`` settles (at most :data:`jacobkit.compare.SETTLE_CALLS`), then
+``rounds`` interleaved timing rounds (each calls every label once, so that a
+load change on a shared machine hits every label alike), then one steady
+call's peak. Fixed labels are the labels of
+:func:`jacobkit.compare.configurations` (the list ``compare`` and ``bench``
+measure); ``auto`` runs with an empty plan cache.
+
+    python -m jacobkit.bench.budget_child '{"problem": ..., "sizes": ...,
+        "labels": [...], "rounds": 7, "chunk_sizes": [...]}'
+
+prints one line ``RESULT {json}``: ``{label: measurements}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+
+def callers(spec: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """``label -> call()`` for every label of ``spec``."""
+    import jacobkit as jk
+    from jacobkit import compare, examples
+
+    ex = examples.build(spec["problem"], **spec["sizes"])
+    rows = spec["sizes"]["features"]
+    fixed = {
+        s.label: s for s in compare.configurations(rows, spec.get("chunk_sizes", ()))
+    }
+    found = {}
+    for label in spec["labels"]:
+        if label.startswith("auto"):
+            budget = label.partition("@")[2] or None
+            kwargs: dict[str, Any] = {"memory_budget": budget}
+        elif label in fixed:
+            kwargs = {"strategy": fixed[label]}
+        else:
+            raise ValueError(
+                f"budget_child: {label!r} is neither auto@BUDGET nor one of "
+                f"{sorted(fixed)}"
+            )
+        found[label] = lambda kwargs=kwargs: jk.jacobian(
+            ex.model, ex.inputs, ex.layer, **kwargs
+        )
+    return found
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every label's peaks, settling calls, interleaved times and choice."""
+    from jacobkit import compare, memory
+
+    calls = callers(spec)
+    found: dict[str, Any] = {}
+    for label, call in calls.items():
+        with memory.PeakMemory() as first:
+            result = call()
+        peaks, count = [first.extra_bytes], 1
+        while (
+            result.plan is not None
+            and not result.plan.settled
+            and count < compare.SETTLE_CALLS
+        ):
+            with memory.PeakMemory() as settling:
+                result = call()
+            peaks.append(settling.extra_bytes)
+            count += 1
+        plan = result.plan
+        found[label] = {
+            "first_peak": first.extra_bytes,
+            "max_peak": max(peaks),
+            "settle_calls": count,
+            "times": [],
+            "predicted_peak": plan.predicted_peak_bytes if plan else None,
+            "predicted_s": plan.predicted_time_s if plan else None,
+            "plan": plan.summary() if plan else None,
+        }
+    for _ in range(spec["rounds"]):
+        for label, call in calls.items():
+            found[label]["times"].append(call().stats.wall_time_s)
+    for label, call in calls.items():
+        with memory.PeakMemory() as steady:
+            result = call()
+        ran = result.strategy_config
+        found[label].update(
+            steady_peak=steady.extra_bytes,
+            chosen=ran.label,
+            ran=ran.label,
+            steady_s=statistics.median(found[label]["times"] or [float("nan")]),
+        )
+    return found
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    # auto starts cold: an empty plan cache of this process's own
+    os.environ["JACOBKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="jacobkit-plans-")
+    print("RESULT " + json.dumps(measure(spec)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,158 @@
+"""``auto``: the first answer as fast as the best single strategy, then the
+fastest strategy that fits the memory budget, with no work thrown away.
+
+How a call runs (nothing of the full Jacobian's size is allocated before
+the budget is checked):
+
+1. The budget (``memory_budget``; default :data:`jacobkit.memory.
+   DEFAULT_BUDGET_FRACTION` of free device memory) is checked against the
+   result itself, ``R × P × itemsize``, and refused with the bytes needed.
+2. The rows are computed in equal segments (:mod:`~jacobkit.planner.rows`;
+   about four per call), each by one strategy, and each is timed and its
+   peak measured while it computes rows of the answer
+   (:mod:`~jacobkit.planner.probes`). No row is computed twice.
+3. The first call starts on the candidate cheapest to trace (``while``),
+   made small enough that its predicted peak fits
+   (:mod:`~jacobkit.planner.selection`). Other candidates (``batch``,
+   ``chunked``) are tried on segments of real calls once the time spent
+   running the current one reaches twice their predicted tracing time; the
+   faster one (the lower peak within noise) is kept
+   (:mod:`~jacobkit.planner.estimates`).
+4. What was measured is written to a plan cache on disk
+   (:mod:`~jacobkit.planner.cache`), so the next process starts on the
+   strategy that won, and a settled plan probes nothing.
+
+An out-of-memory error, or a segment over the budget, makes the strategy
+:meth:`~jacobkit.strategies.Strategy.smaller` from then on (warned once).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit import memory
+from jacobkit.planner import cache as disk
+from jacobkit.planner import probes
+from jacobkit.planner.execution import Session, entry_of, restore
+from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
+from jacobkit.problem import Problem, per_model
+from jacobkit.result import Stats
+from jacobkit.strategies import Strategy
+
+#: the plan keeps its predicted peak below this fraction of the budget: the
+#: memory prior was measured within ~10% of real peaks, the rest is allocator
+#: fragmentation.
+SAFETY = 0.85
+
+#: model -> {(problem key, input shapes, budget as given, device, cache): Session}
+_SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def session_for(
+    problem: Problem,
+    *,
+    memory_budget: Any = None,
+    device: str | None = None,
+    cache: bool = True,
+) -> tuple[Session, str | None]:
+    """This process's :class:`Session` for ``problem`` (made, or continued
+    from the disk cache, if new) and its disk cache name (``None``: off)."""
+    device = memory.normalize_device(device)
+    key = (problem.key, probes.input_shapes(problem), repr(memory_budget), device)
+    name = disk.fingerprint(problem, device) if cache else None
+    sessions = per_model(_SESSIONS, problem.model)
+    if (key, name) in sessions:  # (asking the device for free memory takes time)
+        return sessions[(key, name)], name
+    budget = memory.parse_budget(memory_budget, device=device)
+    result_bytes = probes.result_bytes(problem)
+    if result_bytes > budget * SAFETY:
+        raise ValueError(
+            f"jacobian(memory_budget={memory.format_bytes(budget)}): the result "
+            f"alone needs {memory.format_bytes(result_bytes)} ({result_bytes} "
+            f"bytes: {problem.num_rows} rows × "
+            f"{sum(t.shape.num_elements() for t in problem.targets)} parameters × "
+            f"{problem.output_dtype.size} bytes), more than the budget allows. "
+            "Raise memory_budget, keep fewer rows with features=[...], or use a "
+            "smaller batch."
+        )
+    entry = disk.load(name) if name is not None else None
+    row_bytes = _row_bytes(entry)
+    if row_bytes is None:
+        row_bytes = probes.activation_bytes(problem)
+    measured_on = device if probes.peak_measurable(device) else None
+    session = Session(problem, budget, budget * SAFETY, measured_on, row_bytes)
+    if entry is not None:
+        try:
+            used = restore(session, entry)
+        except (KeyError, TypeError, ValueError) as err:
+            disk._warn_once(
+                f"{name}-content",
+                f"the plan cache entry {name}.json is unusable ({err}); planning "
+                "again and rewriting it.",
+            )
+            used = False
+        if not used:  # planned afresh, and rewritten after the first call
+            session = Session(problem, budget, budget * SAFETY, measured_on, row_bytes)
+            session.dirty = True
+    sessions[(key, name)] = session
+    return session, name
+
+
+def _row_bytes(entry: dict | None) -> int | None:
+    if entry is None:
+        return None
+    value = entry.get("row_bytes")
+    return int(value) if isinstance(value, int) and value >= 0 else None
+
+
+def plan_problem(
+    problem: Problem,
+    *,
+    memory_budget: Any = None,
+    device: str | None = None,
+    cache: bool = True,
+) -> Plan:
+    """What ``auto`` runs next on ``problem`` and what it knows (nothing is
+    run: before the first call, the plan is the starting strategy with its
+    predicted peak, or what the disk cache holds)."""
+    session, _ = session_for(
+        problem, memory_budget=memory_budget, device=device, cache=cache
+    )
+    return session.plan()
+
+
+def run(
+    problem: Problem,
+    *,
+    memory_budget: Any = None,
+    device: str | None = None,
+    cache: bool = True,
+) -> tuple[Strategy, list[tf.Tensor], Stats, Plan]:
+    """One ``auto`` call: ``(strategy later calls run, flat (R, *v.shape)
+    Jacobians, Stats, Plan)``; writes the disk cache when something was
+    learned."""
+    session, name = session_for(
+        problem, memory_budget=memory_budget, device=device, cache=cache
+    )
+    flat, stats = session.run(problem)
+    if name is not None and session.dirty:
+        disk.save(name, entry_of(session))
+        session.dirty = False
+    return session.current, flat, stats, session.plan()
+
+
+__all__ = [
+    "SAFETY",
+    "Estimate",
+    "Plan",
+    "Probe",
+    "Rejection",
+    "Session",
+    "Switch",
+    "plan_problem",
+    "run",
+    "session_for",
+]

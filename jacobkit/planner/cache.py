@@ -1,0 +1,232 @@
+"""The plan cache on disk, like cuDNN's or XLA's autotuning caches: the
+second run of a script plans nothing.
+
+One JSON file per problem, named by a fingerprint of what the measurements
+depend on: the model's architecture (layer configurations, variable names,
+shapes and dtypes; not the weights' values), the targets, the rows, the
+input signature, the device kind and the TensorFlow version. It holds what
+``auto`` measured (time per row, tracing time and peak of each strategy it
+ran), the strategy it runs, the candidates still to try and the time spent
+so far, so that a later process continues where this one stopped.
+
+Where: ``$JACOBKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/jacobkit``, else
+``~/.cache/jacobkit``; ``JACOBKIT_CACHE_DIR=""`` (or ``jacobian(...,
+cache=False)``) turns it off. Writes go to a temporary file renamed over the
+entry (``os.replace``), so a reader never sees half a file and concurrent
+writers leave one whole entry. An entry that cannot be read, parsed or
+used is ignored with one :class:`CacheWarning` and rewritten; an entry is
+never trusted blindly: a strategy whose measured peak no longer fits the
+budget is not run from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import tempfile
+import warnings
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit import strategies
+from jacobkit.planner.plan import Estimate, Rejection
+from jacobkit.problem import Problem
+from jacobkit.strategies import Strategy
+
+#: bumped when an entry's meaning changes; older entries are stale
+FORMAT = 1
+
+_WARNED: set[str] = set()
+
+
+class CacheWarning(UserWarning):
+    """A plan cache entry or directory could not be used (once per path)."""
+
+
+def directory() -> str | None:
+    """The cache directory, or ``None`` when caching is off."""
+    configured = os.environ.get("JACOBKIT_CACHE_DIR")
+    if configured is not None:
+        return configured or None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
+    return os.path.join(base, "jacobkit")
+
+
+def fingerprint(problem: Problem, device: str) -> str | None:
+    """The entry's name for ``problem`` on ``device`` (a hex digest), or
+    ``None`` where rows are given by a callable (its code is not
+    fingerprinted, so nothing is cached)."""
+    mode = problem.rows_spec.mode
+    if callable(mode):
+        return None
+    model = problem.model
+    try:
+        config = model.get_config()
+    except Exception:  # subclassed models may not implement it
+        config = None
+    variables = [
+        (_stable(json.dumps(_name(v))), list(v.shape), tf.as_dtype(v.dtype).name)
+        for v in getattr(model, "variables", [])
+    ]
+    key = {
+        "format": FORMAT,
+        "model": [type(model).__module__, type(model).__qualname__],
+        "config": _stable(json.dumps(config, sort_keys=True, default=repr)),
+        "variables": variables,
+        "targets": [
+            [name, list(t.shape), t.dtype.name]
+            for name, t in zip(problem.target_names, problem.targets)
+        ],
+        "rows": [mode, problem.rows_spec.features, list(problem.rows_shape)],
+        "training": problem.training,
+        "inputs": [
+            [list(t.shape), t.dtype.name] for t in tf.nest.flatten(problem.inputs)
+        ],
+        "device": [device, _device_kind(device)],
+        "tensorflow": tf.__version__,
+    }
+    text = json.dumps(key, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _name(variable: Any) -> str:
+    return str(getattr(variable, "path", None) or variable.name)
+
+
+def _stable(text: str) -> str:
+    """``text`` without object addresses (``<... at 0x7f...>``) and without
+    Keras's numbering of generated names (``input_layer_3``: the same
+    architecture built twice in one process numbers its layers anew)."""
+    text = re.sub(r"0x[0-9a-fA-F]+", "0x", text)
+    return re.sub(
+        r'"([A-Za-z][A-Za-z0-9]*(?:_[A-Za-z][A-Za-z0-9]*)*)_\d+"', r'"\1"', text
+    )
+
+
+def _device_kind(device: str) -> str:
+    if device.startswith("GPU"):
+        gpus = tf.config.list_physical_devices("GPU")
+        index = int(device.split(":")[1])
+        if index < len(gpus):
+            details = tf.config.experimental.get_device_details(gpus[index])
+            return str(details.get("device_name", "GPU"))
+    return f"{platform.machine()} {platform.processor()} x{os.cpu_count()}"
+
+
+def load(name: str) -> dict[str, Any] | None:
+    """The entry ``name``, or ``None`` (missing, off, or unusable: warned)."""
+    folder = directory()
+    if folder is None or not os.path.isdir(folder):
+        return None  # (a folder that cannot be made is warned about on writing)
+    path = os.path.join(folder, f"{name}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            entry = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        _warn_once(
+            path,
+            f"cannot read the plan cache entry {path} ({err}); "
+            "planning again and rewriting it.",
+        )
+        return None
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        _warn_once(
+            path,
+            f"the plan cache entry {path} is stale or not jacobkit's; "
+            "planning again and rewriting it.",
+        )
+        return None
+    return entry
+
+
+def save(name: str, entry: dict[str, Any]) -> bool:
+    """Write ``entry`` atomically; ``False`` (warned once) if it cannot."""
+    folder = directory()
+    if folder is None:
+        return False
+    path = os.path.join(folder, f"{name}.json")
+    tmp = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({**entry, "format": FORMAT}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as err:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+        _warn_once(
+            folder,
+            f"cannot write the plan cache in {folder} ({err}); "
+            "plans are kept in memory only. Set JACOBKIT_CACHE_DIR to a "
+            "writable directory, or to '' to turn the cache off.",
+        )
+        return False
+    return True
+
+
+def _warn_once(path: str, message: str) -> None:
+    if path in _WARNED:
+        return
+    _WARNED.add(path)
+    warnings.warn(f"jacobkit: {message}", CacheWarning, stacklevel=4)
+
+
+# -- (de)serializing strategies and estimates -----------------------------------
+def strategy_to_json(strategy: Strategy) -> dict[str, Any]:
+    return strategies.to_spec(strategy)
+
+
+def strategy_from_json(data: Any) -> Strategy:
+    """A configured strategy; ``ValueError`` if ``data`` does not name one."""
+    return strategies.from_spec(data)
+
+
+def estimate_to_json(estimate: Estimate) -> dict[str, Any]:
+    return {
+        "strategy": strategy_to_json(estimate.strategy),
+        "seconds_per_row": estimate.seconds_per_row,
+        "trace_s": estimate.trace_s,
+        "peak_bytes": estimate.peak_bytes,
+    }
+
+
+def estimate_from_json(data: dict[str, Any]) -> Estimate:
+    return Estimate(
+        strategy=strategy_from_json(data["strategy"]),
+        seconds_per_row=_number(data.get("seconds_per_row")),
+        trace_s=_number(data.get("trace_s")),
+        peak_bytes=None if data.get("peak_bytes") is None else int(data["peak_bytes"]),
+    )
+
+
+def rejection_to_json(rejection: Rejection) -> dict[str, Any]:
+    what = rejection.strategy
+    return {
+        "strategy": what if isinstance(what, str) else strategy_to_json(what),
+        "reason": rejection.reason,
+    }
+
+
+def rejection_from_json(data: dict[str, Any]) -> Rejection:
+    what = data["strategy"]
+    return Rejection(
+        what if isinstance(what, str) else strategy_from_json(what),
+        str(data["reason"]),
+    )
+
+
+def _number(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"not a non-negative number: {value!r}")
+    return float(value)

@@ -1,0 +1,69 @@
+"""From measured segments to estimates, and the priors used before a
+strategy ran: its peak memory and its tracing time."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from jacobkit.planner.plan import Estimate, Probe
+from jacobkit.strategies import Strategy
+
+
+def estimate(
+    strategy: Strategy,
+    probes: Sequence[Probe],
+    earlier: Estimate | None = None,
+) -> Estimate:
+    """What ``probes`` (segments ``strategy`` computed) say of it.
+
+    The steady rate is the median over segments that did not trace (seconds
+    per row); the tracing time is the traced segment's time minus its rows
+    at that rate. ``earlier`` (e.g. from the disk cache) fills what the
+    probes do not measure yet.
+    """
+    mine = [p for p in probes if p.strategy == strategy]
+    steady = [p.seconds / p.rows for p in mine if not p.traced]
+    traced = [p for p in mine if p.traced]
+    peaks = [p.peak_bytes for p in mine if p.peak_bytes is not None]
+    rate = statistics.median(steady) if steady else None
+    trace_s = None
+    if traced and rate is not None:
+        last = traced[-1]
+        trace_s = max(last.seconds - rate * last.rows, 0.0)
+    if earlier is not None:
+        rate = earlier.seconds_per_row if rate is None else rate
+        trace_s = earlier.trace_s if trace_s is None else trace_s
+        if earlier.peak_bytes is not None:
+            peaks.append(earlier.peak_bytes)
+    return Estimate(
+        strategy=strategy,
+        seconds_per_row=rate,
+        trace_s=trace_s,
+        peak_bytes=max(peaks) if peaks else None,
+        predicted_peak_bytes=earlier.predicted_peak_bytes if earlier else None,
+    )
+
+
+def predicted_peak(
+    strategy: Strategy, segment_rows: int, row_bytes: int, result_bytes: int
+) -> int:
+    """Peak memory before ``strategy`` ran: the forward pass kept by the tape,
+    one forward pass's activations per row alive at once, and the segment's
+    Jacobians plus their concatenation (up to twice the result)."""
+    at_once = strategy.rows_at_once(segment_rows)
+    return int((1 + at_once) * row_bytes + 2 * result_bytes)
+
+
+def predicted_trace_s(
+    strategy: Strategy, known: Estimate | None, reference: Estimate | None
+) -> float | None:
+    """Tracing time of ``strategy``: measured if it was traced before (in this
+    process or one that wrote the disk cache), else scaled from a measured
+    strategy by their :attr:`~jacobkit.strategies.Strategy.trace_weight`."""
+    if known is not None and known.trace_s is not None:
+        return known.trace_s
+    if reference is None or reference.trace_s is None:
+        return None
+    weight = max(reference.strategy.trace_weight, 1e-3)
+    return reference.trace_s * strategy.trace_weight / weight

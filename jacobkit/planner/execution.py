@@ -1,0 +1,395 @@
+"""Running ``auto``: every call computes its rows in equal segments, each by
+one strategy, and every segment is both part of the answer and a
+measurement.
+
+A :class:`Session` holds what one process knows of one problem (per model,
+targets, rows, input shapes, budget and device): the strategy it runs, the
+candidates still to try, the segments measured so far, and the switches.
+Before each segment it picks the strategy (the current one, or a candidate
+it tries: :mod:`jacobkit.planner.selection`); after each it records the
+:class:`~jacobkit.planner.plan.Probe`. An out-of-memory error (or a segment
+over the budget) makes the strategy :meth:`~jacobkit.strategies.Strategy.
+smaller` for the rest of the call and every later one; the rows of the
+failed segment are computed again by the smaller one (nothing of them was
+returned).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import replace
+
+import tensorflow as tf
+
+from jacobkit import memory, strategies
+from jacobkit.planner import cache, probes, selection
+from jacobkit.planner import estimates as est
+from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
+from jacobkit.planner.rows import segment_size, segment_view
+from jacobkit.problem import Problem
+from jacobkit.result import Stats
+from jacobkit.strategies import Strategy
+
+#: a call computes about this many segments (fewer where the rows do not
+#: divide into equal segments): enough to try a candidate on part of a call
+SEGMENTS = 4
+#: a segment has at least this many rows (shorter ones time poorly)
+MIN_SEGMENT_ROWS = 8
+#: a tried candidate's rate is the median of this many segments that did
+#: not trace (one is at the mercy of a busy machine)
+TRIAL_SEGMENTS = 2
+#: segments kept per strategy for its estimate (the newest)
+_KEPT_PROBES = 8
+
+
+class Session:
+    """What ``auto`` knows of one problem in this process, and runs next.
+
+    Args:
+        problem: the resolved problem.
+        budget_bytes: the memory budget.
+        allowed_bytes: what the plan may use (the budget times the safety
+            margin).
+        device: where peak memory is measured, or ``None`` if it cannot be.
+        row_bytes: the forward pass's activations (the memory prior).
+    """
+
+    def __init__(
+        self,
+        problem: Problem,
+        budget_bytes: int,
+        allowed_bytes: float,
+        device: str | None,
+        row_bytes: int,
+    ) -> None:
+        self.num_rows = problem.num_rows
+        self.budget_bytes = budget_bytes
+        self.allowed_bytes = allowed_bytes
+        self.device = device
+        self.row_bytes = row_bytes
+        self.result_bytes = probes.result_bytes(problem)
+        target = max(MIN_SEGMENT_ROWS, self.num_rows // SEGMENTS)
+        size = segment_size(self.num_rows, target)
+        if size < self.num_rows and 2 * self.result_bytes > allowed_bytes:
+            size = self.num_rows  # no room to concatenate segments
+        self.segment_rows = size
+        self.segment_result_bytes = probes.result_bytes(problem, size)
+        self.probes: list[Probe] = []
+        self.known: dict[Strategy, Estimate] = {}
+        found, self.rejected = selection.candidates(size, self.fits)
+        if not found:
+            smallest = min(
+                est.predicted_peak(s, 1, row_bytes, self.segment_result_bytes)
+                for s in _smallest_configurations()
+            )
+            raise ValueError(
+                f"jacobian(memory_budget={_fmt(budget_bytes)}): even one row at a "
+                f"time needs about {_fmt(smallest + self.kept_bytes)} (estimated "
+                "from the forward pass's activations), more than the budget "
+                "allows. Raise memory_budget, keep fewer rows with "
+                "features=[...], or use a smaller batch."
+            )
+        self.current: Strategy = found[0]
+        self.pending: list[Strategy] = found[1:]
+        self.trying: Strategy | None = None
+        self.switches: list[Switch] = []
+        self.spent_s = 0.0
+        self.calls = 0
+        self.source = "not run yet"
+        self.last_call: tuple[Probe, ...] = ()
+        self.warned = False
+        #: something worth writing to the disk cache changed
+        self.dirty = False
+
+    # -- memory ------------------------------------------------------------
+    @property
+    def kept_bytes(self) -> int:
+        """Earlier segments' Jacobians, alive while a segment runs."""
+        return self.result_bytes if self.segment_rows < self.num_rows else 0
+
+    def predicted_peak(self, strategy: Strategy) -> int:
+        return est.predicted_peak(
+            strategy, self.segment_rows, self.row_bytes, self.segment_result_bytes
+        )
+
+    def fits(self, strategy: Strategy, room: float | None = None) -> bool:
+        """Whether ``strategy``'s segment peak (measured, else predicted) plus
+        the kept segments fits ``room`` (default: what the budget allows)."""
+        room = self.allowed_bytes if room is None else room
+        known = self.estimate(strategy)
+        peak = known.peak if known is not None else None
+        if peak is None:
+            peak = self.predicted_peak(strategy)
+        return peak + self.kept_bytes <= room
+
+    # -- knowledge ---------------------------------------------------------
+    def estimate(self, strategy: Strategy) -> Estimate | None:
+        """What is known of ``strategy`` (``None`` if nothing)."""
+        earlier = self.known.get(strategy)
+        if not any(p.strategy == strategy for p in self.probes):
+            return earlier
+        found = est.estimate(strategy, self.probes, earlier)
+        return replace(found, predicted_peak_bytes=self.predicted_peak(strategy))
+
+    def plan(self) -> Plan:
+        """The current state as a frozen :class:`Plan`."""
+        ran = {p.strategy for p in self.probes} | set(self.known)
+        estimates = tuple(e for s in ran if (e := self.estimate(s)) is not None)
+        current = self.estimate(self.current)
+        peak = current.peak if current is not None else None
+        return Plan(
+            strategy=self.current,
+            budget_bytes=self.budget_bytes,
+            result_bytes=self.result_bytes,
+            num_rows=self.num_rows,
+            segment_rows=self.segment_rows,
+            predicted_time_s=current.seconds(self.num_rows) if current else None,
+            predicted_peak_bytes=(
+                peak + self.kept_bytes
+                if peak is not None
+                else self.predicted_peak(self.current) + self.kept_bytes
+            ),
+            estimates=tuple(sorted(estimates, key=lambda e: e.strategy.label)),
+            pending=tuple(([self.trying] if self.trying else []) + self.pending),
+            rejected=tuple(self.rejected),
+            switches=tuple(self.switches),
+            last_call=self.last_call,
+            source=self.source,
+            calls=self.calls,
+        )
+
+    # -- choosing ------------------------------------------------------------
+    def choose(self, row: int) -> Strategy:
+        """The strategy for the segment starting at ``row``."""
+        if self.trying is not None:
+            timed = [p for p in self.probes if p.strategy == self.trying]
+            if sum(not p.traced for p in timed) < TRIAL_SEGMENTS:
+                return self.trying  # its tracing segment is not its speed
+            self._finish_trial(self.estimate(self.trying), row)
+        current = self.estimate(self.current)
+        while self.pending and current is not None:
+            candidate = self.pending[0]
+            room = selection.race_room(current, self.allowed_bytes)
+            smaller = candidate
+            while smaller is not None and not self.fits(smaller, room):
+                smaller = smaller.smaller()
+            if smaller is None:
+                self.pending.pop(0)
+                self.rejected.append(
+                    Rejection(
+                        candidate,
+                        f"predicted peak {_fmt(self.predicted_peak(candidate))} "
+                        f"over {_fmt(room)} (twice the current peak + "
+                        f"{_fmt(selection.RACE_SLACK_BYTES)}, within the budget)",
+                    )
+                )
+                self.dirty = True
+                continue
+            trace_s = est.predicted_trace_s(smaller, self.known.get(smaller), current)
+            if not selection.should_try(self.spent_s, trace_s):
+                break
+            self.pending.pop(0)
+            self.trying = smaller
+            self.switches.append(
+                Switch(
+                    self.calls,
+                    row,
+                    self.current,
+                    smaller,
+                    f"trying it: {self.spent_s:.2f} s spent running "
+                    f"{self.current.label} >= {selection.RENT:g} x its predicted "
+                    f"trace {trace_s:.2f} s",
+                )
+            )
+            self.spent_s = 0.0
+            return smaller
+        return self.current
+
+    def _finish_trial(self, found: Estimate, row: int) -> None:
+        current = self.estimate(self.current)
+        trying = self.trying
+        self.trying = None
+        self.dirty = True
+        rates = (
+            f"{found.seconds_per_row * 1e3:.2f} ms/row vs "
+            f"{current.seconds_per_row * 1e3:.2f} ms/row"
+        )
+        if selection.winner(current, found) is found:
+            self.switches.append(
+                Switch(self.calls, row, self.current, trying, f"faster: {rates}")
+            )
+            self.rejected.append(
+                Rejection(self.current, f"slower than {trying.label}: {rates}")
+            )
+            self.current = trying
+        else:
+            self.switches.append(
+                Switch(
+                    self.calls,
+                    row,
+                    trying,
+                    self.current,
+                    f"{trying.label} was not faster ({rates}, or within "
+                    f"{selection.NOISE - 1:.0%} with a higher peak)",
+                )
+            )
+            self.rejected.append(Rejection(trying, f"tried: {rates}"))
+
+    # -- running -------------------------------------------------------------
+    def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
+        """One call: every row, in segments; the Jacobians and their Stats."""
+        self.calls += 1
+        view = segment_view(problem, self.segment_rows)
+        begin = time.perf_counter()
+        parts: list[list[tf.Tensor]] = []
+        done: list[Probe] = []
+        row = 0
+        while row < self.num_rows:
+            strategy = self.choose(row)
+            try:
+                jacobians, probe = probes.run_segment(
+                    strategy, view, row, self.calls, self.device
+                )
+            except tf.errors.ResourceExhaustedError:
+                self._back_off(strategy, row, "ran out of memory")
+                continue
+            except Exception as err:
+                if strategy != self.trying:
+                    raise
+                # a candidate that refuses (its check) or fails on this
+                # problem is dropped; the current strategy computes the rows
+                self._drop_trial(strategy, f"{type(err).__name__}: {err}")
+                continue
+            self._record(probe)
+            done.append(probe)
+            parts.append(jacobians)
+            row += self.segment_rows
+            over = probe.peak_bytes is not None and (
+                probe.peak_bytes + self.kept_bytes > self.allowed_bytes
+            )
+            if over and strategy.smaller() is not None:
+                self._back_off(strategy, row, "went over the budget")
+        flat = (
+            parts[0]
+            if len(parts) == 1
+            else [tf.concat(list(chunks), axis=0) for chunks in zip(*parts)]
+        )
+        self.last_call = tuple(done)
+        if self.source == "not run yet":
+            self.source = "measured"
+        peaks = [p.peak_bytes for p in done if p.peak_bytes is not None]
+        stats = Stats(
+            wall_time_s=time.perf_counter() - begin,
+            trace_time_s=sum(
+                e.trace_s or 0.0
+                for s in {p.strategy for p in done if p.traced}
+                if (e := self.estimate(s)) is not None
+            ),
+            traced=any(p.traced for p in done),
+            peak_bytes=max(peaks) + self.kept_bytes if peaks else None,
+            num_rows=sum(p.rows for p in done),
+        )
+        return flat, stats
+
+    def _record(self, probe: Probe) -> None:
+        if probe.traced:
+            self.dirty = True
+        self.probes.append(probe)
+        mine = [p for p in self.probes if p.strategy == probe.strategy]
+        if len(mine) > _KEPT_PROBES:  # keep the traced one and the newest
+            old = next(p for p in mine if not p.traced)
+            self.probes.remove(old)
+        if probe.strategy == self.current and not probe.traced:
+            self.spent_s += probe.seconds
+            if not any(
+                p.strategy == probe.strategy and not p.traced for p in self.probes[:-1]
+            ):
+                self.dirty = True  # its first rate
+
+    def _drop_trial(self, strategy: Strategy, why: str) -> None:
+        self.trying = None
+        self.rejected.append(Rejection(strategy, why.splitlines()[0][:160]))
+        self.dirty = True
+
+    def _back_off(self, strategy: Strategy, row: int, what: str) -> None:
+        """``strategy`` needs less at once: its :meth:`smaller`, from now on."""
+        smaller = strategy.smaller()
+        if not self.warned:
+            after = smaller.label if smaller is not None else self.current.label
+            warnings.warn(
+                f"jacobkit: {strategy.label} {what}; retrying with less at once "
+                f"({after}).",
+                ResourceWarning,
+                stacklevel=5,
+            )
+            self.warned = True
+        self.dirty = True
+        if strategy is self.trying or strategy == self.trying:
+            if smaller is None:
+                self._drop_trial(strategy, f"{what} at its smallest")
+            else:
+                self.trying = smaller
+            return
+        if smaller is None:
+            raise tf.errors.ResourceExhaustedError(
+                None,
+                None,
+                f"jacobkit: {strategy.label} {what} computing one row at a time",
+            )
+        self.switches.append(Switch(self.calls, row, strategy, smaller, what))
+        self.rejected.append(Rejection(strategy, what))
+        self.current = smaller
+
+
+def _smallest_configurations() -> list[Strategy]:
+    """Each auto candidate at its smallest (for the refusal message)."""
+    found = []
+    for cls in strategies.REGISTRY.values():
+        strategy = cls.for_auto(1)
+        while strategy is not None and strategy.smaller() is not None:
+            strategy = strategy.smaller()
+        if strategy is not None:
+            found.append(strategy)
+    return found
+
+
+def _fmt(n: float) -> str:
+    return memory.format_bytes(int(n))
+
+
+def entry_of(session: Session) -> dict:
+    """What the disk cache keeps of ``session`` (JSON-friendly)."""
+    plan = session.plan()
+    return {
+        "current": cache.strategy_to_json(session.current),
+        "pending": [cache.strategy_to_json(s) for s in plan.pending],
+        "segment_rows": session.segment_rows,
+        "row_bytes": session.row_bytes,
+        "spent_s": session.spent_s,
+        "estimates": [cache.estimate_to_json(e) for e in plan.estimates],
+        "rejected": [cache.rejection_to_json(r) for r in plan.rejected],
+    }
+
+
+def restore(session: Session, entry: dict) -> bool:
+    """Continue from a disk cache entry; ``False`` where it does not apply
+    (other segments, or its strategy no longer fits the budget: re-planned).
+    Raises ``ValueError``/``KeyError``/``TypeError`` on a malformed entry."""
+    if int(entry["segment_rows"]) != session.segment_rows:
+        return False
+    known = [cache.estimate_from_json(e) for e in entry["estimates"]]
+    current = cache.strategy_from_json(entry["current"])
+    pending = [cache.strategy_from_json(s) for s in entry["pending"]]
+    rejected = [cache.rejection_from_json(r) for r in entry["rejected"]]
+    spent = float(entry["spent_s"])
+    session.known = {e.strategy: e for e in known}
+    if not session.fits(current):
+        session.known = {}
+        return False
+    session.current = current
+    session.pending = [s for s in pending if session.fits(s)]
+    session.rejected = rejected
+    session.spent_s = spent
+    session.source = "disk cache"
+    return True

@@ -1,0 +1,198 @@
+"""What ``auto`` measured and chose: typed records, and the :class:`Plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jacobkit import memory
+from jacobkit.strategies import Strategy
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One segment of rows that a strategy computed for a real call.
+
+    Every probe is part of an answer: ``auto`` times a strategy while it
+    computes rows ``[start, start + rows)`` of a call, and keeps them.
+
+    Attributes:
+        strategy: what computed the segment.
+        call: which ``jacobian`` call of this process (1 for the first).
+        start: the segment's first row.
+        rows: rows in the segment.
+        seconds: wall time, tracing included if ``traced``.
+        traced: whether the strategy was traced (compiled) for this segment.
+        peak_bytes: peak device memory during the segment, when measured.
+    """
+
+    strategy: Strategy
+    call: int
+    start: int
+    rows: int
+    seconds: float
+    traced: bool
+    peak_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What ``auto`` knows of one strategy on this problem.
+
+    Attributes:
+        strategy: the configured strategy.
+        seconds_per_row: steady time per row, from segments that did not
+            trace (``None`` until one ran).
+        trace_s: measured tracing time: the traced segment's time minus its
+            rows at the steady rate (``None`` until traced and timed).
+        peak_bytes: highest peak of its segments (``None``: not measured).
+        predicted_peak_bytes: the peak predicted before it ran (from the
+            forward pass's activations and the rows it holds at once).
+    """
+
+    strategy: Strategy
+    seconds_per_row: float | None = None
+    trace_s: float | None = None
+    peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+
+    def seconds(self, num_rows: int) -> float | None:
+        """Predicted steady time for ``num_rows`` rows."""
+        if self.seconds_per_row is None:
+            return None
+        return self.seconds_per_row * num_rows
+
+    @property
+    def peak(self) -> int | None:
+        """The measured peak, else the predicted one."""
+        return (
+            self.peak_bytes
+            if self.peak_bytes is not None
+            else (self.predicted_peak_bytes)
+        )
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A strategy ``auto`` does not run, and why."""
+
+    strategy: Strategy | str
+    reason: str
+
+    @property
+    def label(self) -> str:
+        return self.strategy if isinstance(self.strategy, str) else self.strategy.label
+
+
+@dataclass(frozen=True)
+class Switch:
+    """``auto`` changed strategy between two segments.
+
+    Attributes:
+        call: the call in which it switched (1 for the first call).
+        row: the first row the new strategy computed in that call.
+        old: the strategy before.
+        new: the strategy after.
+        reason: why (a measured rate, a back-off, a race).
+    """
+
+    call: int
+    row: int
+    old: Strategy
+    new: Strategy
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``auto`` runs, what it measured, and why.
+
+    Attributes:
+        strategy: what the next call runs (once :attr:`settled`, every call).
+        budget_bytes: the memory budget planned for.
+        result_bytes: size of the Jacobians themselves.
+        num_rows: rows of the problem (``R``).
+        segment_rows: rows per segment: every call computes the rows in
+            ``R / segment_rows`` equal segments, each by one strategy.
+        predicted_time_s: predicted steady time of a call with
+            :attr:`strategy` (``None`` until it ran).
+        predicted_peak_bytes: its measured (or, before it ran, predicted)
+            peak memory above the baseline, result included.
+        estimates: what is known of each strategy that ran.
+        pending: candidates not measured yet, next first; ``auto`` tries one
+            on a segment of a real call once the time spent running the
+            current strategy exceeds :data:`~jacobkit.planner.selection.RENT`
+            times the candidate's predicted tracing time.
+        rejected: strategies not run (or raced and lost), with the reason.
+        switches: every change of strategy so far, with the reason.
+        last_call: the segments of the most recent call.
+        source: ``"not run yet"``, ``"measured"`` (this process measured
+            it) or ``"disk cache"`` (loaded, nothing re-measured to choose).
+        calls: ``jacobian`` calls this process made with this plan.
+    """
+
+    strategy: Strategy
+    budget_bytes: int
+    result_bytes: int
+    num_rows: int
+    segment_rows: int
+    predicted_time_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    estimates: tuple[Estimate, ...] = ()
+    pending: tuple[Strategy, ...] = ()
+    rejected: tuple[Rejection, ...] = ()
+    switches: tuple[Switch, ...] = ()
+    last_call: tuple[Probe, ...] = ()
+    source: str = "not run yet"
+    calls: int = 0
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.strategy.chunk_size
+
+    @property
+    def settled(self) -> bool:
+        """Nothing left to try: every call runs :attr:`strategy`."""
+        return not self.pending
+
+    def estimate(self, strategy: Strategy) -> Estimate | None:
+        """What is known of ``strategy``, if it ran."""
+        return next((e for e in self.estimates if e.strategy == strategy), None)
+
+    def summary(self) -> str:
+        """A few lines: the choice, the measurements, switches, rejections."""
+        lines = [
+            f"auto -> {self.strategy.label}: predicted peak "
+            f"{_bytes(self.predicted_peak_bytes)} of a "
+            f"{memory.format_bytes(self.budget_bytes)} budget, predicted time "
+            f"{_ms(self.predicted_time_s)} (result "
+            f"{memory.format_bytes(self.result_bytes)}; {self.num_rows} rows in "
+            f"segments of {self.segment_rows}; {self.source})"
+        ]
+        for e in self.estimates:
+            per_call = e.seconds(self.num_rows)
+            lines.append(
+                f"  measured {e.strategy.label}: {_ms(per_call)} per call, "
+                f"trace {_ms(e.trace_s)}, peak {_bytes(e.peak_bytes)}"
+            )
+        for s in self.switches:
+            lines.append(
+                f"  call {s.call}, row {s.row}: switched {s.old.label} -> "
+                f"{s.new.label}: {s.reason}"
+            )
+        if self.pending:
+            lines.append(
+                "  still to try on later calls: "
+                + ", ".join(s.label for s in self.pending)
+            )
+        lines += [f"  rejected {r.label}: {r.reason}" for r in self.rejected]
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+def _ms(seconds: float | None) -> str:
+    return "unknown" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _bytes(n: int | None) -> str:
+    return "unknown" if n is None else memory.format_bytes(n)

@@ -1,0 +1,93 @@
+"""Measuring: run a strategy on one segment of a real call, and the forward
+pass's activations (``auto``'s memory prior before anything ran)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit import memory
+from jacobkit.planner.plan import Probe
+from jacobkit.planner.rows import RowRange
+from jacobkit.problem import Problem
+from jacobkit.strategies import Strategy
+
+
+def run_segment(
+    strategy: Strategy,
+    view: Problem | RowRange,
+    start: int,
+    call: int,
+    device: str | None,
+) -> tuple[list[tf.Tensor], Probe]:
+    """Compute rows ``[start, start + view.num_rows)`` with ``strategy``: the
+    ``(rows, *v.shape)`` Jacobians per target and the :class:`Probe`.
+
+    Peak memory is measured on ``device`` (``None``: not measured; see
+    :func:`peak_measurable`). Raises what the strategy raises (out-of-memory included).
+    """
+    if isinstance(view, RowRange):
+        view.select(start)
+    begin = time.perf_counter()
+    peak = None
+    if device is not None:
+        with memory.PeakMemory(device) as measured:
+            jacobians, stats = strategy.run(view)
+        peak = measured.extra_bytes
+    else:
+        jacobians, stats = strategy.run(view)
+    seconds = time.perf_counter() - begin
+    probe = Probe(
+        strategy=strategy,
+        call=call,
+        start=start,
+        rows=view.num_rows,
+        seconds=seconds,
+        traced=stats.traced,
+        peak_bytes=peak,
+    )
+    return jacobians, probe
+
+
+def peak_measurable(device: str) -> bool:
+    """Whether ``device`` reports peak memory (the CPU only with TensorFlow's
+    BFC allocator, see :func:`jacobkit.memory.enable_cpu_memory_stats`)."""
+    try:
+        with memory.PeakMemory(device):
+            pass
+    except RuntimeError:
+        return False
+    return True
+
+
+def activation_bytes(problem: Problem | RowRange) -> int:
+    """Bytes of every floating tensor the forward pass makes (traced, not run):
+    an upper bound on what one row's backward pass keeps per row."""
+    graph = tf.function(problem.rows).get_concrete_function(problem.inputs).graph
+    total = 0
+    for op in graph.get_operations():
+        if op.type in _NOT_ACTIVATIONS:
+            continue
+        for out in op.outputs:
+            if out.dtype.is_floating and out.shape.is_fully_defined():
+                total += out.shape.num_elements() * out.dtype.size
+    return total
+
+
+_NOT_ACTIVATIONS = {"Const", "Placeholder", "ReadVariableOp", "Identity", "NoOp"}
+
+
+def result_bytes(problem: Problem, num_rows: int | None = None) -> int:
+    """Bytes of the Jacobians of ``num_rows`` rows (default: every row)."""
+    rows = problem.num_rows if num_rows is None else num_rows
+    params = sum(t.shape.num_elements() for t in problem.targets)
+    return rows * params * problem.output_dtype.size
+
+
+def input_shapes(problem: Problem) -> tuple[Any, ...]:
+    """The inputs' shapes and dtypes (plans depend on them, not only on rows)."""
+    return tuple(
+        (tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(problem.inputs)
+    )

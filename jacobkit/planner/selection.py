@@ -1,0 +1,93 @@
+"""Which strategies ``auto`` considers, which it starts on, when it tries
+another, and which wins.
+
+- Candidates: every registered strategy's
+  :meth:`~jacobkit.strategies.Strategy.for_auto` configuration, made smaller
+  (:meth:`~jacobkit.strategies.Strategy.smaller`) until its predicted peak
+  fits, ordered by :attr:`~jacobkit.strategies.Strategy.trace_weight`: the
+  first call starts on the one cheapest to trace (``while``), because
+  explainability code often calls ``jacobian`` once or a few times.
+- Trying another (a ski-rental rule): a candidate is tried on a segment of a
+  real call once the time spent running the current strategy (tracing not
+  counted) reaches :data:`RENT` times the candidate's predicted tracing time.
+  Whatever it could save, trying it then costs at most that much more than
+  never trying it, and nothing when the calls stop early.
+- Winning: the least time per row; where rates are within :data:`NOISE`,
+  the lower peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jacobkit import strategies
+from jacobkit.planner.plan import Estimate, Rejection
+from jacobkit.strategies import Strategy
+
+#: try a candidate once the current strategy has run this many times its
+#: predicted tracing time (2: the classic ski-rental bound)
+RENT = 2.0
+#: rates within this factor are measurement noise on a busy machine; the
+#: lower peak wins among them
+NOISE = 1.15
+#: a candidate is tried only if its predicted peak is at most this many times
+#: the current strategy's measured peak plus :data:`RACE_SLACK_BYTES`: the
+#: allocator keeps what it took, so a losing try leaves the process bigger
+RACE_PEAK_FACTOR = 2
+RACE_SLACK_BYTES = 256 * 2**20
+
+
+def candidates(
+    segment_rows: int, fits: Callable[[Strategy], bool]
+) -> tuple[list[Strategy], list[Rejection]]:
+    """``auto``'s candidates for segments of ``segment_rows`` rows, cheapest to
+    trace first, each as large as ``fits(strategy)`` allows; and the
+    registered strategies it does not consider, with the reason."""
+    found: list[Strategy] = []
+    rejected: list[Rejection] = []
+    ranked = sorted(strategies.REGISTRY.values(), key=lambda cls: cls.trace_weight)
+    for cls in ranked:
+        strategy = cls.for_auto(segment_rows)
+        if strategy is None:
+            rejected.append(Rejection(cls.name, _NOT_AUTO.get(cls.name, "not offered")))
+            continue
+        while strategy is not None and not fits(strategy):
+            strategy = strategy.smaller()
+        if strategy is None:
+            rejected.append(Rejection(cls.name, "predicted peak over the budget"))
+        else:
+            found.append(strategy)
+    return found, rejected
+
+
+_NOT_AUTO = {
+    "jacobian": "the same computation as chunked(rows), without a budget",
+    "loop": "eager Python loop: slowest",
+    "forward": "one pass per parameter: only for targets with fewer parameters "
+    "than rows (pass strategy='forward')",
+}
+
+
+def should_try(spent_s: float, trace_s: float | None) -> bool:
+    """Whether to try a candidate predicted to trace in ``trace_s`` seconds,
+    after ``spent_s`` seconds running the current strategy."""
+    if trace_s is None:
+        return False
+    return spent_s >= RENT * trace_s
+
+
+def race_room(current: Estimate | None, allowed: float) -> float:
+    """The largest predicted peak a candidate may have to be tried."""
+    if current is None or current.peak_bytes is None:
+        return allowed
+    return min(allowed, RACE_PEAK_FACTOR * current.peak_bytes + RACE_SLACK_BYTES)
+
+
+def winner(a: Estimate, b: Estimate) -> Estimate:
+    """The faster of two measured estimates; within :data:`NOISE`, the one
+    with the lower peak (``a`` on a tie)."""
+    fast, slow = (a, b) if a.seconds_per_row <= b.seconds_per_row else (b, a)
+    close = slow.seconds_per_row <= NOISE * fast.seconds_per_row
+    if close and a.peak is not None and b.peak is not None:
+        return a if a.peak <= b.peak else b
+    return fast

@@ -1,0 +1,151 @@
+"""The plan cache on disk: a second run plans nothing; a corrupt entry, a
+directory that cannot be written and two processes writing at once are
+survived."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import jacobkit as jk
+from jacobkit import examples, testing
+from jacobkit.planner import cache, selection
+from tests.cases import reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "plans"
+    monkeypatch.setenv("JACOBKIT_CACHE_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def eager_trials(monkeypatch):
+    """Try every candidate as soon as the current strategy's rate is known."""
+    monkeypatch.setattr(selection, "RENT", 0.0)
+
+
+def _settle(ex) -> jk.JacobianResult:
+    for _ in range(12):  # one segment per call: 3 calls per candidate tried
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        if result.plan.settled:
+            break
+    assert result.plan.settled, result.plan.summary()
+    return result
+
+
+def _entries(folder) -> list[str]:
+    return sorted(glob.glob(os.path.join(folder, "*.json")))
+
+
+def test_second_run_plans_nothing(cache_dir, eager_trials):
+    first = _settle(examples.build("mlp"))
+    assert len(_entries(cache_dir)) == 1
+    # a new model of the same architecture (other weights would not matter):
+    # what a second run of the same script builds
+    again = examples.build("mlp")
+    plan = jk.plan(again.model, again.inputs, again.layer)
+    assert plan.source == "disk cache" and plan.settled
+    assert plan.strategy == first.plan.strategy
+    result = jk.jacobian(again.model, again.inputs, again.layer)
+    testing.assert_close(result, reference("mlp", "features"))
+    assert result.plan.switches == ()  # nothing tried, nothing switched
+    assert {p.strategy for p in result.plan.last_call} == {first.plan.strategy}
+    # what the first run measured is known without measuring it again
+    assert {e.strategy for e in result.plan.estimates} == {
+        e.strategy for e in first.plan.estimates
+    }
+
+
+def test_cache_off(cache_dir, monkeypatch):
+    ex = examples.build("mlp")
+    jk.jacobian(ex.model, ex.inputs, ex.layer, cache=False)
+    assert not cache_dir.exists()
+    monkeypatch.setenv("JACOBKIT_CACHE_DIR", "")
+    jk.jacobian(ex.model, ex.inputs, ex.layer)
+    assert not cache_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "content", ["{not json", json.dumps({"format": 1, "current": "nonsense"}), "[]"]
+)
+def test_corrupt_entry_warns_once_and_is_rewritten(cache_dir, content):
+    ex = examples.build("mlp")
+    jk.jacobian(ex.model, ex.inputs, ex.layer)
+    (path,) = _entries(cache_dir)
+    with open(path, "w") as f:
+        f.write(content)
+    again = examples.build("mlp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = jk.jacobian(again.model, again.inputs, again.layer)
+        jk.jacobian(again.model, again.inputs, again.layer)
+    found = [w for w in caught if issubclass(w.category, cache.CacheWarning)]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    assert path in str(found[0].message) or "unusable" in str(found[0].message)
+    assert result.plan.source == "measured"
+    testing.assert_close(result, reference("mlp", "features"))
+    with open(path) as f:
+        assert json.load(f)["format"] == cache.FORMAT  # rewritten, whole
+
+
+def test_unwritable_directory_warns_once(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    readonly.chmod(0o555)
+    # root writes into read-only directories: use one under a file instead
+    writable = os.access(readonly, os.W_OK)
+    folder = blocker / "plans" if writable else readonly
+    monkeypatch.setenv("JACOBKIT_CACHE_DIR", str(folder))
+    ex = examples.build("mlp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        other = examples.build("mlp", batch=5)
+        jk.jacobian(other.model, other.inputs, other.layer)
+    found = [w for w in caught if issubclass(w.category, cache.CacheWarning)]
+    assert len(found) == 1 and "cannot write the plan cache" in str(found[0].message)
+    testing.assert_close(result, reference("mlp", "features"))
+    readonly.chmod(0o755)
+
+
+def test_two_processes_writing_at_once(cache_dir):
+    env = {**os.environ, "JACOBKIT_CACHE_DIR": str(cache_dir), "PYTHONPATH": ROOT}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.cache_writer", "200"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [child.communicate(timeout=240) for child in children]
+    for child, (_, err) in zip(children, outputs):
+        assert child.returncode == 0, err[-2000:]
+    names = {out.strip() for out, _ in outputs}
+    assert len(names) == 1  # both computed the same fingerprint
+    (path,) = _entries(cache_dir)
+    assert not [p for p in os.listdir(cache_dir) if p.endswith(".tmp")]
+    with open(path) as f:
+        assert json.load(f)["format"] == cache.FORMAT
+    # and this process, with the same architecture, starts from it
+    ex = examples.build("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cache.CacheWarning)
+        plan = jk.plan(ex.model, ex.inputs, ex.layer)
+    assert plan.source == "disk cache" and plan.estimates
