@@ -302,6 +302,55 @@ def _progress_disabled(progress: bool) -> bool | None:
     return None
 
 
+class _Collector:
+    """Where each batch's Jacobians go: float64 sums (``"features"``, a
+    callable), or rows in dataset order, kept in memory or written to
+    ``out=`` (:class:`~jacobkit.store.Store`)."""
+
+    def __init__(
+        self, problem: Problem, *, summed: bool, writer: store.Store | None
+    ) -> None:
+        self.names = problem.target_names
+        self.dtype = problem.output_dtype
+        self.summed = summed
+        self.writer = writer
+        #: the float64 sums so far (``summed``), resumed from ``out=``
+        self.sums: list[np.ndarray] | None = writer.saved_sum() if writer else None
+        self._parts: list[list[tf.Tensor]] = [[] for _ in self.names]
+
+    def add(self, values: Sequence[Any], digest: str) -> None:
+        """One batch's Jacobians, each ``rows_shape + v.shape`` (per-example:
+        its own examples' rows only); with ``out=`` it is then done."""
+        if self.summed:
+            if self.sums is None:
+                self.sums = [np.zeros(v.shape, np.float64) for v in values]
+            for total, v in zip(self.sums, values, strict=True):
+                total += np.asarray(v, dtype=np.float64)
+            if self.writer is not None:
+                self.writer.write_sum(self.sums, digest)
+        elif self.writer is not None:
+            self.writer.write_rows([np.asarray(v) for v in values], digest)
+        else:
+            for part, v in zip(self._parts, values, strict=True):
+                part.append(v)
+
+    def jacobians(self) -> dict[str, Any]:
+        """Each target's Jacobians: memory-mapped files with ``out=``, else
+        ``tf.Tensor`` (sums cast to the rows' dtype)."""
+        if self.writer is not None:
+            return self.writer.finish(self.sums if self.summed else None)
+        if self.summed:
+            numpy_dtype = self.dtype.as_numpy_dtype
+            return {
+                name: tf.constant(s.astype(numpy_dtype))
+                for name, s in zip(self.names, self.sums, strict=True)
+            }
+        return {
+            name: tf.concat(part, axis=0) if len(part) > 1 else part[0]
+            for name, part in zip(self.names, self._parts, strict=True)
+        }
+
+
 def jacobian_batches(
     model: Any,
     inputs: Any,
@@ -390,8 +439,7 @@ def jacobian_batches(
                 overwrite=overwrite,
             )
         done = writer.batches_done if writer is not None else 0
-        sums: list[np.ndarray] | None = writer.saved_sum() if writer else None
-        parts: list[list[tf.Tensor]] = [[] for _ in problem.targets]
+        collected = _Collector(problem, summed=summed, writer=writer)
         chain = store.EMPTY_CHAIN
         plan = None
         ran_strategy = chosen
@@ -400,23 +448,6 @@ def jacobian_batches(
         rows_computed = 0
         num_examples = 0
         warned_non_finite = False
-
-        def deliver(values: list[Any], digest: str) -> None:
-            """Add one batch's Jacobians (rows of its own examples) to the
-            sums, or write/keep its rows; count it done."""
-            nonlocal sums
-            if summed:
-                if sums is None:
-                    sums = [np.zeros(v.shape, np.float64) for v in values]
-                for total, v in zip(sums, values, strict=True):
-                    total += np.asarray(v, dtype=np.float64)
-                if writer is not None:
-                    writer.write_sum(sums, digest)
-            elif writer is not None:
-                writer.write_rows([np.asarray(v) for v in values], digest)
-            else:
-                for part, v in zip(parts, values, strict=True):
-                    part.append(v)
 
         replicas = None
         pending: list[tuple[int, Any, int, str]] = []
@@ -458,7 +489,7 @@ def jacobian_batches(
                     else:
                         shape = (-1, *rows_shape0[1:], *t.shape)
                         values.append(np.reshape(f, shape)[:n])
-                deliver(values, digest)
+                collected.add(values, digest)
             bar.update(len(pending))
             pending.clear()
 
@@ -551,7 +582,7 @@ def jacobian_batches(
                     // max(n, int(tf.nest.flatten(batch_problem.inputs)[0].shape[0]))
                 )
                 values = [result.jacobians[name] for name in problem.target_names]
-                deliver([v[:n] for v in values] if padded else values, digest)
+                collected.add([v[:n] for v in values] if padded else values, digest)
                 bar.set_postfix_str(
                     f"{rows_computed / max(time.perf_counter() - start_time, 1e-9):.0f}"
                     " rows/s",
@@ -561,33 +592,17 @@ def jacobian_batches(
             flush_replicas()
         finally:
             bar.close()
-        if distribute is not None and summed:
+        if replicas is not None and summed:
             like = [np.zeros(rows_shape0 + tuple(t.shape)) for t in problem.targets]
-            sums = replicas.all_sum(sums, like) if replicas is not None else sums
+            collected.sums = replicas.all_sum(collected.sums, like)
         if k + 1 < done:
             raise ValueError(
                 f"jacobian(out={os.fspath(out)!r}): the directory counts {done} "
                 f"batches done, but the inputs have only {k + 1}. Pass "
                 "overwrite=True to start afresh, or another out=."
             )
-    if summed:
-        total_rows_shape = rows_shape0
-        if writer is not None:
-            jacobians = writer.finish(sums)
-        else:
-            jacobians = {
-                name: tf.constant(s.astype(problem.output_dtype.as_numpy_dtype))
-                for name, s in zip(problem.target_names, sums, strict=True)
-            }
-    else:
-        total_rows_shape = (num_examples, *rows_shape0[1:])
-        if writer is not None:
-            jacobians = writer.finish()
-        else:
-            jacobians = {
-                name: tf.concat(part, axis=0) if len(part) > 1 else part[0]
-                for name, part in zip(problem.target_names, parts, strict=True)
-            }
+    jacobians = collected.jacobians()
+    total_rows_shape = rows_shape0 if summed else (num_examples, *rows_shape0[1:])
     shown = ran_strategy if isinstance(ran_strategy, JacobianResult) else None
     roles = {role: problem.target_names[i] for role, i in problem.roles.items()}
     return JacobianResult(
