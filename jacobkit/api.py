@@ -130,6 +130,7 @@ def jacobian(
             training=training,
             unconnected=unconnected,
         )
+        data.warn_non_finite(problem.inputs)
         if chosen is not None:
             return run_strategy(problem, chosen)
         return run_auto(

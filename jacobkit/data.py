@@ -230,9 +230,33 @@ def _pad(x: Any, size: int) -> Any:
 
 
 def _non_finite(x: Any) -> int:
-    return int(
-        sum(np.size(a) - np.count_nonzero(np.isfinite(a)) for a in tf.nest.flatten(x))
-    )
+    """How many NaN/Inf values the float arrays or tensors of ``x`` hold."""
+    count = 0
+    for a in tf.nest.flatten(x):
+        if isinstance(a, tf.Tensor):
+            if a.dtype.is_floating:
+                finite = tf.math.count_nonzero(tf.math.is_finite(a))
+                count += int(tf.size(a, out_type=tf.int64) - finite)
+        elif np.asarray(a).dtype.kind == "f":
+            count += int(np.size(a) - np.count_nonzero(np.isfinite(a)))
+    return count
+
+
+def warn_non_finite(inputs: Any, batch: int | None = None, stacklevel: int = 3) -> bool:
+    """Warn once if ``inputs`` hold NaN or Inf (they reach the rows: with
+    ``outputs="features"`` every row would be NaN); whether it warned."""
+    bad = _non_finite(inputs)
+    if bad:
+        where = "the inputs hold" if batch is None else f"batch {batch} holds"
+        later = "" if batch is None else " Later batches are not reported."
+        warnings.warn(
+            f"jacobian(inputs=...): {where} {bad} NaN/Inf value(s); the "
+            "Jacobians of every row they reach are NaN (with "
+            f"outputs='features', every row).{later}",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+    return bool(bad)
 
 
 # -- fingerprints of the call --------------------------------------------------
@@ -520,17 +544,8 @@ def jacobian_batches(
                         )
                     bar.update(1)
                     continue
-                bad = _non_finite(x)
-                if bad and not warned_non_finite:
-                    warnings.warn(
-                        f"jacobian(inputs=...): batch {k} holds {bad} NaN/Inf "
-                        "value(s); the Jacobians of every row they reach are "
-                        "NaN (with outputs='features', every row). Later batches "
-                        "are not reported.",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                    warned_non_finite = True
+                if not warned_non_finite:
+                    warned_non_finite = warn_non_finite(x, batch=k, stacklevel=4)
                 if distribute is not None:
                     pending.append((k, x, n, digest))
                     if len(pending) == distribute.num_replicas_in_sync:

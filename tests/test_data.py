@@ -209,3 +209,12 @@ def test_progress_bar_is_quiet_when_output_is_not_a_terminal(mlp, capsys, monkey
         progress=True,
     )
     assert capsys.readouterr().err == ""
+
+
+def test_non_finite_inputs_of_one_batch_warn_with_the_count(mlp):
+    x = mlp.inputs[:4].copy()
+    x[1, :3] = np.nan
+    with pytest.warns(RuntimeWarning, match=r"the inputs hold 3 NaN/Inf value"):
+        result = jk.jacobian(mlp.model, x, mlp.layer, strategy="chunked")
+    # every "features" row holds NaN (where the NaN inputs reach the kernel)
+    assert np.isnan(result.kernel.numpy()).any(axis=(1, 2)).all()
