@@ -22,11 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, memory
+from jacobkit import examples, memory, testing
 
 SIZES = {"sequence": 32, "channels": 4, "filters": 8, "features": 16}
 
@@ -63,6 +62,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/cpu")
     parser.add_argument("--examples", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--memory-budget", default="64MiB")
     args = parser.parse_args()
     ex = examples.build("generator", batch=args.examples, **SIZES)
     x = ex.inputs
@@ -102,7 +102,11 @@ def main() -> None:
     start = time.perf_counter()
     resumed = call(jk.data.batches(x, args.batch_size), work / "resumed")
     resume_s = time.perf_counter() - start
-    equal = all(np.array_equal(resumed[n], whole[n]) for n in whole)
+    # auto may run another strategy on some batches of either run: equal
+    # within the float32 tolerance, not necessarily bit for bit
+    difference = max(
+        testing.max_relative_difference(resumed[n], whole[n]) for n in whole
+    )
     result_bytes = sum(int(v.nbytes) for v in whole.jacobians.values())
     rows = whole.stats.num_rows
     record = {
@@ -122,7 +126,8 @@ def main() -> None:
         "rss_peak_bytes": peak.peak,
         "resume_after_half_s": round(resume_s, 2),
         "resume_saves_s": round(full_s - resume_s, 2),
-        "resumed_equals_whole": equal,
+        "memory_budget": args.memory_budget,
+        "resumed_vs_whole_max_rel_diff": difference,
         "tensorflow": tf.__version__,
         "cpu_count": os.cpu_count(),
         "note": "measured on a loaded 2-core machine (other jobs running)",
@@ -133,12 +138,13 @@ def main() -> None:
     f = memory.format_bytes
     table = (
         "| examples | rows | strategy | time | rows/s | result on disk | RSS growth "
-        "| resume after half | resume saves | resumed = whole |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| budget | resume after half | resume saves | resumed vs whole |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
         f"| {args.examples} | {rows} | {record['strategy']} | {full_s:.1f} s "
         f"| {record['rows_per_s']} | {f(result_bytes)} "
         f"| {f(record['rss_growth_bytes'])} "
-        f"| {resume_s:.1f} s | {full_s - resume_s:.1f} s | {equal} |\n"
+        f"| {args.memory_budget} | {resume_s:.1f} s | {full_s - resume_s:.1f} s "
+        f"| {difference:.1e} |\n"
     )
     Path(args.out, "dataset_out.md").write_text(
         f"# Per-example Jacobians of a dataset into out=\n\n{record['problem']}; "
