@@ -149,7 +149,10 @@ def main() -> None:
     Path(args.out, "dataset_out.md").write_text(
         f"# Per-example Jacobians of a dataset into out=\n\n{record['problem']}; "
         f"batches of {args.batch_size}; TF {tf.__version__}; "
-        f"{record['note']}.\n\n{table}"
+        f"{record['note']}. The resume runs in the same process as the whole "
+        "run, so auto's plan is already settled there (a new process starts "
+        "from the plan cache on disk); RSS growth is sampled every 5 ms during "
+        f"the whole run.\n\n{table}"
     )
     print(table)
 
