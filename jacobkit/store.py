@@ -343,12 +343,20 @@ class Store:
             os.close(fd)
 
     def _remove_own_files(self) -> None:
-        """Files an earlier jacobkit run left (overwrite=True starts afresh)."""
-        for name in os.listdir(self.directory):
-            if name in (MANIFEST, MANIFEST + ".tmp") or (
-                name.endswith(".npy")
-                and (name.startswith("sum-") or name[:2].isdigit())
-            ):
+        """The files an earlier run's manifest lists (overwrite=True starts
+        afresh); nothing else in the directory is touched."""
+        path = os.path.join(self.directory, MANIFEST)
+        try:
+            with open(path) as f:
+                earlier = json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            earlier = {}
+        names = [MANIFEST, MANIFEST + ".tmp"]
+        if isinstance(earlier, dict):
+            names += [t.get("file", "") for t in earlier.get("targets", [])]
+            names += list(earlier.get("sum_files", []))
+        for name in names:
+            if name and os.path.basename(name) == name:
                 _remove(os.path.join(self.directory, name))
 
 

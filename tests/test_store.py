@@ -112,6 +112,8 @@ def test_a_directory_of_another_call_is_refused(mlp, tmp_path):
             strategy=strategy,
             out=tmp_path,
         )
+    mine = tmp_path / "01-my-data.npy"  # not jacobkit's: overwrite keeps it
+    np.save(mine, np.zeros(3))
     fresh = jk.jacobian(
         other.model,
         jk.data.batches(x, 4),
@@ -124,6 +126,7 @@ def test_a_directory_of_another_call_is_refused(mlp, tmp_path):
         other.model, jk.data.batches(x, 4), other.layer, strategy=strategy
     )
     np.testing.assert_array_equal(fresh.kernel, expected.kernel.numpy())
+    assert mine.exists()
 
 
 def test_ctrl_c_then_the_same_call_continues(mlp, tmp_path, caplog):
