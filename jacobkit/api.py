@@ -43,7 +43,9 @@ def jacobian(
             multi-input model takes. The output ``Y`` has shape ``(B, ..., F)``.
             Or many batches: a ``tf.data.Dataset`` of batches (of ``(x, y)``
             or ``(x, y, w)`` tuples: ``x`` is used) or any other iterable of
-            batches (a generator, ``jacobkit.data.batches(x, 64)``); then
+            batches (a generator, ``jacobkit.data.batches(x, 64)``; a list
+            or tuple is one batch of a multi-input model: pass
+            ``iter(list_of_batches)``); then
             ``"features"`` rows are summed over the dataset and
             ``"per_example"`` rows follow in dataset order (:mod:`jacobkit.data`).
         layer: a layer object, a layer name, or a list of variables
