@@ -396,7 +396,7 @@ def jacobian_batches(
 ) -> JacobianResult:
     """:func:`jacobkit.jacobian` over the batches of ``inputs`` (see the module
     docstring). ``inputs`` that are one batch (arrays) are one batch here."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     from jacobkit import api
 
