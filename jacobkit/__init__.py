@@ -26,6 +26,7 @@ _PUBLIC = {
     "Plan": "jacobkit.planner",
     "Stats": "jacobkit.result",
     "VerificationError": "jacobkit.verify",
+    "data": "jacobkit.data",
     "jacobian": "jacobkit.api",
     "memory": "jacobkit.memory",
     "plan": "jacobkit.api",
@@ -41,6 +42,7 @@ __all__ = [
     "Stats",
     "VerificationError",
     "__version__",
+    "data",
     "jacobian",
     "memory",
     "plan",
@@ -49,7 +51,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from jacobkit import memory, strategies
+    from jacobkit import data, memory, strategies
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.result import JacobianResult, Stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -11,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, planner, quiet, strategies
+from jacobkit import data, memory, planner, quiet, strategies
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import JacobianResult
 
@@ -30,6 +31,11 @@ def jacobian(
     device: str | None = None,
     output: int | str | None = None,
     reduce: str | None = None,
+    steps: int | None = None,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    distribute: tf.distribute.Strategy | None = None,
     cache: bool = True,
 ) -> JacobianResult:
     """Per-row Jacobians of a model's output with respect to a layer's variables.
@@ -40,6 +46,13 @@ def jacobian(
             ``tf.Module``).
         inputs: a NumPy array or ``tf.Tensor``, or the tuple/dict a
             multi-input model takes. The output ``Y`` has shape ``(B, ..., F)``.
+            Or many batches: a ``tf.data.Dataset`` of batches (of ``(x, y)``
+            or ``(x, y, w)`` tuples: ``x`` is used) or any other iterable of
+            batches (a generator, ``jacobkit.data.batches(x, 64)``; a list
+            or tuple is one batch of a multi-input model: pass
+            ``iter(list_of_batches)``); then
+            ``"features"`` rows are summed over the dataset and
+            ``"per_example"`` rows follow in dataset order (:mod:`jacobkit.data`).
         layer: a layer object, a layer name, or a list of variables
             (``tf.Variable`` or ``keras.Variable``).
         strategy: ``"auto"``, a registered name (``"loop"``, ``"jacobian"``,
@@ -66,6 +79,18 @@ def jacobian(
             Jacobian (shape ``rows_shape``) without holding more than one
             chunk of rows' Jacobians (strategies ``chunked`` and ``batch``;
             ``auto`` picks batch where it applies). Default: the Jacobians.
+        steps: take at most this many batches of a dataset (needed for an
+            infinite one).
+        out: a directory: write the Jacobians there as ``.npy`` files with a
+            manifest, batch by batch (:mod:`jacobkit.store`); the result then
+            holds read-only ``numpy.memmap`` arrays. The same call after an
+            interruption continues where it stopped.
+        overwrite: with ``out=``, discard what the directory holds.
+        progress: show a progress bar over the batches (quiet anyway when
+            the output is not a terminal, or under pytest).
+        distribute: a ``tf.distribute.Strategy`` (``MirroredStrategy``,
+            ``MultiWorkerMirroredStrategy``): the batches are split across
+            its replicas (:mod:`jacobkit.distribute`).
         cache: for ``strategy="auto"``: read and write the plan cache on disk
             (``$JACOBKIT_CACHE_DIR``, default ``~/.cache/jacobkit``; see
             :mod:`jacobkit.planner.cache`). ``False`` plans in memory only.
@@ -92,6 +117,28 @@ def jacobian(
             "strategy= to let auto fit the budget, or drop memory_budget= and "
             "size the strategy yourself (e.g. Chunked(chunk_size=8))."
         )
+    if out is not None or distribute is not None or data.is_batches(inputs):
+        with quiet.tensorflow_warnings():
+            return data.jacobian_batches(
+                model,
+                inputs,
+                layer,
+                strategy=strategy,
+                outputs=outputs,
+                features=features,
+                training=training,
+                unconnected=unconnected,
+                memory_budget=memory_budget,
+                device=device,
+                steps=steps,
+                out=out,
+                overwrite=overwrite,
+                progress=progress,
+                distribute=distribute,
+                cache=cache,
+                output=output,
+                reduce=reduce,
+            )
     with _device_scope(device), quiet.tensorflow_warnings():
         problem = Problem(
             model,
@@ -104,6 +151,7 @@ def jacobian(
             output=output,
             reduce=reduce,
         )
+        data.warn_non_finite(problem.inputs)
         if chosen is None and problem.reduce is not None:
             chosen = _norm_strategy(problem, memory_budget)
         if chosen is not None:

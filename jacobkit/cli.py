@@ -273,8 +273,24 @@ def _add_bench(subparsers, common) -> None:
     p.set_defaults(run=command.run)
 
 
+def _add_run(subparsers) -> None:
+    from jacobkit import run_command
+
+    p = subparsers.add_parser(
+        "run",
+        help="Jacobians of a whole dataset, in memory or written to --out",
+        description=(
+            "Jacobians of a model over a dataset of .npy inputs, batch by batch; "
+            "with --out, written to .npy files and resumable. With no --model, "
+            "the built-in generator on synthetic inputs."
+        ),
+    )
+    run_command.add_arguments(p)
+    p.set_defaults(run=run_command.run)
+
+
 #: subcommand name -> function adding it to the parser
-SUBCOMMANDS = {"compare": _add_compare, "bench": _add_bench}
+SUBCOMMANDS = {"compare": _add_compare, "bench": _add_bench, "run": _add_run}
 
 
 def _parser() -> argparse.ArgumentParser:

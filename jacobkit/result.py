@@ -73,9 +73,13 @@ class JacobianResult(Mapping):
 
     With ``reduce="norm"`` each entry is instead the L2 norm of every row's
     Jacobian, shape ``rows_shape``.
+
+    The Jacobians are ``tf.Tensor`` objects, except after
+    ``jacobian(..., out=DIR)``: then they are read-only ``numpy.memmap``
+    arrays of the ``.npy`` files in ``DIR`` (read from disk when indexed).
     """
 
-    jacobians: dict[str, tf.Tensor]
+    jacobians: dict[str, tf.Tensor | np.ndarray]
     rows_shape: tuple[int, ...]
     strategy: str
     chunk_size: int | None
@@ -125,7 +129,7 @@ class JacobianResult(Mapping):
 
     def numpy(self) -> dict[str, np.ndarray]:
         """Every Jacobian as a NumPy array, keyed by variable name."""
-        return {name: value.numpy() for name, value in self.jacobians.items()}
+        return {name: np.asarray(value) for name, value in self.jacobians.items()}
 
     def __repr__(self) -> str:
         shapes = ", ".join(
