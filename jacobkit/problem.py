@@ -13,7 +13,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import tensorflow as tf
@@ -289,7 +289,7 @@ class Problem:
             try:
                 self.call_model(tf.nest.map_structure(lambda t: t[:1], self.inputs))
             except (ValueError, TypeError, tf.errors.OpError) as err:
-                raise self._call_error(err) from err
+                self._raise_call_error(err)
 
     def _target_keys(self, variables: list[Any]) -> list[str | None]:
         """Result keys: the layer path inside the model (``"head/kernel"``)."""
@@ -297,18 +297,19 @@ class Problem:
             return [None] * len(variables)
         return model_layers.target_keys(self.model, variables, as_tf_variable)
 
-    def _call_error(self, err: Exception) -> ValueError:
+    def _raise_call_error(self, err: Exception) -> NoReturn:
         """jacobkit's message for a model that failed on these inputs."""
         flat = tf.nest.flatten(self.inputs)
         mismatch = model_layers.input_mismatch(self.model, self.inputs, flat)
         if mismatch is not None:
-            return ValueError(f"jacobian(inputs=...): {mismatch}")
+            # the shapes say it all; the model's traced error would bury them
+            raise ValueError(f"jacobian(inputs=...): {mismatch}") from None
         shapes = ", ".join(str(tuple(t.shape)) for t in flat)
-        return ValueError(
+        raise ValueError(
             f"jacobian(model=...): calling the model on inputs of shape {shapes} "
             f"failed: {model_layers.error_summary(err)} Check that the inputs "
             "are what the model takes (batch axis first)."
-        )
+        ) from err
 
     def recurrent_layers(self) -> str | None:
         """``"layer 'lstm' (LSTM)"``: the recurrent layers (a ``tf.while_loop``
@@ -513,7 +514,7 @@ class Problem:
 
         graph = tf.function(probe).get_concrete_function(self.inputs).graph
         if "call_failed" in found:
-            raise self._call_error(found["call_failed"]) from found["call_failed"]
+            self._raise_call_error(found["call_failed"])
         if "invalid" in found:
             raise found["invalid"]
         outputs = found["outputs"]
