@@ -445,6 +445,7 @@ class Problem:
         unconnected = [n for n, ok in zip(self.target_names, connected) if not ok]
         if unconnected and self.unconnected == "error":
             self._check_layer_is_part_of_the_model()
+            self._check_variables_are_the_models(unconnected)
             raise ValueError(
                 f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
                 "influence the model's outputs, so their Jacobian is zero (a "
@@ -471,6 +472,26 @@ class Problem:
             f"model, or was never called in this one, so it cannot influence the "
             f"outputs. {fix}"
         )
+
+    def _check_variables_are_the_models(self, unconnected: list[str]) -> None:
+        if self.layer is not None or not self._is_keras:
+            return
+        own = {id(as_tf_variable(w)) for w in getattr(self.model, "weights", ())}
+        foreign = [
+            name
+            for name, target in zip(self.target_names, self.targets)
+            if id(target) not in own
+        ]
+        if foreign and set(unconnected) <= set(foreign):
+            one = len(foreign) == 1
+            what = "is not a variable" if one else "are not variables"
+            whose = "it belongs" if one else "they belong"
+            raise ValueError(
+                f"jacobian(layer=[...]): {', '.join(foreign)} {what} of the model "
+                f"{self.model.name!r}: {whose} to another model, or to none, so "
+                f"{'it' if one else 'they'} cannot influence the outputs. Pass "
+                "this model's variables (model.get_layer(name).kernel, ...)."
+            )
 
     def _trace(self) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool], bool]:
         """(output shape or None, rows spec, connected per target, whether the

@@ -325,8 +325,21 @@ def test_layer_built_beside_the_model():
 def test_unused_tf_variable_raises():
     model, x = mlp()
     stray = tf.Variable(tf.ones((3,)), name="stray")
-    with pytest.raises(ValueError, match=exactly(_UNCONNECTED.format("stray"))):
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(layer=[...]): stray is not a variable of the model 'small': "
+            "it belongs to another model, or to none, so it cannot influence the "
+            "outputs. Pass this model's variables (model.get_layer(name).kernel, "
+            "...)."
+        ),
+    ):
         jk.jacobian(model, x, [stray], strategy="chunked")
+    # a variable of the model that does not reach the outputs is unconnected
+    idle = _IdleLayer()
+    x5 = np.ones((2, 5), "float32")
+    with pytest.raises(ValueError, match=exactly(_UNCONNECTED.format("idle/kernel"))):
+        jk.jacobian(idle, x5, [idle.idle.kernel], strategy="chunked")
 
 
 @pytest.mark.parametrize("strategy", ["loop", "jacobian", "chunked", "forward"])
