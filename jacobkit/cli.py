@@ -270,7 +270,32 @@ def _add_bench(subparsers, common) -> None:
         ),
     )
     command.add_arguments(p)
-    p.set_defaults(run=command.run)
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    """``jacobkit bench``, after checking what it would fail on late."""
+    from pathlib import Path
+
+    from jacobkit.bench import command
+
+    if args.report_only:
+        saved = Path(args.out) / "results.json"
+        if not saved.exists():
+            raise UsageError(
+                f"--report-only: {saved} does not exist; run jacobkit bench "
+                f"--out {args.out} first."
+            )
+    else:
+        if not args.verbose:  # its runs are child processes
+            quiet.start_tensorflow_quietly(runtime=False)
+        from jacobkit import memory
+
+        try:
+            memory.normalize_device(args.device)
+        except ValueError as err:
+            raise UsageError(f"--device {args.device}: {err}") from err
+    return command.run(args)
 
 
 def _add_run(subparsers) -> None:

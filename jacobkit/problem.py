@@ -12,7 +12,7 @@ import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import tensorflow as tf
@@ -312,7 +312,7 @@ class Problem:
             try:
                 self.call_model(tf.nest.map_structure(lambda t: t[:1], self.inputs))
             except (ValueError, TypeError, tf.errors.OpError) as err:
-                raise self._call_error(err) from err
+                self._raise_call_error(err)
 
     def _target_keys(self, variables: list[Any]) -> list[str | None]:
         """Result keys: the layer path inside the model (``"head/kernel"``)."""
@@ -320,18 +320,19 @@ class Problem:
             return [None] * len(variables)
         return model_layers.target_keys(self.model, variables, as_tf_variable)
 
-    def _call_error(self, err: Exception) -> ValueError:
+    def _raise_call_error(self, err: Exception) -> NoReturn:
         """jacobkit's message for a model that failed on these inputs."""
         flat = tf.nest.flatten(self.inputs)
         mismatch = model_layers.input_mismatch(self.model, self.inputs, flat)
         if mismatch is not None:
-            return ValueError(f"jacobian(inputs=...): {mismatch}")
+            # the shapes say it all; the model's traced error would bury them
+            raise ValueError(f"jacobian(inputs=...): {mismatch}") from None
         shapes = ", ".join(str(tuple(t.shape)) for t in flat)
-        return ValueError(
+        raise ValueError(
             f"jacobian(model=...): calling the model on inputs of shape {shapes} "
             f"failed: {model_layers.error_summary(err)} Check that the inputs "
             "are what the model takes (batch axis first)."
-        )
+        ) from err
 
     def recurrent_layers(self) -> str | None:
         """``"layer 'lstm' (LSTM)"``: the recurrent layers (a ``tf.while_loop``
@@ -500,6 +501,7 @@ class Problem:
         unconnected = [n for n, ok in zip(self.target_names, connected) if not ok]
         if unconnected and self.unconnected == "error":
             self._check_layer_is_part_of_the_model()
+            self._check_variables_are_the_models(unconnected)
             raise ValueError(
                 f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
                 "influence the model's outputs, so their Jacobian is zero (a "
@@ -526,6 +528,26 @@ class Problem:
             f"model, or was never called in this one, so it cannot influence the "
             f"outputs. {fix}"
         )
+
+    def _check_variables_are_the_models(self, unconnected: list[str]) -> None:
+        if self.layer is not None or not self._is_keras:
+            return
+        own = {id(as_tf_variable(w)) for w in getattr(self.model, "weights", ())}
+        foreign = [
+            name
+            for name, target in zip(self.target_names, self.targets)
+            if id(target) not in own
+        ]
+        if foreign and set(unconnected) <= set(foreign):
+            one = len(foreign) == 1
+            what = "is not a variable" if one else "are not variables"
+            whose = "it belongs" if one else "they belong"
+            raise ValueError(
+                f"jacobian(layer=[...]): {', '.join(foreign)} {what} of the model "
+                f"{self.model.name!r}: {whose} to another model, or to none, so "
+                f"{'it' if one else 'they'} cannot influence the outputs. Pass "
+                "this model's variables (model.get_layer(name).kernel, ...)."
+            )
 
     def _trace(self) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool], bool]:
         """(output shape or None, rows spec, connected per target, whether the
@@ -569,7 +591,7 @@ class Problem:
 
         graph = tf.function(probe).get_concrete_function(self.inputs).graph
         if "call_failed" in found:
-            raise self._call_error(found["call_failed"]) from found["call_failed"]
+            self._raise_call_error(found["call_failed"])
         if "invalid" in found:
             raise found["invalid"]
         outputs = found["outputs"]

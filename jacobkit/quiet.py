@@ -79,7 +79,7 @@ def _native_stderr_hidden() -> Iterator[None]:
         os.close(devnull)
 
 
-def start_tensorflow_quietly() -> None:
+def start_tensorflow_quietly(*, runtime: bool = True) -> None:
     """Import TensorFlow and start its runtime without its C++ start-up lines.
 
     The native libraries log while they load and while the runtime looks for
@@ -87,7 +87,9 @@ def start_tensorflow_quietly() -> None:
     are written to STDERR``, oneDNN and CUDA notices, ``failed call to
     cuInit``), partly whatever ``TF_CPP_MIN_LOG_LEVEL`` says; so the
     process's stderr is sent to ``os.devnull`` meanwhile. For the command
-    line: a program's own stderr output in that window is lost too.
+    line: a program's own stderr output in that window is lost too. With
+    ``runtime=False`` only the import (a parent that runs TensorFlow in
+    child processes).
     """
     hide_startup_logs()
     if "tensorflow" in sys.modules:
@@ -95,4 +97,5 @@ def start_tensorflow_quietly() -> None:
     with _native_stderr_hidden():
         import tensorflow as tf
 
-        tf.config.list_logical_devices()
+        if runtime:
+            tf.config.list_logical_devices()

@@ -325,8 +325,21 @@ def test_layer_built_beside_the_model():
 def test_unused_tf_variable_raises():
     model, x = mlp()
     stray = tf.Variable(tf.ones((3,)), name="stray")
-    with pytest.raises(ValueError, match=exactly(_UNCONNECTED.format("stray"))):
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(layer=[...]): stray is not a variable of the model 'small': "
+            "it belongs to another model, or to none, so it cannot influence the "
+            "outputs. Pass this model's variables (model.get_layer(name).kernel, "
+            "...)."
+        ),
+    ):
         jk.jacobian(model, x, [stray], strategy="chunked")
+    # a variable of the model that does not reach the outputs is unconnected
+    idle = _IdleLayer()
+    x5 = np.ones((2, 5), "float32")
+    with pytest.raises(ValueError, match=exactly(_UNCONNECTED.format("idle/kernel"))):
+        jk.jacobian(idle, x5, [idle.idle.kernel], strategy="chunked")
 
 
 @pytest.mark.parametrize("strategy", ["loop", "jacobian", "chunked", "forward"])
@@ -699,8 +712,10 @@ def test_inputs_without_the_batch_axis(flavour):
             f"first), got shape ({width},): the batch axis is missing. Add it: "
             "x[None] (or np.expand_dims(x, 0)) for a single example."
         ),
-    ):
+    ) as raised:
         jk.jacobian(ex.model, x, ex.layer, strategy="chunked")
+    # no traced TensorFlow error chained to it: a traceback ends in this message
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 
 @pytest.mark.parametrize("example", ["cnn2d", "generator", "tf_keras"])
@@ -796,10 +811,11 @@ def test_forward_mode_refuses_a_recurrent_loop(flavour, kind, target):
                 "'loop' for this target (or 'auto', which does not pick forward mode "
                 "here)."
             ),
-        ),
+        ) as raised,
     ):
         jk.jacobian(model, x, target, strategy="forward")
     assert memory.extra_bytes < 1 * MiB
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 
 # -- output= ------------------------------------------------------------------------

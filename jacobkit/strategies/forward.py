@@ -64,18 +64,23 @@ class Forward(Strategy):
         try:
             tf.function(one_tangent).get_concrete_function(problem.inputs)
         except (ValueError, TypeError, LookupError, tf.errors.OpError) as err:
-            layers = problem.recurrent_layers()
-            where = (
-                f"through {layers}: TensorFlow's forward mode does not support "
-                "its tf.while_loop over time steps"
-                if layers
-                else f"through this model: {_first_line(err)}"
-            )
-            raise ValueError(
-                f"jacobian(strategy='forward'): forward mode cannot run {where}. "
-                "Use strategy='chunked', 'while' or 'loop' for this target (or "
-                "'auto', which does not pick forward mode here)."
-            ) from err
+            failed = err
+        else:
+            return
+        layers = problem.recurrent_layers()
+        where = (
+            f"through {layers}: TensorFlow's forward mode does not support its "
+            "tf.while_loop over time steps"
+            if layers
+            else f"through this model: {_first_line(failed)}"
+        )
+        refused = ValueError(
+            f"jacobian(strategy='forward'): forward mode cannot run {where}. Use "
+            "strategy='chunked', 'while' or 'loop' for this target (or 'auto', "
+            "which does not pick forward mode here)."
+        )
+        # a named layer says it all; TensorFlow's traced error would bury it
+        raise refused from (None if layers else failed)
 
     def build(self, problem: Problem):
         num_rows = problem.num_rows
