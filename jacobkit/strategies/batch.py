@@ -120,15 +120,62 @@ class Batch(Strategy):
         targets = problem.targets
         summed = problem.rows_spec.summed_over_batch
 
+        contract = _norms if problem.reduce == "norm" else _contract
+        dtypes = [t.dtype for t in targets]
+
         def compute(inputs):
             layer_inputs, z, per_example, tape = _tapped_forward(problem, inputs)
-            # (B, K, *z.shape[1:]): d P[b, k] / d z[b]
-            dz = tape.batch_jacobian(per_example, z, unconnected_gradients=ZERO)
-            if problem.reduce == "norm":
-                return _norms(problem, layer_inputs, dz, targets, summed=summed)
-            return _contract(problem, layer_inputs, dz, targets, summed=summed)
+            batch, rows = per_example.shape
+
+            def chunk(start, count):
+                # (B, count, *z.shape[1:]): d P[b, k] / d z[b] for the chunk's
+                # rows k, from the batch-summed rows (examples do not mix)
+                dz = tf.vectorized_map(
+                    lambda ct: tape.gradient(
+                        per_example,
+                        z,
+                        output_gradients=ct,
+                        unconnected_gradients=ZERO,
+                    ),
+                    _row_cotangents(start, count, batch, rows, per_example.dtype),
+                    fallback_to_while_loop=False,
+                )
+                dz = tf.experimental.numpy.moveaxis(dz, 0, 1)
+                parts = contract(problem, layer_inputs, dz, targets, summed=summed)
+                if summed:
+                    return parts
+                # (B * count, ...) row-major (b, k) -> (count, B, ...)
+                return [
+                    tf.experimental.numpy.swapaxes(
+                        tf.reshape(p, (batch, count, *p.shape[1:])), 0, 1
+                    )
+                    for p in parts
+                ]
+
+            parts = map_chunks(chunk, rows, min(rows, ROWS_AT_ONCE), dtypes)
+            if summed:
+                return parts
+            # (K, B, ...) -> (B * K, ...), row-major (b, k)
+            return [
+                tf.reshape(tf.experimental.numpy.swapaxes(p, 0, 1), (-1, *p.shape[2:]))
+                for p in parts
+            ]
 
         return compute
+
+
+#: rows whose cotangents at ``z`` are computed in one vectorized backward
+#: pass (measured on CPU: chunks of 16 beat all 144 rows at once, which
+#: ``tape.batch_jacobian`` did, by about 2x on the Conv1D generator)
+ROWS_AT_ONCE = 16
+
+
+def _row_cotangents(start, count, batch, rows, dtype):
+    """``(count, B, K)`` cotangents selecting rows ``start..start+count-1`` of
+    every example: the gradient of ``sum_b P[b, k]`` at ``z[b]`` is
+    ``d P[b, k] / d z[b]`` when examples do not mix."""
+    one_hot = tf.one_hot(tf.range(start, start + count), rows, dtype=dtype)
+    return tf.broadcast_to(one_hot[:, None, :], (count, batch, rows))
 
 
 def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
