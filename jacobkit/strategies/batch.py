@@ -10,12 +10,13 @@ That VJP is written in closed form over the unfolded input (see the NOTE in
 :func:`jacobkit.linear.kernel_and_bias_gradients`): for rows that depend on a
 single example ``b`` only (``"per_example"`` and ``"full"``), ``dr/dz`` is
 zero outside example ``b``, so one batched einsum gives every (example, row)
-pair; ``"features"`` rows are sums over examples, and the same einsum also
-sums over the batch. ``dr/dz`` itself comes from
-``tape.batch_jacobian`` of the per-example rows ``P (B, K)`` with respect to
-``z``, which is correct only when examples do not mix (no batch statistics,
-no attention across the batch): that is checked once, numerically, before
-the first run.
+pair; ``"features"`` rows are sums over examples, and the same product also
+sums over the batch. ``dr/dz`` itself comes from the gradient of the
+batch-summed rows ``sum_b P[b, k]`` with respect to ``z``, whose block
+``z[b]`` is ``dP[b, k]/dz[b]`` (one backward pass gives row ``k`` of every
+example), in vectorized chunks of :data:`ROWS_AT_ONCE` rows. That is correct
+only when examples do not mix (no batch statistics, no attention across the
+batch): that is checked once, numerically, before the first run.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class Batch(Strategy):
     input in closed form: unfolded patches and one batched matmul, per example
     for per-example rows (see the NOTE in this module). Vectorized over rows
     with no per-row pass through the layers before the target; extra memory
-    R × B × size(z) per example. With ``reduce="norm"``, the norms come from
-    the Gram form or chunks of rows (:mod:`jacobkit.norms`).
+    :data:`ROWS_AT_ONCE` rows' backward passes (each over the batch) and
+    their cotangents at ``z``, besides the result. With ``reduce="norm"``,
+    the norms come from the Gram form or chunks of rows (:mod:`jacobkit.norms`).
 
     Needs a Dense/Conv1D/Conv2D layer that runs once per forward pass in a
     functional or Sequential model: the layer is tapped by running the
