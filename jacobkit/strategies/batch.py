@@ -60,6 +60,10 @@ class Batch(Strategy):
     def for_auto(cls, num_rows: int) -> Batch:
         return Batch()
 
+    def rows_at_once(self, num_rows: int) -> int:
+        """:data:`ROWS_AT_ONCE` backward passes (each over the batch) at once."""
+        return min(num_rows, ROWS_AT_ONCE)
+
     def check(self, problem: Problem) -> None:
         if problem.tensor_targets is not None:
             raise ValueError(
