@@ -42,8 +42,9 @@ class Batch(Strategy):
     input in closed form: unfolded patches and one batched matmul, per example
     for per-example rows (see the NOTE in this module). Vectorized over rows
     with no per-row pass through the layers before the target; extra memory
-    :data:`ROWS_AT_ONCE` rows' backward passes (each over the batch) and
-    their cotangents at ``z``, besides the result. With ``reduce="norm"``,
+    :data:`ROWS_AT_ONCE` rows' backward passes (each over the batch), and
+    every row's cotangent at ``z`` (R × size(z) per example) besides the
+    result. With ``reduce="norm"``,
     the norms come from the Gram form or chunks of rows (:mod:`jacobkit.norms`).
 
     Needs a Dense/Conv1D/Conv2D layer that runs once per forward pass in a
@@ -127,45 +128,31 @@ class Batch(Strategy):
         summed = problem.rows_spec.summed_over_batch
 
         contract = _norms if problem.reduce == "norm" else _contract
-        dtypes = [t.dtype for t in targets]
 
         def compute(inputs):
             layer_inputs, z, per_example, tape = _tapped_forward(problem, inputs)
             batch, rows = per_example.shape
 
             def chunk(start, count):
-                # (B, count, *z.shape[1:]): d P[b, k] / d z[b] for the chunk's
+                # (count, B, *z.shape[1:]): d P[b, k] / d z[b] for the chunk's
                 # rows k, from the batch-summed rows (examples do not mix)
-                dz = tf.vectorized_map(
-                    lambda ct: tape.gradient(
-                        per_example,
-                        z,
-                        output_gradients=ct,
-                        unconnected_gradients=ZERO,
-                    ),
-                    _row_cotangents(start, count, batch, rows, per_example.dtype),
-                    fallback_to_while_loop=False,
-                )
-                dz = tf.experimental.numpy.moveaxis(dz, 0, 1)
-                parts = contract(problem, layer_inputs, dz, targets, summed=summed)
-                if summed:
-                    return parts
-                # (B * count, ...) row-major (b, k) -> (count, B, ...)
                 return [
-                    tf.experimental.numpy.swapaxes(
-                        tf.reshape(p, (batch, count, *p.shape[1:])), 0, 1
+                    tf.vectorized_map(
+                        lambda ct: tape.gradient(
+                            per_example,
+                            z,
+                            output_gradients=ct,
+                            unconnected_gradients=ZERO,
+                        ),
+                        _row_cotangents(start, count, batch, rows, per_example.dtype),
+                        fallback_to_while_loop=False,
                     )
-                    for p in parts
                 ]
 
-            parts = map_chunks(chunk, rows, min(rows, ROWS_AT_ONCE), dtypes)
-            if summed:
-                return parts
-            # (K, B, ...) -> (B * K, ...), row-major (b, k)
-            return [
-                tf.reshape(tf.experimental.numpy.swapaxes(p, 0, 1), (-1, *p.shape[2:]))
-                for p in parts
-            ]
+            (dz,) = map_chunks(chunk, rows, min(rows, ROWS_AT_ONCE), [z.dtype])
+            # (B, K, *z.shape[1:]), then one contraction writes the result once
+            dz = tf.experimental.numpy.moveaxis(dz, 0, 1)
+            return contract(problem, layer_inputs, dz, targets, summed=summed)
 
         return compute
 
