@@ -59,7 +59,9 @@ def test_compare_auto_under_a_budget(capsys):
 
 
 def test_compare_saved_model(tmp_path, capsys):
-    ex = examples.build("generator", features=5)
+    # 8 features on 6 channels: every registered strategy applies
+    # (structured finds the linear head)
+    ex = examples.build("generator", features=8)
     model_path = tmp_path / "generator.keras"
     inputs_path = tmp_path / "x.npy"
     ex.model.save(model_path)
@@ -81,7 +83,7 @@ def test_compare_saved_model(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "generator.keras" in out and "rows (3, 5) (per_example)" in out
+    assert "generator.keras" in out and "rows (3, 8) (per_example)" in out
     assert "reference: float64 loop" in out
     _assert_all_agree(out)
     assert isinstance(keras.saving.load_model(model_path), keras.Model)
