@@ -82,5 +82,7 @@ def test_a_time_limit_is_a_result_not_a_crash(tmp_path):
         suite="test", repeats=1, timeout_s=0.5, reference_timeout_s=120, progress=False
     )
     results = runner.run_suite([tiny], settings, tmp_path)
-    assert len(results["rows"]) == len(jk.strategies.REGISTRY)
+    # every registered strategy, and auto with a cold and a warm plan cache
+    assert len(results["rows"]) == len(runner.strategy_configs(tiny))
+    assert {row["name"] for row in results["rows"]} == {*jk.strategies.REGISTRY, "auto"}
     assert {row["failure"] for row in results["rows"]} == {"time_limit"}

@@ -149,3 +149,24 @@ def test_two_processes_writing_at_once(cache_dir):
         warnings.simplefilter("error", cache.CacheWarning)
         plan = jk.plan(ex.model, ex.inputs, ex.layer)
     assert plan.source == "disk cache" and plan.estimates
+
+
+def test_cached_plan_over_the_budget_is_planned_again(cache_dir):
+    ex = examples.build("mlp")
+    first = jk.jacobian(ex.model, ex.inputs, ex.layer)
+    (path,) = _entries(cache_dir)
+    with open(path) as f:
+        entry = json.load(f)
+    # as if the cached strategy had measured a peak far over today's budget
+    for estimate in entry["estimates"]:
+        estimate["peak_bytes"] = 2**50
+    with open(path, "w") as f:
+        json.dump(entry, f)
+    again = examples.build("mlp")
+    plan = jk.plan(again.model, again.inputs, again.layer, memory_budget="1GiB")
+    assert plan.source == "not run yet" and plan.estimates == ()
+    assert plan.strategy == first.plan.strategy  # planned afresh, and it fits
+    result = jk.jacobian(again.model, again.inputs, again.layer, memory_budget="1GiB")
+    testing.assert_close(result, reference("mlp", "features"))
+    with open(path) as f:  # rewritten with what this run measured
+        assert all(e["peak_bytes"] < 2**30 for e in json.load(f)["estimates"])

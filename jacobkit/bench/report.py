@@ -195,7 +195,8 @@ def auto_table(results: dict[str, Any]) -> str:
         by_label = _by_label(rows)
         auto, warm = by_label.get("auto"), by_label.get("auto, warm cache")
         if auto is None or not fixed:
-            lines.append(f"| {problem['problem']} | failed | | | | | |")
+            what = "failed" if grouped[problem["problem"]] else "not run"
+            lines.append(f"| {problem['problem']} | {what} | | | | | |")
             continue
         ran = (auto.get("ran") or "").removeprefix("auto: ")
         own = by_label.get(ran) or next(

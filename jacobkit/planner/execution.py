@@ -216,8 +216,13 @@ class Session:
             f"{current.seconds_per_row * 1e3:.2f} ms/row"
         )
         if selection.winner(current, found) is found:
+            why = (
+                "faster"
+                if found.seconds_per_row < current.seconds_per_row
+                else f"within {selection.NOISE - 1:.0%} and a lower peak"
+            )
             self.switches.append(
-                Switch(self.calls, row, self.current, trying, f"faster: {rates}")
+                Switch(self.calls, row, self.current, trying, f"{why}: {rates}")
             )
             self.rejected.append(
                 Rejection(self.current, f"slower than {trying.label}: {rates}")
