@@ -25,13 +25,13 @@ _PUBLIC = {
     "Output": "jacobkit.targets",
     "Plan": "jacobkit.planner",
     "Stats": "jacobkit.result",
-    "VerificationError": "jacobkit.verify",
+    "VerificationError": "jacobkit.verification",
     "data": "jacobkit.data",
     "jacobian": "jacobkit.api",
     "memory": "jacobkit.memory",
     "plan": "jacobkit.api",
     "strategies": "jacobkit.strategies",
-    "verify": "jacobkit.verify",
+    "verify": "jacobkit.verification",
 }
 
 __all__ = [
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.planner import Plan
     from jacobkit.result import JacobianResult, Stats
     from jacobkit.targets import Inputs, Output
-    from jacobkit.verify import VerificationError, verify
+    from jacobkit.verification import VerificationError, verify
 
 
 def __getattr__(name: str) -> Any:

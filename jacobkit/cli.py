@@ -298,11 +298,12 @@ def _run_bench(args) -> int:
     return command.run(args)
 
 
-def _add_run(subparsers) -> None:
+def _add_run(subparsers, common) -> None:
     from jacobkit import run_command
 
     p = subparsers.add_parser(
         "run",
+        parents=[common],
         help="Jacobians of a whole dataset, in memory or written to --out",
         description=(
             "Jacobians of a model over a dataset of .npy inputs, batch by batch; "

@@ -103,8 +103,9 @@ def is_batches(inputs: Any) -> bool:
     of one batch: a list, tuple or dict is a multi-input model's inputs)."""
     if isinstance(inputs, tf.data.Dataset):
         return True
+    # a tf.Variable is iterable too, but it is one batch (USERS.md case 4)
     return isinstance(inputs, Iterable) and not isinstance(
-        inputs, (list, tuple, dict, np.ndarray, tf.Tensor, str, bytes)
+        inputs, (list, tuple, dict, np.ndarray, tf.Tensor, tf.Variable, str, bytes)
     )
 
 

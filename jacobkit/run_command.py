@@ -98,10 +98,20 @@ class _Files:
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
-    """(model, batches, layer, description)."""
+    """(model, batches, layer, description); a user's mistake is a
+    :class:`jacobkit.cli.UsageError` (one line, exit code 2)."""
+    from jacobkit.cli import UsageError
+
     if args.batch_size < 1:
-        raise SystemExit(f"jacobkit run --batch-size {args.batch_size}: must be >= 1")
+        raise UsageError(f"--batch-size {args.batch_size}: must be >= 1")
     if args.model is None:
+        given = [flag for flag in ("inputs", "layer") if getattr(args, flag)]
+        if given:
+            flags = " and ".join(f"--{flag}" for flag in given)
+            raise UsageError(
+                f"{flags} need{'s' if len(given) == 1 else ''} --model (a saved "
+                "Keras model); without --model the built-in generator runs."
+            )
         from jacobkit import examples
 
         ex = examples.build("generator", batch=1, **BUILTIN)
@@ -114,9 +124,11 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
             f"built-in generator ({sizes}), {args.examples} synthetic examples",
         )
     if not (args.inputs and args.layer):
-        raise SystemExit("jacobkit run --model needs --inputs X.npy and --layer NAME")
-    import keras
+        raise UsageError("--model needs --inputs X.npy and --layer NAME")
+    from jacobkit import saved_models
 
+    if not os.path.exists(args.inputs):
+        raise UsageError(f"--inputs {args.inputs}: no such file or directory.")
     if os.path.isdir(args.inputs):
         paths = sorted(
             os.path.join(args.inputs, name)
@@ -124,12 +136,13 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
             if name.endswith(".npy")
         )
         if not paths:
-            raise SystemExit(
-                f"jacobkit run --inputs {args.inputs}: no .npy files there"
-            )
+            raise UsageError(f"--inputs {args.inputs}: no .npy files there.")
     else:
         paths = [args.inputs]
-    model = keras.saving.load_model(args.model, compile=False)
+    try:
+        model = saved_models.load(args.model)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     return model, _Files(paths, args.batch_size), args.layer, args.model
 
 
@@ -146,21 +159,25 @@ def run(args: argparse.Namespace) -> int:
     """Compute, then print a summary: rows, time, peak memory, where it is."""
     import jacobkit as jk
     from jacobkit import memory
+    from jacobkit.cli import UsageError
 
     model, batches, layer, described = _inputs(args)
     start = time.perf_counter()
-    result = jk.jacobian(
-        model,
-        batches,
-        layer,
-        outputs=args.outputs,
-        strategy=args.strategy,
-        memory_budget=_budget(args.memory_budget),
-        device=args.device,
-        out=args.out,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-    )
+    try:
+        result = jk.jacobian(
+            model,
+            batches,
+            layer,
+            outputs=args.outputs,
+            strategy=args.strategy,
+            memory_budget=_budget(args.memory_budget),
+            device=args.device,
+            out=args.out,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+    except (ValueError, TypeError) as err:  # jacobkit's own messages
+        raise UsageError(str(err)) from err
     seconds = time.perf_counter() - start
     rows = result.stats.num_rows or 0
     size = sum(

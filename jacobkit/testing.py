@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.verify import VerificationError, verify  # noqa: F401 - re-exported
+from jacobkit.verification import VerificationError, verify  # noqa: F401 - re-exported
 
 #: Tolerances on :func:`max_relative_difference` by the dtype of the result
 #: under test, against the float64 reference. Measured over every strategy

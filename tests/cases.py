@@ -87,6 +87,11 @@ STRUCTURED_APPLIES = {
 STRUCTURED_REFUSES = "no exact shortcut applies"
 
 
+def structured_refuses(problem: str, outputs: str) -> bool:
+    """Whether the structured strategy must refuse ``problem`` with these rows."""
+    return (problem, outputs) not in STRUCTURED_APPLIES
+
+
 def call_kwargs(model) -> dict:
     return {} if isinstance(model, examples._Affine) else {"training": False}
 

@@ -164,6 +164,20 @@ def _mistakes(model, x, tmp_path):
             "jacobkit compare: error: argument --repeats: invalid int value: 'many' "
             "(see jacobkit compare --help)",
         ),
+        "run-layer-without-model": (
+            ["run", "--layer", "head"],
+            "jacobkit run: error: --layer needs --model (a saved Keras model); "
+            "without --model the built-in generator runs.",
+        ),
+        "run-missing-inputs": (
+            ["run", "--model", model, "--inputs", missing, "--layer", "head"],
+            f"jacobkit run: error: --inputs {missing}: no such file or directory.",
+        ),
+        "run-layer-typo": (
+            ["run", "--model", model, "--inputs", x, "--layer", "Head"],
+            "jacobkit run: error: jacobian(layer='Head'): the model has no "
+            "layer named 'Head'. Did you mean 'head'?",
+        ),
     }
 
 
@@ -184,6 +198,9 @@ def saved(tmp_path_factory):
         "layer-typo",
         "unknown-strategy",
         "bad-option",
+        "run-layer-without-model",
+        "run-missing-inputs",
+        "run-layer-typo",
     ],
 )
 def test_user_mistakes_give_one_line_and_exit_code_2(saved, tmp_path, capsys, mistake):

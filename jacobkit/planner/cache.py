@@ -84,6 +84,8 @@ def fingerprint(problem: Problem, device: str) -> str | None:
             for name, t in zip(problem.target_names, problem.targets)
         ],
         "rows": [mode, problem.rows_spec.features, list(problem.rows_shape)],
+        "output": problem.output,
+        "reduce": problem.reduce,
         "training": problem.training,
         "inputs": [
             [list(t.shape), t.dtype.name] for t in tf.nest.flatten(problem.inputs)

@@ -25,7 +25,7 @@ from jacobkit import structure
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies.base import ZERO, Strategy
-from jacobkit.verify import VerificationError, check
+from jacobkit.verification import VerificationError, check
 
 #: model -> {(problem key, strategy key): True (verified) or the failure}
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -45,7 +45,7 @@ class Structured(Strategy):
             for ``chunked``), with the lowest peak and the shortest trace.
         probes: random cotangents of the first call's check (0: no check).
         tolerance: that check's tolerance (``None``: by dtype, see
-            :data:`jacobkit.verify.TOLERANCE`).
+            :data:`jacobkit.verification.TOLERANCE`).
     """
 
     name = "structured"
@@ -112,6 +112,13 @@ class Structured(Strategy):
             raise ValueError(
                 "jacobian(strategy='structured'): computes every row of a whole "
                 f"problem at once, not a view of some rows ({type(problem).__name__})."
+            )
+        if problem.tensor_targets is not None:
+            raise ValueError(
+                "jacobian(strategy='structured'): no exact shortcut applies to "
+                "this problem (the shortcuts are for a layer's variables, not "
+                "Inputs()/Output() targets). Use another strategy "
+                "(strategy='auto' uses this one where it applies)."
             )
         try:
             found = structure.find(problem)
