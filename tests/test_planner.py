@@ -250,15 +250,30 @@ def test_default_budget_is_a_fraction_of_free_memory(generator):
     assert planner.SAFETY < 1
 
 
-def test_per_example_rows_in_segments(eager_trials):
-    """A segment of per-example rows may cut an example in two: batch refuses
-    such segments (its check) and the others compute them."""
-    ex = examples.build("mlp")  # 4 examples x 10 features: segments of 10
+def test_per_example_rows_of_a_dense_layer_run_whole(eager_trials):
+    """A segment of per-example rows may cut an example in two, which batch
+    (their closed-form fast path) cannot compute: auto runs such rows in whole
+    calls, and tries batch on them."""
+    ex = examples.build("mlp")  # 4 examples x 10 features
     for _ in range(4):
         result = jk.jacobian(ex.model, ex.inputs, ex.layer, outputs="per_example")
         testing.assert_close(result, reference("mlp", "per_example"))
         _covers_every_row_once(result.plan)
     plan = result.plan
-    assert plan.segment_rows == 10 and plan.num_rows == 40
-    (batch,) = [r for r in plan.rejected if r.label == "batch"]
-    assert "each belong to one example" in batch.reason
+    assert plan.segment_rows == plan.num_rows == 40
+    assert "batch" not in [r.label for r in plan.rejected]
+    assert plan.estimate(jk.strategies.Batch()) is not None, plan
+
+
+def test_per_example_rows_in_segments(eager_trials):
+    """Where batch cannot apply (a list of variables), per-example rows still
+    run in segments, and every row is computed once."""
+    ex = examples.build("mlp")  # 4 examples x 10 features: segments of 10
+    layer = ex.model.get_layer(ex.layer)
+    for _ in range(3):
+        result = jk.jacobian(
+            ex.model, ex.inputs, [layer.kernel, layer.bias], outputs="per_example"
+        )
+        testing.assert_close(result, reference("mlp", "per_example"))
+        _covers_every_row_once(result.plan)
+    assert result.plan.segment_rows == 10 and result.plan.num_rows == 40

@@ -82,6 +82,11 @@ class Session:
             size = self.num_rows  # no room to concatenate segments
         if shortcut is not None:
             size = self.num_rows  # it computes every row at once
+        if _per_example_fast_path(problem):
+            # a segment of per-example rows may cut an example in two, which
+            # the batch strategy (their closed-form fast path) cannot compute:
+            # whole calls, so that it can be tried
+            size = self.num_rows
         self.segment_rows = size
         self.segment_result_bytes = probes.result_bytes(problem, size)
         self.probes: list[Probe] = []
@@ -430,3 +435,15 @@ def _with_shortcut(
         Rejection(s, f"not needed: {shortcut.label} is exact here") for s in found
     ]
     return [shortcut], structure
+
+
+def _per_example_fast_path(problem: Problem) -> bool:
+    """Rows of single examples of a Dense/Conv layer's own variables: where
+    the ``batch`` strategy's closed form may apply."""
+    rows = problem.rows_spec
+    return (
+        rows.decomposes_per_example
+        and not rows.summed_over_batch
+        and problem.tensor_targets is None
+        and problem.linear_layer_kind is not None
+    )
