@@ -32,6 +32,7 @@ def cache_dir(tmp_path, monkeypatch):
 def eager_trials(monkeypatch):
     """Try every candidate as soon as the current strategy's rate is known."""
     monkeypatch.setattr(selection, "RENT", 0.0)
+    monkeypatch.setattr(selection, "WHOLE_RENT", 0.0)
 
 
 def _settle(ex) -> jk.JacobianResult:

@@ -51,8 +51,10 @@ def generator_reference() -> list:
 
 @pytest.fixture
 def eager_trials(monkeypatch):
-    """Try every candidate as soon as the current strategy's rate is known."""
+    """Try every candidate, and run every row at once, as soon as the
+    current strategy's rate is known."""
     monkeypatch.setattr(selection, "RENT", 0.0)
+    monkeypatch.setattr(selection, "WHOLE_RENT", 0.0)
 
 
 def _covers_every_row_once(plan: jk.Plan) -> None:
@@ -92,17 +94,31 @@ def test_candidates_are_tried_on_segments_of_real_calls(generator, eager_trials)
         assert result.stats.num_rows == 48
     plan = result.plan
     first = plan.switches[0]
-    # tried in the first call, right after while's rate was known: rows
-    # 0-23 by while, 24-47 by the candidate, nothing computed twice
-    assert (first.call, first.row, first.old.name) == (1, 24, "while")
-    assert "trying it" in first.reason
+    # never in the first call (the one the user waits for): call 1 is while
+    # alone; call 2 tries the candidate cheapest to trace from its first
+    # segment, nothing computed twice
+    assert (first.call, first.row, first.old.name) == (2, 0, "while")
+    assert first.new.name == "chunked" and "trying it" in first.reason
     assert plan.settled and plan.pending == ()
     assert {e.strategy.name for e in plan.estimates} == {"while", "batch", "chunked"}
     assert all(e.seconds_per_row > 0 and e.trace_s >= 0 for e in plan.estimates)
     text = plan.summary()
     assert text.startswith(f"auto -> {plan.strategy.label}: predicted peak")
-    assert "switched while(parallel=10) -> batch: trying it" in text
+    assert "switched while(parallel=10) -> chunked(12): trying it" in text
     assert re.search(r"measured chunked\(12\): [\d.]+ ms per call, trace", text)
+
+
+def test_settled_calls_run_every_row_at_once(generator, eager_trials):
+    """Segments only while measuring or trying: a settled plan runs its
+    strategy on every row in one run, as the fixed strategy would."""
+    ex = generator
+    for _ in range(5):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+    plan = result.plan
+    assert plan.settled
+    (whole,) = plan.last_call
+    assert (whole.start, whole.rows, whole.strategy) == (0, 48, plan.strategy)
+    testing.assert_close(result, generator_reference())
 
 
 def test_plan_before_any_call_runs_nothing(generator):
@@ -253,12 +269,15 @@ def test_default_budget_is_a_fraction_of_free_memory(generator):
 def test_per_example_rows_of_a_dense_layer_run_whole(eager_trials):
     """A segment of per-example rows may cut an example in two, which batch
     (their closed-form fast path) cannot compute: auto runs such rows in whole
-    calls, and tries batch on them."""
+    calls, and starts on batch (its closed form costs about what the summed
+    rows cost)."""
     ex = examples.build("mlp")  # 4 examples x 10 features
-    for _ in range(4):
+    for call in range(4):
         result = jk.jacobian(ex.model, ex.inputs, ex.layer, outputs="per_example")
         testing.assert_close(result, reference("mlp", "per_example"))
         _covers_every_row_once(result.plan)
+        if call == 0:
+            assert [p.strategy.name for p in result.plan.last_call] == ["batch"]
     plan = result.plan
     assert plan.segment_rows == plan.num_rows == 40
     assert "batch" not in [r.label for r in plan.rejected]

@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from jacobkit.planner.plan import Estimate, Probe
 from jacobkit.strategies import Strategy
 
+#: the steady rate is the median of this many newest runs that did not trace
+RATE_RUNS = 3
+
 
 def estimate(
     strategy: Strategy,
@@ -17,20 +20,27 @@ def estimate(
 ) -> Estimate:
     """What ``probes`` (segments ``strategy`` computed) say of it.
 
-    The steady rate is the median over segments that did not trace (seconds
-    per row); the tracing time is the traced segment's time minus its rows
-    at that rate. ``earlier`` (e.g. from the disk cache) fills what the
-    probes do not measure yet.
+    The steady rate is the median over the newest :data:`RATE_RUNS` runs
+    that did not trace (seconds per row): a process's first calls are slow
+    while the allocator grows (measured: 1.7-2x the later rate on the MLP
+    512-1024-1024-144), and a candidate tried later must be compared with
+    what the current strategy does now. The tracing time is the largest
+    excess of a traced run over its rows at the fastest rate seen (a strategy traced
+    again for another number of rows reuses much of the first trace, so the
+    first one is what a new strategy costs). ``earlier`` (e.g. from the disk
+    cache) fills what the probes do not measure yet.
     """
     mine = [p for p in probes if p.strategy == strategy]
     steady = [p.seconds / p.rows for p in mine if not p.traced]
     traced = [p for p in mine if p.traced]
     peaks = [p.peak_bytes for p in mine if p.peak_bytes is not None]
-    rate = statistics.median(steady) if steady else None
+    rate = statistics.median(steady[-RATE_RUNS:]) if steady else None
     trace_s = None
-    if traced and rate is not None:
-        last = traced[-1]
-        trace_s = max(last.seconds - rate * last.rows, 0.0)
+    if traced and steady:
+        # against the fastest rate seen: a slow run after the trace (a busy
+        # machine, the allocator growing) must not make tracing look free
+        fastest = min(steady)
+        trace_s = max(max(p.seconds - fastest * p.rows for p in traced), 0.0)
     if earlier is not None:
         rate = earlier.seconds_per_row if rate is None else rate
         trace_s = earlier.trace_s if trace_s is None else trace_s

@@ -111,8 +111,10 @@ class Plan:
         budget_bytes: the memory budget planned for.
         result_bytes: size of the Jacobians themselves.
         num_rows: rows of the problem (``R``).
-        segment_rows: rows per segment: every call computes the rows in
-            ``R / segment_rows`` equal segments, each by one strategy.
+        segment_rows: rows per segment: a call that measures or tries a
+            candidate computes the rows in ``R / segment_rows`` equal
+            segments, each by one strategy; other calls run every row at
+            once.
         predicted_time_s: predicted steady time of a call with
             :attr:`strategy` (``None`` until it ran).
         predicted_peak_bytes: its measured (or, before it ran, predicted)
@@ -169,7 +171,7 @@ class Plan:
             f"{memory.format_bytes(self.budget_bytes)} budget, predicted time "
             f"{_ms(self.predicted_time_s)} (result "
             f"{memory.format_bytes(self.result_bytes)}; {self.num_rows} rows in "
-            f"segments of {self.segment_rows}; {self.source})"
+            f"{self._segments()}; {self.source})"
         ]
         if self.structure:
             lines.append(
@@ -196,6 +198,11 @@ class Plan:
         return "\n".join(lines)
 
     __str__ = summary
+
+    def _segments(self) -> str:
+        if self.segment_rows == self.num_rows:
+            return "all at once"
+        return f"segments of {self.segment_rows} while measuring"
 
 
 def _ms(seconds: float | None) -> str:
