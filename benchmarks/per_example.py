@@ -178,8 +178,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="B = 4 only")
     parser.add_argument(
         "--note",
-        default="Measured on a CPU shared with other jobs (2 cores, loaded): "
-        "ratios within one process are meaningful, absolute times are noisy.",
+        default="Ratios within one process are meaningful; absolute times move "
+        "with the machine's load (the load average below).",
     )
     args = parser.parse_args()
     batches = [4] if args.quick else BATCHES
@@ -197,6 +197,10 @@ def main() -> None:
             print(json.dumps(run["steady_s"]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.processor() or platform.machine()}, TF {tf.__version__}"
+    if hasattr(os, "getloadavg"):
+        machine += ", load average {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min)".format(
+            *os.getloadavg()
+        )
     (args.out / "per_example.json").write_text(
         json.dumps({"machine": machine, "runs": runs}, indent=1) + "\n"
     )

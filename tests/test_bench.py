@@ -86,3 +86,29 @@ def test_a_time_limit_is_a_result_not_a_crash(tmp_path):
     assert len(results["rows"]) == len(runner.strategy_configs(tiny))
     assert {row["name"] for row in results["rows"]} == {*jk.strategies.REGISTRY, "auto"}
     assert {row["failure"] for row in results["rows"]} == {"time_limit"}
+
+
+def test_auto_is_timed_against_the_fastest_fixed_strategy_in_one_process(tmp_path):
+    """The cold auto row carries paired rounds against the fixed strategy
+    with the least steady time, and the auto table shows their ratio."""
+    tiny = problems.BenchProblem(
+        id="mlp-tiny-auto",
+        builder="mlp",
+        sizes={"batch": 2, "features": 3},
+        layer="hidden1",
+        auto_targets=True,
+        skip=("loop", "forward", "jacobian", "structured"),
+    )
+    settings = runner.Settings(
+        suite="test", repeats=2, timeout_s=120, reference_timeout_s=120, progress=False
+    )
+    results = runner.run_suite([tiny], settings, tmp_path)
+    rows = {row["strategy"]: row for row in results["rows"]}
+    fixed = [r for r in rows.values() if r["name"] != "auto" and r["ok"]]
+    fastest = min(fixed, key=lambda r: r["steady_s"])
+    paired = rows["auto"]["paired"]
+    assert paired["strategy"] == fastest["strategy"] and paired["rounds"] == 2
+    assert paired["ratio"] == paired["auto_s"] / paired["fixed_s"] > 0
+    assert "paired" not in rows["auto, warm cache"]
+    table = (tmp_path / "results.md").read_text()
+    assert f"({fastest['strategy']}, 2 rounds)" in table

@@ -172,10 +172,18 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
             reference = [saved[f"arr_{i}"] for i in range(len(saved.files))]
     with tf.device(task["device"]):
         _, problem = _build(task, "float32")
+        paired = None
         if auto:
             measured = compare.measure_auto(
                 problem, reference, repeats=task["repeats"], device=task["device"]
             )
+            if task.get("pair_with") and not measured.error:
+                paired = compare.paired_rounds(
+                    problem,
+                    strategies.from_spec(task["pair_with"]),
+                    rounds=task["repeats"],
+                    device=task["device"],
+                )
         else:
             measured = compare.measure(
                 problem,
@@ -189,6 +197,8 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
     # settled on) is recorded beside it
     answer["ran"] = answer.pop("strategy")
     answer["num_rows"] = problem.num_rows
+    if paired is not None:
+        answer["paired"] = paired.as_dict()
     if measured.error:
         answer["failure"] = classify_failure(measured.error)
     return answer

@@ -183,8 +183,9 @@ def auto_table(results: dict[str, Any]) -> str:
     lines = [
         "| problem | auto ran | first call: auto / fastest fixed "
         "| first 3 calls: auto / best | steady: auto / best "
+        "| steady, paired rounds in one process: auto / best "
         "| growth <= 2 x peak + 256 MiB | warm cache first call / its own |",
-        "|---|---|---:|---:|---:|---|---:|",
+        "|---|---|---:|---:|---:|---:|---|---:|",
     ]
     grouped = rows_by_problem(results)
     for problem in results["problems"]:
@@ -196,7 +197,7 @@ def auto_table(results: dict[str, Any]) -> str:
         auto, warm = by_label.get("auto"), by_label.get("auto, warm cache")
         if auto is None or not fixed:
             what = "failed" if grouped[problem["problem"]] else "not run"
-            lines.append(f"| {problem['problem']} | {what} | | | | | |")
+            lines.append(f"| {problem['problem']} | {what} | | | | | | |")
             continue
         ran = (auto.get("ran") or "").removeprefix("auto: ")
         own = by_label.get(ran) or next(
@@ -221,10 +222,22 @@ def auto_table(results: dict[str, Any]) -> str:
             f"| {problem['problem']} | {ran} "
             f"| {_ratio(auto, fixed, 'first_call_s', AUTO_LIMITS['first call'])} "
             f"| {_ratio(auto, fixed, 'first_3_calls_s', AUTO_LIMITS['first 3 calls'])} "
-            f"| {_ratio(auto, fixed, 'steady_s', AUTO_LIMITS['steady'])} | {fits} "
+            f"| {_ratio(auto, fixed, 'steady_s', AUTO_LIMITS['steady'])} "
+            f"| {_paired(auto)} | {fits} "
             f"| {warm_ratio} |"
         )
     return "\n".join(lines)
+
+
+def _paired(row: dict) -> str:
+    """auto's paired-rounds ratio (:func:`jacobkit.compare.paired_rounds`)."""
+    paired = row.get("paired")
+    if not paired:
+        return "n/a"
+    mark = "" if paired["ratio"] <= AUTO_LIMITS["steady"] else " **over**"
+    return (
+        f"{paired['ratio']:.2f} ({paired['strategy']}, {paired['rounds']} rounds){mark}"
+    )
 
 
 def _ratio(row: dict, fixed: list[dict], key: str, limit: float) -> str:
@@ -287,7 +300,13 @@ def render(results: dict[str, Any]) -> str:
             "process memory growth <= 2x auto's steady peak + 256 MiB; with a "
             "warm plan cache (a fresh process after the cold one), first call "
             "<= 1.1x the chosen strategy's own first call. Every row ran in a "
-            "fresh process; auto's steady calls are timed after it settled.",
+            "fresh process; auto's steady calls are timed after it settled. "
+            "Then, in auto's process, auto and the fixed strategy with the "
+            "least steady time alternate call by call (paired rounds): the "
+            "same strategy's steady time moves by up to 1.3x between fresh "
+            "processes on a shared machine, which the paired ratio does not "
+            "see. Growth is measured with one result held at a time, as a "
+            "caller's loop holds it.",
             "",
             auto_table(results),
             "",

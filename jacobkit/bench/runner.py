@@ -181,6 +181,8 @@ def run_suite(
                         "repeats": settings.repeats,
                         "reference_path": None if ref.get("error") else reference_path,
                     }
+                    if config.cache == "cold":
+                        task["pair_with"] = _fastest_steady(results["rows"], problem)
                     row.update(pool.run(task, settings.timeout_s))
                     row["repeats"] = settings.repeats
                 _remember_stop(stopped, problem, label, row)
@@ -205,6 +207,30 @@ def write_outputs(results: dict[str, Any], out_dir: str | Path) -> dict[str, Any
     results["plots"] = [p.name for p in plots.write_all(results, out)]
     _write_json(results, out / "results.json")
     return results
+
+
+def _fastest_steady(rows: list[dict[str, Any]], problem: BenchProblem) -> Any:
+    """The spec of the fixed strategy with the least steady time on
+    ``problem`` so far (``None`` if none ran): auto is timed against it in
+    paired rounds in one process, free of the process-to-process noise."""
+    from jacobkit import strategies
+
+    fixed = [
+        r
+        for r in rows
+        if r["problem"] == problem.id and r.get("ok") and r["name"] != "auto"
+    ]
+    if not fixed:
+        return None
+    best = min(fixed, key=lambda r: r["steady_s"])
+    config = next(
+        (c for c in strategy_configs(problem) if c.label == best["strategy"]), None
+    )
+    return (
+        None
+        if config is None
+        else config.spec or strategies.to_spec(strategies.get(config.name))
+    )
 
 
 def _skip_reason(stopped, problem: BenchProblem, label: str) -> dict[str, Any] | None:
