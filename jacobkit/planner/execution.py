@@ -124,6 +124,9 @@ class Session:
         self.current: Strategy = found[0]
         self.pending: list[Strategy] = found[1:]
         self.trying: Strategy | None = None
+        #: rows per run of the candidate being tried, and of this call
+        self.trial_rows = self.segment_rows
+        self.call_rows = self.segment_rows
         self.switches: list[Switch] = []
         self.spent_s = 0.0
         #: time spent joining segments of the current strategy (what running
@@ -142,20 +145,27 @@ class Session:
         """Earlier segments' Jacobians, alive while a segment runs."""
         return self.result_bytes if self.segment_rows < self.num_rows else 0
 
-    def predicted_peak(self, strategy: Strategy) -> int:
-        return est.predicted_peak(
-            strategy, self.segment_rows, self.row_bytes, self.segment_result_bytes
-        )
+    def predicted_peak(self, strategy: Strategy, rows: int | None = None) -> int:
+        """Predicted peak of one run of ``rows`` rows (default: a segment)."""
+        rows = self.segment_rows if rows is None else rows
+        segment = rows == self.segment_rows
+        result = self.segment_result_bytes if segment else self.result_bytes
+        return est.predicted_peak(strategy, rows, self.row_bytes, result)
 
-    def fits(self, strategy: Strategy, room: float | None = None) -> bool:
-        """Whether ``strategy``'s segment peak (measured, else predicted) plus
-        the kept segments fits ``room`` (default: what the budget allows)."""
+    def fits(
+        self, strategy: Strategy, room: float | None = None, rows: int | None = None
+    ) -> bool:
+        """Whether ``strategy``'s peak on runs of ``rows`` rows (default: a
+        segment; measured, else predicted) plus the kept segments fits
+        ``room`` (default: what the budget allows)."""
         room = self.allowed_bytes if room is None else room
+        rows = self.segment_rows if rows is None else rows
         known = self.estimate(strategy)
         peak = known.peak if known is not None else None
         if peak is None:
-            peak = self.predicted_peak(strategy)
-        return peak + self.kept_bytes <= room
+            peak = self.predicted_peak(strategy, rows)
+        kept = self.kept_bytes if rows < self.num_rows else 0
+        return peak + kept <= room
 
     # -- knowledge ---------------------------------------------------------
     def estimate(self, strategy: Strategy) -> Estimate | None:
@@ -202,12 +212,13 @@ class Session:
             if sum(not p.traced for p in timed) < TRIAL_SEGMENTS:
                 return self.trying  # its tracing segment is not its speed
             self._finish_trial(self.estimate(self.trying), row)
-        due = self._due_candidate()
+        due = self._due_candidate(self.call_rows)
         if due is None:
             return self.current
         candidate, trace_s = due
         self.pending.pop(0)
         self.trying = candidate
+        self.trial_rows = self.call_rows
         self.switches.append(
             Switch(
                 self.calls,
@@ -222,24 +233,30 @@ class Session:
         self.spent_s = 0.0
         return candidate
 
-    def _due_candidate(self) -> tuple[Strategy, float] | None:
-        """The next candidate to try now (made smaller until it fits the
-        room a try may take) and its predicted tracing time; ``None`` in a
-        process's first call, before the current rate is known, or while
-        the time spent running the current strategy is below
-        :data:`~jacobkit.planner.selection.RENT` times that tracing time.
-        Candidates that cannot fit are rejected on the way."""
+    def _due_candidate(self, rows: int) -> tuple[Strategy, float] | None:
+        """The next candidate to try now on runs of ``rows`` rows (configured
+        for them, and made smaller until it fits the room a try may take)
+        and its predicted tracing time; ``None`` in a process's first call,
+        before the current rate is known, or while the time spent running
+        the current strategy is below :data:`~jacobkit.planner.selection.
+        RENT` times that tracing time. Candidates that cannot fit are
+        rejected on the way."""
         current = self.estimate(self.current)
         if self.calls <= 1 or current is None or current.seconds_per_row is None:
             return None
         while self.pending:
             candidate = self.pending[0]
             peak = current.peak_bytes
+            kept = self.kept_bytes if rows < self.num_rows else 0
             room = selection.race_room(
-                None if peak is None else peak + self.kept_bytes, self.allowed_bytes
+                None if peak is None else peak + kept, self.allowed_bytes
             )
             smaller = candidate
-            while smaller is not None and not self.fits(smaller, room):
+            if rows == self.num_rows and rows != self.segment_rows:
+                # tried on whole calls: as many rows at once as whole calls
+                # allow (a vectorized chunk of every row, where it fits)
+                smaller = type(candidate).for_auto(rows) or candidate
+            while smaller is not None and not self.fits(smaller, room, rows):
                 smaller = smaller.smaller()
             if smaller is None:
                 self.pending.pop(0)
@@ -270,8 +287,14 @@ class Session:
         call) adds up to that tracing time: never paying more than twice
         the better choice (ski rental), and nothing where segments cost
         nothing extra."""
-        if self.trying is not None or self._due_candidate() is not None:
-            return self.segment_rows
+        if self.trying is not None:
+            return self.trial_rows
+        whole = self.segment_rows == self.num_rows or any(
+            p.strategy == self.current and p.rows == self.num_rows for p in self.probes
+        )
+        rows = self.num_rows if whole else self.segment_rows
+        if self._due_candidate(rows) is not None:
+            return rows  # a try, on runs like the current strategy's
         current = self.estimate(self.current)
         if current is None or current.seconds_per_row is None:
             return self.segment_rows
@@ -333,7 +356,7 @@ class Session:
         """One call: every row (in segments where it measures or tries a
         candidate); the Jacobians and their Stats."""
         self.calls += 1
-        size = self._call_rows()
+        size = self.call_rows = self._call_rows()
         kept = self.kept_bytes if size < self.num_rows else 0
         view = segment_view(problem, size)
         begin = time.perf_counter()

@@ -121,7 +121,9 @@ class Plan:
             peak memory above the baseline, result included.
         estimates: what is known of each strategy that ran.
         pending: candidates not measured yet, next first; ``auto`` tries one
-            on a segment of a real call once the time spent running the
+            on runs of a later call (segments, or every row at once where
+            the current strategy already runs so, the candidate then
+            configured for every row) once the time spent running the
             current strategy exceeds :data:`~jacobkit.planner.selection.RENT`
             times the candidate's predicted tracing time.
         rejected: strategies not run (or raced and lost), with the reason.
