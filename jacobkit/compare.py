@@ -63,7 +63,7 @@ class Measurement:
 
 #: auto's calls before its steady calls are timed, at most (it usually
 #: settles sooner: every candidate tried, or none worth its tracing)
-SETTLE_CALLS = 24
+SETTLE_CALLS = 40
 
 
 def configurations(

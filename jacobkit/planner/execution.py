@@ -310,14 +310,16 @@ class Session:
         trying = self.trying
         # the first run after a trace is slow while the allocator grows for
         # the new function (measured: 1.5-1.8x the later rate, every
-        # strategy, MLP 512-1024-1024-144 on 2 CPU cores): the candidate is
-        # judged by its best segment, the current strategy by its recent ones
-        best = min(
-            p.seconds / p.rows
-            for p in self.probes
-            if p.strategy == trying and not p.traced
+        # strategy, MLP 512-1024-1024-144 on 2 CPU cores): both are judged
+        # by their best run, the candidate over its trial, the current
+        # strategy over its recent runs
+        current = replace(
+            current,
+            seconds_per_row=self._best_rate(self.current, current.seconds_per_row),
         )
-        found = replace(found, seconds_per_row=best)
+        found = replace(
+            found, seconds_per_row=self._best_rate(trying, found.seconds_per_row)
+        )
         self.trying = None
         self.dirty = True
         rates = (
@@ -437,6 +439,16 @@ class Session:
                 p.strategy == probe.strategy and not p.traced for p in self.probes[:-1]
             ):
                 self.dirty = True  # its first rate
+
+    def _best_rate(self, strategy: Strategy, otherwise: float) -> float:
+        """Least seconds per row of ``strategy``'s newest untraced runs
+        (``otherwise`` if none)."""
+        rates = [
+            p.seconds / p.rows
+            for p in self.probes
+            if p.strategy == strategy and not p.traced
+        ]
+        return min(rates[-est.RATE_RUNS :], default=otherwise)
 
     def _drop_trial(self, strategy: Strategy, why: str) -> None:
         self.trying = None
