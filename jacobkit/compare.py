@@ -43,6 +43,8 @@ class Measurement:
         max_rel_diff: :func:`jacobkit.testing.max_relative_difference` to the
             reference, the largest over targets.
         error: ``"ExceptionName: message"`` if the strategy failed.
+        plan: for auto, ``str(result.plan)`` after the last timed call: what
+            it ran, measured, tried and switched.
     """
 
     strategy: str
@@ -56,6 +58,7 @@ class Measurement:
     growth_bytes: int | None = None
     max_rel_diff: float | None = None
     error: str | None = None
+    plan: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,7 +178,9 @@ def measure_calls(
         return _failed(base, err)
     if base.name == "auto":
         ran = result.strategy_config
-        base = Measurement(f"auto: {ran.label}", "auto", ran.chunk_size)
+        base = Measurement(
+            f"auto: {ran.label}", "auto", ran.chunk_size, plan=str(result.plan)
+        )
     growth = None if resident is None or after is None else max(after - resident, 0)
     return Measurement(
         **{

@@ -324,6 +324,16 @@ def render(results: dict[str, Any]) -> str:
             problem_table(rows),
             "",
         ]
+        for row in rows:
+            if row.get("plan"):
+                parts += [
+                    f"`{row['strategy']}`: its plan after the timed calls",
+                    "",
+                    "```",
+                    row["plan"],
+                    "```",
+                    "",
+                ]
     return "\n".join(parts)
 
 
