@@ -172,7 +172,7 @@ class Plan:
             f"{_bytes(self.predicted_peak_bytes)} of a "
             f"{memory.format_bytes(self.budget_bytes)} budget, predicted time "
             f"{_ms(self.predicted_time_s)} (result "
-            f"{memory.format_bytes(self.result_bytes)}; {self.num_rows} rows in "
+            f"{memory.format_bytes(self.result_bytes)}; {self.num_rows} rows, "
             f"{self._segments()}; {self.source})"
         ]
         if self.structure:
@@ -204,7 +204,7 @@ class Plan:
     def _segments(self) -> str:
         if self.segment_rows == self.num_rows:
             return "all at once"
-        return f"segments of {self.segment_rows} while measuring"
+        return f"in segments of {self.segment_rows} while measuring, else all at once"
 
 
 def _ms(seconds: float | None) -> str:
