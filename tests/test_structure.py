@@ -254,3 +254,18 @@ def test_auto_says_why_it_does_not_use_it():
         "rejected structured: no exact shortcut applies to this problem "
         "(separable channels: 'hidden1' has 16 output channels"
     ) in str(planned)
+
+
+def test_auto_measures_in_segments_where_the_shortcut_does_not_fit_the_budget():
+    """A shortcut over the budget is rejected, and the plan falls back to
+    segments of the usual candidates (not to one run of every row)."""
+    ex = examples.build(
+        "generator", batch=32, sequence=128, channels=8, filters=32, features=144
+    )
+    generous = jk.plan(ex.model, ex.inputs, "conv1")
+    assert generous.strategy.name == "structured"
+    assert generous.segment_rows == generous.num_rows
+    tight = jk.plan(ex.model, ex.inputs, "conv1", memory_budget="56MiB")
+    assert tight.strategy.name == "while" and tight.structure is None
+    assert tight.segment_rows < tight.num_rows
+    assert "rejected structured(while): predicted peak over the budget" in str(tight)

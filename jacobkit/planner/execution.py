@@ -92,7 +92,10 @@ class Session:
         size = segment_size(self.num_rows, target)
         if size < self.num_rows and 2 * self.result_bytes > allowed_bytes:
             size = self.num_rows  # no room to concatenate segments
-        if shortcut is not None:
+        if shortcut is not None and (
+            est.predicted_peak(shortcut, self.num_rows, row_bytes, self.result_bytes)
+            <= allowed_bytes
+        ):
             size = self.num_rows  # it computes every row at once
         if _per_example_fast_path(problem):
             # a segment of per-example rows may cut an example in two, which
@@ -557,7 +560,7 @@ def _with_shortcut(
         if structure:
             session.rejected.append(Rejection(named, structure))
         return found, None
-    if not session.fits(shortcut):
+    if not session.fits(shortcut, rows=session.num_rows):
         session.rejected.append(Rejection(shortcut, "predicted peak over the budget"))
         return found, None
     session.rejected += [
