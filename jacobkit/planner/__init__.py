@@ -116,6 +116,7 @@ def session_for(
                 budget * SAFETY,
                 measured_on,
                 row_bytes,
+                shortcut=shortcut,
                 structure=structure,
             )
             session.dirty = True
