@@ -287,9 +287,10 @@ class Session:
         has not been traced in this process yet (a first call from the disk
         cache traces once either way). Else the new trace is paid once
         the time segments cost beyond one run (joining them: measured per
-        call) adds up to that tracing time: never paying more than twice
-        the better choice (ski rental), and nothing where segments cost
-        nothing extra."""
+        call) adds up to that tracing time (ski rental), or once the time
+        spent running the strategy reaches
+        :data:`~jacobkit.planner.selection.RENT` times it, like a
+        candidate's try."""
         if self.trying is not None:
             return self.trial_rows
         whole = self.segment_rows == self.num_rows or any(
@@ -305,6 +306,12 @@ class Session:
         if not ran or any(p.rows == self.num_rows for p in ran):
             return self.num_rows
         if selection.should_run_whole(self.joining_s, current.trace_s):
+            return self.num_rows
+        if selection.should_try(self.spent_s, current.trace_s):
+            # whole calls as a try of their own: then later candidates are
+            # tried on whole calls too, configured for every row (on the MLP
+            # 512-1024-1024-144, chunked(72) on whole calls ran 5.0-5.3
+            # ms/row, chunked(36) on segments 5.5-5.6)
             return self.num_rows
         return self.segment_rows
 
