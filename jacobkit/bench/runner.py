@@ -182,7 +182,9 @@ def run_suite(
                         "reference_path": None if ref.get("error") else reference_path,
                     }
                     if config.cache == "cold":
-                        task["pair_with"] = _fastest_steady(results["rows"], problem)
+                        task["pair_with"] = _fastest_steady(
+                            results["rows"], problem, configs[problem.id]
+                        )
                     row.update(pool.run(task, settings.timeout_s))
                     row["repeats"] = settings.repeats
                 _remember_stop(stopped, problem, label, row)
@@ -209,12 +211,13 @@ def write_outputs(results: dict[str, Any], out_dir: str | Path) -> dict[str, Any
     return results
 
 
-def _fastest_steady(rows: list[dict[str, Any]], problem: BenchProblem) -> Any:
-    """The spec of the fixed strategy with the least steady time on
-    ``problem`` so far (``None`` if none ran): auto is timed against it in
-    paired rounds in one process, free of the process-to-process noise."""
-    from jacobkit import strategies
-
+def _fastest_steady(
+    rows: list[dict[str, Any]], problem: BenchProblem, configs: list[Config]
+) -> Any:
+    """The spec of the fixed configuration (among ``configs``) with the least
+    steady time on ``problem`` so far (``None`` if none ran): auto is timed
+    against it in paired rounds in one process, free of the
+    process-to-process noise."""
     fixed = [
         r
         for r in rows
@@ -223,14 +226,7 @@ def _fastest_steady(rows: list[dict[str, Any]], problem: BenchProblem) -> Any:
     if not fixed:
         return None
     best = min(fixed, key=lambda r: r["steady_s"])
-    config = next(
-        (c for c in strategy_configs(problem) if c.label == best["strategy"]), None
-    )
-    return (
-        None
-        if config is None
-        else config.spec or strategies.to_spec(strategies.get(config.name))
-    )
+    return next((c.spec for c in configs if c.label == best["strategy"]), None)
 
 
 def _skip_reason(stopped, problem: BenchProblem, label: str) -> dict[str, Any] | None:

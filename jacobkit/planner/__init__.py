@@ -32,6 +32,7 @@ An out-of-memory error, or a segment over the budget, makes the strategy
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -88,7 +89,8 @@ def session_for(
     if row_bytes is None:
         row_bytes = probes.activation_bytes(problem)
     measured_on = device if probes.peak_measurable(device) else None
-    session = Session(
+    fresh = functools.partial(
+        Session,
         problem,
         budget,
         budget * SAFETY,
@@ -97,6 +99,7 @@ def session_for(
         shortcut=shortcut,
         structure=structure,
     )
+    session = fresh()
     if session.structure is not None:  # one candidate: nothing to learn or load
         entry = None
     if entry is not None:
@@ -110,15 +113,7 @@ def session_for(
             )
             used = False
         if not used:  # planned afresh, and rewritten after the first call
-            session = Session(
-                problem,
-                budget,
-                budget * SAFETY,
-                measured_on,
-                row_bytes,
-                shortcut=shortcut,
-                structure=structure,
-            )
+            session = fresh()
             session.dirty = True
     sessions[(key, name)] = session
     return session, name

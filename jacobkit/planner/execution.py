@@ -124,7 +124,10 @@ class Session:
                 "allows. Raise memory_budget, keep fewer rows with "
                 "features=[...], or use a smaller batch."
             )
-        self.current: Strategy = found[0]
+        #: time spent joining segments of the current strategy (what running
+        #: every row at once would save); reset whenever it changes
+        self.joining_s = 0.0
+        self.current = found[0]
         self.pending: list[Strategy] = found[1:]
         self.trying: Strategy | None = None
         #: rows per run of the candidate being tried, and of this call
@@ -132,9 +135,6 @@ class Session:
         self.call_rows = self.segment_rows
         self.switches: list[Switch] = []
         self.spent_s = 0.0
-        #: time spent joining segments of the current strategy (what running
-        #: every row at once would save)
-        self.joining_s = 0.0
         self.calls = 0
         self.source = "not run yet"
         self.last_call: tuple[Probe, ...] = ()
@@ -142,11 +142,26 @@ class Session:
         #: something worth writing to the disk cache changed
         self.dirty = False
 
+    @property
+    def current(self) -> Strategy:
+        """The strategy calls run (but for a candidate being tried)."""
+        return self._current
+
+    @current.setter
+    def current(self, strategy: Strategy) -> None:
+        self._current = strategy
+        self.joining_s = 0.0
+
     # -- memory ------------------------------------------------------------
     @property
     def kept_bytes(self) -> int:
         """Earlier segments' Jacobians, alive while a segment runs."""
-        return self.result_bytes if self.segment_rows < self.num_rows else 0
+        return self.kept_during(self.segment_rows)
+
+    def kept_during(self, rows: int) -> int:
+        """Earlier runs' Jacobians alive while a run of ``rows`` rows runs
+        (none for a run of every row)."""
+        return self.result_bytes if rows < self.num_rows else 0
 
     def predicted_peak(self, strategy: Strategy, rows: int | None = None) -> int:
         """Predicted peak of one run of ``rows`` rows (default: a segment)."""
@@ -167,8 +182,7 @@ class Session:
         peak = known.peak if known is not None else None
         if peak is None:
             peak = self.predicted_peak(strategy, rows)
-        kept = self.kept_bytes if rows < self.num_rows else 0
-        return peak + kept <= room
+        return peak + self.kept_during(rows) <= room
 
     # -- knowledge ---------------------------------------------------------
     def estimate(self, strategy: Strategy) -> Estimate | None:
@@ -250,9 +264,9 @@ class Session:
         while self.pending:
             candidate = self.pending[0]
             peak = current.peak_bytes
-            kept = self.kept_bytes if rows < self.num_rows else 0
             room = selection.race_room(
-                None if peak is None else peak + kept, self.allowed_bytes
+                None if peak is None else peak + self.kept_during(rows),
+                self.allowed_bytes,
             )
             smaller = candidate
             if rows == self.num_rows and rows != self.segment_rows:
@@ -293,8 +307,9 @@ class Session:
         candidate's try."""
         if self.trying is not None:
             return self.trial_rows
+        ran = [p for p in self.probes if p.strategy == self.current]
         whole = self.segment_rows == self.num_rows or any(
-            p.strategy == self.current and p.rows == self.num_rows for p in self.probes
+            p.rows == self.num_rows for p in ran
         )
         rows = self.num_rows if whole else self.segment_rows
         if self._due_candidate(rows) is not None:
@@ -302,8 +317,7 @@ class Session:
         current = self.estimate(self.current)
         if current is None or current.seconds_per_row is None:
             return self.segment_rows
-        ran = [p for p in self.probes if p.strategy == self.current]
-        if not ran or any(p.rows == self.num_rows for p in ran):
+        if whole or not ran:
             return self.num_rows
         if selection.should_run_whole(self.joining_s, current.trace_s):
             return self.num_rows
@@ -349,7 +363,6 @@ class Session:
                 Rejection(self.current, f"slower than {trying.label}: {rates}")
             )
             self.current = trying
-            self.joining_s = 0.0
         else:
             self.switches.append(
                 Switch(
@@ -369,7 +382,7 @@ class Session:
         candidate); the Jacobians and their Stats."""
         self.calls += 1
         size = self.call_rows = self._call_rows()
-        kept = self.kept_bytes if size < self.num_rows else 0
+        kept = self.kept_during(size)
         view = segment_view(problem, size)
         begin = time.perf_counter()
         parts: list[list[tf.Tensor]] = []
@@ -463,13 +476,14 @@ class Session:
 
     def _drop_trial(self, strategy: Strategy, why: str) -> None:
         self.trying = None
-        self.rejected.append(Rejection(strategy, why.splitlines()[0][:160]))
-        self.dirty = True
+        self._reject_failed(strategy, why)
 
     def _drop_start(self, strategy: Strategy, why: str) -> None:
-        self.rejected.append(Rejection(strategy, why.splitlines()[0][:160]))
         self.current = self.pending.pop(0)
-        self.joining_s = 0.0
+        self._reject_failed(strategy, why)
+
+    def _reject_failed(self, strategy: Strategy, why: str) -> None:
+        self.rejected.append(Rejection(strategy, why.splitlines()[0][:160]))
         self.dirty = True
 
     def _back_off(self, strategy: Strategy, row: int, what: str) -> None:
@@ -500,7 +514,6 @@ class Session:
         self.switches.append(Switch(self.calls, row, strategy, smaller, what))
         self.rejected.append(Rejection(strategy, what))
         self.current = smaller
-        self.joining_s = 0.0
 
 
 def _smallest_configurations() -> list[Strategy]:
