@@ -234,6 +234,12 @@ def _non_finite(x: Any) -> int:
     """How many NaN/Inf values the float arrays or tensors of ``x`` hold."""
     count = 0
     for a in tf.nest.flatten(x):
+        if (
+            isinstance(a, tf.Tensor)
+            and a.dtype in (tf.float16, tf.float32, tf.float64)
+            and ":CPU:" in getattr(a, "device", "")
+        ):
+            a = a.numpy()  # shares the CPU buffer; NumPy counts ~10x faster
         if isinstance(a, tf.Tensor):
             if a.dtype.is_floating:
                 finite = tf.math.count_nonzero(tf.math.is_finite(a))

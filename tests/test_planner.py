@@ -65,7 +65,9 @@ def _covers_every_row_once(plan: jk.Plan) -> None:
     assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), rows
 
 
-def test_first_call_starts_cheapest_to_trace_and_keeps_every_row(generator):
+def test_first_call_in_segments_starts_cheapest_to_trace_and_keeps_every_row(
+    generator, segments
+):
     ex = generator
     result = jk.jacobian(ex.model, ex.inputs, ex.layer)
     plan = result.plan
@@ -84,7 +86,9 @@ def test_first_call_starts_cheapest_to_trace_and_keeps_every_row(generator):
     assert {s.name for s in plan.pending} == {"batch", "chunked"}
 
 
-def test_candidates_are_tried_on_segments_of_real_calls(generator, eager_trials):
+def test_candidates_are_tried_on_segments_of_real_calls(
+    generator, eager_trials, segments
+):
     ex = generator
     expected = generator_reference()
     for _ in range(4):
@@ -108,7 +112,7 @@ def test_candidates_are_tried_on_segments_of_real_calls(generator, eager_trials)
     assert re.search(r"measured chunked\(12\): [\d.]+ ms per call, trace", text)
 
 
-def test_settled_calls_run_every_row_at_once(generator, eager_trials):
+def test_settled_calls_run_every_row_at_once(generator, eager_trials, segments):
     """Segments only while measuring or trying: a settled plan runs its
     strategy on every row in one run, as the fixed strategy would."""
     ex = generator
@@ -119,6 +123,45 @@ def test_settled_calls_run_every_row_at_once(generator, eager_trials):
     (whole,) = plan.last_call
     assert (whole.start, whole.rows, whole.strategy) == (0, 48, plan.strategy)
     testing.assert_close(result, generator_reference())
+
+
+def test_every_call_runs_every_row_at_once_by_default(generator, eager_trials):
+    """By default no call is split: the first runs the starting strategy on
+    every row (one trace, no joining), and a candidate is tried on whole
+    calls, from call 3 (call 2 measures the untraced rate)."""
+    ex = generator
+    expected = generator_reference()
+    for call in range(1, 6):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        testing.assert_close(result, expected)
+        (run,) = result.plan.last_call
+        assert (run.start, run.rows) == (0, 48)
+        assert run.traced == (call in (1, 3)), (call, run)
+        assert run.strategy.name == ("while" if call < 3 else "chunked")
+    plan = result.plan
+    assert plan.segment_rows == plan.num_rows == 48
+    first = plan.switches[0]
+    assert (first.call, first.row, first.old, first.new) == (
+        3,
+        0,
+        While(10),
+        Chunked(48),
+    )
+    assert "trying it" in first.reason
+
+
+def test_starts_vectorized_where_it_costs_little_memory():
+    """Where computing every row at once is predicted to peak within
+    ``START_PEAK_FACTOR`` of ``while``'s (a wide MLP: the result dominates),
+    the first call vectorizes every row; where it costs much more (the
+    generator's conv activations per row), it starts on ``while``."""
+    wide = examples.build("mlp", batch=256, inputs=512, hidden=1024, features=144)
+    assert jk.plan(wide.model, wide.inputs, wide.layer).strategy == Chunked(144)
+    conv = examples.build("generator", **SIZES)
+    assert jk.plan(conv.model, conv.inputs, conv.layer).strategy == While(10)
+    # a budget that shrinks chunked to while's size does not change that
+    tight = jk.plan(conv.model, conv.inputs, conv.layer, memory_budget="64MiB")
+    assert tight.strategy.name == "while"
 
 
 def test_plan_before_any_call_runs_nothing(generator):
@@ -225,7 +268,7 @@ def chunked_only(monkeypatch):
         monkeypatch.setattr(cls, "for_auto", classmethod(lambda cls, rows: None))
 
 
-def test_out_of_memory_in_chunked_halves_the_chunk(monkeypatch, chunked_only):
+def test_out_of_memory_in_chunked_halves_the_chunk(monkeypatch, chunked_only, segments):
     ex = examples.build("generator", **SIZES)
     sizes = inject_out_of_memory(monkeypatch, Chunked, lambda s: s.chunk_size, 3)
     assert jk.plan(ex.model, ex.inputs, ex.layer).strategy == Chunked(12)
@@ -284,7 +327,7 @@ def test_per_example_rows_of_a_dense_layer_run_whole(eager_trials):
     assert plan.estimate(jk.strategies.Batch()) is not None, plan
 
 
-def test_per_example_rows_in_segments(eager_trials):
+def test_per_example_rows_in_segments(eager_trials, segments):
     """Where batch cannot apply (a list of variables), per-example rows still
     run in segments, and every row is computed once."""
     ex = examples.build("mlp")  # 4 examples x 10 features: segments of 10

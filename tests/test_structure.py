@@ -256,7 +256,9 @@ def test_auto_says_why_it_does_not_use_it():
     ) in str(planned)
 
 
-def test_auto_measures_in_segments_where_the_shortcut_does_not_fit_the_budget():
+def test_auto_measures_in_segments_where_the_shortcut_does_not_fit_the_budget(
+    segments,
+):
     """A shortcut over the budget is rejected, and the plan falls back to
     segments of the usual candidates (not to one run of every row)."""
     ex = examples.build(

@@ -171,7 +171,13 @@ class _Compiled:
 
 
 def _block(tensor: tf.Tensor) -> None:
-    """Wait until ``tensor`` is computed (GPU kernels run asynchronously)."""
+    """Wait until ``tensor`` is computed (GPU kernels run asynchronously; a
+    CPU tensor of synchronous eager execution is computed when returned)."""
+    if not isinstance(tensor, tf.Tensor) or not hasattr(tensor, "numpy"):
+        return
+    on_cpu = ":CPU:" in tensor.device
+    if on_cpu and tf.config.experimental.get_synchronous_execution():
+        return
     if tensor.shape.num_elements():
         tf.reshape(tensor, (-1,))[:1].numpy()
 
