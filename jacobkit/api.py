@@ -264,10 +264,10 @@ def run_auto(
     device: str | None = None,
     cache: bool = True,
 ) -> JacobianResult:
-    """``strategy="auto"`` on a resolved problem: run it in segments (see
+    """``strategy="auto"`` on a resolved problem: run it (see
     :mod:`jacobkit.planner`) and wrap; ``result.strategy`` is what later
     calls run. ``stats.planning_time_s`` is the time spent outside the
-    segments that compute rows (the budget check, the activation estimate,
+    runs that compute rows (the budget check, the activation estimate,
     the plan cache)."""
     start = time.perf_counter()
     # TensorFlow's warnings about its own internals (pfor's "Conv2DBackprop

@@ -7,26 +7,25 @@ the budget is checked):
 1. The budget (``memory_budget``; default :data:`jacobkit.memory.
    DEFAULT_BUDGET_FRACTION` of free device memory) is checked against the
    result itself, ``R × P × itemsize``, and refused with the bytes needed.
-2. A call that measures computes its rows in equal segments
-   (:mod:`~jacobkit.planner.rows`; about four per call), each by one
-   strategy, and each is timed and its peak measured while it computes rows
-   of the answer (:mod:`~jacobkit.planner.probes`). No row is computed
-   twice. Once the current strategy's rate is known and no candidate is
-   due, a call runs it on every row at once, exactly as the fixed strategy
-   would.
-3. The first call starts on the candidate cheapest to trace (``while``),
-   made small enough that its predicted peak fits
-   (:mod:`~jacobkit.planner.selection`). Other candidates (``chunked``, then
-   ``batch``) are tried on segments of later calls (never the first call of
-   a process) once the time spent running the current one reaches
-   :data:`~jacobkit.planner.selection.RENT` times their predicted tracing
-   time; the faster one (the lower peak within noise) is kept
-   (:mod:`~jacobkit.planner.estimates`).
+2. Every call runs one strategy on every row at once, exactly as the fixed
+   strategy would, and is timed and its peak measured while it computes the
+   answer (:mod:`~jacobkit.planner.probes`). No row is computed twice. (The
+   execution can split calls into segments of rows, each by one strategy,
+   :mod:`~jacobkit.planner.rows`; off by default, see
+   :data:`~jacobkit.planner.execution.SEGMENTS`.)
+3. The first call starts on the candidate cheapest to trace (``while``), or
+   on one vectorizing more rows where it is predicted to cost little more
+   memory, made small enough that its predicted peak fits
+   (:mod:`~jacobkit.planner.selection`). Other candidates are tried on later
+   calls (never the first call of a process) once the time spent running
+   the current one reaches :data:`~jacobkit.planner.selection.RENT` times
+   their predicted tracing time; the faster one (the lower peak within
+   noise) is kept (:mod:`~jacobkit.planner.estimates`).
 4. What was measured is written to a plan cache on disk
    (:mod:`~jacobkit.planner.cache`), so the next process starts on the
    strategy that won, and a settled plan probes nothing.
 
-An out-of-memory error, or a segment over the budget, makes the strategy
+An out-of-memory error, or a run over the budget, makes the strategy
 :meth:`~jacobkit.strategies.Strategy.smaller` from then on (warned once).
 """
 

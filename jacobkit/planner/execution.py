@@ -1,24 +1,20 @@
-"""Running ``auto``: a call that measures or tries a candidate computes its
-rows in equal segments, each by one strategy, and every segment is both part
-of the answer and a measurement; every other call runs the current strategy
-on every row at once.
+"""Running ``auto``: every call runs one strategy on every row at once (by
+default), and every run is both part of the answer and a measurement.
 
 A :class:`Session` holds what one process knows of one problem (per model,
 targets, rows, input shapes, budget and device): the strategy it runs, the
 candidates still to try, what it measured so far, and the switches.
 
-- A call runs in segments while the current strategy's steady rate is
-  unknown (the first call without a disk cache: its first segment traces,
-  the others time the rate) and when a candidate is tried
-  (:mod:`jacobkit.planner.selection`). Before each segment it picks the
-  strategy (the current one, or the candidate); after each it records the
-  :class:`~jacobkit.planner.plan.Probe`.
-- Every other call is one run of the current strategy over every row:
-  no segment overhead, no earlier segments kept beside the one running, and
-  no concatenation (a settled plan runs exactly what the fixed strategy
-  would). It is a measurement too.
+- Before each run it picks the strategy (the current one, or a candidate
+  being tried, :mod:`jacobkit.planner.selection`); after each it records the
+  :class:`~jacobkit.planner.plan.Probe`. A settled plan runs exactly what
+  the fixed strategy would.
 - No candidate is tried in a process's first call: that is the call the
-  user waits for (a warm disk cache goes straight to whole calls).
+  user waits for.
+- With :data:`SEGMENTS` above 1, a call that measures the current strategy
+  or tries a candidate computes its rows in equal segments, each by one
+  strategy, joined at the end; other calls run every row at once (traced
+  for every row once joining the segments has cost as much as tracing).
 
 An out-of-memory error (or a run over the budget) makes the strategy
 :meth:`~jacobkit.strategies.Strategy.smaller` for the rest of the call and

@@ -11,8 +11,8 @@ another, and which wins.
   rows at once traces within :data:`START_TRACE_FACTOR` of it and is
   predicted to peak within :data:`START_PEAK_FACTOR` of it: then that one
   (:func:`starting_first`).
-- Trying another (a ski-rental rule): a candidate is tried on segments of a
-  real call once the time spent running the current strategy (tracing not
+- Trying another (a ski-rental rule): a candidate is tried on real calls
+  (or segments of them) once the time spent running the current strategy (tracing not
   counted) reaches :data:`RENT` times the candidate's predicted tracing time,
   and never in a process's first call. Whatever it could save, trying it
   then costs at most ``1 / RENT`` more than never trying it, and nothing
