@@ -171,3 +171,16 @@ def test_cached_plan_over_the_budget_is_planned_again(cache_dir):
     testing.assert_close(result, reference("mlp", "features"))
     with open(path) as f:  # rewritten with what this run measured
         assert all(e["peak_bytes"] < 2**30 for e in json.load(f)["estimates"])
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [s for cls in jk.strategies.REGISTRY.values() if (s := cls.for_auto(16))]
+    + [jk.strategies.Structured(jk.strategies.While(5))],
+    ids=lambda s: s.label,
+)
+def test_cache_entries_round_trip_configured_strategies(strategy):
+    """A cached configuration (nested ones included: the shortcut's inner
+    strategy under a tight budget) reads back as the same configuration."""
+    text = json.dumps(jk.strategies.to_spec(strategy))
+    assert jk.strategies.from_spec(json.loads(text)) == strategy

@@ -12,6 +12,7 @@ channels before a 9-feature head), ``features=`` subsets, the nested case
 from __future__ import annotations
 
 import functools
+import json
 import re
 import warnings
 
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import jacobkit as jk
-from jacobkit import examples, testing
+from jacobkit import examples, memory, testing
 from jacobkit.problem import Problem
 
 
@@ -256,18 +257,33 @@ def test_auto_says_why_it_does_not_use_it():
     ) in str(planned)
 
 
-def test_auto_measures_in_segments_where_the_shortcut_does_not_fit_the_budget(
-    segments,
-):
-    """A shortcut over the budget is rejected, and the plan falls back to
-    segments of the usual candidates (not to one run of every row)."""
-    ex = examples.build(
-        "generator", batch=32, sequence=128, channels=8, filters=32, features=144
-    )
+def test_a_tight_budget_runs_the_shortcut_with_fewer_rows_at_once(segments):
+    """Under a budget its default does not fit, the shortcut runs its inner
+    strategy with fewer rows in flight (``smaller()``), on every row at once,
+    rather than being dropped for the usual candidates: its prior is never
+    above theirs (it runs the same inner strategy, on fewer rows)."""
+    sizes = {"batch": 32, "sequence": 128, "channels": 8, "filters": 32}
+    ex = examples.build("generator", features=144, **sizes)
     generous = jk.plan(ex.model, ex.inputs, "conv1")
     assert generous.strategy.name == "structured"
-    assert generous.segment_rows == generous.num_rows
-    tight = jk.plan(ex.model, ex.inputs, "conv1", memory_budget="56MiB")
-    assert tight.strategy.name == "while" and tight.structure is None
-    assert tight.segment_rows < tight.num_rows
-    assert "rejected structured(while): predicted peak over the budget" in str(tight)
+    assert generous.strategy.resolved_inner().name == "while"
+    budget = "56MiB"
+    tight = jk.plan(ex.model, ex.inputs, "conv1", memory_budget=budget)
+    assert tight.strategy.name == "structured" and tight.structure is not None
+    inner = tight.strategy.resolved_inner()
+    assert inner.name == "while" and inner.parallel_iterations < 10, str(tight)
+    assert tight.segment_rows == tight.num_rows
+    assert tight.predicted_peak_bytes <= memory.parse_budget(budget)
+    with memory.PeakMemory("CPU:0") as peak:
+        result = jk.jacobian(ex.model, ex.inputs, "conv1", memory_budget=budget)
+    assert peak.extra_bytes <= memory.parse_budget(budget)
+    # the plan cache wrote the nested configuration (it raised before)
+    spec = json.loads(json.dumps(jk.strategies.to_spec(result.plan.strategy)))
+    assert jk.strategies.from_spec(spec) == result.plan.strategy
+    wide = examples.build("generator", "float64", features=144, **sizes)
+    expected = testing.reference_jacobian(
+        wide.model, wide.inputs, wide.model.get_layer("conv1").trainable_variables
+    )
+    # float32 against float64: measured max relative error ~1e-6 here;
+    # assert_close's default (1e-4 relative) holds it
+    testing.assert_close(result, expected)

@@ -32,7 +32,9 @@ def callers(spec: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     from jacobkit import compare, examples
 
     ex = examples.build(spec["problem"], **spec["sizes"])
-    rows = spec["sizes"]["features"]
+    # rows for the chunk sizes: the output's features (a classifier's
+    # sizes name them "classes")
+    rows = spec["sizes"].get("features") or int(ex.model(ex.inputs).shape[-1])
     fixed = {
         s.label: s for s in compare.configurations(rows, spec.get("chunk_sizes", ()))
     }

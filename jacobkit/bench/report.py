@@ -209,9 +209,18 @@ def auto_table(results: dict[str, Any]) -> str:
             fits = "n/a"
         else:
             allowed = 2 * peak_bytes + GROWTH_SLACK_BYTES
+            alone = ""
+            if own is not None and own.get("growth_bytes") is not None:
+                # the same strategy run fixed, in its own process: how much of
+                # the growth running it costs anyway
+                alone = (
+                    f"; {own['strategy']} alone "
+                    f"{memory.format_bytes(own['growth_bytes'])}"
+                )
             fits = (
                 f"{'yes' if growth <= allowed else '**no**'} "
-                f"({memory.format_bytes(growth)} vs {memory.format_bytes(allowed)})"
+                f"({memory.format_bytes(growth)} vs "
+                f"{memory.format_bytes(allowed)}{alone})"
             )
         warm_ratio = "n/a"
         if warm is not None and own is not None and own.get("first_call_s"):

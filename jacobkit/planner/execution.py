@@ -94,10 +94,13 @@ class Session:
         size = segment_size(self.num_rows, target)
         if size < self.num_rows and 2 * self.result_bytes > allowed_bytes:
             size = self.num_rows  # no room to concatenate segments
-        if shortcut is not None and (
-            est.predicted_peak(shortcut, self.num_rows, row_bytes, self.result_bytes)
-            <= allowed_bytes
+        fitting = shortcut
+        while fitting is not None and (
+            est.predicted_peak(fitting, self.num_rows, row_bytes, self.result_bytes)
+            > allowed_bytes
         ):
+            fitting = fitting.smaller()
+        if fitting is not None:
             size = self.num_rows  # it computes every row at once
         if _per_example_fast_path(problem):
             # a segment of per-example rows may cut an example in two, which
@@ -586,9 +589,13 @@ def _with_shortcut(
         if structure:
             session.rejected.append(Rejection(named, structure))
         return found, None
-    if not session.fits(shortcut, rows=session.num_rows):
+    fitting = shortcut
+    while fitting is not None and not session.fits(fitting, rows=session.num_rows):
+        fitting = fitting.smaller()  # fewer rows of its inner strategy at once
+    if fitting is None:
         session.rejected.append(Rejection(shortcut, "predicted peak over the budget"))
         return found, None
+    shortcut = fitting
     session.rejected += [
         Rejection(s, f"not needed: {shortcut.label} is exact here") for s in found
     ]

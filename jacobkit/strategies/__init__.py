@@ -62,8 +62,14 @@ def get(strategy: str | Strategy) -> Strategy:
 
 
 def to_spec(strategy: Strategy) -> dict:
-    """A configured strategy as JSON-friendly data: ``{"name", "options"}``."""
-    return {"name": strategy.name, "options": dict(strategy.options)}
+    """A configured strategy as JSON-friendly data: ``{"name", "options"}``
+    (an option that is itself a strategy, as ``Structured(inner=While(5))``,
+    as ``{"strategy": its spec}``)."""
+    options = {
+        key: {"strategy": to_spec(value)} if isinstance(value, Strategy) else value
+        for key, value in strategy.options.items()
+    }
+    return {"name": strategy.name, "options": options}
 
 
 def from_spec(spec: Any) -> Strategy:
@@ -74,6 +80,14 @@ def from_spec(spec: Any) -> Strategy:
     options = spec.get("options") or {}
     if not isinstance(options, dict):
         raise ValueError(f"options of {spec['name']!r} must be a dict: {options!r}")
+    options = {
+        key: (
+            from_spec(value["strategy"])
+            if isinstance(value, dict) and set(value) == {"strategy"}
+            else value
+        )
+        for key, value in options.items()
+    }
     try:
         return REGISTRY[spec["name"]](**options)
     except TypeError as err:
