@@ -142,7 +142,7 @@ class SeparableChannels:
 
 Structure = LinearHead | SeparableChannels
 
-#: model -> {problem key: Structure or NotApplicable}
+#: model -> {problem key: Structure, or the reason none applies}
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -162,11 +162,20 @@ def find(problem: Problem) -> Structure:
         try:
             cache[key] = _find(problem)
         except NotApplicable as err:
-            cache[key] = err
+            # the reason only: a kept exception keeps its traceback, whose
+            # frames keep their callers' locals (auto's whole first result)
+            cache[key] = _Reason(str(err))
     found = cache[key]
-    if isinstance(found, NotApplicable):
-        raise found
+    if isinstance(found, _Reason):
+        raise NotApplicable(found.text)
     return found
+
+
+@dataclass(frozen=True)
+class _Reason:
+    """Why no shortcut applies to a problem (cached)."""
+
+    text: str
 
 
 def find_separable(problem: Problem) -> SeparableChannels:

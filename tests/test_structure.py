@@ -12,6 +12,7 @@ channels before a 9-feature head), ``features=`` subsets, the nested case
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import re
 import warnings
@@ -19,6 +20,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import examples, memory, testing
@@ -287,3 +289,22 @@ def test_a_tight_budget_runs_the_shortcut_with_fewer_rows_at_once(segments):
     # float32 against float64: measured max relative error ~1e-6 here;
     # assert_close's default (1e-4 relative) holds it
     testing.assert_close(result, expected)
+
+
+def test_auto_keeps_no_result_after_the_call():
+    """Where no shortcut applies, the reason is cached, not the exception: a
+    kept exception's traceback kept the first call's frames, and the whole
+    first result in their locals, alive for the life of the model (a 289 MiB
+    result held twice on the MLP of the auto benchmark)."""
+    ex = examples.build("mlp", batch=64, inputs=128, hidden=256, features=32)
+    gc.collect()
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    for _ in range(2):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+    assert "no exact shortcut applies" in str(result.plan)
+    size = sum(j.numpy().nbytes for j in result.jacobians.values())
+    del result
+    gc.collect()
+    after = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    # what stays: the model's compiled functions' small constants, not Jacobians
+    assert after - before < size / 4, (after - before, size)

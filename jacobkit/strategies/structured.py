@@ -165,7 +165,7 @@ class Structured(Strategy):
         with :func:`jacobkit.verify` and fall back to ``inner`` if it fails."""
         verified = per_model(_VERIFIED, problem.model)
         key = (problem.key, self.key)
-        if isinstance(verified.get(key), VerificationError):
+        if verified.get(key) is False:  # failed its check: inner from now on
             return self.resolved_inner().run(problem)
         jacobians, stats = super().run(problem)
         if key in verified or self.probes == 0:
@@ -173,7 +173,9 @@ class Structured(Strategy):
         try:
             check(problem, jacobians, probes=self.probes, tolerance=self.tolerance)
         except VerificationError as err:
-            verified[key] = err
+            # not the exception: its traceback would keep the callers' frames
+            # (and the Jacobians in their locals) alive
+            verified[key] = False
             warnings.warn(
                 f"jacobkit: strategy {self.label} ({self.describe(problem)}) "
                 f"failed its check on this model ({err}); running "
