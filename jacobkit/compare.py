@@ -107,6 +107,23 @@ def measure(
     )
 
 
+def first_call_s(
+    problem: Problem,
+    strategy: strategies.Strategy | None = None,
+    *,
+    device: str | None = None,
+) -> float:
+    """Seconds of one call of ``strategy`` (``None``: auto, with the plan
+    cache ``$JACOBKIT_CACHE_DIR`` holds) on ``problem``: the first call of a
+    fresh process, tracing and planning included."""
+    start = time.perf_counter()
+    if strategy is None:
+        run_auto(problem, device=device)
+    else:
+        run_strategy(problem, strategy)
+    return time.perf_counter() - start
+
+
 def measure_auto(
     problem: Problem,
     reference: Sequence[Any] | None = None,

@@ -100,7 +100,12 @@ def test_auto_is_timed_against_the_fastest_fixed_strategy_in_one_process(tmp_pat
         skip=("loop", "forward", "jacobian", "structured"),
     )
     settings = runner.Settings(
-        suite="test", repeats=2, timeout_s=120, reference_timeout_s=120, progress=False
+        suite="test",
+        repeats=2,
+        timeout_s=120,
+        reference_timeout_s=120,
+        progress=False,
+        first_call_rounds=1,
     )
     results = runner.run_suite([tiny], settings, tmp_path)
     rows = {row["strategy"]: row for row in results["rows"]}
@@ -112,3 +117,12 @@ def test_auto_is_timed_against_the_fastest_fixed_strategy_in_one_process(tmp_pat
     assert "paired" not in rows["auto, warm cache"]
     table = (tmp_path / "results.md").read_text()
     assert f"({fastest['strategy']}, 2 rounds)" in table
+    # first calls in alternating fresh processes: the fastest fixed first call
+    # against auto's cold one, the chosen strategy's against auto's warm one
+    first = min(fixed, key=lambda r: r["first_call_s"])
+    cold, warm = rows["auto"]["first_paired"], rows["auto, warm cache"]["first_paired"]
+    assert cold["strategy"] == first["strategy"] and cold["rounds"] == 1
+    chosen = rows["auto"]["ran"].removeprefix("auto: ")
+    assert warm["strategy"] in (chosen, chosen.split("(")[0])  # or its defaults
+    assert all(p["ratio"] == p["ratios"][0] > 0 for p in (cold, warm))
+    assert table.count("; paired fresh processes") == 2

@@ -8,7 +8,9 @@ the reference Jacobians to an ``.npz`` file) and exits. Three kinds:
 - ``probe``: the device's name and the TensorFlow and Keras versions;
 - ``reference``: the reference Jacobians of one problem;
 - ``measure``: one strategy on one problem, through
-  :func:`jacobkit.compare.measure`.
+  :func:`jacobkit.compare.measure`;
+- ``first_call``: the first call alone (:func:`jacobkit.compare.first_call_s`),
+  for first calls paired in alternating fresh processes.
 
 Everything runs under ``tf.device(task["device"])``; peak memory is measured
 on that device.
@@ -204,4 +206,25 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-_TASKS = {"probe": _probe, "reference": _reference, "measure": _measure}
+def _first_call(task: dict[str, Any]) -> dict[str, Any]:
+    import tensorflow as tf
+
+    from jacobkit import compare, strategies
+
+    _check_device(task["device"])
+    auto = task["strategy"] == "auto"
+    if auto:
+        os.environ["JACOBKIT_CACHE_DIR"] = task["plan_cache"]
+    strategy = None if auto else strategies.from_spec(task["spec"])
+    with tf.device(task["device"]):
+        _, problem = _build(task, "float32")
+        seconds = compare.first_call_s(problem, strategy, device=task["device"])
+    return {"first_call_s": seconds}
+
+
+_TASKS = {
+    "probe": _probe,
+    "reference": _reference,
+    "measure": _measure,
+    "first_call": _first_call,
+}

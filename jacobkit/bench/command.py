@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats or (3 if "quick" in suite else 5),
         timeout_s=args.timeout,
         progress=not args.no_progress,
+        first_call_rounds=3 if suite.startswith("auto") else 0,
     )
     try:
         results = runner.run_suite(problems.SUITES[suite](), settings, args.out)

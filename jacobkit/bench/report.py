@@ -177,6 +177,15 @@ AUTO_LIMITS = {"first call": 1.25, "first 3 calls": 1.2, "steady": 1.1, "warm": 
 GROWTH_SLACK_BYTES = 256 * 2**20
 
 
+def chosen_fixed(fixed: Sequence[dict[str, Any]], ran: str) -> dict[str, Any] | None:
+    """The fixed row of the configuration auto ran (``ran``, a label): the
+    same label, else the same strategy at its defaults."""
+    by_label = _by_label(fixed)
+    return by_label.get(ran) or next(
+        (r for r in fixed if r["name"] == ran.split("(")[0]), None
+    )
+
+
 def auto_table(results: dict[str, Any]) -> str:
     """``auto`` against the best fixed strategy, on problems flagged
     ``auto_targets``: each ratio with its target, and the memory check."""
@@ -200,9 +209,7 @@ def auto_table(results: dict[str, Any]) -> str:
             lines.append(f"| {problem['problem']} | {what} | | | | | | |")
             continue
         ran = (auto.get("ran") or "").removeprefix("auto: ")
-        own = by_label.get(ran) or next(
-            (r for r in fixed if r["name"] == ran.split("(")[0]), None
-        )
+        own = chosen_fixed(fixed, ran)
 
         growth, peak_bytes = auto.get("growth_bytes"), auto.get("peak_bytes")
         if growth is None or peak_bytes is None:
@@ -227,15 +234,31 @@ def auto_table(results: dict[str, Any]) -> str:
             value = warm["first_call_s"] / own["first_call_s"]
             over = "" if value <= AUTO_LIMITS["warm"] else " **over**"
             warm_ratio = f"{value:.2f} ({own['strategy']}){over}"
+        if warm is not None:
+            warm_ratio += _first_paired(warm, AUTO_LIMITS["warm"])
         lines.append(
             f"| {problem['problem']} | {ran} "
-            f"| {_ratio(auto, fixed, 'first_call_s', AUTO_LIMITS['first call'])} "
+            f"| {_ratio(auto, fixed, 'first_call_s', AUTO_LIMITS['first call'])}"
+            f"{_first_paired(auto, AUTO_LIMITS['first call'])} "
             f"| {_ratio(auto, fixed, 'first_3_calls_s', AUTO_LIMITS['first 3 calls'])} "
             f"| {_ratio(auto, fixed, 'steady_s', AUTO_LIMITS['steady'])} "
             f"| {_paired(auto)} | {fits} "
             f"| {warm_ratio} |"
         )
     return "\n".join(lines)
+
+
+def _first_paired(row: dict, limit: float) -> str:
+    """The median ratio of first calls in alternating fresh processes
+    (``runner._paired_first_calls``), or nothing where none ran."""
+    paired = row.get("first_paired")
+    if not paired:
+        return ""
+    mark = "" if paired["ratio"] <= limit else " **over**"
+    return (
+        f"; paired fresh processes {paired['ratio']:.2f} "
+        f"({paired['strategy']}, {paired['rounds']} rounds){mark}"
+    )
 
 
 def _paired(row: dict) -> str:
@@ -314,8 +337,12 @@ def render(results: dict[str, Any]) -> str:
             "least steady time alternate call by call (paired rounds): the "
             "same strategy's steady time moves by up to 1.3x between fresh "
             "processes on a shared machine, which the paired ratio does not "
-            "see. Growth is measured with one result held at a time, as a "
-            "caller's loop holds it.",
+            "see. First calls are also timed in alternating fresh processes "
+            "(the fastest fixed strategy's first call against auto's with an "
+            "empty plan cache, and the chosen strategy's against auto's with "
+            "the warm one), and the median of the per-round ratios is given "
+            "as 'paired fresh processes'. Growth is measured with one result "
+            "held at a time, as a caller's loop holds it.",
             "",
             auto_table(results),
             "",

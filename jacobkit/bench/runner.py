@@ -21,6 +21,7 @@ import json
 import multiprocessing
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -57,6 +58,12 @@ class Settings:
             a strategy that needs too much fails with an out-of-memory error
             instead of meeting the operating system's out-of-memory killer.
         progress: show a progress bar.
+        first_call_rounds: on problems with ``auto_targets``, rounds of
+            first calls in alternating fresh processes: the fastest fixed
+            strategy's against auto's (cold plan cache), and the strategy
+            auto chose against auto with the warm plan cache. One first call
+            per process moves by 15% and more between processes; the median
+            of paired ratios moves less.
     """
 
     suite: str = "full"
@@ -66,6 +73,7 @@ class Settings:
     reference_timeout_s: float = 180.0
     memory_fraction: float = 0.7
     progress: bool = True
+    first_call_rounds: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,16 @@ def run_suite(
                 row["ok"] = not row.get("error")
                 results["rows"].append(row)
                 bar.update()
+            if problem.auto_targets and settings.first_call_rounds:
+                bar.set_postfix_str(f"{problem.id} first calls, paired")
+                _paired_first_calls(
+                    pool,
+                    base,
+                    [r for r in results["rows"] if r["problem"] == problem.id],
+                    configs[problem.id],
+                    plan_cache,
+                    settings,
+                )
             with contextlib.suppress(OSError):
                 os.remove(reference_path)
             results["duration_s"] = time.time() - started
@@ -227,6 +245,62 @@ def _fastest_steady(
         return None
     best = min(fixed, key=lambda r: r["steady_s"])
     return next((c.spec for c in configs if c.label == best["strategy"]), None)
+
+
+def _paired_first_calls(
+    pool: Any,
+    base: dict[str, Any],
+    rows: list[dict[str, Any]],
+    configs: list[Config],
+    plan_cache: str,
+    settings: Settings,
+) -> None:
+    """Time first calls in alternating fresh processes: the fastest fixed
+    first call against auto's with an empty plan cache (a new one each
+    round), and the strategy auto chose against auto with the plan cache its
+    cold run left. The median of the per-round ratios goes to the auto rows
+    as ``first_paired``."""
+    ok = [r for r in rows if r.get("ok")]
+    fixed = [r for r in ok if r["name"] != "auto" and r.get("first_call_s")]
+    by_label = {r["strategy"]: r for r in ok}
+    auto, warm = by_label.get("auto"), by_label.get("auto, warm cache")
+    if auto is None or not fixed:
+        return
+    from jacobkit.bench import report
+
+    spec_of = {c.label: c.spec for c in configs}
+    fastest = min(fixed, key=lambda r: r["first_call_s"])
+    ran = (auto.get("ran") or "").removeprefix("auto: ")
+    chosen = report.chosen_fixed(fixed, ran)
+    pairs = [(auto, fastest, None)]
+    if warm is not None and chosen is not None:
+        pairs.append((warm, chosen, plan_cache))
+    for row, other, cache in pairs:
+        ratios = []
+        for i in range(settings.first_call_rounds):
+            fresh = str(pool.scratch / f"{base['problem']}-first-{i}")
+            times = []
+            for name, spec, folder in (
+                (other["name"], spec_of.get(other["strategy"]), None),
+                ("auto", None, cache or fresh),
+            ):
+                task = {
+                    **base,
+                    "kind": "first_call",
+                    "strategy": name,
+                    "spec": spec,
+                    "plan_cache": folder,
+                }
+                times.append(pool.run(task, settings.timeout_s).get("first_call_s"))
+            if all(times):
+                ratios.append(times[1] / times[0])
+        if ratios:
+            row["first_paired"] = {
+                "strategy": other["strategy"],
+                "ratios": ratios,
+                "ratio": statistics.median(ratios),
+                "rounds": len(ratios),
+            }
 
 
 def _skip_reason(stopped, problem: BenchProblem, label: str) -> dict[str, Any] | None:
