@@ -490,7 +490,10 @@ class Problem:
         inspected = per_model(_INSPECTED, self.model)
         if key not in inspected:
             inspected[key] = self._trace()
-        outputs_shape, rows, connected, self.has_loops = inspected[key]
+        outputs_shape, rows, connected, self.has_loops, activations = inspected[key]
+        #: bytes of every floating tensor the forward pass makes (from the
+        #: same trace): an upper bound on what one row's backward pass keeps
+        self.activation_bytes = activations
         self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
         if self.blocked:  # K batch-summed rows, see :attr:`blocked`
@@ -549,9 +552,12 @@ class Problem:
                 "this model's variables (model.get_layer(name).kernel, ...)."
             )
 
-    def _trace(self) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool], bool]:
+    def _trace(
+        self,
+    ) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool], bool, int]:
         """(output shape or None, rows spec, connected per target, whether the
-        computation runs a ``tf.while_loop``), traced."""
+        computation runs a ``tf.while_loop``, the forward pass's activation
+        bytes), traced."""
         found: dict[str, Any] = {}
 
         def probe(inputs):
@@ -581,6 +587,8 @@ class Problem:
                         return tf.constant(0.0)
                     rows = self.rows_spec.of(outputs)
                 found["rows"] = rows
+                # the forward pass's ops come before the gradient's
+                found["forward_ops"] = len(rows.graph.get_operations())
             if not rows.dtype.is_floating:
                 return tf.constant(0.0)
             grads = tape.gradient(
@@ -611,8 +619,10 @@ class Problem:
             )
         outputs_shape = outputs.shape if isinstance(outputs, tf.Tensor) else None
         spec = tf.TensorSpec(rows.shape, rows.dtype)
-        loops = any(op.type in _LOOPS for op in graph.get_operations())
-        return outputs_shape, spec, found["connected"], loops
+        operations = graph.get_operations()
+        loops = any(op.type in _LOOPS for op in operations)
+        forward = operations[: found.get("forward_ops", 0)]
+        return outputs_shape, spec, found["connected"], loops, _float_bytes(forward)
 
     @property
     def key(self) -> tuple:
@@ -636,6 +646,22 @@ class Problem:
 
 #: op types of a ``tf.while_loop`` (recurrent layers run one over time)
 _LOOPS = ("While", "StatelessWhile")
+#: op types whose outputs are not activations
+_NOT_ACTIVATIONS = {"Const", "Placeholder", "ReadVariableOp", "Identity", "NoOp"}
+
+
+def _float_bytes(operations: Sequence[Any]) -> int:
+    """Bytes of the fully-shaped floating outputs of ``operations`` (less
+    constants, inputs, variable reads and identities)."""
+    total = 0
+    for op in operations:
+        if op.type in _NOT_ACTIVATIONS:
+            continue
+        for out in op.outputs:
+            if out.dtype.is_floating and out.shape.is_fully_defined():
+                total += out.shape.num_elements() * out.dtype.size
+    return total
+
 
 #: model -> {inspection key: what :meth:`Problem._inspect` found}
 _INSPECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -63,20 +63,10 @@ def peak_measurable(device: str) -> bool:
 
 
 def activation_bytes(problem: Problem | RowRange) -> int:
-    """Bytes of every floating tensor the forward pass makes (traced, not run):
-    an upper bound on what one row's backward pass keeps per row."""
-    graph = tf.function(problem.rows).get_concrete_function(problem.inputs).graph
-    total = 0
-    for op in graph.get_operations():
-        if op.type in _NOT_ACTIVATIONS:
-            continue
-        for out in op.outputs:
-            if out.dtype.is_floating and out.shape.is_fully_defined():
-                total += out.shape.num_elements() * out.dtype.size
-    return total
-
-
-_NOT_ACTIVATIONS = {"Const", "Placeholder", "ReadVariableOp", "Identity", "NoOp"}
+    """Bytes of every floating tensor the forward pass makes (from the trace
+    the problem already made, not run): an upper bound on what one row's
+    backward pass keeps per row."""
+    return problem.activation_bytes
 
 
 def result_bytes(problem: Problem, num_rows: int | None = None) -> int:
