@@ -158,16 +158,26 @@ def _reference(task: dict[str, Any]) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start, "num_rows": problem.num_rows}
 
 
+def _strategy_of(task: dict[str, Any]) -> Any:
+    """The task's configured strategy, or ``None`` for auto (whose plan cache,
+    empty before the cold run and its result after, is set up here), once
+    the device is checked."""
+    from jacobkit import strategies
+
+    _check_device(task["device"])
+    if task["strategy"] == "auto":
+        os.environ["JACOBKIT_CACHE_DIR"] = task["plan_cache"]
+        return None
+    return strategies.from_spec(task["spec"])
+
+
 def _measure(task: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
     from jacobkit import compare, strategies
 
-    _check_device(task["device"])
-    auto = task["strategy"] == "auto"
-    if auto:  # the plan cache: empty before the cold run, its result after
-        os.environ["JACOBKIT_CACHE_DIR"] = task["plan_cache"]
-    strategy = None if auto else strategies.from_spec(task["spec"])
+    strategy = _strategy_of(task)
+    auto = strategy is None
     reference = None
     if task.get("reference_path") and os.path.exists(task["reference_path"]):
         with np.load(task["reference_path"]) as saved:
@@ -209,13 +219,9 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
 def _first_call(task: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
-    from jacobkit import compare, strategies
+    from jacobkit import compare
 
-    _check_device(task["device"])
-    auto = task["strategy"] == "auto"
-    if auto:
-        os.environ["JACOBKIT_CACHE_DIR"] = task["plan_cache"]
-    strategy = None if auto else strategies.from_spec(task["spec"])
+    strategy = _strategy_of(task)
     with tf.device(task["device"]):
         _, problem = _build(task, "float32")
         seconds = compare.first_call_s(problem, strategy, device=task["device"])

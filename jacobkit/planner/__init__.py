@@ -86,7 +86,9 @@ def session_for(
     entry = disk.load(name) if name is not None else None
     row_bytes = _row_bytes(entry)
     if row_bytes is None:
-        row_bytes = probes.activation_bytes(problem)
+        # the forward pass's activations, from the trace the problem made:
+        # an upper bound on what one row's backward pass keeps per row
+        row_bytes = problem.activation_bytes
     measured_on = device if probes.peak_measurable(device) else None
     fresh = functools.partial(
         Session,

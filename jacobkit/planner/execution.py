@@ -94,6 +94,8 @@ class Session:
         size = segment_size(self.num_rows, target)
         if size < self.num_rows and 2 * self.result_bytes > allowed_bytes:
             size = self.num_rows  # no room to concatenate segments
+        # the shortcut with as few rows of its inner strategy at once as the
+        # budget needs (``None``: none fits)
         fitting = shortcut
         while fitting is not None and (
             est.predicted_peak(fitting, self.num_rows, row_bytes, self.result_bytes)
@@ -119,7 +121,9 @@ class Session:
             # the closed form computes B x K per-example rows for about the
             # price of K summed ones: a prior strong enough to start on it
             found.sort(key=lambda s: s.name != "batch")
-        found, self.structure = _with_shortcut(self, found, shortcut, structure)
+        found, self.structure = _with_shortcut(
+            self, found, shortcut, fitting, structure
+        )
         if not found:
             smallest = min(
                 est.predicted_peak(s, 1, row_bytes, self.segment_result_bytes)
@@ -578,10 +582,15 @@ def restore(session: Session, entry: dict) -> bool:
 
 
 def _with_shortcut(
-    session: Session, found: list[Strategy], shortcut: Strategy | None, structure: str
+    session: Session,
+    found: list[Strategy],
+    shortcut: Strategy | None,
+    fitting: Strategy | None,
+    structure: str,
 ) -> tuple[list[Strategy], str | None]:
-    """The candidates when an exact shortcut applies (it alone, if it fits the
-    budget), and the structure line of the plan. The registry's own
+    """The candidates when an exact shortcut applies (it alone, as
+    ``fitting``: made small enough for the budget; ``None`` if nothing
+    fits), and the structure line of the plan. The registry's own
     "not offered" rejection of the shortcut's name becomes the reason."""
     named = "structured"
     session.rejected = [r for r in session.rejected if r.label != named]
@@ -589,17 +598,13 @@ def _with_shortcut(
         if structure:
             session.rejected.append(Rejection(named, structure))
         return found, None
-    fitting = shortcut
-    while fitting is not None and not session.fits(fitting, rows=session.num_rows):
-        fitting = fitting.smaller()  # fewer rows of its inner strategy at once
     if fitting is None:
         session.rejected.append(Rejection(shortcut, "predicted peak over the budget"))
         return found, None
-    shortcut = fitting
     session.rejected += [
-        Rejection(s, f"not needed: {shortcut.label} is exact here") for s in found
+        Rejection(s, f"not needed: {fitting.label} is exact here") for s in found
     ]
-    return [shortcut], structure
+    return [fitting], structure
 
 
 def _per_example_fast_path(problem: Problem) -> bool:

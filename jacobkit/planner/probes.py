@@ -1,5 +1,5 @@
-"""Measuring: run a strategy on one segment of a real call, and the forward
-pass's activations (``auto``'s memory prior before anything ran)."""
+"""Measuring: run a strategy on one segment of a real call, and the sizes
+``auto``'s memory prior needs."""
 
 from __future__ import annotations
 
@@ -60,13 +60,6 @@ def peak_measurable(device: str) -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def activation_bytes(problem: Problem | RowRange) -> int:
-    """Bytes of every floating tensor the forward pass makes (from the trace
-    the problem already made, not run): an upper bound on what one row's
-    backward pass keeps per row."""
-    return problem.activation_bytes
 
 
 def result_bytes(problem: Problem, num_rows: int | None = None) -> int:
