@@ -12,9 +12,9 @@ another, and which wins.
   predicted to peak within :data:`START_PEAK_FACTOR` of it: then that one
   (:func:`starting_first`).
 - Trying another (a ski-rental rule): a candidate is tried on real calls
-  (or segments of them) once the time spent running the current strategy (tracing not
-  counted) reaches :data:`RENT` times the candidate's predicted tracing time,
-  and never in a process's first call. Whatever it could save, trying it
+  (or segments of them) once the time spent running the current strategy
+  (tracing not counted) reaches :data:`RENT` times the candidate's predicted
+  tracing time, and never in a process's first call. Whatever it could save, trying it
   then costs at most ``1 / RENT`` more than never trying it, and nothing
   when the calls stop early.
 - Winning: the least time per row; where rates are within :data:`NOISE`,

@@ -27,7 +27,7 @@ from jacobkit.result import Stats
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.verification import VerificationError, check
 
-#: model -> {(problem key, strategy key): True (verified) or the failure}
+#: model -> {(problem key, strategy key): True (verified), False (failed)}
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
