@@ -37,9 +37,15 @@ class Measurement:
         peak_bytes: peak device memory above the baseline during a steady call
             (``None`` where the device reports no statistics).
         growth_bytes: growth of the process's resident memory from before the
-            first call to after the last, one result held at a time (the
-            allocator keeps what it took;
-            ``None`` where the system does not report it).
+            first call to after the last, each result dropped before the next
+            call (``del res``): what the calls themselves leave the process
+            holding (the allocator keeps what it took), to compare with
+            ``peak_bytes``, which excludes results held across the call
+            (``None`` where the system does not report it).
+        held_growth_bytes: the same growth after ``held_calls`` more calls,
+            each made while the previous result is still held, as a loop of
+            ``res = jacobian(...)`` holds it: two results are alive during
+            each of those calls (``None`` unless asked for).
         max_rel_diff: :func:`jacobkit.testing.max_relative_difference` to the
             reference, the largest over targets.
         error: ``"ExceptionName: message"`` if the strategy failed.
@@ -56,6 +62,7 @@ class Measurement:
     spread_s: float | None = None
     peak_bytes: int | None = None
     growth_bytes: int | None = None
+    held_growth_bytes: int | None = None
     max_rel_diff: float | None = None
     error: str | None = None
     plan: str | None = None
@@ -92,11 +99,13 @@ def measure(
     *,
     repeats: int = 3,
     device: str | None = None,
+    held_calls: int = 0,
 ) -> Measurement:
     """Time ``strategy`` on ``problem`` (the first call, the first three, then
     ``repeats`` steady calls), measure the peak memory of one steady call and
-    the process's memory growth, and compare with ``reference``. A failure is
-    recorded, not raised."""
+    the process's memory growth (also with a result held across
+    ``held_calls`` more calls, if any), and compare with ``reference``. A
+    failure is recorded, not raised."""
     base = Measurement(strategy.label, strategy.name, strategy.chunk_size)
     return measure_calls(
         base,
@@ -104,6 +113,7 @@ def measure(
         reference,
         repeats=repeats,
         device=device,
+        held_calls=held_calls,
     )
 
 
@@ -132,6 +142,7 @@ def measure_auto(
     device: str | None = None,
     memory_budget: int | float | str | None = None,
     cache: bool = True,
+    held_calls: int = 0,
 ) -> Measurement:
     """``strategy="auto"`` measured like :func:`measure` (its first call
     includes whatever planning it does), with the calls until it settles not
@@ -147,6 +158,7 @@ def measure_auto(
         repeats=repeats,
         device=device,
         settled=lambda result: result.plan.settled,
+        held_calls=held_calls,
     )
 
 
@@ -158,11 +170,14 @@ def measure_calls(
     repeats: int = 3,
     device: str | None = None,
     settled: Callable[[Any], bool] | None = None,
+    held_calls: int = 0,
 ) -> Measurement:
     """The one measuring path: ``call()`` (a ``JacobianResult``) three times
     (first call, first three calls), until ``settled(result)`` (at most
     :data:`SETTLE_CALLS` calls), ``repeats`` timed steady calls, and one with
-    its peak measured. For auto, ``base`` is relabelled with what it ran last.
+    its peak measured, each result dropped before the next call (see
+    ``Measurement.growth_bytes``); then ``held_calls`` calls holding the
+    previous result. For auto, ``base`` is relabelled with what it ran last.
     """
     try:
         resident = process_memory_bytes()
@@ -170,35 +185,40 @@ def measure_calls(
         diff = None
         result = None
         for i in range(3):
+            result = None  # the caller's ``del res``: no result held across
             start = time.perf_counter()
             result = call()
             times.append(time.perf_counter() - start)
             if i == 0 and reference is not None:
-                # compared now, so that the growth below counts one result
-                # held at a time, as a caller's loop would
                 diff = max(
                     testing.max_relative_difference(a, e)
                     for a, e in zip(result.jacobians.values(), reference, strict=True)
                 )
         calls = 3
         while settled is not None and not settled(result) and calls < SETTLE_CALLS:
+            result = None
             result = call()
             calls += 1
         steady = []
         for _ in range(repeats):
+            result = None
             start = time.perf_counter()
             result = call()
             steady.append(time.perf_counter() - start)
+        ran = result.strategy_config
+        plan = str(result.plan) if base.name == "auto" else None
+        result = None
         peak = _steady_peak(call, device)
         after = process_memory_bytes()
+        for _ in range(held_calls):
+            result = call()  # the previous result is alive during this call
+        held = process_memory_bytes() if held_calls else None
     except _FAILURES as err:
         return _failed(base, err)
     if base.name == "auto":
-        ran = result.strategy_config
-        base = Measurement(
-            f"auto: {ran.label}", "auto", ran.chunk_size, plan=str(result.plan)
-        )
+        base = Measurement(f"auto: {ran.label}", "auto", ran.chunk_size, plan=plan)
     growth = None if resident is None or after is None else max(after - resident, 0)
+    held_growth = None if resident is None or held is None else max(held - resident, 0)
     return Measurement(
         **{
             **base.as_dict(),
@@ -208,6 +228,7 @@ def measure_calls(
             "spread_s": (max(steady) - min(steady)) if steady else 0.0,
             "peak_bytes": peak,
             "growth_bytes": growth,
+            "held_growth_bytes": held_growth,
             "max_rel_diff": diff,
         }
     )

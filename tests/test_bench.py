@@ -106,6 +106,7 @@ def test_auto_is_timed_against_the_fastest_fixed_strategy_in_one_process(tmp_pat
         reference_timeout_s=120,
         progress=False,
         first_call_rounds=1,
+        held_calls=1,
     )
     results = runner.run_suite([tiny], settings, tmp_path)
     rows = {row["strategy"]: row for row in results["rows"]}
@@ -126,3 +127,9 @@ def test_auto_is_timed_against_the_fastest_fixed_strategy_in_one_process(tmp_pat
     assert warm["strategy"] in (chosen, chosen.split("(")[0])  # or its defaults
     assert all(p["ratio"] == p["ratios"][0] > 0 for p in (cold, warm))
     assert table.count("; paired fresh processes") == 2
+    # growth with no result held between calls, and with one held across a
+    # further call: TensorFlow's pool only grows, so the second is not
+    # smaller (1 MiB of slack for what Python's own heap may give back)
+    for row in (r for r in rows.values() if r["ok"]):
+        assert row["held_growth_bytes"] + 2**20 >= row["growth_bytes"] >= 0, row
+    assert "one result held across calls: " in table

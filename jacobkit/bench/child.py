@@ -187,7 +187,11 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
         paired = None
         if auto:
             measured = compare.measure_auto(
-                problem, reference, repeats=task["repeats"], device=task["device"]
+                problem,
+                reference,
+                repeats=task["repeats"],
+                device=task["device"],
+                held_calls=task.get("held_calls", 0),
             )
             if task.get("pair_with") and not measured.error:
                 paired = compare.paired_rounds(
@@ -203,6 +207,7 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
                 reference,
                 repeats=task["repeats"],
                 device=task["device"],
+                held_calls=task.get("held_calls", 0),
             )
     answer = measured.as_dict()
     # the runner's label stays the row's label; what ran (auto: what it

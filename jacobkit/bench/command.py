@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         first_call_rounds=3 if suite.startswith("auto") else 0,
+        held_calls=3 if suite.startswith("auto") else 0,
     )
     try:
         results = runner.run_suite(problems.SUITES[suite](), settings, args.out)

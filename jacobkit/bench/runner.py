@@ -64,6 +64,9 @@ class Settings:
             auto chose against auto with the warm plan cache. One first call
             per process moves by 15% and more between processes; the median
             of paired ratios moves less.
+        held_calls: on problems with ``auto_targets``, calls made after the
+            measured ones while the previous result is still held, for the
+            process growth of a caller's loop (``held_growth_bytes``).
     """
 
     suite: str = "full"
@@ -74,6 +77,7 @@ class Settings:
     memory_fraction: float = 0.7
     progress: bool = True
     first_call_rounds: int = 0
+    held_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,9 @@ def run_suite(
                         "spec": config.spec,
                         "plan_cache": plan_cache if config.cache else None,
                         "repeats": settings.repeats,
+                        "held_calls": (
+                            settings.held_calls if problem.auto_targets else 0
+                        ),
                         "reference_path": None if ref.get("error") else reference_path,
                     }
                     if config.cache == "cold":
