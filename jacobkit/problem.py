@@ -8,6 +8,7 @@ Everything that depends on the Keras flavour (Keras 3, ``tf_keras``, a plain
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -623,6 +624,26 @@ class Problem:
         loops = any(op.type in _LOOPS for op in operations)
         forward = operations[: found.get("forward_ops", 0)]
         return outputs_shape, spec, found["connected"], loops, _float_bytes(forward)
+
+    def with_inputs(self, inputs: Any) -> Problem:
+        """This problem on ``inputs`` of the same structure, shapes and dtypes
+        (a shallow copy: nothing is traced or checked again)."""
+        other = copy.copy(self)
+        other.inputs = inputs
+        return other
+
+    def detached(self) -> Problem:
+        """This problem without its input values, for what outlives the call.
+
+        Compiled computations and found structures are cached per model and
+        take the inputs as an argument; the problem they close over holds
+        ``tf.TensorSpec``s in place of the inputs, so that the first call's
+        inputs are not kept alive for the life of the model."""
+        return self.with_inputs(
+            tf.nest.map_structure(
+                lambda t: tf.TensorSpec(t.shape, t.dtype), self.inputs
+            )
+        )
 
     @property
     def key(self) -> tuple:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import tensorflow as tf
@@ -90,7 +90,9 @@ class LinearHead:
         width: ``D``, the size of the head's input's last axis.
         sub_problem: the same rows of the head's input ``h`` (a sub-model
             built from the functional graph), same targets; its Jacobians
-            have shape ``rows_shape[:-1] + (D,) + v.shape``.
+            have shape ``rows_shape[:-1] + (D,) + v.shape``. It takes the
+            model's inputs and holds none (:meth:`Problem.detached`): run it
+            on ``sub_problem.with_inputs(problem.inputs)``.
         columns: the columns of the head's kernel the rows select (the
             ``features=`` indices, made non-negative), or ``None`` for all.
     """
@@ -160,7 +162,12 @@ def find(problem: Problem) -> Structure:
     key = problem.key
     if key not in cache:
         try:
-            cache[key] = _find(problem)
+            found = _find(problem)
+            if isinstance(found, LinearHead):
+                # the cache outlives the call: no input values in it (use
+                # ``found.sub_problem.with_inputs(problem.inputs)``)
+                found = replace(found, sub_problem=found.sub_problem.detached())
+            cache[key] = found
         except NotApplicable as err:
             # the reason only: a kept exception keeps its traceback, whose
             # frames keep their callers' locals (auto's whole first result)

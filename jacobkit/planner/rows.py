@@ -18,8 +18,8 @@ import tensorflow as tf
 
 from jacobkit.problem import Problem, per_model
 
-#: model -> {(problem key, size): RowRange}
-_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: model -> {(problem key, size): the segment's start variable}
+_STARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -63,15 +63,22 @@ class RowRange:
 
     It answers what strategies ask of a problem (``rows``, ``num_rows``,
     ``targets``, ``key``, ...) and forwards the rest to the problem. Set the
-    rows with :meth:`select` before each run.
+    rows with :meth:`select` before each run. ``start`` is the variable the
+    compiled computations read: one per (model, problem, size), shared by
+    every call's view.
     """
 
-    def __init__(self, problem: Problem, size: int) -> None:
+    def __init__(self, problem: Problem, size: int, start: tf.Variable) -> None:
         self._problem = problem
         self.num_rows = int(size)
         self.rows_shape = (self.num_rows,)
         self.rows_spec = _SegmentRows(problem.rows_spec, size, problem.num_rows)
-        self.start = tf.Variable(0, dtype=tf.int32, trainable=False, name="row_start")
+        self.start = start
+
+    def detached(self) -> RowRange:
+        """The same rows of the problem without its input values (see
+        :meth:`~jacobkit.problem.Problem.detached`)."""
+        return RowRange(self._problem.detached(), self.num_rows, self.start)
 
     @property
     def key(self) -> tuple:
@@ -108,15 +115,16 @@ class RowRange:
 
 def segment_view(problem: Problem, size: int) -> Problem | RowRange:
     """The view computing ``size`` rows at a time: ``problem`` itself when
-    ``size`` is every row, else one cached :class:`RowRange` per (model,
-    problem, size), so compiled strategies find their own variable again."""
+    ``size`` is every row, else a :class:`RowRange` on the start variable
+    cached per (model, problem, size), so compiled strategies find their own
+    variable again (a cached view would keep this call's inputs alive)."""
     if size == problem.num_rows:
         return problem
-    views = per_model(_VIEWS, problem.model)
+    starts = per_model(_STARTS, problem.model)
     key = (problem.key, size)
-    if key not in views:
-        views[key] = RowRange(problem, size)
-    return views[key]
+    if key not in starts:
+        starts[key] = tf.Variable(0, dtype=tf.int32, trainable=False, name="row_start")
+    return RowRange(problem, size, starts[key])
 
 
 def segment_size(num_rows: int, target: int) -> int:

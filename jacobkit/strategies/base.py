@@ -128,7 +128,9 @@ class Strategy(abc.ABC):
                     "Conv layer targets), or strategy='auto'."
                 )
             self.check(problem)
-            fn = self.build(problem)
+            # the cached computation takes the inputs as its argument: closing
+            # over this call's would keep them alive for the life of the model
+            fn = self.build(problem.detached())
             compiled[key] = _Compiled(tf.function(fn) if self.compiled else fn)
         return compiled[key]
 

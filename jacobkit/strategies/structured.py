@@ -128,17 +128,16 @@ class Structured(Strategy):
                 f"this problem ({err}). Use another strategy (strategy='auto' "
                 "uses this one where it applies)."
             ) from None
-        if (
-            isinstance(found, structure.LinearHead)
-            and _separable_or_none(found.sub_problem) is None
-        ):
-            self.resolved_inner().check(found.sub_problem)
+        if isinstance(found, structure.LinearHead):
+            sub = found.sub_problem.with_inputs(problem.inputs)
+            if _separable_or_none(sub) is None:
+                self.resolved_inner().check(sub)
 
     def build(self, problem: Problem):
         found = structure.find(problem)
         if isinstance(found, structure.SeparableChannels):
             return _separable_fn(problem, found)
-        sub = found.sub_problem
+        sub = found.sub_problem.with_inputs(problem.inputs)
         separable = _separable_or_none(sub)
         inner_fn = (
             _separable_fn(sub, separable)
