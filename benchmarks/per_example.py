@@ -11,14 +11,18 @@ For the built-in generator (target ``conv1``) and the MLP (target
   unless its predicted peak is too large for a shared machine,
 
 each traced first, then timed in interleaved rounds (median), and its peak
-memory measured on one more call. The targets are: per-example steady time
+memory measured on one more call. All of it runs ``--processes`` times (3 by
+default), each in a fresh process: these millisecond calls move by up to
+1.4x between processes (the MLP's per-example call writes a 19-76 MB result,
+and its time follows the machine's memory bandwidth), so each ratio is given
+as the median over processes with its range. The targets are: per-example steady time
 ≤ 1.5× the features call, ≥ 10× faster than ``jacobian``, peak ≤ 2× the
 result + the features call's peak. After timing, the per-example result is
 verified: summed over the batch it must equal the features result, and it
 must equal ``jacobian``'s where that ran.
 
     python benchmarks/per_example.py --out benchmarks/results/cpu
-    python benchmarks/per_example.py --quick --out /tmp/per_example
+    python benchmarks/per_example.py --quick --processes 1 --out /tmp/per_example
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,7 +129,38 @@ def measure(name: str, batch: int, sizes: dict, skip_jacobian: bool) -> dict:
     }
 
 
-def render(runs: list[dict], note: str) -> str:
+def _ratios(run: dict) -> dict[str, float | None]:
+    """One process's ratios for one (problem, B)."""
+    steady, peaks = run["steady_s"], run["peak_bytes"]
+    mine = steady["per_example"]
+    jac = steady.get("per_example (jacobian)")
+    ratios: dict[str, float | None] = {
+        "batch": mine / steady["features (batch)"],
+        "chunked": mine / steady["features (chunked 16)"],
+        "jacobian": jac / mine if jac else None,
+    }
+    for label in ("features (batch)", "features (chunked 16)"):
+        if peaks["per_example"] is None or peaks[label] is None:
+            ratios[label] = None
+        else:
+            bound = 2 * run["result_bytes"] + peaks[label]
+            ratios[label] = peaks["per_example"] / bound
+    return ratios
+
+
+def _spread(values: list[float | None], fmt: str) -> str:
+    """``median (min-max)`` over processes, or ``?``."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "?"
+    median = format(statistics.median(values), fmt)
+    if len(values) == 1:
+        return median
+    return f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def render(processes: list[list[dict]], note: str) -> str:
+    """``processes[i]`` holds process ``i``'s runs, one per (problem, B)."""
     lines = [
         "# Per-example Jacobians: closed-form batch strategy",
         "",
@@ -130,19 +168,25 @@ def render(runs: list[dict], note: str) -> str:
         "",
         "Steady time = median of interleaved calls of `jk.jacobian` after a "
         "first (tracing) call; peak = extra CPU memory of one more call "
-        "(`jacobkit.memory.PeakMemory`, BFC allocator). Targets (issue 10): "
+        "(`jacobkit.memory.PeakMemory`, BFC allocator). Each measurement ran "
+        f"in {len(processes)} fresh process(es): times and ratios are the "
+        "median over processes, the range in brackets. Targets (issue 10): "
         "per-example ≤ 1.5× the features call, ≥ 10× faster than `jacobian`, "
         "peak ≤ 2× result + the features call's peak.",
         "",
         "| problem | B | rows | label | steady | first call | peak |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
-    for run in runs:
-        for label, steady in run["steady_s"].items():
-            peak = run["peak_bytes"][label]
+    for same in zip(*processes):  # one (problem, B) in every process
+        run = same[0]
+        for label in run["steady_s"]:
+            peaks = [r["peak_bytes"][label] for r in same]
+            peak = max((p for p in peaks if p is not None), default=None)
+            steady = _spread([r["steady_s"][label] * 1e3 for r in same], ".1f")
+            first = statistics.median(r["first_s"][label] for r in same)
             lines.append(
                 f"| {run['problem']} | {run['batch']} | {run['rows']} | {label} | "
-                f"{steady * 1e3:.1f} ms | {run['first_s'][label]:.2f} s | "
+                f"{steady} ms | {first:.2f} s | "
                 f"{memory.format_bytes(peak) if peak is not None else '?'} |"
             )
     lines += [
@@ -152,37 +196,30 @@ def render(runs: list[dict], note: str) -> str:
         "peak), features by batch / chunked 16 | max rel. error |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
-    for run in runs:
-        steady, peaks = run["steady_s"], run["peak_bytes"]
-        mine = steady["per_example"]
-        jac = steady.get("per_example (jacobian)")
-        bounds = []
-        for label in ("features (batch)", "features (chunked 16)"):
-            if peaks["per_example"] is not None and peaks[label] is not None:
-                bound = peaks["per_example"] / (2 * run["result_bytes"] + peaks[label])
-                bounds.append(f"{bound:.2f}")
-        errors = ", ".join(f"{k}: {v:.1e}" for k, v in run["relative_error"].items())
+    for same in zip(*processes):
+        run = same[0]
+        ratios = [_ratios(r) for r in same]
+        jac = _spread([r["jacobian"] for r in ratios], ".0f")
+        bounds = " / ".join(
+            _spread([r[label] for r in ratios], ".2f")
+            for label in ("features (batch)", "features (chunked 16)")
+        )
+        errors = ", ".join(
+            f"{k}: {max(r['relative_error'][k] for r in same):.1e}"
+            for k in run["relative_error"]
+        )
         lines.append(
             f"| {run['problem']} | {run['batch']} | "
-            f"{mine / steady['features (batch)']:.2f} | "
-            f"{mine / steady['features (chunked 16)']:.2f} | "
-            f"{f'{jac / mine:.0f}×' if jac else 'not run (predicted peak too large)'}"
-            f" | {' / '.join(bounds) or '?'} | {errors} |"
+            f"{_spread([r['batch'] for r in ratios], '.2f')} | "
+            f"{_spread([r['chunked'] for r in ratios], '.2f')} | "
+            f"{f'{jac}×' if jac != '?' else 'not run (predicted peak too large)'}"
+            f" | {bounds} | {errors} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--quick", action="store_true", help="B = 4 only")
-    parser.add_argument(
-        "--note",
-        default="Ratios within one process are meaningful; absolute times move "
-        "with the machine's load (the load average below).",
-    )
-    args = parser.parse_args()
-    batches = [4] if args.quick else BATCHES
+def measure_all(batches: list[int]) -> list[dict]:
+    """Every (problem, B) in this process."""
     runs = []
     for name, sizes in PROBLEMS.items():
         jacobian_peak = None
@@ -195,6 +232,39 @@ def main() -> None:
             jacobian_peak = run["peak_bytes"].get("per_example (jacobian)")
             runs.append(run)
             print(json.dumps(run["steady_s"]), flush=True)
+    return runs
+
+
+def _in_fresh_process(quick: bool) -> list[dict]:
+    """:func:`measure_all` in a child process (this script, ``--child``)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "runs.json"
+        command = [sys.executable, __file__, "--child", str(path)]
+        subprocess.run([*command, *(["--quick"] if quick else [])], check=True)
+        return json.loads(path.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--quick", action="store_true", help="B = 4 only")
+    parser.add_argument(
+        "--processes", type=int, default=3, help="fresh processes (default 3)"
+    )
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--note",
+        default="Ratios within one process are meaningful; absolute times move "
+        "with the machine's load (the load average below).",
+    )
+    args = parser.parse_args()
+    batches = [4] if args.quick else BATCHES
+    if args.child is not None:
+        args.child.write_text(json.dumps(measure_all(batches)))
+        return
+    if args.out is None or args.processes < 1:
+        parser.error("--out DIR is required, and --processes must be >= 1")
+    processes = [_in_fresh_process(args.quick) for _ in range(args.processes)]
     args.out.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.processor() or platform.machine()}, TF {tf.__version__}"
     if hasattr(os, "getloadavg"):
@@ -202,10 +272,10 @@ def main() -> None:
             *os.getloadavg()
         )
     (args.out / "per_example.json").write_text(
-        json.dumps({"machine": machine, "runs": runs}, indent=1) + "\n"
+        json.dumps({"machine": machine, "processes": processes}, indent=1) + "\n"
     )
     (args.out / "per_example.md").write_text(
-        render(runs, f"{args.note} Machine: {machine}.")
+        render(processes, f"{args.note} Machine: {machine}.")
     )
 
 
