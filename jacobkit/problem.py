@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import linear, model_layers, model_outputs, norms, taps
+from jacobkit import linear, model_layers, model_outputs, norms, taps, tracing
 from jacobkit import targets as tensor_targets
 
 OUTPUT_MODES = ("features", "per_example", "full")
@@ -598,7 +598,8 @@ class Problem:
             found["connected"] = [g is not None for g in grads]
             return tf.constant(0.0)
 
-        graph = tf.function(probe).get_concrete_function(self.inputs).graph
+        traced = tracing.function(self.model, probe)
+        graph = traced.get_concrete_function(self.inputs).graph
         if "call_failed" in found:
             self._raise_call_error(found["call_failed"])
         if "invalid" in found:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import taps
+from jacobkit import taps, tracing
 
 #: model -> {(target spec, signature): (names, zero variables)}
 _DELTAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -128,6 +128,7 @@ class TensorTargets:
         find_layer: Callable[[str], Any],
     ) -> None:
         self.spec = spec
+        self._model = model
         self._call = call
         self._training = training
         self._tap = None
@@ -199,9 +200,10 @@ class TensorTargets:
             found.append(outputs)
             return outputs
 
-        tf.function(lambda x: self._tap(x, self._training, hook)).get_concrete_function(
-            inputs
+        tap = tracing.function(
+            self._model, lambda x: self._tap(x, self._training, hook)
         )
+        tap.get_concrete_function(inputs)
         outputs = found[0]
         if not isinstance(outputs, tf.Tensor) or not outputs.dtype.is_floating:
             raise TypeError(

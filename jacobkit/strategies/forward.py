@@ -7,6 +7,7 @@ from typing import final
 
 import tensorflow as tf
 
+from jacobkit import tracing
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import ZERO, Strategy, check_chunk_size, map_chunks
 
@@ -62,7 +63,9 @@ class Forward(Strategy):
             return acc.jvp(rows, unconnected_gradients=ZERO)
 
         try:
-            tf.function(one_tangent).get_concrete_function(problem.inputs)
+            tracing.function(problem.model, one_tangent).get_concrete_function(
+                problem.inputs
+            )
         except (ValueError, TypeError, LookupError, tf.errors.OpError) as err:
             failed = err
         else:
