@@ -12,7 +12,8 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import examples, memory, planner, testing
-from jacobkit.planner import selection
+from jacobkit.planner import estimates, selection
+from jacobkit.planner.plan import Probe
 from jacobkit.strategies import Batch, Chunked, While
 from tests.cases import call_kwargs, reference, target_variables
 
@@ -339,3 +340,19 @@ def test_per_example_rows_in_segments(eager_trials, segments):
         testing.assert_close(result, reference("mlp", "per_example"))
         _covers_every_row_once(result.plan)
     assert result.plan.segment_rows == 10 and result.plan.num_rows == 40
+
+
+def test_a_slow_run_after_the_trace_does_not_make_tracing_free():
+    """The tracing time is the traced run's excess over the fastest untraced
+    run. While no untraced run has been faster than the traced one, it is
+    unknown, not 0 (0 let auto try every candidate from the third call on,
+    after one slow second call); a faster run then measures it."""
+    strategy = jk.strategies.Chunked(144)
+
+    def probe(call, seconds, traced):
+        return Probe(strategy, call, 0, 144, seconds, traced)
+
+    slow = [probe(1, 1.08, True), probe(2, 1.27, False)]
+    assert estimates.estimate(strategy, slow).trace_s is None
+    faster = [*slow, probe(3, 0.78, False)]
+    assert estimates.estimate(strategy, faster).trace_s == pytest.approx(0.30)
