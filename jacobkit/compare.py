@@ -183,7 +183,6 @@ def measure_calls(
         resident = process_memory_bytes()
         times = []
         diff = None
-        result = None
         for i in range(3):
             result = None  # the caller's ``del res``: no result held across
             start = time.perf_counter()

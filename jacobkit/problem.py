@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import linear, model_layers, model_outputs, norms, taps, tracing
+from jacobkit import linear, model_layers, model_outputs, norms, taps
 from jacobkit import targets as tensor_targets
 
 OUTPUT_MODES = ("features", "per_example", "full")
@@ -33,6 +33,31 @@ def _keras3():
         return keras if keras.__version__.startswith("3") else None
     except ImportError:  # pragma: no cover - keras ships with tensorflow
         return None
+
+
+def _needs_autograph(model: Any) -> bool:
+    """False for a Keras 3 layer or model, whose code AutoGraph never
+    converts; True otherwise.
+
+    NOTE (why AutoGraph is off for Keras 3 models). AutoGraph rewrites the
+    Python source of every function a traced computation calls that is not on
+    its do-not-convert list, jacobkit's own included: measured on the MLP of
+    the auto benchmark (2-core CPU, TensorFlow 2.21), converting jacobkit's
+    functions took 1.2 s of a 2.4-3.3 s first call, while tracing the model
+    itself took 0.04 s. jacobkit's computations need none of it: their loops
+    and conditions are TensorFlow ops (``tf.while_loop``, ``tf.map_fn``,
+    ``tf.vectorized_map``) or Python over static values. What the model
+    computes does not change either for a Keras 3 model: the ``keras``
+    package is on AutoGraph's do-not-convert list and Keras 3 does not convert
+    layers itself, so a Keras 3 model's code runs as written with AutoGraph on
+    or off (checked: a subclassed layer with a Python ``if`` on a tensor fails
+    the same way under both). A ``tf_keras`` model converts its subclassed
+    layers' ``call`` only while AutoGraph is on, and a plain callable ``f(x)``
+    is converted by it: those keep AutoGraph, and their first call keeps its
+    cost.
+    """
+    keras = _keras3()
+    return keras is None or not isinstance(model, keras.layers.Layer)
 
 
 def _tf_keras():
@@ -281,6 +306,7 @@ class Problem:
                 self.model,
                 self.inputs,
                 self._call,
+                self.function,
                 self.training,
                 lambda name: _find_layer(self.model, name),
             )
@@ -598,8 +624,7 @@ class Problem:
             found["connected"] = [g is not None for g in grads]
             return tf.constant(0.0)
 
-        traced = tracing.function(self.model, probe)
-        graph = traced.get_concrete_function(self.inputs).graph
+        graph = self.function(probe).get_concrete_function(self.inputs).graph
         if "call_failed" in found:
             self._raise_call_error(found["call_failed"])
         if "invalid" in found:
@@ -625,6 +650,12 @@ class Problem:
         loops = any(op.type in _LOOPS for op in operations)
         forward = operations[: found.get("forward_ops", 0)]
         return outputs_shape, spec, found["connected"], loops, _float_bytes(forward)
+
+    def function(self, fn: Callable[..., Any]) -> Any:
+        """``tf.function(fn)`` for a computation that calls this problem's
+        model, with AutoGraph only where the model's code needs it (see
+        :func:`_needs_autograph`)."""
+        return tf.function(fn, autograph=_needs_autograph(self.model))
 
     def with_inputs(self, inputs: Any) -> Problem:
         """This problem on ``inputs`` of the same structure, shapes and dtypes

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import taps, tracing
+from jacobkit import taps
 
 #: model -> {(target spec, signature): (names, zero variables)}
 _DELTAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -124,12 +124,13 @@ class TensorTargets:
         model: Any,
         inputs: Any,
         call: Callable[[Any], Any],
+        function: Callable[[Callable[..., Any]], Any],
         training: bool,
         find_layer: Callable[[str], Any],
     ) -> None:
         self.spec = spec
-        self._model = model
         self._call = call
+        self._function = function
         self._training = training
         self._tap = None
         if isinstance(spec, Inputs):
@@ -200,9 +201,7 @@ class TensorTargets:
             found.append(outputs)
             return outputs
 
-        tap = tracing.function(
-            self._model, lambda x: self._tap(x, self._training, hook)
-        )
+        tap = self._function(lambda x: self._tap(x, self._training, hook))
         tap.get_concrete_function(inputs)
         outputs = found[0]
         if not isinstance(outputs, tf.Tensor) or not outputs.dtype.is_floating:

@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import tracing
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 
@@ -132,9 +131,7 @@ class Strategy(abc.ABC):
             # the cached computation takes the inputs as its argument: closing
             # over this call's would keep them alive for the life of the model
             fn = self.build(problem.detached())
-            compiled[key] = _Compiled(
-                tracing.function(problem.model, fn) if self.compiled else fn
-            )
+            compiled[key] = _Compiled(problem.function(fn) if self.compiled else fn)
         return compiled[key]
 
     def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:

@@ -7,7 +7,6 @@ from typing import final
 
 import tensorflow as tf
 
-from jacobkit import tracing
 from jacobkit.problem import Problem
 from jacobkit.strategies.base import ZERO, Strategy, check_chunk_size, map_chunks
 
@@ -63,9 +62,7 @@ class Forward(Strategy):
             return acc.jvp(rows, unconnected_gradients=ZERO)
 
         try:
-            tracing.function(problem.model, one_tangent).get_concrete_function(
-                problem.inputs
-            )
+            problem.function(one_tangent).get_concrete_function(problem.inputs)
         except (ValueError, TypeError, LookupError, tf.errors.OpError) as err:
             failed = err
         else:
