@@ -77,15 +77,23 @@ def test_a_time_limit_is_a_result_not_a_crash(tmp_path):
         sizes={"batch": 2, "features": 3},
         layer="hidden1",
         sweeps=(problems.Sweep("mlp", "features"),),
+        # structured refuses this model (no shortcut applies): whether that
+        # error or the 0.5 s limit comes first depends on the machine's load
+        skip=("structured",),
     )
     settings = runner.Settings(
         suite="test", repeats=1, timeout_s=0.5, reference_timeout_s=120, progress=False
     )
     results = runner.run_suite([tiny], settings, tmp_path)
-    # every registered strategy, and auto with a cold and a warm plan cache
+    # every other registered strategy, and auto with a cold and a warm plan cache
     assert len(results["rows"]) == len(runner.strategy_configs(tiny))
-    assert {row["name"] for row in results["rows"]} == {*jk.strategies.REGISTRY, "auto"}
-    assert {row["failure"] for row in results["rows"]} == {"time_limit"}
+    names = {*jk.strategies.REGISTRY, "auto"} - {"structured"}
+    assert {row["name"] for row in results["rows"]} == names
+    assert {row["failure"] for row in results["rows"]} == {"time_limit"}, [
+        (r["name"], r.get("error"))
+        for r in results["rows"]
+        if r["failure"] != "time_limit"
+    ]
 
 
 def test_auto_is_timed_against_the_fastest_fixed_strategy_in_one_process(tmp_path):

@@ -31,7 +31,7 @@ from dataclasses import replace
 import tensorflow as tf
 
 from jacobkit import memory, strategies
-from jacobkit.planner import cache, probes, selection
+from jacobkit.planner import cache, probes, selection, shortcuts
 from jacobkit.planner import estimates as est
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.planner.rows import segment_size, segment_view
@@ -122,7 +122,7 @@ class Session:
             # price of K summed ones: a prior strong enough to start on it
             found.sort(key=lambda s: s.name != "batch")
         found, self.structure = _with_shortcut(
-            self, found, shortcut, fitting, structure
+            self, problem, found, shortcut, fitting, structure
         )
         if not found:
             smallest = min(
@@ -359,8 +359,8 @@ class Session:
         self.trying = None
         self.dirty = True
         rates = (
-            f"{found.seconds_per_row * 1e3:.2f} ms/row vs "
-            f"{current.seconds_per_row * 1e3:.2f} ms/row"
+            f"{found.seconds_per_row * 1e3:.3g} ms/row vs "
+            f"{current.seconds_per_row * 1e3:.3g} ms/row"
         )
         if selection.winner(current, found) is found:
             why = (
@@ -583,16 +583,18 @@ def restore(session: Session, entry: dict) -> bool:
 
 def _with_shortcut(
     session: Session,
+    problem: Problem,
     found: list[Strategy],
     shortcut: Strategy | None,
     fitting: Strategy | None,
     structure: str,
 ) -> tuple[list[Strategy], str | None]:
-    """The candidates when an exact shortcut applies (it alone, as
-    ``fitting``: made small enough for the budget; ``None`` if nothing
-    fits), and the structure line of the plan. The registry's own
-    "not offered" rejection of the shortcut's name becomes the reason."""
-    named = "structured"
+    """The candidates when an exact shortcut applies (``fitting``: made small
+    enough for the budget; ``None`` if nothing fits; beside ``batch``'s
+    closed form, :mod:`jacobkit.planner.shortcuts`), and the structure line
+    of the plan. The registry's own "not offered" rejection of the
+    shortcut's name becomes the reason where none applies."""
+    named = shortcuts.NAME
     session.rejected = [r for r in session.rejected if r.label != named]
     if shortcut is None:
         if structure:
@@ -601,10 +603,15 @@ def _with_shortcut(
     if fitting is None:
         session.rejected.append(Rejection(shortcut, "predicted peak over the budget"))
         return found, None
-    session.rejected += [
-        Rejection(s, f"not needed: {fitting.label} is exact here") for s in found
-    ]
-    return [fitting], structure
+    kept, rejected = shortcuts.candidates(
+        problem,
+        found,
+        fitting,
+        session.fits,
+        closed_form=_per_example_fast_path(problem),
+    )
+    session.rejected += rejected
+    return kept, structure
 
 
 def _per_example_fast_path(problem: Problem) -> bool:
