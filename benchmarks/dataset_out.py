@@ -57,6 +57,16 @@ class _Peak:
         self._thread.join()
 
 
+def _machine_note() -> str:
+    """The machine and its load while this ran (absolute times follow it)."""
+    note = f"measured on a {os.cpu_count()}-core machine"
+    if hasattr(os, "getloadavg"):
+        note += ", load average {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min)".format(
+            *os.getloadavg()
+        )
+    return note
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/cpu")
@@ -130,7 +140,7 @@ def main() -> None:
         "resumed_vs_whole_max_rel_diff": difference,
         "tensorflow": tf.__version__,
         "cpu_count": os.cpu_count(),
-        "note": "measured on a loaded 2-core machine (other jobs running)",
+        "note": _machine_note(),
     }
     shutil.rmtree(work)
     os.makedirs(args.out, exist_ok=True)
