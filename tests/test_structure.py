@@ -300,6 +300,23 @@ def _float64(name, sizes):
     return ex.model, ex.inputs, [target.kernel, target.bias]
 
 
+@pytest.mark.parametrize(
+    "target",
+    [
+        "head",  # separable channels: one backward pass whatever runs inside
+        "variables",  # not a Dense/Conv layer's own: batch cannot run inside
+    ],
+)
+def test_the_shortcut_alone_where_batch_inside_would_not_differ_or_run(target):
+    ex = _bottleneck()
+    if target == "variables":
+        layer = ex.model.get_layer("conv1")
+        target = [layer.kernel, layer.bias]
+    planned = jk.plan(ex.model, ex.inputs, target)
+    assert planned.strategy.label == "structured(while)", planned
+    assert planned.pending == (), planned
+
+
 def test_auto_says_why_it_does_not_use_it():
     ex = examples.build("mlp")
     planned = jk.plan(ex.model, ex.inputs, ex.layer)

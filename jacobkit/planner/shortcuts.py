@@ -53,9 +53,11 @@ def candidates(
         closed_form: per-example rows of a Dense/Conv layer's own variables.
     """
     batch = next((s for s in found if s.name == "batch"), None)
-    with_batch = strategies.Structured(batch) if batch is not None else None
-    if with_batch is not None and not fits(with_batch):
-        with_batch = None
+    with_batch = None
+    if batch is not None and _batch_inside_applies(problem, closed_form):
+        with_batch = strategies.Structured(batch)
+        if not fits(with_batch):
+            with_batch = None
     if closed_form and batch is not None:
         if with_batch is None:
             kept = [batch, fitting]
@@ -99,6 +101,16 @@ def shortcut_first(problem: Problem) -> bool:
     per_row = _positions(problem) * kernel.shape.num_elements()
     rows, width = problem.rows_shape[-1], found.width
     return per_row * (rows - width) > rows * width * params
+
+
+def _batch_inside_applies(problem: Problem, closed_form: bool) -> bool:
+    """Whether the shortcut with ``batch`` inside differs from it with
+    ``while`` and may run: a Dense/Conv layer's own variables under a linear
+    head (separable channels take one backward pass whatever is inside;
+    per-example rows take it as the closed form's rival)."""
+    if problem.tensor_targets is not None or problem.linear_layer_kind is None:
+        return False
+    return closed_form or isinstance(structure.find(problem), structure.LinearHead)
 
 
 def _positions(problem: Problem) -> int:
