@@ -104,7 +104,8 @@ class Session:
             fitting = fitting.smaller()
         if fitting is not None:
             size = self.num_rows  # it computes every row at once
-        if _per_example_fast_path(problem):
+        closed_form = _per_example_fast_path(problem)
+        if closed_form:
             # a segment of per-example rows may cut an example in two, which
             # the batch strategy (their closed-form fast path) cannot compute:
             # whole calls, so that it can be tried
@@ -117,12 +118,12 @@ class Session:
         found = selection.starting_first(
             found, self.num_rows, lambda s: self.predicted_peak(s, self.num_rows)
         )
-        if _per_example_fast_path(problem):
+        if closed_form:
             # the closed form computes B x K per-example rows for about the
             # price of K summed ones: a prior strong enough to start on it
             found.sort(key=lambda s: s.name != "batch")
         found, self.structure = _with_shortcut(
-            self, problem, found, shortcut, fitting, structure
+            self, problem, found, shortcut, fitting, structure, closed_form
         )
         if not found:
             smallest = min(
@@ -588,12 +589,14 @@ def _with_shortcut(
     shortcut: Strategy | None,
     fitting: Strategy | None,
     structure: str,
+    closed_form: bool,
 ) -> tuple[list[Strategy], str | None]:
     """The candidates when an exact shortcut applies (``fitting``: made small
     enough for the budget; ``None`` if nothing fits; beside ``batch``'s
-    closed form, :mod:`jacobkit.planner.shortcuts`), and the structure line
-    of the plan. The registry's own "not offered" rejection of the
-    shortcut's name becomes the reason where none applies."""
+    closed form where ``closed_form``, :func:`_per_example_fast_path`, see
+    :mod:`jacobkit.planner.shortcuts`), and the structure line of the plan.
+    The registry's own "not offered" rejection of the shortcut's name
+    becomes the reason where none applies."""
     named = shortcuts.NAME
     session.rejected = [r for r in session.rejected if r.label != named]
     if shortcut is None:
@@ -604,11 +607,7 @@ def _with_shortcut(
         session.rejected.append(Rejection(shortcut, "predicted peak over the budget"))
         return found, None
     kept, rejected = shortcuts.candidates(
-        problem,
-        found,
-        fitting,
-        session.fits,
-        closed_form=_per_example_fast_path(problem),
+        problem, found, fitting, session.fits, closed_form=closed_form
     )
     session.rejected += rejected
     return kept, structure
