@@ -53,8 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the suite; 1 if a successful row disagrees with its reference."""
     from jacobkit import memory
-    from jacobkit.bench import problems, runner
+    from jacobkit.bench import plots, problems, runner
 
+    try:  # before the suite runs, not after it
+        plots.require_matplotlib()
+    except plots.MatplotlibMissing as err:
+        print(f"jacobkit bench: error: {err}", file=sys.stderr)
+        return 2
     if args.report_only:
         saved = Path(args.out) / "results.json"
         runner.write_outputs(json.loads(saved.read_text()), args.out)

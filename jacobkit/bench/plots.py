@@ -11,7 +11,29 @@ from jacobkit.bench.report import default_labels, rows_by_problem
 _MIB = 1024**2
 
 
+#: how to get matplotlib, which jacobkit needs only for these plots
+INSTALL_HINT = 'pip install "jacobkit[plots]"'
+
+
+class MatplotlibMissing(ImportError):
+    """matplotlib is not installed: it is an extra (``jacobkit[plots]``)."""
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`MatplotlibMissing`, saying what failed and how to install
+    it, unless matplotlib can be imported (``jacobkit bench`` checks this
+    before running a suite, not after it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise MatplotlibMissing(
+            f"drawing the benchmark plots needs matplotlib, which could not be "
+            f"imported ({err}); install it with: {INSTALL_HINT}"
+        ) from err
+
+
 def _pyplot():
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
