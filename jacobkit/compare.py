@@ -6,13 +6,13 @@ Used by ``jacobkit compare``, the benchmark runner and the notebooks.
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import psutil
 import tensorflow as tf
 
 from jacobkit import memory, strategies, testing
@@ -283,13 +283,12 @@ def paired_rounds(
 
 
 def process_memory_bytes() -> int | None:
-    """This process's resident memory (Linux ``/proc``; ``None`` elsewhere)."""
+    """This process's resident memory (RSS), from ``psutil`` on any system
+    it supports; ``None`` where it cannot be read."""
     try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
+        return int(psutil.Process().memory_info().rss)
+    except (psutil.Error, OSError):
         return None
-    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 #: what a measurement records as a failure instead of raising
