@@ -34,6 +34,8 @@ class Measurement:
         steady_s: median of the timed calls after the first three (for auto,
             after it settled, or after :data:`SETTLE_CALLS` calls).
         spread_s: (max - min) of the timed calls.
+        steady_times_s: the timed calls themselves, for the confidence
+            intervals and rank tests of :mod:`jacobkit.bench.stats`.
         peak_bytes: peak device memory above the baseline during a steady call
             (``None`` where the device reports no statistics).
         growth_bytes: growth of the process's resident memory from before the
@@ -60,6 +62,7 @@ class Measurement:
     first_3_calls_s: float | None = None
     steady_s: float | None = None
     spread_s: float | None = None
+    steady_times_s: tuple[float, ...] | None = None
     peak_bytes: int | None = None
     growth_bytes: int | None = None
     held_growth_bytes: int | None = None
@@ -225,6 +228,7 @@ def measure_calls(
             "first_3_calls_s": sum(times),
             "steady_s": statistics.median(steady) if steady else times[-1],
             "spread_s": (max(steady) - min(steady)) if steady else 0.0,
+            "steady_times_s": tuple(steady) if steady else (times[-1],),
             "peak_bytes": peak,
             "growth_bytes": growth,
             "held_growth_bytes": held_growth,
@@ -245,6 +249,9 @@ class Paired:
         auto_s: median time of auto's calls.
         fixed_s: median time of the fixed strategy's calls.
         ratio: ``auto_s / fixed_s`` (below 1: auto faster).
+        auto_times_s, fixed_times_s: the timed calls, pair by pair, for the
+            confidence interval and signed-rank test of
+            :mod:`jacobkit.bench.stats`.
     """
 
     strategy: str
@@ -252,6 +259,8 @@ class Paired:
     auto_s: float
     fixed_s: float
     ratio: float
+    auto_times_s: tuple[float, ...] = ()
+    fixed_times_s: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -279,7 +288,15 @@ def paired_rounds(
             calls[name]()
             times[name].append(time.perf_counter() - start)
     auto_s, fixed_s = (statistics.median(times[k]) for k in ("auto", "fixed"))
-    return Paired(fixed.label, rounds, auto_s, fixed_s, auto_s / fixed_s)
+    return Paired(
+        fixed.label,
+        rounds,
+        auto_s,
+        fixed_s,
+        auto_s / fixed_s,
+        tuple(times["auto"]),
+        tuple(times["fixed"]),
+    )
 
 
 def process_memory_bytes() -> int | None:
@@ -334,18 +351,23 @@ def compare(
 
 
 def format_table(measurements: Sequence[Measurement]) -> str:
-    """A Markdown table of measurements, with times as ratios to ``loop``."""
+    """A Markdown table of measurements, with times as ratios to ``loop``:
+    the ratio of median steady times, its 95% bootstrap interval and the
+    one-sided Mann-Whitney p-value that the row's calls are faster than the
+    loop's (:mod:`jacobkit.bench.stats`)."""
     loop = next((m for m in measurements if m.name == "loop" and m.steady_s), None)
     lines = [
         "| strategy | first call (s) | first 3 calls (s) | steady (s) | vs loop "
+        "| vs loop, 95% CI | faster than loop (rank test) "
         "| peak memory | process growth | max rel. diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in measurements:
         if m.error:
-            lines.append(f"| {m.strategy} | failed: {m.error[:60]} | | | | | | |")
+            lines.append(f"| {m.strategy} | failed: {m.error[:60]} | | | | | | | | |")
             continue
         ratio = f"{loop.steady_s / m.steady_s:.1f}x" if loop else ""
+        interval, p_value = _against(loop, m)
         peak = memory.format_bytes(m.peak_bytes) if m.peak_bytes is not None else "n/a"
         growth = (
             memory.format_bytes(m.growth_bytes) if m.growth_bytes is not None else "n/a"
@@ -353,6 +375,20 @@ def format_table(measurements: Sequence[Measurement]) -> str:
         diff = f"{m.max_rel_diff:.1e}" if m.max_rel_diff is not None else ""
         lines.append(
             f"| {m.strategy} | {m.first_call_s:.3f} | {m.first_3_calls_s:.3f} "
-            f"| {m.steady_s:.4f} | {ratio} | {peak} | {growth} | {diff} |"
+            f"| {m.steady_s:.4f} | {ratio} | {interval} | {p_value} "
+            f"| {peak} | {growth} | {diff} |"
         )
     return "\n".join(lines)
+
+
+def _against(baseline: Measurement | None, m: Measurement) -> tuple[str, str]:
+    """The interval and p-value cells of ``m``'s steady calls against
+    ``baseline``'s (empty for the baseline itself, or without times)."""
+    if baseline is None or baseline is m:
+        return "", ""
+    if not (baseline.steady_times_s and m.steady_times_s):
+        return "", ""
+    from jacobkit.bench import stats
+
+    found = stats.speedup(baseline.steady_times_s, m.steady_times_s)
+    return stats.interval_text(found.low, found.high), stats.p_text(found.p_value)
