@@ -141,3 +141,21 @@ def test_auto_is_timed_against_the_fastest_fixed_strategy_in_one_process(tmp_pat
     for row in (r for r in rows.values() if r["ok"]):
         assert row["held_growth_bytes"] + 2**20 >= row["growth_bytes"] >= 0, row
     assert "one result held across calls: " in table
+
+
+def test_without_matplotlib_bench_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    """matplotlib is an extra: without it, jacobkit bench stops before running
+    anything, naming what failed and the install command."""
+    import sys
+
+    from jacobkit import cli
+    from jacobkit.bench import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(plots.MatplotlibMissing, match=r"jacobkit\[plots\]"):
+        plots.require_matplotlib()
+    code = cli.main(["bench", "--quick", "--no-progress", "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == 2 and "matplotlib" in err, err
+    assert 'pip install "jacobkit[plots]"' in err
+    assert not (tmp_path / "b").exists()
