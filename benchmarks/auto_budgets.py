@@ -43,7 +43,9 @@ QUICK_GENERATOR = {
     "filters": 16,
     "features": 32,
 }
-BUDGETS = ["256MiB", "512MiB", "1GiB", "4GiB"]
+#: 64MiB: where this CPU's convolution kernels' scratch space matters (32 MiB
+#: per backward pass in flight without oneDNN, see jacobkit.planner.scratch)
+BUDGETS = ["64MiB", "256MiB", "512MiB", "1GiB", "4GiB"]
 QUICK_BUDGETS = ["48MiB", "1GiB"]
 #: problems for the no-budget comparison with tape.jacobian: (builder, sizes)
 NO_BUDGET_PROBLEMS = [
@@ -292,9 +294,12 @@ def main() -> int:
             [("generator", QUICK_GENERATOR)] if args.quick else NO_BUDGET_PROBLEMS
         )
         python = platform.python_version()
+        from jacobkit import runtime
+
         raw = {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-            f"{python}; TensorFlow {tf.__version__}",
+            f"{python}; TensorFlow {tf.__version__}; "
+            f"CPU {runtime.cpu_kind().describe()}",
             "sizes": sizes,
             "rounds": args.rounds,
             "budgets": measure_budgets(sizes, budgets, args.rounds),

@@ -21,6 +21,13 @@ contraction runs in float32, which keeps the loop's accuracy).
 bfloat16 is allowed: there the loop's own kernels accumulate in bfloat16 as
 well (measured: a Conv2D bias 3.8e-02 for the eager loop, 7.1e-03 for every
 vectorized strategy), so no strategy is further from float32 than the loop.
+How far bfloat16 convolution gradients are from float64 depends on the CPU:
+with oneDNN (on by default where the CPU has VNNI, BF16 or AMX) compiled
+gradients keep float32 accumulators and round once; without it (AVX2-only
+CPUs) TensorFlow's kernels round every intermediate gradient to bfloat16,
+and a small Conv2D model's Jacobian ends 0.32 from float64 whatever the
+strategy (:data:`MEASURED_BFLOAT16`). :func:`warn_if_bfloat16_far_off` says
+so once per process.
 
 Measured on CPU only. TensorFlow's GPU reductions may accumulate float16 in
 float32, which would make the refusal unneeded there (not measured yet).
@@ -28,9 +35,17 @@ float32, which would make the refusal unneeded there (not measured yet).
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
+
+from jacobkit import runtime
 
 #: relative errors to the float32-weights result, measured as in the NOTE
 MEASURED = {
@@ -105,3 +120,146 @@ def _what(problem: Any) -> str:
     if layer is None:
         return "the target"
     return f"layer {layer.name!r}"
+
+
+# -- bfloat16 on this CPU -----------------------------------------------------
+#: a bfloat16 Jacobian this far from float64 (max relative difference) is
+#: "far off": :func:`warn_if_bfloat16_far_off` says so once per process
+FAR_OFF = 0.1
+
+
+#: :func:`bfloat16_check` as measured (TF 2.21, 2-core AMD EPYC with
+#: avx2 avx512f avx512_vnni avx512_bf16; oneDNN off is what TensorFlow picks
+#: by default on a CPU without VNNI/BF16/AMX, such as an AVX2-only EPYC)
+MEASURED_BFLOAT16 = {
+    "oneDNN on": {"compiled": 4.3e-3, "eager": 0.33},
+    "oneDNN off": {"compiled": 0.32, "eager": 0.32},
+}
+
+
+class PrecisionWarning(UserWarning):
+    """This CPU's kernels compute a target's gradients far from float64."""
+
+
+@dataclass(frozen=True)
+class Bfloat16Check:
+    """How far this CPU's bfloat16 kernels put a small Conv2D model's
+    Jacobian from float64 (:func:`bfloat16_check`).
+
+    Attributes:
+        compiled: max relative difference of the Jacobian computed in a
+            ``tf.function`` (every strategy but ``loop``).
+        eager: the same, one eager ``tape.gradient`` per row (``loop``).
+        cpu: the CPU, its instruction sets and whether oneDNN is on.
+    """
+
+    compiled: float
+    eager: float
+    cpu: str
+
+
+@functools.cache
+def bfloat16_check() -> Bfloat16Check:
+    """Measure this CPU's bfloat16 convolution gradients, once per process
+    (about 0.3 s): the Jacobian of ``examples.cnn2d`` (Conv2D → Conv2D →
+    Dense → Dense, batch 2 of 8×7 images) with respect to its first Conv2D's
+    kernel and bias, in bfloat16, against float64 on the same rounded weights
+    and inputs. See :data:`MEASURED_BFLOAT16` for what it found."""
+    from jacobkit import examples
+
+    example = examples.build("cnn2d")
+    weights = [np.asarray(w.numpy()) for w in example.model.weights]
+
+    def as_dtype(dtype: tf.DType) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        rounded = [tf.constant(w, tf.bfloat16) for w in (example.inputs, *weights)]
+        cast = [tf.cast(t, dtype) for t in rounded]
+        return cast[0], cast[1:]
+
+    x64, w64 = as_dtype(tf.float64)
+    expected = _cnn2d_jacobian(x64, w64)
+    x, w = as_dtype(tf.bfloat16)
+    compiled = tf.function(_cnn2d_jacobian, autograph=False)(x, w)
+    eager = _cnn2d_rows(x, w)
+    return Bfloat16Check(
+        compiled=_worst(compiled, expected),
+        eager=_worst(eager, expected),
+        cpu=runtime.cpu_kind().describe(),
+    )
+
+
+def _cnn2d(x: tf.Tensor, weights: list[tf.Tensor]) -> tf.Tensor:
+    """``examples.cnn2d``'s forward pass, in plain ops: the rows, one per
+    feature summed over the batch."""
+    h = x
+    for kernel, bias in (weights[0:2], weights[2:4]):
+        h = tf.nn.relu(tf.nn.bias_add(tf.nn.convolution(h, kernel), bias))
+    h = tf.reshape(h, (h.shape[0], -1))
+    h = tf.nn.relu(h @ weights[4] + weights[5])
+    return tf.reduce_sum(h @ weights[6] + weights[7], axis=0)
+
+
+def _cnn2d_jacobian(x: tf.Tensor, weights: list[tf.Tensor]) -> list[tf.Tensor]:
+    with tf.GradientTape() as tape:
+        tape.watch(weights[:2])
+        rows = _cnn2d(x, weights)
+    return tape.jacobian(rows, weights[:2])
+
+
+def _cnn2d_rows(x: tf.Tensor, weights: list[tf.Tensor]) -> list[tf.Tensor]:
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(weights[:2])
+        rows = _cnn2d(x, weights)
+        each = [rows[i] for i in range(rows.shape[0])]
+    grads = [tape.gradient(row, weights[:2]) for row in each]
+    return [tf.stack([g[i] for g in grads]) for i in range(2)]
+
+
+def _worst(actual: list[tf.Tensor], expected: list[tf.Tensor]) -> float:
+    worst = 0.0
+    for a, e in zip(actual, expected, strict=True):
+        e = e.numpy()
+        diff = np.abs(tf.cast(a, tf.float64).numpy() - e)
+        worst = max(worst, float(diff.max() / max(np.abs(e).max(), 1e-300)))
+    return worst
+
+
+_WARNED: set[bool] = set()
+
+
+def warn_if_bfloat16_far_off(problem: Any, compiled: bool) -> None:
+    """Warn once per process (per compiled/eager path) where ``problem``'s
+    gradients run bfloat16 convolutions and :func:`bfloat16_check` finds this
+    CPU's kernels more than :data:`FAR_OFF` from float64 on that path."""
+    if compiled in _WARNED or not getattr(problem, "convolutions", None):
+        return
+    if gradient_dtype(problem) != tf.bfloat16:
+        return
+    check = bfloat16_check()
+    error = check.compiled if compiled else check.eager
+    _WARNED.add(compiled)
+    if error <= FAR_OFF:
+        return
+    path = (
+        "every strategy but 'loop'"
+        if compiled
+        else f"strategy='loop', which runs eagerly; compiled: {check.compiled:.2g}"
+    )
+    warnings.warn(
+        f"bfloat16 convolution gradients on this CPU, {check.cpu}, are far from "
+        f"float64: {error:.2f} max relative difference on a small Conv2D "
+        f"model's Jacobian ({path}). TensorFlow's bfloat16 kernels on this path "
+        "round every intermediate gradient to bfloat16. Use float32 or "
+        "mixed_float16 for the target's layers where that matters.",
+        PrecisionWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside jacobkit (the user's
+    call), counted from :func:`warnings.warn`'s caller."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

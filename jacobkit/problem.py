@@ -214,6 +214,29 @@ class Rows:
         return self.mode == "features"
 
 
+@dataclass(frozen=True)
+class Inspection:
+    """What one traced forward and backward pass of a problem shows (nothing
+    runs).
+
+    Attributes:
+        outputs_shape: the model output's shape, ``None`` for several outputs.
+        rows: the rows' shape and dtype.
+        connected: per target, whether it reaches the rows.
+        has_loops: whether the computation runs a ``tf.while_loop``.
+        activation_bytes: bytes of every floating tensor the forward pass
+            makes: an upper bound on what one row's backward pass keeps.
+        gradient_op_types: the op types of the backward pass.
+    """
+
+    outputs_shape: tf.TensorShape | None
+    rows: tf.TensorSpec
+    connected: tuple[bool, ...]
+    has_loops: bool
+    activation_bytes: int
+    gradient_op_types: frozenset[str]
+
+
 class Problem:
     """Model, inputs, target variables and rows, resolved and checked once.
 
@@ -517,10 +540,19 @@ class Problem:
         inspected = per_model(_INSPECTED, self.model)
         if key not in inspected:
             inspected[key] = self._trace()
-        outputs_shape, rows, connected, self.has_loops, activations = inspected[key]
+        inspection: Inspection = inspected[key]
+        outputs_shape, rows = inspection.outputs_shape, inspection.rows
+        connected, self.has_loops = inspection.connected, inspection.has_loops
         #: bytes of every floating tensor the forward pass makes (from the
         #: same trace): an upper bound on what one row's backward pass keeps
-        self.activation_bytes = activations
+        self.activation_bytes = inspection.activation_bytes
+        #: the convolution kinds its backward pass runs (``"conv2d"``, ...;
+        #: their CPU kernels' scratch space and accuracy depend on the CPU)
+        self.convolutions = frozenset(
+            CONVOLUTION_GRADIENTS[t]
+            for t in inspection.gradient_op_types
+            if t in CONVOLUTION_GRADIENTS
+        )
         self.rows_shape: tuple[int, ...] = tuple(rows.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
         if self.blocked:  # K batch-summed rows, see :attr:`blocked`
@@ -579,12 +611,8 @@ class Problem:
                 "this model's variables (model.get_layer(name).kernel, ...)."
             )
 
-    def _trace(
-        self,
-    ) -> tuple[tf.TensorShape | None, tf.TensorSpec, list[bool], bool, int]:
-        """(output shape or None, rows spec, connected per target, whether the
-        computation runs a ``tf.while_loop``, the forward pass's activation
-        bytes), traced."""
+    def _trace(self) -> Inspection:
+        """One forward and backward pass of the problem, traced."""
         found: dict[str, Any] = {}
 
         def probe(inputs):
@@ -649,7 +677,15 @@ class Problem:
         operations = graph.get_operations()
         loops = any(op.type in _LOOPS for op in operations)
         forward = operations[: found.get("forward_ops", 0)]
-        return outputs_shape, spec, found["connected"], loops, _float_bytes(forward)
+        backward = operations[found.get("forward_ops", 0) :]
+        return Inspection(
+            outputs_shape=outputs_shape,
+            rows=spec,
+            connected=tuple(found["connected"]),
+            has_loops=loops,
+            activation_bytes=_float_bytes(forward),
+            gradient_op_types=frozenset(op.type for op in backward),
+        )
 
     def function(self, fn: Callable[..., Any]) -> Any:
         """``tf.function(fn)`` for a computation that calls this problem's
@@ -697,6 +733,15 @@ class Problem:
         )
 
 
+#: gradient op types -> the kind of convolution they differentiate
+CONVOLUTION_GRADIENTS = {
+    "Conv2DBackpropInput": "conv2d",
+    "Conv2DBackpropFilter": "conv2d",
+    "Conv3DBackpropInputV2": "conv3d",
+    "Conv3DBackpropFilterV2": "conv3d",
+    "DepthwiseConv2dNativeBackpropInput": "depthwise",
+    "DepthwiseConv2dNativeBackpropFilter": "depthwise",
+}
 #: op types of a ``tf.while_loop`` (recurrent layers run one over time)
 _LOOPS = ("While", "StatelessWhile")
 #: op types whose outputs are not activations

@@ -6,14 +6,16 @@ The conformance tests take their product. A strategy registered in
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, testing
+from jacobkit import examples, runtime, testing
 
 
 @dataclass(frozen=True)
@@ -187,3 +189,18 @@ def tensor_reference(index: int, outputs: str):
     case = TARGETS[index]
     rest, tensor = case.split(example(case.problem, "float64"))
     return testing.reference_tensor_jacobian(rest, tensor, outputs=OUTPUTS[outputs])
+
+
+@contextlib.contextmanager
+def unless_kernels_exceed_the_budget() -> Iterator[None]:
+    """Where this CPU's convolution gradient kernels alone take more work
+    space than a budget allows, jacobkit refuses the budget before running
+    (see ``jacobkit.planner.scratch``: measured 32 MiB per backward pass
+    without oneDNN on a 32 MiB-L3 EPYC, ~0 with it): the test is then an
+    expected failure naming the CPU and the measured figure, not a pass."""
+    try:
+        yield
+    except ValueError as err:
+        if "convolution gradient kernels take" not in str(err):
+            raise
+        pytest.xfail(f"{runtime.cpu_kind().describe()}: {err}")

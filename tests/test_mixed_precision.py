@@ -1,10 +1,14 @@
 """Every strategy under ``mixed_float16`` and ``mixed_bfloat16``, and on models
 whose layers are float16 or bfloat16, against the float64 reference.
 
-Each strategy either stays within 2x of the ``loop``'s own error (the
-accuracy users get from a tape loop at that precision) and within the
-measured :data:`jacobkit.testing.TOLERANCE` of the policy, or refuses with
-jacobkit's message (see :mod:`jacobkit.precision`).
+Each strategy either stays within 2x of the plain loop's own error (the
+accuracy users get from a tape loop at that precision: eager for ``loop``,
+compiled one row at a time for the others) and within the measured
+:data:`jacobkit.testing.TOLERANCE` of the policy, or refuses with jacobkit's
+message (see :mod:`jacobkit.precision`). Where this CPU's kernels put that
+loop itself more than ``jacobkit.precision.FAR_OFF`` from float64 (bfloat16
+convolutions without oneDNN), the floor is an expected failure that names
+the CPU and the loop's error.
 
 The models are copies of the float32 examples made by
 :func:`jacobkit.testing.cast_copy`, built while the global policy is set
@@ -17,14 +21,19 @@ are float32).
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
 
 import keras
 import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import testing
+from jacobkit import precision as jk_precision
+from jacobkit import runtime, testing
 from jacobkit.problem import Problem
+from jacobkit.strategies import While
 from tests.cases import (
     STRATEGIES,
     STRUCTURED_REFUSES,
@@ -80,13 +89,19 @@ def _reference(problem: str, precision: str, outputs: str) -> testing.Reference:
 
 
 @functools.cache
-def _loop_errors(problem: str, precision: str, outputs: str) -> tuple[float, ...]:
-    """The ``loop`` strategy's error per target: the accuracy to keep."""
+def _loop_errors(
+    problem: str, precision: str, outputs: str, compiled: bool = False
+) -> tuple[float, ...]:
+    """The plain loop's error per target at this precision: the accuracy to
+    keep. Eager (``loop``) for the eager strategy, compiled
+    (``while(parallel=1)``, one row after another in a ``tf.function``) for
+    the others: on some CPUs TensorFlow's compiled and eager kernels differ
+    (see :data:`jacobkit.precision.MEASURED_BFLOAT16`)."""
     result = jk.jacobian(
         _model(problem, precision),
         example(problem).inputs,
         example(problem).layer,
-        strategy="loop",
+        strategy=While(1) if compiled else "loop",
         outputs=outputs,
     )
     reference = _reference(problem, precision, outputs)
@@ -94,6 +109,27 @@ def _loop_errors(problem: str, precision: str, outputs: str) -> tuple[float, ...
         testing.max_relative_difference(a, e)
         for a, e in zip(result.jacobians.values(), reference, strict=True)
     )
+
+
+def _within_floor_or_xfail(
+    result, reference, precision: str, loop: tuple[float, ...], where: str
+) -> None:
+    """``assert_close`` at the precision's measured floor, unless this CPU's
+    kernels put the plain loop itself more than ``FAR_OFF`` from float64:
+    then the test is an expected failure that names the CPU and the figure
+    (the strategy was already held to 2x the loop's error)."""
+    floor = testing.TOLERANCE[_tolerance_key(precision)]
+    errors = [
+        testing.max_relative_difference(a, e)
+        for a, e in zip(result.jacobians.values(), reference, strict=True)
+    ]
+    if max(errors) > floor and max(loop) > jk_precision.FAR_OFF:
+        pytest.xfail(
+            f"{runtime.cpu_kind().describe()}: this CPU's {_compute_dtype(precision)} "
+            f"kernels put the plain loop ({where}) {max(loop):.2f} from float64, "
+            f"over the {floor:g} floor; {result.strategy} is {max(errors):.2f}"
+        )
+    testing.assert_close(result, list(reference), precision=precision)
 
 
 def _refusal(name: str, precision: str) -> str | None:
@@ -125,17 +161,20 @@ def _check(case, problem: str, precision: str, outputs: str) -> None:
     assert [j.dtype for j in result.jacobians.values()] == [
         tf.as_dtype(v.dtype) for v in variables
     ]
-    if not (strategy.name == "loop" and _compute_dtype(precision) == "bfloat16"):
-        # the measured bound of this precision (the eager loop under bfloat16
-        # is the exception, see testing.TOLERANCE)
-        testing.assert_close(result, list(reference), precision=precision)
     floor = UNIT_ROUNDOFF[_compute_dtype(precision)]
-    loop = _loop_errors(problem, precision, outputs)
+    loop = _loop_errors(problem, precision, outputs, strategy.compiled)
     for name, jac, ref, loop_error in zip(
         result.jacobians, result.jacobians.values(), reference, loop, strict=True
     ):
         error = testing.max_relative_difference(jac, ref)
         assert error <= max(2 * loop_error, floor), (name, error, loop_error)
+    where = "compiled" if strategy.compiled else "eager"
+    _within_floor_or_xfail(result, reference, precision, loop, where)
+
+
+def _tolerance_key(precision: str):
+    """The key of ``precision`` in ``testing.TOLERANCE``."""
+    return precision if precision.startswith("mixed_") else tf.as_dtype(precision)
 
 
 @pytest.mark.parametrize("outputs", OUTPUTS)
@@ -160,9 +199,10 @@ def test_auto_picks_an_accurate_strategy(policy):
     ex = example("cnn2d")
     model = _model("cnn2d", policy)
     reference = _reference("cnn2d", policy, "features")
+    loop = _loop_errors("cnn2d", policy, "features", compiled=True)
     for _ in range(4):  # auto tries its candidates over the first calls
         result = jk.jacobian(model, ex.inputs, ex.layer, cache=False)
-        testing.assert_close(result, list(reference), precision=policy)
+        _within_floor_or_xfail(result, reference, policy, loop, "compiled")
         if policy == "mixed_float16":
             assert result.strategy not in ("jacobian", "chunked")
     for rejection in result.plan.rejected:
@@ -183,3 +223,57 @@ def test_variables_of_a_float16_layer_are_refused_too(problem):
 def test_the_policy_is_restored():
     """The fixture above leaves the global policy as it found it."""
     assert keras.mixed_precision.global_policy().name == "float32"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_the_bfloat16_self_check_finds_what_the_plain_loop_gets(compiled):
+    """jacobkit's first-use check of this CPU's bfloat16 kernels (a small
+    Conv2D model in plain ops) is far off exactly where the plain loop on the
+    cnn2d example is, and within 2x of its figure there (they differ in how
+    Keras orders the ops, not in the kernels)."""
+    check = jk_precision.bfloat16_check()
+    found = check.compiled if compiled else check.eager
+    loop = max(_loop_errors("cnn2d", "bfloat16", "features", compiled))
+    assert (found > jk_precision.FAR_OFF) == (loop > jk_precision.FAR_OFF)
+    if loop > jk_precision.FAR_OFF:
+        assert loop / 2 <= found <= 2 * loop, (found, loop)
+    assert runtime.cpu_kind().describe() == check.cpu
+
+
+_WARNING_SCRIPT = """
+import json, warnings
+import jacobkit as jk
+from jacobkit import examples, precision, testing
+ex = examples.build("cnn2d")
+low = testing.cast_copy(ex.model, "bfloat16")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for strategy in ["chunked", "while", "chunked"]:
+        jk.jacobian(low, ex.inputs, ex.layer, strategy=strategy)
+    jk.jacobian(ex.model, ex.inputs, ex.layer, strategy="chunked")
+found = [
+    (str(w.message), w.filename)
+    for w in caught
+    if issubclass(w.category, precision.PrecisionWarning)
+]
+print(json.dumps({"found": found, "error": precision.bfloat16_check().compiled}))
+"""
+
+
+def test_a_far_off_bfloat16_target_warns_once_per_process(tmp_path):
+    """Compiled strategies on a bfloat16 Conv2D target warn once per process
+    where this CPU's kernels are far off (and never on float32), naming the
+    CPU and the figure and pointing at the caller's line."""
+    script = tmp_path / "bf16_warning.py"
+    script.write_text(_WARNING_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=True
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    far = seen["error"] > jk_precision.FAR_OFF
+    assert len(seen["found"]) == (1 if far else 0), seen
+    if far:
+        message, filename = seen["found"][0]
+        assert f"{seen['error']:.2f} max relative difference" in message
+        assert runtime.cpu_kind().describe() in message
+        assert filename == str(script)

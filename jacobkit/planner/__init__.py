@@ -37,11 +37,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, strategies
+from jacobkit import memory, precision, strategies
 from jacobkit.planner import cache as disk
-from jacobkit.planner import probes
+from jacobkit.planner import probes, scratch
 from jacobkit.planner.execution import Session, entry_of, restore
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
+from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies import Strategy
@@ -90,13 +91,14 @@ def session_for(
         # an upper bound on what one row's backward pass keeps per row
         row_bytes = problem.activation_bytes
     measured_on = device if probes.peak_measurable(device) else None
+    prior = _memory_prior(problem, row_bytes, measured_on)
     fresh = functools.partial(
         Session,
         problem,
         budget,
         budget * SAFETY,
         measured_on,
-        row_bytes,
+        prior,
         shortcut=shortcut,
         structure=structure,
     )
@@ -131,6 +133,20 @@ def _structured(problem: Problem) -> tuple[Strategy | None, str]:
         why = str(err).split("): ", 1)[-1]
         return None, why.split(". Use another strategy")[0]
     return shortcut, shortcut.describe(problem)
+
+
+def _memory_prior(problem: Problem, row_bytes: int, device: str | None) -> MemoryPrior:
+    """The memory prior of ``problem``: ``row_bytes`` per row alive at once,
+    and the scratch space its convolution gradients' kernels take on this
+    machine, measured where ``device`` reports its peak (else none)."""
+    if device is None or not problem.convolutions:
+        return MemoryPrior(row_bytes)
+    dtype = precision.gradient_dtype(problem)
+    return MemoryPrior(
+        row_bytes,
+        scratch.scratch_bytes(problem.convolutions, dtype, device),
+        scratch.inter_op_threads(),
+    )
 
 
 def _row_bytes(entry: dict | None) -> int | None:

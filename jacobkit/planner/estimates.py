@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Sequence
 
 from jacobkit.planner.plan import Estimate, Probe
+from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.strategies import Strategy
 
 #: the steady rate is the median of this many newest runs that did not trace
@@ -62,13 +63,16 @@ def estimate(
 
 
 def predicted_peak(
-    strategy: Strategy, segment_rows: int, row_bytes: int, result_bytes: int
+    strategy: Strategy, segment_rows: int, prior: MemoryPrior, result_bytes: int
 ) -> int:
     """Peak memory before ``strategy`` ran: the forward pass kept by the tape,
-    one forward pass's activations per row alive at once, and the segment's
-    Jacobians plus their concatenation (up to twice the result)."""
+    one forward pass's activations per row alive at once, the gradient
+    kernels' scratch space per backward pass in flight
+    (:mod:`jacobkit.planner.scratch`), and the segment's Jacobians plus their
+    concatenation (up to twice the result)."""
     at_once = strategy.rows_at_once(segment_rows)
-    return int((1 + at_once) * row_bytes + 2 * result_bytes)
+    scratch = prior.scratch_in_flight(strategy.passes_in_flight(segment_rows))
+    return int((1 + at_once) * prior.row_bytes + scratch + 2 * result_bytes)
 
 
 def predicted_trace_s(

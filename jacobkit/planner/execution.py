@@ -35,6 +35,7 @@ from jacobkit.planner import cache, probes, selection, shortcuts
 from jacobkit.planner import estimates as est
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.planner.rows import segment_size, segment_view
+from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.problem import Problem
 from jacobkit.result import Stats
 from jacobkit.strategies import Strategy
@@ -66,7 +67,8 @@ class Session:
         allowed_bytes: what the plan may use (the budget times the safety
             margin).
         device: where peak memory is measured, or ``None`` if it cannot be.
-        row_bytes: the forward pass's activations (the memory prior).
+        prior: what peaks are predicted from before they are measured (the
+            forward pass's activations per row, the kernels' scratch space).
         shortcut: an exact structural shortcut (the ``structured`` strategy)
             that applies to ``problem``, or ``None``; where it fits the
             budget it is the only candidate and computes every row at once.
@@ -80,7 +82,7 @@ class Session:
         budget_bytes: int,
         allowed_bytes: float,
         device: str | None,
-        row_bytes: int,
+        prior: MemoryPrior,
         shortcut: Strategy | None = None,
         structure: str = "",
     ) -> None:
@@ -88,7 +90,7 @@ class Session:
         self.budget_bytes = budget_bytes
         self.allowed_bytes = allowed_bytes
         self.device = device
-        self.row_bytes = row_bytes
+        self.prior = prior
         self.result_bytes = probes.result_bytes(problem)
         target = max(MIN_SEGMENT_ROWS, self.num_rows // SEGMENTS)
         size = segment_size(self.num_rows, target)
@@ -98,7 +100,7 @@ class Session:
         # budget needs (``None``: none fits)
         fitting = shortcut
         while fitting is not None and (
-            est.predicted_peak(fitting, self.num_rows, row_bytes, self.result_bytes)
+            est.predicted_peak(fitting, self.num_rows, prior, self.result_bytes)
             > allowed_bytes
         ):
             fitting = fitting.smaller()
@@ -115,8 +117,15 @@ class Session:
         self.probes: list[Probe] = []
         self.known: dict[Strategy, Estimate] = {}
         found, self.rejected = selection.candidates(size, self.fits)
+        # which strategy starts is a property of the problem (what vectorizing
+        # its rows costs), not of this CPU's kernels: compared without scratch
+        activations = replace(prior, scratch_bytes=0)
         found = selection.starting_first(
-            found, self.num_rows, lambda s: self.predicted_peak(s, self.num_rows)
+            found,
+            self.num_rows,
+            lambda s: est.predicted_peak(
+                s, self.num_rows, activations, self.result_bytes
+            ),
         )
         if closed_form:
             # the closed form computes B x K per-example rows for about the
@@ -127,15 +136,20 @@ class Session:
         )
         if not found:
             smallest = min(
-                est.predicted_peak(s, 1, row_bytes, self.segment_result_bytes)
+                est.predicted_peak(s, 1, prior, self.segment_result_bytes)
                 for s in _smallest_configurations()
             )
+            source = "from the forward pass's activations"
+            if prior.scratch_bytes:
+                source += (
+                    f" and {_fmt(prior.scratch_bytes)} of work space that this "
+                    "CPU's convolution gradient kernels take, measured"
+                )
             raise ValueError(
                 f"jacobian(memory_budget={_fmt(budget_bytes)}): even one row at a "
                 f"time needs about {_fmt(smallest + self.kept_bytes)} (estimated "
-                "from the forward pass's activations), more than the budget "
-                "allows. Raise memory_budget, keep fewer rows with "
-                "features=[...], or use a smaller batch."
+                f"{source}), more than the budget allows. Raise memory_budget, "
+                "keep fewer rows with features=[...], or use a smaller batch."
             )
         #: time spent joining segments of the current strategy (what running
         #: every row at once would save); reset whenever it changes
@@ -181,7 +195,7 @@ class Session:
         rows = self.segment_rows if rows is None else rows
         segment = rows == self.segment_rows
         result = self.segment_result_bytes if segment else self.result_bytes
-        return est.predicted_peak(strategy, rows, self.row_bytes, result)
+        return est.predicted_peak(strategy, rows, self.prior, result)
 
     def fits(
         self, strategy: Strategy, room: float | None = None, rows: int | None = None
@@ -552,7 +566,7 @@ def entry_of(session: Session) -> dict:
         "current": cache.strategy_to_json(session.current),
         "pending": [cache.strategy_to_json(s) for s in plan.pending],
         "segment_rows": session.segment_rows,
-        "row_bytes": session.row_bytes,
+        "row_bytes": session.prior.row_bytes,
         "spent_s": session.spent_s,
         "estimates": [cache.estimate_to_json(e) for e in plan.estimates],
         "rejected": [cache.rejection_to_json(r) for r in plan.rejected],

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
+from jacobkit import precision
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 
@@ -65,6 +66,13 @@ class Strategy(abc.ABC):
         (``auto``'s memory prior: each holds about one forward pass's
         activations)."""
         return num_rows
+
+    def passes_in_flight(self, num_rows: int) -> int:
+        """Separate backward passes running at once on ``num_rows`` rows, each
+        with its own kernels' scratch space (``auto``'s memory prior, see
+        :mod:`jacobkit.planner.scratch`): one where the rows' passes are
+        vectorized into one (pfor) or run one after another."""
+        return 1
 
     @abc.abstractmethod
     def build(self, problem: Problem) -> Callable[[Any], list[tf.Tensor]]:
@@ -128,6 +136,7 @@ class Strategy(abc.ABC):
                     "Conv layer targets), or strategy='auto'."
                 )
             self.check(problem)
+            precision.warn_if_bfloat16_far_off(problem, compiled=self.compiled)
             # the cached computation takes the inputs as its argument: closing
             # over this call's would keep them alive for the life of the model
             fn = self.build(problem.detached())

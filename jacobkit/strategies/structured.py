@@ -103,6 +103,10 @@ class Structured(Strategy):
         all)."""
         return self.resolved_inner().rows_at_once(num_rows)
 
+    def passes_in_flight(self, num_rows: int) -> int:
+        """The inner strategy's."""
+        return self.resolved_inner().passes_in_flight(num_rows)
+
     def describe(self, problem: Problem) -> str:
         """The shortcut used for ``problem``, in words (for plans)."""
         return structure.find(problem).describe()

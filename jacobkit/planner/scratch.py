@@ -1,0 +1,150 @@
+"""Kernel scratch space: what TensorFlow's gradient kernels allocate beyond
+their inputs and outputs, measured once per process on a tiny probe.
+
+NOTE (why the memory prior measures it). The forward pass's activations
+bound what one row's backward pass *keeps*, not what its kernels allocate
+while they run, and that depends on the kernel TensorFlow picks for this
+CPU. Measured (TF 2.21, 2-core AMD EPYC, 32 MiB L3), the Conv1D generator of
+``tests/test_planner.py`` (B=16, T=64, 8 -> 32 channels, 48 rows), peak of one
+call above what was in use:
+
+=================================  ================  ==================
+strategy                           oneDNN on         oneDNN off
+=================================  ================  ==================
+``while(parallel=1)``              1.0 MiB           33.0 MiB
+``while(parallel=2)``              1.5 MiB           65.4 MiB
+``chunked(4)``                     3.9 MiB           33.8 MiB
+``loop``                           1.8 MiB           33.8 MiB
+=================================  ================  ==================
+
+TensorFlow turns oneDNN on by default only where the CPU has
+AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX; elsewhere (e.g. an AVX2-only AMD
+EPYC Zen 3) convolution gradients run TensorFlow's own
+``Conv2DCustomBackpropInput``/``Filter`` kernels, which allocate an im2col
+buffer sized to the L3 cache, not to the problem: about 16 MiB per op here,
+and a row's two ops (input and filter gradient) run at once. A ``while`` loop
+runs as many rows' ops at once as it has iterations in flight, up to
+TensorFlow's inter-op threads; a vectorized strategy (``chunked``, pfor) runs
+one op over all its rows, so one buffer.
+
+:func:`scratch_bytes` measures it on a tiny convolution of each kind the
+problem's gradient uses (``Problem.convolutions``), in the problem's dtype,
+once per process; the planner adds it per backward pass in flight
+(:class:`MemoryPrior`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from jacobkit import memory
+
+#: measured runs of a probe (the largest counts)
+_RUNS = 3
+#: (kind, dtype name, device) -> bytes, measured in this process
+_MEASURED: dict[tuple[str, str, str], int] = {}
+
+
+@dataclass(frozen=True)
+class MemoryPrior:
+    """What ``auto`` predicts a run's peak from before it has measured one.
+
+    Attributes:
+        row_bytes: the forward pass's activations: what one row's backward
+            pass keeps, per row alive at once.
+        scratch_bytes: the gradient kernels' work space of one backward pass
+            (:func:`scratch_bytes`; 0 where none was measured).
+        threads: backward passes that can run at once (TensorFlow's inter-op
+            threads): a ``while`` loop's iterations beyond it wait.
+    """
+
+    row_bytes: int
+    scratch_bytes: int = 0
+    threads: int = 1
+
+    def scratch_in_flight(self, passes: int) -> int:
+        """Scratch of ``passes`` separate backward passes started at once."""
+        return min(passes, self.threads) * self.scratch_bytes
+
+
+def inter_op_threads() -> int:
+    """Threads TensorFlow runs independent ops on (its inter-op pool)."""
+    configured = tf.config.threading.get_inter_op_parallelism_threads()
+    if configured > 0:
+        return configured
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def scratch_bytes(kinds: Iterable[str], dtype: tf.DType, device: str) -> int:
+    """The largest scratch space of one backward pass through a convolution
+    of each of ``kinds`` in ``dtype`` on ``device`` (0 for none): measured on
+    a tiny probe the first time each is asked for in this process, as the
+    peak above what the probe's own tensors take.
+
+    ``device`` must report its peak (see
+    :func:`jacobkit.planner.probes.peak_measurable`)."""
+    found = 0
+    for kind in sorted(kinds):
+        key = (kind, tf.as_dtype(dtype).name, device)
+        if key not in _MEASURED:
+            _MEASURED[key] = _measure(kind, tf.as_dtype(dtype), device)
+        found = max(found, _MEASURED[key])
+    return found
+
+
+def _probe_tensors(kind: str, dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
+    """A small input and kernel, shaped so that TensorFlow's im2col kernels
+    (where it uses them) allocate their full L3-sized buffer: many output
+    positions, a small kernel, one output channel."""
+    generator = tf.random.Generator.from_seed(0)
+    if kind == "conv3d":
+        x = generator.normal((2, 8, 32, 32, 2))
+        k = generator.normal((3, 3, 3, 2, 1))
+    elif kind == "depthwise":
+        x = generator.normal((2, 64, 64, 2))
+        k = generator.normal((3, 3, 2, 1))
+    else:
+        x = generator.normal((2, 64, 64, 2))
+        k = generator.normal((3, 3, 2, 1))
+    return tf.cast(x, dtype), tf.cast(k, dtype)
+
+
+def _convolution(kind: str, x: tf.Tensor, k: tf.Tensor) -> tf.Tensor:
+    if kind == "depthwise":
+        return tf.nn.depthwise_conv2d(x, k, (1, 1, 1, 1), "SAME")
+    return tf.nn.convolution(x, k, padding="SAME")
+
+
+def _measure(kind: str, dtype: tf.DType, device: str) -> int:
+    with tf.device(device):
+        x, k = _probe_tensors(kind, dtype)
+
+        def gradients(x, k):
+            with tf.GradientTape() as tape:
+                tape.watch([x, k])
+                y = _convolution(kind, x, k)
+            return (y, *tape.gradient(y, [x, k]))
+
+        try:
+            # a concrete function: traced once, never counted as a retrace
+            gradients = tf.function(gradients, autograph=False)
+            gradients = gradients.get_concrete_function(x, k)
+            gradients(x, k)  # the kernels' first allocations made
+            peaks = []
+            for _ in range(_RUNS):  # whether the two ops overlap varies
+                with memory.PeakMemory(device) as peak:
+                    outputs = gradients(x, k)
+                peaks.append(int(peak.extra_bytes or 0))
+        except (tf.errors.OpError, RuntimeError):
+            return 0  # no such kernel for this dtype here, or no statistics
+    own = sum(t.shape.num_elements() * t.dtype.size for t in outputs)
+    # y, the ones it is differentiated with, and the two gradients
+    own += outputs[0].shape.num_elements() * dtype.size
+    return max(max(peaks) - own, 0)
