@@ -156,7 +156,7 @@ def _load_problem(args):
 def _reference(problem, model64, inputs64, layer, args):
     """float64 loop on the float64 copy, or the float32 loop without one."""
     from jacobkit import strategies, testing
-    from jacobkit.api import run_strategy
+    from jacobkit.engine import run_strategy
     from jacobkit.problem import Problem
 
     if model64 is None:

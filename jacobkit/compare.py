@@ -16,7 +16,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import memory, strategies, testing
-from jacobkit.api import run_auto, run_strategy
+from jacobkit.engine import run_auto, run_strategy
 from jacobkit.problem import Problem
 
 

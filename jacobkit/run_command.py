@@ -83,10 +83,10 @@ class _Files:
     def __init__(self, paths: list[str], batch_size: int) -> None:
         import numpy as np
 
-        from jacobkit import data
+        from jacobkit.batches import source
 
         self.parts = [
-            data.batches(np.load(p, mmap_mode="r"), batch_size) for p in paths
+            source.batches(np.load(p, mmap_mode="r"), batch_size) for p in paths
         ]
 
     def __len__(self) -> int:
