@@ -109,6 +109,56 @@ def jacobian(
         ((3, 4, 3), (3, 3))
     """
     start = time.perf_counter()
+    chosen = _chosen(strategy, memory_budget)
+    request = collect.Request(
+        model=model,
+        layer=layer,
+        strategy=strategy,
+        outputs=outputs,
+        features=features,
+        training=training,
+        unconnected=unconnected,
+        memory_budget=memory_budget,
+        device=device,
+        steps=steps,
+        out=out,
+        overwrite=overwrite,
+        progress=progress,
+        distribute=distribute,
+        cache=cache,
+        output=output,
+        reduce=reduce,
+    )
+    if out is not None or distribute is not None or source.is_batches(inputs):
+        with quiet.tensorflow_warnings():
+            return collect.jacobian_batches(request, inputs)
+    result = _one_batch(request, inputs, chosen)
+    total = time.perf_counter() - start
+    return replace(result, stats=replace(result.stats, total_time_s=total))
+
+
+def _one_batch(
+    request: collect.Request, inputs: Any, chosen: strategies.Strategy | None
+) -> JacobianResult:
+    """``jacobian()`` of one batch of arrays: its problem, run by the engine."""
+    with engine.device_scope(request.device), quiet.tensorflow_warnings():
+        problem = request.problem(inputs)
+        # stacklevel counted from here: one frame below jacobian()
+        source.warn_non_finite(problem.inputs, stacklevel=4)
+        return engine.run(
+            problem,
+            chosen,
+            memory_budget=request.memory_budget,
+            device=request.device,
+            cache=request.cache,
+        )
+
+
+def _chosen(
+    strategy: str | strategies.Strategy, memory_budget: Any
+) -> strategies.Strategy | None:
+    """The configured strategy (``None``: ``"auto"``); a memory budget is for
+    ``auto`` only."""
     chosen = None if strategy == "auto" else strategies.get(strategy)
     if chosen is not None and memory_budget is not None:
         raise ValueError(
@@ -117,46 +167,7 @@ def jacobian(
             "strategy= to let auto fit the budget, or drop memory_budget= and "
             "size the strategy yourself (e.g. Chunked(chunk_size=8))."
         )
-    if out is not None or distribute is not None or source.is_batches(inputs):
-        request = collect.Request(
-            model=model,
-            layer=layer,
-            strategy=strategy,
-            outputs=outputs,
-            features=features,
-            training=training,
-            unconnected=unconnected,
-            memory_budget=memory_budget,
-            device=device,
-            steps=steps,
-            out=out,
-            overwrite=overwrite,
-            progress=progress,
-            distribute=distribute,
-            cache=cache,
-            output=output,
-            reduce=reduce,
-        )
-        with quiet.tensorflow_warnings():
-            return collect.jacobian_batches(request, inputs)
-    with engine.device_scope(device), quiet.tensorflow_warnings():
-        problem = Problem(
-            model,
-            inputs,
-            layer,
-            outputs=outputs,
-            features=features,
-            training=training,
-            unconnected=unconnected,
-            output=output,
-            reduce=reduce,
-        )
-        source.warn_non_finite(problem.inputs)
-        result = engine.run(
-            problem, chosen, memory_budget=memory_budget, device=device, cache=cache
-        )
-    stats = replace(result.stats, total_time_s=time.perf_counter() - start)
-    return replace(result, stats=stats)
+    return chosen
 
 
 def plan(

@@ -48,7 +48,7 @@ from jacobkit.result import JacobianResult, Stats
 @dataclass(frozen=True)
 class Request:
     """The arguments of a :func:`jacobkit.jacobian` call but its ``inputs``
-    (see there), for a call over many batches."""
+    (see there): :meth:`problem` builds one batch's problem from them."""
 
     model: Any
     layer: Any
@@ -86,6 +86,7 @@ class Request:
             training=self.training,
             unconnected=self.unconnected,
             output=self.output,
+            reduce=self.reduce,
         )
 
 
