@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-#: public name -> the module that defines it (a module itself where the name
-#: is the module's)
+#: public name -> the module that defines it
 _PUBLIC = {
     "Inputs": "jacobkit.targets",
     "JacobianResult": "jacobkit.result",
@@ -26,12 +25,15 @@ _PUBLIC = {
     "Plan": "jacobkit.planner",
     "Stats": "jacobkit.result",
     "VerificationError": "jacobkit.verification",
-    "data": "jacobkit.data",
     "jacobian": "jacobkit.api",
-    "memory": "jacobkit.memory",
     "plan": "jacobkit.api",
-    "strategies": "jacobkit.strategies",
     "verify": "jacobkit.verification",
+}
+#: public name -> the module that is it (``jk.data`` is :mod:`jacobkit.batches`)
+_MODULES = {
+    "data": "jacobkit.batches",
+    "memory": "jacobkit.memory",
+    "strategies": "jacobkit.strategies",
 }
 
 __all__ = [
@@ -51,7 +53,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from jacobkit import data, memory, strategies
+    from jacobkit import batches as data
+    from jacobkit import memory, strategies
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.result import JacobianResult, Stats
@@ -60,17 +63,18 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    elif name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    else:
         raise AttributeError(f"module 'jacobkit' has no attribute {name!r}")
-    imported = importlib.import_module(module)
-    value = imported if module == f"jacobkit.{name}" else getattr(imported, name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+    return sorted({*globals(), *_PUBLIC, *_MODULES})
 
 
 def _enable_cpu_memory_stats() -> None:

@@ -1,19 +1,19 @@
-"""``jacobian()``: validate, build the Problem, plan, run the strategy, wrap."""
+"""``jacobian()`` and ``plan()``: check the arguments, then hand one batch to
+:mod:`jacobkit.engine` or many to :mod:`jacobkit.batches`."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import data, memory, planner, quiet, strategies
-from jacobkit.problem import Problem, per_model
+from jacobkit import engine, planner, quiet, strategies
+from jacobkit.batches import collect, source
+from jacobkit.problem import Problem
 from jacobkit.result import JacobianResult
 
 
@@ -52,7 +52,7 @@ def jacobian(
             or tuple is one batch of a multi-input model: pass
             ``iter(list_of_batches)``); then
             ``"features"`` rows are summed over the dataset and
-            ``"per_example"`` rows follow in dataset order (:mod:`jacobkit.data`).
+            ``"per_example"`` rows follow in dataset order (:mod:`jacobkit.batches`).
         layer: a layer object, a layer name, or a list of variables
             (``tf.Variable`` or ``keras.Variable``).
         strategy: ``"auto"``, a registered name (``"loop"``, ``"jacobian"``,
@@ -82,7 +82,7 @@ def jacobian(
         steps: take at most this many batches of a dataset (needed for an
             infinite one).
         out: a directory: write the Jacobians there as ``.npy`` files with a
-            manifest, batch by batch (:mod:`jacobkit.store`); the result then
+            manifest, batch by batch (:mod:`jacobkit.batches.store`); the result then
             holds read-only ``numpy.memmap`` arrays. The same call after an
             interruption continues where it stopped.
         overwrite: with ``out=``, discard what the directory holds.
@@ -90,7 +90,7 @@ def jacobian(
             the output is not a terminal, or under pytest).
         distribute: a ``tf.distribute.Strategy`` (``MirroredStrategy``,
             ``MultiWorkerMirroredStrategy``): the batches are split across
-            its replicas (:mod:`jacobkit.distribute`).
+            its replicas (:mod:`jacobkit.batches.distribute`).
         cache: for ``strategy="auto"``: read and write the plan cache on disk
             (``$JACOBKIT_CACHE_DIR``, default ``~/.cache/jacobkit``; see
             :mod:`jacobkit.planner.cache`). ``False`` plans in memory only.
@@ -109,6 +109,56 @@ def jacobian(
         ((3, 4, 3), (3, 3))
     """
     start = time.perf_counter()
+    chosen = _chosen(strategy, memory_budget)
+    request = collect.Request(
+        model=model,
+        layer=layer,
+        strategy=strategy,
+        outputs=outputs,
+        features=features,
+        training=training,
+        unconnected=unconnected,
+        memory_budget=memory_budget,
+        device=device,
+        steps=steps,
+        out=out,
+        overwrite=overwrite,
+        progress=progress,
+        distribute=distribute,
+        cache=cache,
+        output=output,
+        reduce=reduce,
+    )
+    if out is not None or distribute is not None or source.is_batches(inputs):
+        with quiet.tensorflow_warnings():
+            return collect.jacobian_batches(request, inputs)
+    result = _one_batch(request, inputs, chosen)
+    total = time.perf_counter() - start
+    return replace(result, stats=replace(result.stats, total_time_s=total))
+
+
+def _one_batch(
+    request: collect.Request, inputs: Any, chosen: strategies.Strategy | None
+) -> JacobianResult:
+    """``jacobian()`` of one batch of arrays: its problem, run by the engine."""
+    with engine.device_scope(request.device), quiet.tensorflow_warnings():
+        problem = request.problem(inputs)
+        # stacklevel counted from here: one frame below jacobian()
+        source.warn_non_finite(problem.inputs, stacklevel=4)
+        return engine.run(
+            problem,
+            chosen,
+            memory_budget=request.memory_budget,
+            device=request.device,
+            cache=request.cache,
+        )
+
+
+def _chosen(
+    strategy: str | strategies.Strategy, memory_budget: Any
+) -> strategies.Strategy | None:
+    """The configured strategy (``None``: ``"auto"``); a memory budget is for
+    ``auto`` only."""
     chosen = None if strategy == "auto" else strategies.get(strategy)
     if chosen is not None and memory_budget is not None:
         raise ValueError(
@@ -117,51 +167,7 @@ def jacobian(
             "strategy= to let auto fit the budget, or drop memory_budget= and "
             "size the strategy yourself (e.g. Chunked(chunk_size=8))."
         )
-    if out is not None or distribute is not None or data.is_batches(inputs):
-        with quiet.tensorflow_warnings():
-            return data.jacobian_batches(
-                model,
-                inputs,
-                layer,
-                strategy=strategy,
-                outputs=outputs,
-                features=features,
-                training=training,
-                unconnected=unconnected,
-                memory_budget=memory_budget,
-                device=device,
-                steps=steps,
-                out=out,
-                overwrite=overwrite,
-                progress=progress,
-                distribute=distribute,
-                cache=cache,
-                output=output,
-                reduce=reduce,
-            )
-    with _device_scope(device), quiet.tensorflow_warnings():
-        problem = Problem(
-            model,
-            inputs,
-            layer,
-            outputs=outputs,
-            features=features,
-            training=training,
-            unconnected=unconnected,
-            output=output,
-            reduce=reduce,
-        )
-        data.warn_non_finite(problem.inputs)
-        if chosen is None and problem.reduce is not None:
-            chosen = _norm_strategy(problem, memory_budget)
-        if chosen is not None:
-            result = run_strategy(problem, chosen)
-        else:
-            result = run_auto(
-                problem, memory_budget=memory_budget, device=device, cache=cache
-            )
-    stats = replace(result.stats, total_time_s=time.perf_counter() - start)
-    return replace(result, stats=stats)
+    return chosen
 
 
 def plan(
@@ -188,7 +194,7 @@ def plan(
     and why, the candidates still to try, and each rejected one with the
     reason. Arguments are those of :func:`jacobian`.
     """
-    with _device_scope(device), quiet.tensorflow_warnings():
+    with engine.device_scope(device), quiet.tensorflow_warnings():
         problem = Problem(
             model,
             inputs,
@@ -202,104 +208,3 @@ def plan(
         return planner.plan_problem(
             problem, memory_budget=memory_budget, device=device, cache=cache
         )
-
-
-#: model -> {problem key: the strategy auto runs for reduce="norm"}
-_NORM_STRATEGY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _norm_strategy(problem: Problem, memory_budget: Any) -> strategies.Strategy:
-    """``auto`` for ``reduce="norm"``: the batch strategy's closed forms where
-    it applies (Dense/Conv layer targets), else ``chunked`` (16 rows held)."""
-    if memory_budget is not None:
-        raise ValueError(
-            f"jacobian(reduce={problem.reduce!r}, memory_budget="
-            f"{memory_budget!r}): norms hold one chunk of rows' Jacobians and "
-            "are not planned under a budget. Drop memory_budget=, or pass "
-            "strategy=Chunked(chunk_size=...) to size the chunk."
-        )
-    chosen = per_model(_NORM_STRATEGY, problem.model)
-    if problem.key not in chosen:
-        try:
-            strategies.Batch().check(problem)
-            chosen[problem.key] = strategies.Batch()
-        except ValueError:
-            chosen[problem.key] = strategies.Chunked(16)
-    return chosen[problem.key]
-
-
-def _device_scope(device: str | None) -> contextlib.AbstractContextManager:
-    """``tf.device(device)`` for a device TensorFlow has; a clear error if not."""
-    if device is None:
-        return contextlib.nullcontext()
-    try:
-        name = memory.normalize_device(device)
-    except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"jacobian(device={device!r}): not a device name; use 'CPU:0' or "
-            "'GPU:0' (or None for TensorFlow's placement)."
-        ) from err
-    kind, index = name.split(":")
-    visible = tf.config.list_logical_devices(kind)
-    if int(index) >= len(visible):
-        names = [d.name.split("device:")[-1] for d in tf.config.list_logical_devices()]
-        raise ValueError(
-            f"jacobian(device={device!r}): TensorFlow sees no {name} here; "
-            f"visible devices: {', '.join(names)}. Pass one of those, or None."
-        )
-    return tf.device(name)
-
-
-def run_strategy(problem: Problem, strategy: strategies.Strategy) -> JacobianResult:
-    """Run one configured strategy on a resolved problem and wrap the result."""
-    with quiet.tensorflow_warnings():
-        output = strategy.run(problem)
-    return _wrap(problem, strategy, output, None)
-
-
-def run_auto(
-    problem: Problem,
-    *,
-    memory_budget: int | float | str | None = None,
-    device: str | None = None,
-    cache: bool = True,
-) -> JacobianResult:
-    """``strategy="auto"`` on a resolved problem: run it (see
-    :mod:`jacobkit.planner`) and wrap; ``result.strategy`` is what later
-    calls run. ``stats.planning_time_s`` is the time spent outside the
-    runs that compute rows (the budget check, the activation estimate,
-    the plan cache)."""
-    start = time.perf_counter()
-    # TensorFlow's warnings about its own internals (pfor's "Conv2DBackprop
-    # Filter uses a while_loop", retracing of the candidates' functions) are
-    # not for the user: hidden while jacobkit works (see jacobkit.quiet)
-    with quiet.tensorflow_warnings():
-        strategy, flat, stats, plan = planner.run(
-            problem, memory_budget=memory_budget, device=device, cache=cache
-        )
-    planning = max(time.perf_counter() - start - stats.wall_time_s, 0.0)
-    result = _wrap(problem, strategy, (flat, stats), plan)
-    return replace(result, stats=replace(result.stats, planning_time_s=planning))
-
-
-def _wrap(
-    problem: Problem, strategy: strategies.Strategy, output: Any, plan: Any
-) -> JacobianResult:
-    """The strategy's flat ``(R, *v.shape)`` Jacobians, shaped and named."""
-    flat, stats = output
-    jacobians = {
-        name: problem.shaped(jac, target)
-        for name, jac, target in zip(problem.target_names, flat, problem.targets)
-    }
-    roles = {role: problem.target_names[i] for role, i in problem.roles.items()}
-    return JacobianResult(
-        jacobians=jacobians,
-        rows_shape=problem.rows_shape,
-        strategy=strategy.name,
-        chunk_size=strategy.chunk_size,
-        stats=stats,
-        roles=roles,
-        plan=plan,
-        strategy_config=strategy,
-        reduce=problem.reduce,
-    )

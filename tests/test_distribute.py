@@ -69,7 +69,7 @@ _MIRRORED = textwrap.dedent(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     logging.basicConfig(stream=sys.stdout, format="%(message)s")
-    logging.getLogger("jacobkit.distribute").setLevel(logging.DEBUG)
+    logging.getLogger("jacobkit.batches.distribute").setLevel(logging.DEBUG)
     out, name = sys.argv[1], "mirrored"
     """
 ) + textwrap.dedent(_RUN)

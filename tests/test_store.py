@@ -151,7 +151,7 @@ def test_ctrl_c_then_the_same_call_continues(mlp, tmp_path, caplog):
             out=tmp_path,
         )
     assert _manifest(tmp_path)["batches_done"] == 4
-    with caplog.at_level(logging.DEBUG, logger="jacobkit.data"):
+    with caplog.at_level(logging.DEBUG, logger="jacobkit.batches"):
         resumed = jk.jacobian(
             mlp.model,
             interrupted(None),
@@ -181,7 +181,7 @@ _KILLED = textwrap.dedent(
 
     out, log = sys.argv[1], sys.argv[2]
     handler = logging.FileHandler(log)  # flushed after every record
-    logger = logging.getLogger("jacobkit.data")
+    logger = logging.getLogger("jacobkit.batches")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     ex = examples.build("mlp", batch=72)
@@ -230,7 +230,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, caplog):
 
     ex = examples.build("mlp", batch=72)
     strategy = jk.strategies.Chunked(chunk_size=4)
-    with caplog.at_level(logging.DEBUG, logger="jacobkit.data"):
+    with caplog.at_level(logging.DEBUG, logger="jacobkit.batches"):
         resumed = jk.jacobian(
             ex.model,
             jk.data.batches(ex.inputs, 3),

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the suite; 1 if a successful row disagrees with its reference."""
     from jacobkit import memory
     from jacobkit.bench import plots, problems, runner
+    from jacobkit.compare import disagreement_limit, disagreement_line, disagrees
 
     try:  # before the suite runs, not after it
         plots.require_matplotlib()
@@ -80,10 +81,12 @@ def run(args: argparse.Namespace) -> int:
         print(err, file=sys.stderr)
         return 2
     rows = results["rows"]
+    # the floor alone, without the loop's own error: see disagreement_limit
+    limit = disagreement_limit()
     disagree = [
         f"{r['problem']} {r['strategy']}"
         for r in rows
-        if r.get("ok") and (r.get("max_rel_diff") or 0.0) > 1e-4
+        if r.get("ok") and disagrees(r.get("max_rel_diff"), limit)
     ]
     failed = sum(not r.get("ok") for r in rows)
     print(
@@ -92,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if disagree:
-        print(
-            "DISAGREE (max rel. diff > 1e-4): " + ", ".join(disagree), file=sys.stderr
-        )
+        print(disagreement_line(disagree, limit), file=sys.stderr)
         return 1
     return 0

@@ -8,6 +8,7 @@ from typing import Any
 
 from jacobkit import memory
 from jacobkit.bench import machine, stats
+from jacobkit.compare import disagrees
 from jacobkit.memory import format_bytes
 
 #: how failures read in a table cell
@@ -190,7 +191,7 @@ def problem_table(rows: Sequence[dict[str, Any]]) -> str:
             )
             continue
         diff = row.get("max_rel_diff")
-        flag = "**disagrees**" if diff is not None and diff > 1e-4 else ""
+        flag = "**disagrees**" if disagrees(diff) else ""
         lines.append(
             f"| {row['strategy']} | {seconds(row['first_call_s'])} "
             f"| {seconds(row.get('first_3_calls_s'))} "

@@ -14,13 +14,25 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from jacobkit.cli._common import UsageError, check_model_flags, load_model
+
 #: the built-in problem's generator sizes and number of synthetic examples
 BUILTIN = {"sequence": 64, "channels": 8, "filters": 32, "features": 144}
 BUILTIN_EXAMPLES = 256
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``jacobkit run``."""
+def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``jacobkit run`` to the subcommands."""
+    parser = subparsers.add_parser(
+        "run",
+        parents=[common],
+        help="Jacobians of a whole dataset, in memory or written to --out",
+        description=(
+            "Jacobians of a model over a dataset of .npy inputs, batch by batch; "
+            "with --out, written to .npy files and resumable. With no --model, "
+            "the built-in generator on synthetic inputs."
+        ),
+    )
     parser.add_argument("--model", help="a saved Keras model (.keras)")
     parser.add_argument(
         "--inputs",
@@ -57,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", help="CPU:0 or GPU:0 (default: TensorFlow's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
 
 
 class _Synthetic:
@@ -83,10 +96,10 @@ class _Files:
     def __init__(self, paths: list[str], batch_size: int) -> None:
         import numpy as np
 
-        from jacobkit import data
+        from jacobkit.batches import source
 
         self.parts = [
-            data.batches(np.load(p, mmap_mode="r"), batch_size) for p in paths
+            source.batches(np.load(p, mmap_mode="r"), batch_size) for p in paths
         ]
 
     def __len__(self) -> int:
@@ -99,19 +112,11 @@ class _Files:
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
     """(model, batches, layer, description); a user's mistake is a
-    :class:`jacobkit.cli.UsageError` (one line, exit code 2)."""
-    from jacobkit.cli import UsageError
-
+    :class:`~jacobkit.cli._common.UsageError` (one line, exit code 2)."""
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size}: must be >= 1")
+    check_model_flags(args)
     if args.model is None:
-        given = [flag for flag in ("inputs", "layer") if getattr(args, flag)]
-        if given:
-            flags = " and ".join(f"--{flag}" for flag in given)
-            raise UsageError(
-                f"{flags} need{'s' if len(given) == 1 else ''} --model (a saved "
-                "Keras model); without --model the built-in generator runs."
-            )
         from jacobkit import examples
 
         ex = examples.build("generator", batch=1, **BUILTIN)
@@ -123,10 +128,6 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
             ex.layer,
             f"built-in generator ({sizes}), {args.examples} synthetic examples",
         )
-    if not (args.inputs and args.layer):
-        raise UsageError("--model needs --inputs X.npy and --layer NAME")
-    from jacobkit import saved_models
-
     if not os.path.exists(args.inputs):
         raise UsageError(f"--inputs {args.inputs}: no such file or directory.")
     if os.path.isdir(args.inputs):
@@ -139,11 +140,12 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
             raise UsageError(f"--inputs {args.inputs}: no .npy files there.")
     else:
         paths = [args.inputs]
-    try:
-        model = saved_models.load(args.model)
-    except ValueError as err:
-        raise UsageError(str(err)) from err
-    return model, _Files(paths, args.batch_size), args.layer, args.model
+    return (
+        load_model(args.model),
+        _Files(paths, args.batch_size),
+        args.layer,
+        args.model,
+    )
 
 
 def _budget(text: str | None) -> Any:
@@ -159,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
     """Compute, then print a summary: rows, time, peak memory, where it is."""
     import jacobkit as jk
     from jacobkit import memory
-    from jacobkit.cli import UsageError
 
     model, batches, layer, described = _inputs(args)
     start = time.perf_counter()

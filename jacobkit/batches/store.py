@@ -39,53 +39,29 @@ to continue if the inputs changed.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, BinaryIO
 
 import numpy as np
 
-MANIFEST = "manifest.json"
-VERSION = 1
+from jacobkit.batches.manifest import (
+    MANIFEST,
+    Fingerprint,
+    Json,
+    Kind,
+    Manifest,
+    TargetFile,
+    TargetSpec,
+    chain,
+    differences,
+)
+
 #: bytes before the data in a file whose row count is not known in advance
 #: (a ``.npy`` header padded to this size; rewritten in place at the end)
 _GROWING_HEADER = 4096
-EMPTY_CHAIN = hashlib.sha256(b"jacobkit-inputs").hexdigest()
-
-
-@dataclass(frozen=True)
-class TargetFile:
-    """One target's file: ``name``, file name, shape of one row's Jacobian
-    (``v.shape``, with ``outputs="per_example"`` ``(F, *v.shape)``), dtype."""
-
-    name: str
-    file: str
-    row_shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def row_bytes(self) -> int:
-        return (
-            int(np.prod(self.row_shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-        )
-
-
-def digest_batch(arrays: Sequence[np.ndarray]) -> str:
-    """sha256 of a batch's arrays (shapes, dtypes and bytes)."""
-    h = hashlib.sha256()
-    for a in arrays:
-        a = np.ascontiguousarray(a)
-        h.update(f"{a.dtype.str}{a.shape}".encode())
-        h.update(memoryview(a).cast("B"))
-    return h.hexdigest()
-
-
-def chain(previous: str, batch_digest: str) -> str:
-    """The next link of the inputs hash chain."""
-    return hashlib.sha256((previous + batch_digest).encode()).hexdigest()
 
 
 def _fsync_path(path: str) -> None:
@@ -94,6 +70,27 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_file(
+    path: str, write: Callable[[BinaryIO], None], *, atomic: bool = False
+) -> None:
+    """Write ``path`` with ``write(file)`` and flush it to disk. ``atomic``:
+    write ``path.tmp`` and rename it over ``path`` (the rename fsynced too), so
+    that ``path`` holds the old content or the new one, never a part."""
+    written = path + ".tmp" if atomic else path
+    with open(written, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    if atomic:
+        os.replace(written, path)
+        _fsync_path(os.path.dirname(path) or ".")  # the rename itself
+
+
+def _save_npy(path: str, values: np.ndarray) -> None:
+    """``np.save`` to ``path``, on disk when it returns."""
+    _write_file(path, lambda f: np.save(f, values))
 
 
 def _file_name(name: str, index: int) -> str:
@@ -106,9 +103,8 @@ class Store:
 
     Args:
         directory: the directory (created if missing).
-        fingerprint: what identifies the call: ``{"model": ..., "targets": ...,
-            "rows": ..., "inputs": ...}`` (JSON-serialisable).
-        targets: ``(name, row_shape, dtype)`` per target.
+        fingerprint: what identifies the call.
+        targets: what each target's file holds.
         kind: ``"rows"`` or ``"sum"``.
         num_batches: the number of batches, ``None`` when not known in advance.
         rows_capacity: for ``kind="rows"``, the rows to allocate up front
@@ -120,9 +116,9 @@ class Store:
         self,
         directory: str | os.PathLike,
         *,
-        fingerprint: dict[str, Any],
-        targets: Sequence[tuple[str, tuple[int, ...], str]],
-        kind: str,
+        fingerprint: Fingerprint,
+        targets: Sequence[TargetSpec],
+        kind: Kind,
         num_batches: int | None,
         rows_capacity: int | None = None,
         overwrite: bool = False,
@@ -130,27 +126,18 @@ class Store:
         self.directory = os.fspath(directory)
         self.kind = kind
         self.files = [
-            TargetFile(name, _file_name(name, i), tuple(shape), str(dtype))
-            for i, (name, shape, dtype) in enumerate(targets)
+            TargetFile(t.name, _file_name(t.name, i), tuple(t.row_shape), str(t.dtype))
+            for i, t in enumerate(targets)
         ]
-        wanted = {
-            "version": VERSION,
-            "fingerprint": fingerprint,
-            "kind": kind,
-            "targets": [
-                {
-                    "name": f.name,
-                    "file": f.file,
-                    "row_shape": list(f.row_shape),
-                    "dtype": f.dtype,
-                }
-                for f in self.files
-            ],
-            "num_batches": num_batches,
-        }
+        wanted = Manifest(
+            fingerprint=fingerprint,
+            kind=kind,
+            targets=tuple(self.files),
+            num_batches=num_batches,
+        )
         existing = None if overwrite else self._read_manifest()
         if existing is not None:
-            differs = _differences(existing, wanted)
+            differs = differences(existing, wanted.to_json())
             if differs:
                 raise ValueError(
                     f"jacobian(out={self.directory!r}): the directory holds the "
@@ -158,18 +145,11 @@ class Store:
                     "mix them. Pass overwrite=True to start afresh, or choose "
                     "another out= directory."
                 )
-            self.manifest = existing
+            self.manifest = wanted.progress_from(existing)
         else:
             os.makedirs(self.directory, exist_ok=True)
             self._remove_own_files()
-            self.manifest = {
-                **wanted,
-                "batches_done": 0,
-                "rows_done": 0,
-                "inputs_chain": EMPTY_CHAIN,
-                "sum_files": [],
-                "complete": False,
-            }
+            self.manifest = wanted
             if kind == "rows":
                 self._create_row_files(rows_capacity)
             self._write_manifest()
@@ -177,27 +157,27 @@ class Store:
     # -- reading the state ---------------------------------------------------
     @property
     def batches_done(self) -> int:
-        return int(self.manifest["batches_done"])
+        return self.manifest.batches_done
 
     @property
     def rows_done(self) -> int:
-        return int(self.manifest["rows_done"])
+        return self.manifest.rows_done
 
     @property
     def complete(self) -> bool:
-        return bool(self.manifest["complete"])
+        return self.manifest.complete
 
     @property
     def inputs_chain(self) -> str:
-        return str(self.manifest["inputs_chain"])
+        return self.manifest.inputs_chain
 
     def saved_sum(self) -> list[np.ndarray] | None:
         """The float64 running sums of the batches done (``kind="sum"``)."""
-        if not self.manifest["sum_files"]:
+        if not self.manifest.sum_files:
             return None
         return [
             np.load(os.path.join(self.directory, name))
-            for name in self.manifest["sum_files"]
+            for name in self.manifest.sum_files
         ]
 
     def path(self, target: TargetFile) -> str:
@@ -227,8 +207,7 @@ class Store:
                 view.flush()
                 del view  # unmapped: written pages do not stay in this process
             _fsync_path(path)
-        self.manifest["rows_done"] = start + n
-        self._batch_done(batch_digest)
+        self._batch_done(batch_digest, rows_done=start + n)
 
     def write_sum(self, sums: Sequence[np.ndarray], batch_digest: str) -> None:
         """Checkpoint the float64 running sums including this batch, then count
@@ -237,17 +216,11 @@ class Store:
         names = []
         for i, values in enumerate(sums):
             name = f"sum-{k}-{i}.npy"
-            path = os.path.join(self.directory, name)
-            with open(path, "wb") as f:
-                np.save(f, values)
-                f.flush()
-                os.fsync(f.fileno())
+            _save_npy(os.path.join(self.directory, name), values)
             names.append(name)
-        old = self.manifest["sum_files"]
-        self.manifest["sum_files"] = names
-        self._batch_done(batch_digest)
-        for name in old:
-            _remove(os.path.join(self.directory, name))
+        old = self.manifest.sum_files
+        self._batch_done(batch_digest, sum_files=tuple(names))
+        self._remove_files(old)
 
     def finish(self, sums: Sequence[np.ndarray] | None = None) -> dict[str, np.memmap]:
         """Write the final files (sums cast to their dtype; the final row count
@@ -256,11 +229,9 @@ class Store:
         if not self.complete:
             if self.kind == "sum":
                 for target, values in zip(self.files, sums, strict=True):
-                    path = self.path(target)
-                    with open(path, "wb") as f:
-                        np.save(f, np.asarray(values).astype(target.dtype))
-                        f.flush()
-                        os.fsync(f.fileno())
+                    _save_npy(
+                        self.path(target), np.asarray(values).astype(target.dtype)
+                    )
             else:
                 for target in self.files:
                     path = self.path(target)
@@ -270,21 +241,25 @@ class Store:
                     )
                     os.truncate(path, offset + self.rows_done * target.row_bytes)
                     _fsync_path(path)
-            old = self.manifest["sum_files"]
-            self.manifest["sum_files"] = []
-            self.manifest["complete"] = True
+            old = self.manifest.sum_files
+            self.manifest = replace(self.manifest, sum_files=(), complete=True)
             self._write_manifest()
-            for name in old:
-                _remove(os.path.join(self.directory, name))
+            self._remove_files(old)
         return {
             target.name: np.load(self.path(target), mmap_mode="r")
             for target in self.files
         }
 
     # -- internals -----------------------------------------------------------
-    def _batch_done(self, batch_digest: str) -> None:
-        self.manifest["inputs_chain"] = chain(self.inputs_chain, batch_digest)
-        self.manifest["batches_done"] = self.batches_done + 1
+    def _batch_done(self, batch_digest: str, **progress: Any) -> None:
+        """Count one more batch done (with ``progress``: the manifest's new
+        ``rows_done`` or ``sum_files``) and write the manifest."""
+        self.manifest = replace(
+            self.manifest,
+            inputs_chain=chain(self.inputs_chain, batch_digest),
+            batches_done=self.batches_done + 1,
+            **progress,
+        )
         self._write_manifest()
 
     def _create_row_files(self, rows_capacity: int | None) -> None:
@@ -314,7 +289,7 @@ class Store:
                 np.lib.format.read_array_header_2_0(f)
             return f.tell()
 
-    def _read_manifest(self) -> dict[str, Any] | None:
+    def _read_manifest(self) -> dict[str, Json] | None:
         path = os.path.join(self.directory, MANIFEST)
         if not os.path.exists(path):
             return None
@@ -329,18 +304,13 @@ class Store:
                 ) from err
 
     def _write_manifest(self) -> None:
+        text = json.dumps(self.manifest.to_json(), indent=1, sort_keys=True)
         path = os.path.join(self.directory, MANIFEST)
-        temporary = path + ".tmp"
-        with open(temporary, "w") as f:
-            json.dump(self.manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename itself
-        finally:
-            os.close(fd)
+        _write_file(path, lambda f: f.write(text.encode()), atomic=True)
+
+    def _remove_files(self, names: Sequence[str]) -> None:
+        for name in names:
+            _remove(os.path.join(self.directory, name))
 
     def _remove_own_files(self) -> None:
         """The files an earlier run's manifest lists (overwrite=True starts
@@ -355,9 +325,7 @@ class Store:
         if isinstance(earlier, dict):
             names += [t.get("file", "") for t in earlier.get("targets", [])]
             names += list(earlier.get("sum_files", []))
-        for name in names:
-            if name and os.path.basename(name) == name:
-                _remove(os.path.join(self.directory, name))
+        self._remove_files([n for n in names if n and os.path.basename(n) == n])
 
 
 def _remove(path: str) -> None:
@@ -386,29 +354,3 @@ def _write_header(path: str, shape: tuple[int, ...], dtype: str, size: int) -> N
         f.write(header)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _differences(existing: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """What differs between a stored manifest and this call, in words."""
-    if existing.get("version") != VERSION:
-        return [f"manifest version {existing.get('version')!r}, expected {VERSION}"]
-    differs = []
-    stored, current = existing.get("fingerprint", {}), wanted["fingerprint"]
-    for key in sorted(set(stored) | set(current)):
-        if stored.get(key) != current.get(key):
-            differs.append(
-                f"{key} differ: stored {_short(stored.get(key))}, "
-                f"this call {_short(current.get(key))}"
-            )
-    for key in ("kind", "targets", "num_batches"):
-        if existing.get(key) != wanted[key]:
-            differs.append(
-                f"{key} differ: stored {_short(existing.get(key))}, "
-                f"this call {_short(wanted[key])}"
-            )
-    return differs
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

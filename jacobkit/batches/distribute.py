@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit.batches.source import pad
+
 logger = logging.getLogger(__name__)
 
 
@@ -124,7 +126,7 @@ class Replicas:
             for i in range(self.num_replicas)
         ]
         if not self.summed:  # one computation for per-example rows of B examples
-            filled = [_pad(x, self.batch_size) for x in filled]
+            filled = [pad(x, self.batch_size) for x in filled]
 
         for x in filled:
             self._trace(x)
@@ -179,13 +181,3 @@ class Replicas:
         return [
             self.strategy.gather(s, axis=0).numpy().sum(axis=0) for s in per_replica
         ]
-
-
-def _pad(x: Any, size: int) -> Any:
-    def pad(a):
-        a = np.asarray(a)
-        if a.shape[0] >= size:
-            return a
-        return np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], axis=0)])
-
-    return tf.nest.map_structure(pad, x)

@@ -1,0 +1,79 @@
+"""What identifies a call writing into ``out=``: model, targets, rows, inputs.
+
+A resumed call must be the same call as the one that wrote the directory;
+:func:`fingerprint` describes the call (every weight hashed) as a
+:class:`~jacobkit.batches.manifest.Fingerprint` that the store compares with
+the one in its manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit import strategies
+from jacobkit.batches.manifest import Fingerprint
+from jacobkit.problem import Problem
+
+
+def model_fingerprint(model: Any) -> str:
+    """sha256 over the model's class and every weight (name, shape, values)."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    weights = getattr(model, "weights", None)
+    if weights is None:
+        weights = getattr(model, "variables", ())
+    for w in weights:
+        name = getattr(w, "path", None) or getattr(w, "name", "")
+        value = np.ascontiguousarray(np.asarray(w))
+        h.update(f"{name}{value.dtype.str}{value.shape}".encode())
+        h.update(memoryview(value).cast("B"))
+    return h.hexdigest()[:32]
+
+
+def fingerprint(
+    problem: Problem,
+    *,
+    outputs: str | Callable[[Any], tf.Tensor],
+    strategy: str | strategies.Strategy,
+    first: Any,
+    steps: int | None,
+) -> Fingerprint:
+    """The call computing ``problem`` (built for the ``first`` batch, arrays
+    ``(B, ...)``) over at most ``steps`` batches with ``strategy``."""
+    mode = (
+        outputs
+        if isinstance(outputs, str)
+        else getattr(outputs, "__qualname__", type(outputs).__name__)
+    )
+    features = problem.rows_spec.features
+    return Fingerprint(
+        model=model_fingerprint(problem.model),
+        targets=[
+            [name, list(t.shape), t.dtype.name]
+            for name, t in zip(problem.target_names, problem.targets, strict=True)
+        ],
+        rows={
+            "outputs": mode,
+            "features": list(features) if features is not None else None,
+            "training": problem.training,
+            "unconnected": problem.unconnected,
+        },
+        strategy=strategy if isinstance(strategy, str) else strategy.label,
+        inputs={
+            "structure": json.loads(
+                json.dumps(
+                    tf.nest.map_structure(
+                        lambda a: [list(a.shape[1:]), a.dtype.name], first
+                    ),
+                    default=str,
+                )
+            ),
+            "batch_size": int(tf.nest.flatten(first)[0].shape[0]),
+            "steps": steps,
+        },
+    )

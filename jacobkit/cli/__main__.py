@@ -1,0 +1,5 @@
+import sys
+
+from jacobkit.cli import main
+
+sys.exit(main())

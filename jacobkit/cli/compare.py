@@ -1,0 +1,249 @@
+"""``jacobkit compare``: every strategy on one problem, in a table.
+
+The problem is a saved Keras model with ``.npy`` inputs, or the built-in
+generator; the reference is the float64 loop on a float64 copy of the model
+where Keras can build one. TensorFlow is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from jacobkit import quiet
+from jacobkit.cli._common import UsageError, check_model_flags, load_model
+
+#: the built-in problem: the users' generator at a size that runs in seconds
+DEFAULT_SIZES = {
+    "batch": 16,
+    "sequence": 64,
+    "channels": 8,
+    "filters": 32,
+    "features": 144,
+}
+
+
+def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``jacobkit compare`` to the subcommands."""
+    p = subparsers.add_parser(
+        "compare",
+        parents=[common],
+        help="run every strategy on one problem and print a table",
+        description=(
+            "Run every strategy on one problem: time, peak memory and agreement "
+            "with a reference. With no --model, a built-in Conv1D generator "
+            "with 144 output features on random inputs."
+        ),
+    )
+    p.add_argument("--model", help="a saved Keras model (.keras)")
+    p.add_argument("--inputs", help="inputs as a .npy file (with --model)")
+    p.add_argument("--layer", help="the target layer's name (with --model)")
+    p.add_argument(
+        "--outputs", default="features", choices=["features", "per_example", "full"]
+    )
+    p.add_argument("--features", type=int, nargs="+", help="keep these output features")
+    for name, value in DEFAULT_SIZES.items():
+        p.add_argument(
+            _size_flag(name),
+            dest=f"size_{name}",
+            type=int,
+            default=None,
+            help=f"built-in model's {name} (default {value})",
+        )
+    p.add_argument(
+        "--strategies", help="comma-separated names, 'auto' among them (default: all)"
+    )
+    p.add_argument(
+        "--memory-budget",
+        help="for the auto row: bytes, '512MiB' or a fraction of free memory "
+        "(default: 80%% of free memory)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed calls after the first")
+    p.add_argument("--device", help="CPU:0 or GPU:0 (default: TensorFlow's choice)")
+    p.set_defaults(run=run)
+
+
+def _size_flag(name: str) -> str:
+    return "--num-features" if name == "features" else f"--{name}"
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse option combinations that would be ignored (before TF loads)."""
+    check_model_flags(args)
+    sizes = [
+        _size_flag(name)
+        for name in DEFAULT_SIZES
+        if getattr(args, f"size_{name}") is not None
+    ]
+    if args.model and sizes:
+        raise UsageError(
+            f"{', '.join(sizes)} size the built-in problem; with --model the "
+            "model and --inputs give the sizes. Drop them."
+        )
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """The problem to compare on: ``model`` and ``inputs``, their float64
+    copies (``model64`` ``None`` where Keras cannot build one), the target
+    ``layer`` and the problem ``described`` in words."""
+
+    model: Any
+    inputs: Any
+    layer: Any
+    model64: Any
+    inputs64: Any
+    described: str
+
+
+def _load_inputs(path: str) -> Any:
+    import numpy as np
+
+    if not os.path.exists(path):
+        raise UsageError(f"--inputs {path}: no such file.")
+    try:
+        return np.load(path)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--inputs {path}: not a .npy array ({err}).") from err
+
+
+def _load_problem(args: argparse.Namespace) -> _Loaded:
+    from jacobkit import examples
+
+    if args.model:
+        from jacobkit import testing
+
+        model = load_model(args.model)
+        inputs = _load_inputs(args.inputs)
+        try:
+            model64 = testing.float64_copy(model)
+        except TypeError:
+            model64 = None
+        return _Loaded(model, inputs, args.layer, model64, inputs, args.model)
+    sizes = {
+        name: getattr(args, f"size_{name}") or value
+        for name, value in DEFAULT_SIZES.items()
+    }
+    ex = examples.build("generator", **sizes)
+    ex64 = examples.build("generator", "float64", **sizes)
+    text = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    described = f"built-in generator ({text})"
+    return _Loaded(ex.model, ex.inputs, ex.layer, ex64.model, ex64.inputs, described)
+
+
+def _reference(
+    problem: Any, loaded: _Loaded, args: argparse.Namespace
+) -> tuple[list[Any], str]:
+    """The reference Jacobians and what they are, in words: the float64 loop
+    on the float64 copy, or the float32 loop without one."""
+    from jacobkit import strategies, testing
+    from jacobkit.engine import run_strategy
+    from jacobkit.problem import Problem
+
+    if loaded.model64 is None:
+        result = run_strategy(problem, strategies.Loop())
+        policy = getattr(getattr(problem.model, "dtype_policy", None), "name", None)
+        return list(result.jacobians.values()), (
+            f"{policy or 'float32'} loop on the model itself (no float64 copy: "
+            "Keras cannot rebuild this model from its config)"
+        )
+    ref_problem = Problem(
+        loaded.model64,
+        loaded.inputs64,
+        loaded.layer,
+        outputs=args.outputs,
+        features=args.features,
+    )
+    reference = testing.reference_jacobian(
+        loaded.model64,
+        loaded.inputs64,
+        list(ref_problem.targets),
+        outputs=args.outputs,
+        features=args.features,
+        call_kwargs={"training": False},
+    )
+    built = "a float64 copy of the model" if args.model else "the float64 build"
+    return reference, f"float64 loop on {built} (every variable float64)"
+
+
+def _candidates(args: argparse.Namespace) -> tuple[str, list[Any] | None]:
+    """The device and the strategies asked for (``None``: all), checked."""
+    from jacobkit import memory, strategies
+
+    try:
+        device = memory.normalize_device(args.device)
+        if args.memory_budget is not None:
+            memory.parse_budget(args.memory_budget, device=device)
+        if not args.strategies:
+            return device, None
+        return device, [
+            "auto" if name.strip() == "auto" else strategies.get(name.strip())
+            for name in args.strategies.split(",")
+        ]
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from err
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print the table; 1 if a strategy disagrees or all failed."""
+    _check_args(args)
+    if not args.verbose:
+        quiet.start_tensorflow_quietly()
+    import tensorflow as tf
+    from tqdm import tqdm
+
+    from jacobkit import compare
+    from jacobkit.problem import Problem
+
+    device, candidates = _candidates(args)
+    loaded = _load_problem(args)
+    with tf.device(device):
+        try:
+            problem = Problem(
+                loaded.model,
+                loaded.inputs,
+                loaded.layer,
+                outputs=args.outputs,
+                features=args.features,
+            )
+        except (ValueError, TypeError) as err:
+            raise UsageError(str(err)) from err
+        reference, ref_name = _reference(problem, loaded, args)
+        if candidates is None:
+            candidates = [*compare.default_strategies(problem.num_rows), "auto"]
+        bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
+        measurements = []
+        for strategy in bar:
+            if strategy == "auto":
+                bar.set_postfix_str("auto")
+                measured = compare.measure_auto(
+                    problem,
+                    reference,
+                    repeats=args.repeats,
+                    device=device,
+                    memory_budget=args.memory_budget,
+                )
+            else:
+                bar.set_postfix_str(strategy.label)
+                measured = compare.measure(
+                    problem, strategy, reference, repeats=args.repeats, device=device
+                )
+            measurements.append(measured)
+    print(
+        f"problem: {loaded.described}; target {loaded.layer!r}; "
+        f"rows {problem.rows_shape} ({args.outputs})"
+    )
+    print(f"device: {device}; TensorFlow {tf.__version__}; reference: {ref_name}")
+    print(compare.format_table(measurements))
+    failed = [m for m in measurements if m.error]
+    loop_diff = max(
+        (m.max_rel_diff or 0.0 for m in measurements if m.name == "loop"), default=0.0
+    )
+    limit = compare.disagreement_limit(loop_diff)
+    disagree = [m for m in measurements if compare.disagrees(m.max_rel_diff, limit)]
+    if disagree:
+        print(compare.disagreement_line([m.strategy for m in disagree], limit))
+    return 1 if disagree or len(failed) == len(measurements) else 0
