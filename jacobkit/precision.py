@@ -165,13 +165,9 @@ def bfloat16_check() -> Bfloat16Check:
     Dense → Dense, batch 2 of 8×7 images) with respect to its first Conv2D's
     kernel and bias, in bfloat16, against float64 on the same rounded weights
     and inputs. See :data:`MEASURED_BFLOAT16` for what it found."""
-    from jacobkit import examples
-
-    example = examples.build("cnn2d")
-    weights = [np.asarray(w.numpy()) for w in example.model.weights]
-
+    inputs, weights = _cnn2d_values()
     def as_dtype(dtype: tf.DType) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        rounded = [tf.constant(w, tf.bfloat16) for w in (example.inputs, *weights)]
+        rounded = [tf.constant(w, tf.bfloat16) for w in (inputs, *weights)]
         cast = [tf.cast(t, dtype) for t in rounded]
         return cast[0], cast[1:]
 
@@ -185,6 +181,24 @@ def bfloat16_check() -> Bfloat16Check:
         eager=_worst(eager, expected),
         cpu=runtime.cpu_kind().describe(),
     )
+
+
+#: ``examples.cnn2d``'s weight shapes: two 3x3 Conv2D (1 -> 4 -> 4 channels),
+#: Dense(48 -> 8), Dense(8 -> 3), each kernel then bias
+_CNN2D_SHAPES = ((3, 3, 1, 4), (4,), (3, 3, 4, 4), (4,), (48, 8), (8,), (8, 3), (3,))
+
+
+def _cnn2d_values(seed: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``examples.cnn2d(seed=0)``'s inputs ``(2, 8, 7, 1)`` and weights, drawn
+    the same way (float32), without building the Keras model."""
+    rng = np.random.default_rng(seed)
+    weights = []
+    for shape in _CNN2D_SHAPES:
+        fan_in = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        scale = 1.0 / np.sqrt(max(fan_in, 1)) if len(shape) > 1 else 0.3
+        weights.append(rng.normal(scale=scale, size=shape).astype("float32"))
+    inputs = np.random.default_rng(seed + 1000).normal(size=(2, 8, 7, 1))
+    return inputs.astype("float32"), weights
 
 
 def _cnn2d(x: tf.Tensor, weights: list[tf.Tensor]) -> tf.Tensor:
