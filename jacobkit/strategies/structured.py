@@ -25,6 +25,7 @@ from jacobkit import structure
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
 
 #: model -> {(problem key, strategy key): True (verified), False (failed)}
@@ -87,9 +88,7 @@ class Structured(Strategy):
         registry: strategies do not import each other)."""
         if isinstance(self.inner, Strategy):
             return self.inner
-        from jacobkit import strategies  # the registry, fully imported by now
-
-        return strategies.get(self.inner)
+        return get_strategy(self.inner)
 
     def smaller(self) -> Structured | None:
         """The same shortcut with a smaller inner strategy, if it has one."""
