@@ -15,6 +15,7 @@ from jacobkit import examples, memory, planner, testing
 from jacobkit.planner import estimates, selection
 from jacobkit.planner.plan import Probe
 from jacobkit.strategies import Batch, Chunked, While
+from jacobkit.strategies.structured import NoShortcut
 from tests.cases import (
     call_kwargs,
     reference,
@@ -36,7 +37,7 @@ def _no_structure(monkeypatch):
     with the shortcut."""
 
     def refuse(self, problem):
-        raise ValueError("jacobian(strategy='structured'): off in test_planner")
+        raise NoShortcut("off in test_planner")
 
     monkeypatch.setattr(jk.strategies.Structured, "check", refuse)
 

@@ -46,6 +46,7 @@ from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies import Strategy
+from jacobkit.strategies.structured import NoShortcut
 
 #: the plan keeps its predicted peak below this fraction of the budget: the
 #: memory prior was measured within ~10% of real peaks, the rest is allocator
@@ -125,13 +126,15 @@ def session_for(
 def _structured(problem: Problem) -> tuple[Strategy | None, str]:
     """``(Structured(), what it found)`` where an exact structural shortcut
     applies to ``problem`` (:mod:`jacobkit.structure`), else ``(None, why
-    not)``."""
+    not)``: the refusal's :attr:`~jacobkit.strategies.structured.NoShortcut.
+    reason`, or the inner strategy's own refusal."""
     shortcut = strategies.Structured()
     try:
         shortcut.check(problem)
-    except ValueError as err:
-        why = str(err).split("): ", 1)[-1]
-        return None, why.split(". Use another strategy")[0]
+    except NoShortcut as err:
+        return None, err.reason
+    except ValueError as err:  # the inner strategy refuses the head's input
+        return None, str(err)
     return shortcut, shortcut.describe(problem)
 
 
