@@ -14,8 +14,8 @@ import warnings
 import pytest
 
 import jacobkit as jk
-from jacobkit import examples, testing
-from jacobkit.planner import cache, selection
+from jacobkit import examples, planner, testing
+from jacobkit.planner import cache
 from tests.cases import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,10 +29,10 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def eager_trials(monkeypatch):
+def eager_trials():
     """Try every candidate as soon as the current strategy's rate is known."""
-    monkeypatch.setattr(selection, "RENT", 0.0)
-    monkeypatch.setattr(selection, "WHOLE_RENT", 0.0)
+    with planner.use_policy(rent=0.0, whole_rent=0.0):
+        yield
 
 
 def _settle(ex) -> jk.JacobianResult:
