@@ -381,3 +381,17 @@ def test_a_slow_run_after_the_trace_does_not_make_tracing_free():
     assert estimates.estimate(strategy, slow).trace_s is None
     faster = [*slow, probe(3, 0.78, False)]
     assert estimates.estimate(strategy, faster).trace_s == pytest.approx(0.30)
+
+
+def test_use_policy_changes_new_sessions_and_restores_the_outer_policy(generator):
+    outer = planner.current_policy()
+    with planner.use_policy(segments=4) as policy:
+        assert planner.current_policy() == policy and policy.segments == 4
+        with planner.use_policy(rent=0.0):
+            assert planner.current_policy().segments == 4  # nested: both apply
+            assert planner.current_policy().rent == 0.0
+        ex = generator
+        assert jk.plan(ex.model, ex.inputs, ex.layer).segment_rows == 12
+    assert planner.current_policy() == outer == planner.Policy()
+    # sessions are kept per policy: outside the block, whole calls again
+    assert jk.plan(ex.model, ex.inputs, ex.layer).segment_rows == 48
