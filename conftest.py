@@ -35,10 +35,11 @@ def _cold_plan_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def segments(monkeypatch):
+def segments():
     """``auto`` computing a call in about four segments of rows (its default
-    is whole calls, see ``jacobkit.planner.execution.SEGMENTS``): the segment
+    is whole calls, see ``jacobkit.planner.Policy.segments``): the segment
     machinery, switches within a call included."""
-    from jacobkit.planner import execution
+    from jacobkit import planner
 
-    monkeypatch.setattr(execution, "SEGMENTS", 4)
+    with planner.use_policy(segments=4):
+        yield

@@ -14,8 +14,8 @@ import warnings
 import pytest
 
 import jacobkit as jk
-from jacobkit import examples, testing
-from jacobkit.planner import cache, selection
+from jacobkit import examples, planner, testing
+from jacobkit.planner import cache
 from tests.cases import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,10 +29,10 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def eager_trials(monkeypatch):
+def eager_trials():
     """Try every candidate as soon as the current strategy's rate is known."""
-    monkeypatch.setattr(selection, "RENT", 0.0)
-    monkeypatch.setattr(selection, "WHOLE_RENT", 0.0)
+    with planner.use_policy(rent=0.0, whole_rent=0.0):
+        yield
 
 
 def _settle(ex) -> jk.JacobianResult:
@@ -184,3 +184,29 @@ def test_cache_entries_round_trip_configured_strategies(strategy):
     strategy under a tight budget) reads back as the same configuration."""
     text = json.dumps(jk.strategies.to_spec(strategy))
     assert jk.strategies.from_spec(json.loads(text)) == strategy
+
+
+def test_cache_entry_round_trips_through_json():
+    chunked, batch = jk.strategies.Chunked(8), jk.strategies.Batch()
+    entry = planner.CacheEntry(
+        current=chunked,
+        pending=(batch,),
+        segment_rows=16,
+        row_bytes=1024,
+        spent_s=0.5,
+        estimates=(planner.Estimate(chunked, 1e-3, 0.2, 4096),),
+        rejected=(planner.Rejection("loop", "eager Python loop: slowest"),),
+    )
+    data = json.loads(json.dumps(entry.to_json()))
+    assert set(data) == {
+        "current",
+        "pending",
+        "segment_rows",
+        "row_bytes",
+        "spent_s",
+        "estimates",
+        "rejected",
+    }
+    assert planner.CacheEntry.from_json(data) == entry
+    with pytest.raises(KeyError):
+        planner.CacheEntry.from_json({k: v for k, v in data.items() if k != "current"})

@@ -12,9 +12,10 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import examples, memory, planner, testing
-from jacobkit.planner import estimates, selection
+from jacobkit.planner import estimates
 from jacobkit.planner.plan import Probe
 from jacobkit.strategies import Batch, Chunked, While
+from jacobkit.strategies.structured import NoShortcut
 from tests.cases import (
     call_kwargs,
     reference,
@@ -36,7 +37,7 @@ def _no_structure(monkeypatch):
     with the shortcut."""
 
     def refuse(self, problem):
-        raise ValueError("jacobian(strategy='structured'): off in test_planner")
+        raise NoShortcut("off in test_planner")
 
     monkeypatch.setattr(jk.strategies.Structured, "check", refuse)
 
@@ -56,11 +57,11 @@ def generator_reference() -> list:
 
 
 @pytest.fixture
-def eager_trials(monkeypatch):
+def eager_trials():
     """Try every candidate, and run every row at once, as soon as the
     current strategy's rate is known."""
-    monkeypatch.setattr(selection, "RENT", 0.0)
-    monkeypatch.setattr(selection, "WHOLE_RENT", 0.0)
+    with planner.use_policy(rent=0.0, whole_rent=0.0):
+        yield
 
 
 def _covers_every_row_once(plan: jk.Plan) -> None:
@@ -158,7 +159,7 @@ def test_every_call_runs_every_row_at_once_by_default(generator, eager_trials):
 
 def test_starts_vectorized_where_it_costs_little_memory():
     """Where computing every row at once is predicted to peak within
-    ``START_PEAK_FACTOR`` of ``while``'s (a wide MLP: the result dominates),
+    ``Policy.start_peak_factor`` of ``while``'s (a wide MLP: the result dominates),
     the first call vectorizes every row; where it costs much more (the
     generator's conv activations per row), it starts on ``while``."""
     wide = examples.build("mlp", batch=256, inputs=512, hidden=1024, features=144)
@@ -179,7 +180,7 @@ def test_plan_before_any_call_runs_nothing(generator):
     assert plan.budget_bytes == 64 * 2**20
     assert plan.result_bytes == 48 * (5 * 8 * 32 + 32) * 4
     assert plan.strategy.name == "while"
-    assert plan.predicted_peak_bytes <= 64 * 2**20 * planner.SAFETY
+    assert plan.predicted_peak_bytes <= 64 * 2**20 * planner.Policy().safety
     text = plan.summary()
     assert "64.0 MiB budget" in text and "not run yet" in text
     kinds = {r.label.split("(")[0] for r in plan.rejected}
@@ -224,7 +225,7 @@ def test_tighter_budget_holds_fewer_rows_at_once(generator):
     assert large.strategy == While(10)
     assert small.strategy.name == "while"
     assert small.strategy.parallel_iterations < 10, small.summary()
-    assert small.predicted_peak_bytes <= 12 * 2**20 * planner.SAFETY
+    assert small.predicted_peak_bytes <= 12 * 2**20 * planner.Policy().safety
 
 
 def test_budget_below_result_is_refused_before_allocating(generator):
@@ -331,7 +332,7 @@ def test_default_budget_is_a_fraction_of_free_memory(generator):
     free = memory.free_bytes("CPU:0")
     assert 0.5 * memory.DEFAULT_BUDGET_FRACTION * free < plan.budget_bytes
     assert plan.budget_bytes <= free
-    assert planner.SAFETY < 1
+    assert planner.Policy().safety < 1
 
 
 def test_per_example_rows_of_a_dense_layer_run_whole(eager_trials):
@@ -380,3 +381,17 @@ def test_a_slow_run_after_the_trace_does_not_make_tracing_free():
     assert estimates.estimate(strategy, slow).trace_s is None
     faster = [*slow, probe(3, 0.78, False)]
     assert estimates.estimate(strategy, faster).trace_s == pytest.approx(0.30)
+
+
+def test_use_policy_changes_new_sessions_and_restores_the_outer_policy(generator):
+    outer = planner.current_policy()
+    with planner.use_policy(segments=4) as policy:
+        assert planner.current_policy() == policy and policy.segments == 4
+        with planner.use_policy(rent=0.0):
+            assert planner.current_policy().segments == 4  # nested: both apply
+            assert planner.current_policy().rent == 0.0
+        ex = generator
+        assert jk.plan(ex.model, ex.inputs, ex.layer).segment_rows == 12
+    assert planner.current_policy() == outer == planner.Policy()
+    # sessions are kept per policy: outside the block, whole calls again
+    assert jk.plan(ex.model, ex.inputs, ex.layer).segment_rows == 48

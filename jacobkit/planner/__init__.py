@@ -12,14 +12,14 @@ the budget is checked):
    answer (:mod:`~jacobkit.planner.probes`). No row is computed twice. (The
    execution can split calls into segments of rows, each by one strategy,
    :mod:`~jacobkit.planner.rows`; off by default, see
-   :data:`~jacobkit.planner.execution.SEGMENTS`.)
+   :attr:`~jacobkit.planner.policy.Policy.segments`.)
 3. The first call starts on the candidate cheapest to trace (``while``), or
    on one vectorizing more rows where it is predicted to cost little more
    memory, made small enough that its predicted peak fits
    (:mod:`~jacobkit.planner.selection`). Other candidates are tried on later
    calls (never the first call of a process) once the time spent running
-   the current one reaches :data:`~jacobkit.planner.selection.RENT` times
-   their predicted tracing time; the faster one (the lower peak within
+   the current one reaches :attr:`~jacobkit.planner.policy.Policy.rent`
+   times their predicted tracing time; the faster one (the lower peak within
    noise) is kept (:mod:`~jacobkit.planner.estimates`).
 4. What was measured is written to a plan cache on disk
    (:mod:`~jacobkit.planner.cache`), so the next process starts on the
@@ -27,6 +27,17 @@ the budget is checked):
 
 An out-of-memory error, or a run over the budget, makes the strategy
 :meth:`~jacobkit.strategies.Strategy.smaller` from then on (warned once).
+
+The tunables are a frozen :class:`Policy`; :func:`use_policy` changes them
+for the sessions started within a ``with`` block.
+
+Modules, in the order data flows: :mod:`~jacobkit.planner.policy`,
+:mod:`~jacobkit.planner.start` (segments and candidates),
+:mod:`~jacobkit.planner.session` (the state, choosing),
+:mod:`~jacobkit.planner.trials` (judging a try),
+:mod:`~jacobkit.planner.calls` (running a call, backing off),
+:mod:`~jacobkit.planner.entry` and :mod:`~jacobkit.planner.cache` (the disk
+cache).
 """
 
 from __future__ import annotations
@@ -39,20 +50,19 @@ import tensorflow as tf
 
 from jacobkit import memory, precision, strategies
 from jacobkit.planner import cache as disk
-from jacobkit.planner import probes, scratch
-from jacobkit.planner.execution import Session, entry_of, restore
+from jacobkit.planner import calls, probes, scratch
+from jacobkit.planner.entry import CacheEntry, entry_of, restore
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
+from jacobkit.planner.policy import Policy, current_policy, use_policy
 from jacobkit.planner.scratch import MemoryPrior
+from jacobkit.planner.session import Session
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies import Strategy
+from jacobkit.strategies.structured import NoShortcut
 
-#: the plan keeps its predicted peak below this fraction of the budget: the
-#: memory prior was measured within ~10% of real peaks, the rest is allocator
-#: fragmentation.
-SAFETY = 0.85
-
-#: model -> {(problem key, input shapes, budget as given, device, cache): Session}
+#: model -> {((problem key, input shapes, budget as given, device, policy),
+#: cache name): Session}
 _SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -66,14 +76,16 @@ def session_for(
     """This process's :class:`Session` for ``problem`` (made, or continued
     from the disk cache, if new) and its disk cache name (``None``: off)."""
     device = memory.normalize_device(device)
-    key = (problem.key, probes.input_shapes(problem), repr(memory_budget), device)
+    policy = current_policy()
+    shapes = probes.input_shapes(problem)
+    key = (problem.key, shapes, repr(memory_budget), device, policy)
     name = disk.fingerprint(problem, device) if cache else None
     sessions = per_model(_SESSIONS, problem.model)
     if (key, name) in sessions:  # (asking the device for free memory takes time)
         return sessions[(key, name)], name
     budget = memory.parse_budget(memory_budget, device=device)
     result_bytes = probes.result_bytes(problem)
-    if result_bytes > budget * SAFETY:
+    if result_bytes > budget * policy.safety:
         raise ValueError(
             f"jacobian(memory_budget={memory.format_bytes(budget)}): the result "
             f"alone needs {memory.format_bytes(result_bytes)} ({result_bytes} "
@@ -85,7 +97,7 @@ def session_for(
         )
     shortcut, structure = _structured(problem)
     entry = disk.load(name) if name is not None else None
-    row_bytes = _row_bytes(entry)
+    row_bytes = entry.row_bytes if entry is not None else None
     if row_bytes is None:
         # the forward pass's activations, from the trace the problem made:
         # an upper bound on what one row's backward pass keeps per row
@@ -96,28 +108,19 @@ def session_for(
         Session,
         problem,
         budget,
-        budget * SAFETY,
+        budget * policy.safety,
         measured_on,
         prior,
         shortcut=shortcut,
         structure=structure,
+        policy=policy,
     )
     session = fresh()
     if session.structure is not None:  # one candidate: nothing to learn or load
         entry = None
-    if entry is not None:
-        try:
-            used = restore(session, entry)
-        except (KeyError, TypeError, ValueError) as err:
-            disk._warn_once(
-                f"{name}-content",
-                f"the plan cache entry {name}.json is unusable ({err}); planning "
-                "again and rewriting it.",
-            )
-            used = False
-        if not used:  # planned afresh, and rewritten after the first call
-            session = fresh()
-            session.dirty = True
+    if entry is not None and not restore(session, entry):
+        session = fresh()  # planned afresh, and rewritten after the first call
+        session.dirty = True
     sessions[(key, name)] = session
     return session, name
 
@@ -125,13 +128,15 @@ def session_for(
 def _structured(problem: Problem) -> tuple[Strategy | None, str]:
     """``(Structured(), what it found)`` where an exact structural shortcut
     applies to ``problem`` (:mod:`jacobkit.structure`), else ``(None, why
-    not)``."""
+    not)``: the refusal's :attr:`~jacobkit.strategies.structured.NoShortcut.
+    reason`, or the inner strategy's own refusal."""
     shortcut = strategies.Structured()
     try:
         shortcut.check(problem)
-    except ValueError as err:
-        why = str(err).split("): ", 1)[-1]
-        return None, why.split(". Use another strategy")[0]
+    except NoShortcut as err:
+        return None, err.reason
+    except ValueError as err:  # the inner strategy refuses the head's input
+        return None, str(err)
     return shortcut, shortcut.describe(problem)
 
 
@@ -147,13 +152,6 @@ def _memory_prior(problem: Problem, row_bytes: int, device: str | None) -> Memor
         scratch.scratch_bytes(problem.convolutions, dtype, device),
         scratch.inter_op_threads(),
     )
-
-
-def _row_bytes(entry: dict | None) -> int | None:
-    if entry is None:
-        return None
-    value = entry.get("row_bytes")
-    return int(value) if isinstance(value, int) and value >= 0 else None
 
 
 def plan_problem(
@@ -185,7 +183,7 @@ def run(
     session, name = session_for(
         problem, memory_budget=memory_budget, device=device, cache=cache
     )
-    flat, stats = session.run(problem)
+    flat, stats = calls.run_call(session, problem)
     if name is not None and session.dirty:
         disk.save(name, entry_of(session))
         session.dirty = False
@@ -193,14 +191,17 @@ def run(
 
 
 __all__ = [
-    "SAFETY",
+    "CacheEntry",
     "Estimate",
     "Plan",
+    "Policy",
     "Probe",
     "Rejection",
     "Session",
     "Switch",
+    "current_policy",
     "plan_problem",
     "run",
     "session_for",
+    "use_policy",
 ]

@@ -7,7 +7,8 @@ shapes and dtypes; not the weights' values), the targets, the rows, the
 input signature, the device kind and the TensorFlow version. It holds what
 ``auto`` measured (time per row, tracing time and peak of each strategy it
 ran), the strategy it runs, the candidates still to try and the time spent
-so far, so that a later process continues where this one stopped.
+so far, so that a later process continues where this one stopped
+(:class:`~jacobkit.planner.entry.CacheEntry`).
 
 Where: ``$JACOBKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/jacobkit``, else
 ``~/.cache/jacobkit``; ``JACOBKIT_CACHE_DIR=""`` (or ``jacobian(...,
@@ -32,10 +33,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import strategies
-from jacobkit.planner.plan import Estimate, Rejection
+from jacobkit.planner.entry import CacheEntry
 from jacobkit.problem import Problem
-from jacobkit.strategies import Strategy
 
 #: bumped when an entry's meaning changes; older entries are stale
 FORMAT = 1
@@ -121,7 +120,7 @@ def _device_kind(device: str) -> str:
     return f"{platform.machine()} {platform.processor()} x{os.cpu_count()}"
 
 
-def load(name: str) -> dict[str, Any] | None:
+def load(name: str) -> CacheEntry | None:
     """The entry ``name``, or ``None`` (missing, off, or unusable: warned)."""
     folder = directory()
     if folder is None or not os.path.isdir(folder):
@@ -146,10 +145,18 @@ def load(name: str) -> dict[str, Any] | None:
             "planning again and rewriting it.",
         )
         return None
-    return entry
+    try:
+        return CacheEntry.from_json(entry)
+    except (KeyError, TypeError, ValueError) as err:
+        _warn_once(
+            f"{name}-content",
+            f"the plan cache entry {name}.json is unusable ({err}); planning "
+            "again and rewriting it.",
+        )
+        return None
 
 
-def save(name: str, entry: dict[str, Any]) -> bool:
+def save(name: str, entry: CacheEntry) -> bool:
     """Write ``entry`` atomically; ``False`` (warned once) if it cannot."""
     folder = directory()
     if folder is None:
@@ -160,7 +167,9 @@ def save(name: str, entry: dict[str, Any]) -> bool:
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({**entry, "format": FORMAT}, f, indent=1, sort_keys=True)
+            json.dump(
+                {**entry.to_json(), "format": FORMAT}, f, indent=1, sort_keys=True
+            )
         os.replace(tmp, path)
     except OSError as err:
         if tmp is not None and os.path.exists(tmp):
@@ -180,55 +189,3 @@ def _warn_once(path: str, message: str) -> None:
         return
     _WARNED.add(path)
     warnings.warn(f"jacobkit: {message}", CacheWarning, stacklevel=4)
-
-
-# -- (de)serializing strategies and estimates -----------------------------------
-def strategy_to_json(strategy: Strategy) -> dict[str, Any]:
-    return strategies.to_spec(strategy)
-
-
-def strategy_from_json(data: Any) -> Strategy:
-    """A configured strategy; ``ValueError`` if ``data`` does not name one."""
-    return strategies.from_spec(data)
-
-
-def estimate_to_json(estimate: Estimate) -> dict[str, Any]:
-    return {
-        "strategy": strategy_to_json(estimate.strategy),
-        "seconds_per_row": estimate.seconds_per_row,
-        "trace_s": estimate.trace_s,
-        "peak_bytes": estimate.peak_bytes,
-    }
-
-
-def estimate_from_json(data: dict[str, Any]) -> Estimate:
-    return Estimate(
-        strategy=strategy_from_json(data["strategy"]),
-        seconds_per_row=_number(data.get("seconds_per_row")),
-        trace_s=_number(data.get("trace_s")),
-        peak_bytes=None if data.get("peak_bytes") is None else int(data["peak_bytes"]),
-    )
-
-
-def rejection_to_json(rejection: Rejection) -> dict[str, Any]:
-    what = rejection.strategy
-    return {
-        "strategy": what if isinstance(what, str) else strategy_to_json(what),
-        "reason": rejection.reason,
-    }
-
-
-def rejection_from_json(data: dict[str, Any]) -> Rejection:
-    what = data["strategy"]
-    return Rejection(
-        what if isinstance(what, str) else strategy_from_json(what),
-        str(data["reason"]),
-    )
-
-
-def _number(value: Any) -> float | None:
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"not a non-negative number: {value!r}")
-    return float(value)

@@ -7,21 +7,20 @@ import statistics
 from collections.abc import Sequence
 
 from jacobkit.planner.plan import Estimate, Probe
+from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.strategies import Strategy
-
-#: the steady rate is the median of this many newest runs that did not trace
-RATE_RUNS = 3
 
 
 def estimate(
     strategy: Strategy,
     probes: Sequence[Probe],
     earlier: Estimate | None = None,
+    rate_runs: int = Policy.rate_runs,
 ) -> Estimate:
     """What ``probes`` (segments ``strategy`` computed) say of it.
 
-    The steady rate is the median over the newest :data:`RATE_RUNS` runs
+    The steady rate is the median over the newest ``rate_runs`` runs
     that did not trace (seconds per row): a process's first calls are slow
     while the allocator grows (measured: 1.7-2x the later rate on the MLP
     512-1024-1024-144), and a candidate tried later must be compared with
@@ -35,7 +34,7 @@ def estimate(
     steady = [p.seconds / p.rows for p in mine if not p.traced]
     traced = [p for p in mine if p.traced]
     peaks = [p.peak_bytes for p in mine if p.peak_bytes is not None]
-    rate = statistics.median(steady[-RATE_RUNS:]) if steady else None
+    rate = statistics.median(steady[-rate_runs:]) if steady else None
     trace_s = None
     if traced and steady:
         # against the fastest rate seen: a slow run after the trace (a busy

@@ -124,8 +124,8 @@ class Plan:
             on runs of a later call (segments, or every row at once where
             the current strategy already runs so, the candidate then
             configured for every row) once the time spent running the
-            current strategy exceeds :data:`~jacobkit.planner.selection.RENT`
-            times the candidate's predicted tracing time.
+            current strategy exceeds :attr:`~jacobkit.planner.policy.Policy.
+            rent` times the candidate's predicted tracing time.
         rejected: strategies not run (or raced and lost), with the reason.
         switches: every change of strategy so far, with the reason.
         last_call: the segments of the most recent call.

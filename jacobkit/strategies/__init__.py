@@ -4,95 +4,32 @@ A strategy is a small final class with a ``name`` and a ``build(problem)``
 method (see :class:`~jacobkit.strategies.base.Strategy`). ``register`` adds one
 under its name; the conformance tests run every registered strategy on every
 test problem, so a new strategy is checked by registering it.
+
+This module only re-exports: the registry lives in
+:mod:`~jacobkit.strategies.registry`, the built-in strategies are registered
+by :mod:`~jacobkit.strategies.builtin`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from jacobkit.strategies.base import Strategy
-from jacobkit.strategies.batch import Batch
-from jacobkit.strategies.chunked import Chunked
-from jacobkit.strategies.forward import Forward
-from jacobkit.strategies.jacobian import Jacobian
-from jacobkit.strategies.loop import Loop
-from jacobkit.strategies.structured import Structured
-from jacobkit.strategies.while_loop import While
-
-REGISTRY: dict[str, type[Strategy]] = {}
-
-
-def register(cls: type[Strategy]) -> type[Strategy]:
-    """Add a strategy class under ``cls.name``; a name is registered once."""
-    if cls.name in REGISTRY:
-        raise ValueError(
-            f"strategy {cls.name!r} is already registered "
-            f"({REGISTRY[cls.name].__qualname__}); choose another name."
-        )
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-for _cls in (Loop, Jacobian, While, Batch, Chunked, Forward, Structured):
-    register(_cls)
-
-
-def names() -> list[str]:
-    """Registered strategy names, plus ``"auto"``."""
-    return [*REGISTRY, "auto"]
-
-
-def get(strategy: str | Strategy) -> Strategy:
-    """A configured strategy from a name or an instance (returned as is)."""
-    if isinstance(strategy, Strategy):
-        return strategy
-    if isinstance(strategy, str) and strategy in REGISTRY:
-        return REGISTRY[strategy]()
-    if isinstance(strategy, type) and issubclass(strategy, Strategy):
-        raise TypeError(
-            f"jacobian(strategy={strategy.__name__}): got the class, not a "
-            f"configured instance. Pass strategy={strategy.__name__}() (with "
-            f"options if it takes any) or the name {strategy.name!r}."
-        )
-    raise ValueError(
-        f"jacobian(strategy={strategy!r}): unknown strategy. Choose one of "
-        f"{', '.join(repr(n) for n in names())}, or pass a configured instance "
-        "such as jacobkit.strategies.Chunked(chunk_size=16)."
-    )
-
-
-def to_spec(strategy: Strategy) -> dict:
-    """A configured strategy as JSON-friendly data: ``{"name", "options"}``
-    (an option that is itself a strategy, as ``Structured(inner=While(5))``,
-    as ``{"strategy": its spec}``)."""
-    options = {
-        key: {"strategy": to_spec(value)} if isinstance(value, Strategy) else value
-        for key, value in strategy.options.items()
-    }
-    return {"name": strategy.name, "options": options}
-
-
-def from_spec(spec: Any) -> Strategy:
-    """The strategy :func:`to_spec` described; ``ValueError`` if ``spec``
-    names no registered strategy or options it does not take."""
-    if not isinstance(spec, dict) or spec.get("name") not in REGISTRY:
-        raise ValueError(f"not a registered strategy: {spec!r}")
-    options = spec.get("options") or {}
-    if not isinstance(options, dict):
-        raise ValueError(f"options of {spec['name']!r} must be a dict: {options!r}")
-    options = {
-        key: (
-            from_spec(value["strategy"])
-            if isinstance(value, dict) and set(value) == {"strategy"}
-            else value
-        )
-        for key, value in options.items()
-    }
-    try:
-        return REGISTRY[spec["name"]](**options)
-    except TypeError as err:
-        raise ValueError(f"bad options for {spec['name']!r}: {err}") from err
-
+from jacobkit.strategies.builtin import (
+    Batch,
+    Chunked,
+    Forward,
+    Jacobian,
+    Loop,
+    Structured,
+    While,
+)
+from jacobkit.strategies.registry import (
+    REGISTRY,
+    from_spec,
+    get,
+    names,
+    register,
+    to_spec,
+)
 
 __all__ = [
     "REGISTRY",

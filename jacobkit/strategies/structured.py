@@ -25,10 +25,30 @@ from jacobkit import structure
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
 
 #: model -> {(problem key, strategy key): True (verified), False (failed)}
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class NoShortcut(ValueError):
+    """:meth:`Structured.check`'s refusal where no exact shortcut applies.
+
+    Attributes:
+        reason: why, in words (what ``auto``'s plan shows); the message is
+            ``jacobian(strategy='structured'): <reason>`` and, where
+            ``advise``, the advice to use another strategy.
+    """
+
+    def __init__(self, reason: str, *, advise: bool = True) -> None:
+        advice = (
+            ". Use another strategy (strategy='auto' uses this one where it applies)."
+            if advise
+            else ""
+        )
+        super().__init__(f"jacobian(strategy='structured'): {reason}{advice}")
+        self.reason = reason
 
 
 @final
@@ -87,9 +107,7 @@ class Structured(Strategy):
         registry: strategies do not import each other)."""
         if isinstance(self.inner, Strategy):
             return self.inner
-        from jacobkit import strategies  # the registry, fully imported by now
-
-        return strategies.get(self.inner)
+        return get_strategy(self.inner)
 
     def smaller(self) -> Structured | None:
         """The same shortcut with a smaller inner strategy, if it has one."""
@@ -112,25 +130,25 @@ class Structured(Strategy):
         return structure.find(problem).describe()
 
     def check(self, problem: Problem) -> None:
+        """Refuse (:class:`NoShortcut`, with the reason in words) where no
+        exact shortcut applies; a linear head's inner strategy may refuse the
+        head's input rows with its own error."""
         if not isinstance(problem, Problem):
-            raise ValueError(
-                "jacobian(strategy='structured'): computes every row of a whole "
-                f"problem at once, not a view of some rows ({type(problem).__name__})."
+            raise NoShortcut(
+                "computes every row of a whole problem at once, not a view of "
+                f"some rows ({type(problem).__name__}).",
+                advise=False,
             )
         if problem.tensor_targets is not None:
-            raise ValueError(
-                "jacobian(strategy='structured'): no exact shortcut applies to "
-                "this problem (the shortcuts are for a layer's variables, not "
-                "Inputs()/Output() targets). Use another strategy "
-                "(strategy='auto' uses this one where it applies)."
+            raise NoShortcut(
+                "no exact shortcut applies to this problem (the shortcuts are "
+                "for a layer's variables, not Inputs()/Output() targets)"
             )
         try:
             found = structure.find(problem)
         except structure.NotApplicable as err:
-            raise ValueError(
-                f"jacobian(strategy='structured'): no exact shortcut applies to "
-                f"this problem ({err}). Use another strategy (strategy='auto' "
-                "uses this one where it applies)."
+            raise NoShortcut(
+                f"no exact shortcut applies to this problem ({err})"
             ) from None
         if isinstance(found, structure.LinearHead):
             sub = found.sub_problem.with_inputs(problem.inputs)

@@ -1,0 +1,128 @@
+"""``auto``'s tunables, in one frozen :class:`Policy` that every
+:class:`~jacobkit.planner.session.Session` holds from its start.
+
+The defaults are what was measured to work (each field says where);
+:func:`use_policy` changes them for the sessions started within a ``with``
+block (tests use it to run the segment machinery, or to try every
+candidate at once)::
+
+    with jacobkit.planner.use_policy(segments=4, rent=0.0):
+        jacobkit.jacobian(model, x, layer)  # a new model: a new session
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What ``auto`` plans by.
+
+    Attributes:
+        segments: a call computes about this many segments (fewer where the
+            rows do not divide into equal segments). 1: every call, the
+            first included, runs one strategy on every row, and a candidate
+            is tried on whole calls. Measured (2-core CPU, MLP
+            512-1024-1024-144, B=256, a 289 MiB result) with 4 segments:
+            joining them cost about 0.5 s a call, running every row at once
+            later cost one more trace, and chunked(36) on segments ran
+            5.5-5.6 ms/row against 5.0-5.3 for chunked(72) on whole calls.
+            The segment machinery stays (tests run it with 4) for devices
+            where joining is cheap.
+        min_segment_rows: a segment has at least this many rows (shorter
+            ones time poorly).
+        trial_segments: a tried candidate's rate is the median of this many
+            segments that did not trace (one is at the mercy of a busy
+            machine).
+        kept_probes: segments kept per strategy for its estimate (the
+            newest).
+        rate_runs: the steady rate is the median of this many newest runs
+            that did not trace.
+        rent: try a candidate once the current strategy has run this many
+            times its predicted tracing time. The classic ski-rental bound
+            is 2 (at most twice the cost of the better choice), but
+            explainability code often stops after a few calls: at 5, a try
+            costs at most 20% over never trying, which is what "the first 3
+            calls within 1.2x the best fixed strategy" allows. Measured
+            (2-core CPU, MLP 512-1024-1024-144, B=256): with 2, calls 2-3
+            traced batch and chunked and the first 3 calls took 1.6x the
+            best fixed strategy's; ``while`` alone took 1.04x.
+        whole_rent: trace the current strategy for whole calls once joining
+            its segments has cost this many times its tracing time (1: the
+            ski-rental break-even; the saving is measured, not guessed, so
+            no margin is needed).
+        start_trace_factor: start on a candidate computing more rows at once
+            than the cheapest to trace where it traces within this factor of
+            it (``chunked`` against ``while``: 1.5) and its predicted peak
+            is within ``start_peak_factor`` of it: its first call then costs
+            about the same tracing and, where vectorizing rows costs little
+            memory, less per row. Measured (2-core CPU):
+
+            - MLP 512-1024-1024-144, B=256, target hidden1: chunked(144)
+              predicted at 2.3x while's peak (measured 1.1x); first calls
+              chunked(144) 1.43 s, tape.jacobian 1.24 s, while 1.61 s;
+              steady 0.88, 0.77 and 1.19 s.
+            - generator B=64 T=128 (64/128/128 filters), target conv1:
+              chunked(144) predicted at 13x (chunked(36) measured at 23x);
+              first calls while 1.97 s, chunked(36) 2.50 s. The smaller
+              generators predict 4.4-13x.
+        start_peak_factor: see ``start_trace_factor``.
+        noise: rates within this factor are measurement noise on a busy
+            machine; the lower peak wins among them.
+        race_peak_factor: a candidate is tried only if its predicted peak is
+            at most this many times the current strategy's measured peak
+            plus ``race_slack_bytes``: the allocator keeps what it took, so
+            a losing try leaves the process bigger.
+        race_slack_bytes: see ``race_peak_factor``.
+        safety: the plan keeps its predicted peak below this fraction of the
+            budget: the memory prior was measured within ~10% of real peaks,
+            the rest is allocator fragmentation.
+    """
+
+    segments: int = 1
+    min_segment_rows: int = 8
+    trial_segments: int = 2
+    kept_probes: int = 8
+    rate_runs: int = 3
+    rent: float = 5.0
+    whole_rent: float = 1.0
+    start_trace_factor: float = 2.0
+    start_peak_factor: float = 2.5
+    noise: float = 1.15
+    race_peak_factor: float = 2
+    race_slack_bytes: int = 256 * 2**20
+    safety: float = 0.85
+
+
+#: (a frozen default: never changed in place)
+_CURRENT: ContextVar[Policy] = ContextVar(
+    "jacobkit_planner_policy",
+    default=Policy(),  # noqa: B039
+)
+
+
+def current_policy() -> Policy:
+    """The policy new sessions start with (:func:`use_policy` changes it)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use_policy(policy: Policy | None = None, **changes: Any) -> Iterator[Policy]:
+    """Within the ``with`` block, sessions that start use ``policy`` (default:
+    the current one) with ``changes`` to its fields; yields that policy.
+
+    A session keeps the policy it started with, and sessions are kept per
+    policy too (besides model, targets, rows, input shapes, budget and
+    device): within the block a model is planned anew under ``policy``,
+    and after it, under the policy outside."""
+    chosen = replace(policy or current_policy(), **changes)
+    token = _CURRENT.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _CURRENT.reset(token)

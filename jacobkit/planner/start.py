@@ -1,0 +1,180 @@
+"""Where a session starts: its segments of rows, its candidates (the first
+one runs first), the registered strategies it leaves out and why, and the
+refusal where not even one row at a time fits the budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from jacobkit import memory, strategies
+from jacobkit.planner import estimates as est
+from jacobkit.planner import probes, selection, shortcuts
+from jacobkit.planner.footprint import Footprint
+from jacobkit.planner.plan import Rejection
+from jacobkit.planner.policy import Policy
+from jacobkit.planner.rows import segment_size
+from jacobkit.planner.scratch import MemoryPrior
+from jacobkit.problem import Problem
+from jacobkit.strategies import Strategy
+
+
+@dataclass(frozen=True)
+class Start:
+    """A session's starting point.
+
+    Attributes:
+        footprint: its memory accounting (segments of rows included).
+        candidates: the strategies it may run, the first one first.
+        rejected: the strategies it does not consider, with the reason.
+        structure: what the exact structural shortcut found, where it is a
+            candidate (``None``: it is not).
+    """
+
+    footprint: Footprint
+    candidates: tuple[Strategy, ...]
+    rejected: tuple[Rejection, ...]
+    structure: str | None
+
+
+def start(
+    problem: Problem,
+    budget_bytes: int,
+    allowed_bytes: float,
+    prior: MemoryPrior,
+    shortcut: Strategy | None,
+    structure: str,
+    policy: Policy,
+) -> Start:
+    """The :class:`Start` of a session (see
+    :class:`~jacobkit.planner.session.Session` for the arguments); raises
+    ``ValueError`` where no candidate fits ``allowed_bytes``."""
+    num_rows = problem.num_rows
+    result_bytes = probes.result_bytes(problem)
+    target = max(policy.min_segment_rows, num_rows // policy.segments)
+    size = segment_size(num_rows, target)
+    if size < num_rows and 2 * result_bytes > allowed_bytes:
+        size = num_rows  # no room to concatenate segments
+    # the shortcut with as few rows of its inner strategy at once as the
+    # budget needs (``None``: none fits)
+    fitting = shortcut
+    while fitting is not None and (
+        est.predicted_peak(fitting, num_rows, prior, result_bytes) > allowed_bytes
+    ):
+        fitting = fitting.smaller()
+    if fitting is not None:
+        size = num_rows  # it computes every row at once
+    closed_form = _per_example_fast_path(problem)
+    if closed_form:
+        # a segment of per-example rows may cut an example in two, which
+        # the batch strategy (their closed-form fast path) cannot compute:
+        # whole calls, so that it can be tried
+        size = num_rows
+    footprint = Footprint(
+        num_rows=num_rows,
+        segment_rows=size,
+        result_bytes=result_bytes,
+        segment_result_bytes=probes.result_bytes(problem, size),
+        allowed_bytes=allowed_bytes,
+        prior=prior,
+    )
+    found, rejected = selection.candidates(size, footprint.fits)
+    # which strategy starts is a property of the problem (what vectorizing
+    # its rows costs), not of this CPU's kernels: compared without scratch
+    activations = replace(prior, scratch_bytes=0)
+    found = selection.starting_first(
+        found,
+        num_rows,
+        lambda s: est.predicted_peak(s, num_rows, activations, result_bytes),
+        policy,
+    )
+    if closed_form:
+        # the closed form computes B x K per-example rows for about the
+        # price of K summed ones: a prior strong enough to start on it
+        found.sort(key=lambda s: s.name != "batch")
+    found, rejected, shown = _with_shortcut(
+        problem, footprint, found, rejected, shortcut, fitting, structure, closed_form
+    )
+    if not found:
+        raise _refusal(footprint, budget_bytes)
+    return Start(footprint, tuple(found), tuple(rejected), shown)
+
+
+def _with_shortcut(
+    problem: Problem,
+    footprint: Footprint,
+    found: list[Strategy],
+    rejected: list[Rejection],
+    shortcut: Strategy | None,
+    fitting: Strategy | None,
+    structure: str,
+    closed_form: bool,
+) -> tuple[list[Strategy], list[Rejection], str | None]:
+    """The candidates and rejections when an exact shortcut applies
+    (``fitting``: made small enough for the budget; ``None`` if nothing
+    fits; beside ``batch``'s closed form where ``closed_form``,
+    :func:`_per_example_fast_path`, see :mod:`jacobkit.planner.shortcuts`),
+    and the structure line of the plan. The registry's own "not offered"
+    rejection of the shortcut's name becomes the reason where none applies
+    (``structure``: why not)."""
+    named = shortcuts.NAME
+    rejected = [r for r in rejected if r.label != named]
+    if shortcut is None:
+        if structure:
+            rejected.append(Rejection(named, structure))
+        return found, rejected, None
+    if fitting is None:
+        rejected.append(Rejection(shortcut, "predicted peak over the budget"))
+        return found, rejected, None
+    kept, more = shortcuts.candidates(
+        problem, found, fitting, footprint.fits, closed_form=closed_form
+    )
+    return kept, rejected + more, structure
+
+
+def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
+    """Not even one row at a time fits: the error, with what it would need."""
+    prior = footprint.prior
+    smallest = min(
+        est.predicted_peak(s, 1, prior, footprint.segment_result_bytes)
+        for s in _smallest_configurations()
+    )
+    source = "from the forward pass's activations"
+    if prior.scratch_bytes:
+        source += (
+            f" and {_fmt(prior.scratch_bytes)} of work space that this "
+            "CPU's convolution gradient kernels take, measured"
+        )
+    return ValueError(
+        f"jacobian(memory_budget={_fmt(budget_bytes)}): even one row at a "
+        f"time needs about {_fmt(smallest + footprint.kept_bytes)} (estimated "
+        f"{source}), more than the budget allows. Raise memory_budget, "
+        "keep fewer rows with features=[...], or use a smaller batch."
+    )
+
+
+def _smallest_configurations() -> list[Strategy]:
+    """Each auto candidate at its smallest (for the refusal message)."""
+    found = []
+    for cls in strategies.REGISTRY.values():
+        strategy = cls.for_auto(1)
+        while strategy is not None and strategy.smaller() is not None:
+            strategy = strategy.smaller()
+        if strategy is not None:
+            found.append(strategy)
+    return found
+
+
+def _per_example_fast_path(problem: Problem) -> bool:
+    """Rows of single examples of a Dense/Conv layer's own variables: where
+    the ``batch`` strategy's closed form may apply."""
+    rows = problem.rows_spec
+    return (
+        rows.decomposes_per_example
+        and not rows.summed_over_batch
+        and problem.tensor_targets is None
+        and problem.linear_layer_kind is not None
+    )
+
+
+def _fmt(n: float) -> str:
+    return memory.format_bytes(int(n))
