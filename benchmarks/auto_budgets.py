@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from jacobkit import runtime
+
 #: the issue's problem: the users' generator, target = the first Conv1D
 GENERATOR = {
     "batch": 64,
@@ -70,7 +72,7 @@ def _run(
     ``{label: {"error": ...}}`` for each if the process failed."""
     env = {
         **os.environ,
-        "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        **runtime.bfc_environment(),
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     spec = {
@@ -294,8 +296,6 @@ def main() -> int:
             [("generator", QUICK_GENERATOR)] if args.quick else NO_BUDGET_PROBLEMS
         )
         python = platform.python_version()
-        from jacobkit import runtime
-
         raw = {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
             f"{python}; TensorFlow {tf.__version__}; "

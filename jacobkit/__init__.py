@@ -11,9 +11,9 @@ The public names are imported on first use, so that ``import jacobkit`` (and
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from typing import TYPE_CHECKING, Any
+
+from jacobkit import runtime
 
 __version__ = "0.1.0"
 
@@ -77,22 +77,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC, *_MODULES})
 
 
-def _enable_cpu_memory_stats() -> None:
-    """Before TensorFlow's runtime starts, switch its CPU allocator to the one
-    that keeps statistics, so that peak memory can be measured and budgets
-    planned on CPU (``TF_CPU_ALLOCATOR_USE_BFC=false`` opts out; see
-    :func:`jacobkit.memory.enable_cpu_memory_stats`). While TensorFlow is not
-    even imported its runtime cannot have started: setting the environment as
-    that function does is enough, and TensorFlow stays unloaded."""
-    if "tensorflow" in sys.modules:
-        importlib.import_module("jacobkit.memory").enable_cpu_memory_stats()
-    elif "TF_CPU_ALLOCATOR_USE_BFC" not in os.environ:
-        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if physical // 1024**2 > 1 << 16:  # above TF's 64 GiB default cap
-            os.environ.setdefault(
-                "TF_CPU_BFC_MEM_LIMIT_IN_MB", str(physical // 1024**2)
-            )
-
-
-_enable_cpu_memory_stats()
+# Before TensorFlow's runtime starts, switch its CPU allocator to the one that
+# keeps statistics, so that peak memory can be measured and budgets planned on
+# CPU (``TF_CPU_ALLOCATOR_USE_BFC=false`` opts out). This loads no TensorFlow.
+runtime.enable_bfc_cpu_allocator()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jacobkit import runtime
 from jacobkit.bench import child, machine
 from jacobkit.bench.problems import REFERENCES, BenchProblem
 
@@ -411,12 +412,12 @@ def _crash(exitcode: int | None, log_path: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def _children(settings: Settings) -> Iterator[_ChildPool]:
     """A :class:`_ChildPool` with the environment every child needs."""
-    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
     on_cpu = settings.device.upper().startswith("CPU")
     available = machine.memory_bytes("MemAvailable")
+    limit_mib = None
     if on_cpu and available:
         limit_mib = int(available * settings.memory_fraction / 1024**2)
-        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mib)
+    env = {**runtime.bfc_environment(limit_mib), "TF_CPP_MIN_LOG_LEVEL": "2"}
     methods = multiprocessing.get_all_start_methods()
     method = "forkserver" if on_cpu and "forkserver" in methods else "spawn"
     context = multiprocessing.get_context(method)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from jacobkit import quiet
+from jacobkit import runtime
 from jacobkit.cli._common import UsageError, check_model_flags, load_model
 
 #: the built-in problem: the users' generator at a size that runs in seconds
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print the table; 1 if a strategy disagrees or all failed."""
     _check_args(args)
     if not args.verbose:
-        quiet.start_tensorflow_quietly()
+        runtime.start_tensorflow_quietly()
     import tensorflow as tf
     from tqdm import tqdm
 
