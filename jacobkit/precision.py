@@ -165,7 +165,7 @@ def bfloat16_check() -> Bfloat16Check:
     Dense → Dense, batch 2 of 8×7 images) with respect to its first Conv2D's
     kernel and bias, in bfloat16, against float64 on the same rounded weights
     and inputs. See :data:`MEASURED_BFLOAT16` for what it found."""
-    from jacobkit import examples
+    from jacobkit.testing import examples
 
     example = examples.build("cnn2d")
     weights = [np.asarray(w.numpy()) for w in example.model.weights]

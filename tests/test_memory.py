@@ -14,13 +14,14 @@ from jacobkit import memory, runtime
 from jacobkit.memory import (
     DEFAULT_BUDGET_FRACTION,
     PeakMemory,
+    budget,
     format_bytes,
     free_bytes,
     measure_peak,
     normalize_device,
     parse_budget,
+    peak,
 )
-from jacobkit.memory import budget, peak
 from jacobkit.memory.free import (
     MemorySources,
     cgroup_free,

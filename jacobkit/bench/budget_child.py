@@ -29,7 +29,8 @@ from typing import Any
 def callers(spec: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     """``label -> call()`` for every label of ``spec``."""
     import jacobkit as jk
-    from jacobkit import compare, examples
+    from jacobkit import compare
+    from jacobkit.testing import examples
 
     ex = examples.build(spec["problem"], **spec["sizes"])
     # rows for the chunk sizes: the output's features (a classifier's

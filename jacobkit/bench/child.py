@@ -110,8 +110,8 @@ def _build(task: dict[str, Any], dtype: str):
     """The example and its Problem, built the same way in every child."""
     import keras
 
-    from jacobkit import examples
     from jacobkit.problem import Problem
+    from jacobkit.testing import examples
 
     # Same seed in every process: builders that draw initial weights from
     # Keras's generator (the ResNet) get the same weights each time.

@@ -35,7 +35,7 @@ from jacobkit.bench import child, machine
 from jacobkit.bench.problems import REFERENCES, BenchProblem
 
 #: modules the CPU fork server imports once for every child
-_PRELOAD = ["tensorflow", "keras", "jacobkit.compare", "jacobkit.examples"]
+_PRELOAD = ["tensorflow", "keras", "jacobkit.compare", "jacobkit.testing.examples"]
 #: failures that make the larger points of a sweep pointless to run
 _SKIP_AFTER = ("time_limit", "out_of_memory")
 

@@ -111,7 +111,7 @@ def _load_inputs(path: str) -> Any:
 
 
 def _load_problem(args: argparse.Namespace) -> _Loaded:
-    from jacobkit import examples
+    from jacobkit.testing import examples
 
     if args.model:
         from jacobkit import testing
