@@ -113,11 +113,11 @@ def _paired(numerator: list[float], denominator: list[float]) -> float:
 def measure_budgets(sizes: dict, budgets: list[str], rounds: int) -> dict:
     """Peaks of every label alone in a fresh process, and times of every label
     in one process in interleaved rounds."""
-    from jacobkit import compare
+    from jacobkit.bench.measure import configurations
 
     fixed = [
         s.label
-        for s in compare.configurations(sizes["features"], CHUNK_SIZES)
+        for s in configurations(sizes["features"], CHUNK_SIZES)
         if s.name not in ("loop", "forward")  # minutes per call at these sizes
     ]
     autos = [f"auto@{b}" for b in budgets]
