@@ -7,10 +7,12 @@ import tempfile
 
 import pytest
 
+from jacobkit import runtime
+
 # Quiet TensorFlow's logs, and use its pooled CPU allocator, the only one that
-# reports peak memory on CPU (see jacobkit.memory).
+# reports peak memory on CPU (see jacobkit.runtime).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+runtime.enable_bfc_cpu_allocator()
 # The plan cache of every test run (and of the notebooks' kernels, which
 # inherit it) is an empty directory of its own: never the user's
 # ~/.cache/jacobkit, never what an earlier run learned.

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from jacobkit import runtime
+
 #: the issue's problem: the users' generator, target = the first Conv1D
 GENERATOR = {
     "batch": 64,
@@ -70,7 +72,7 @@ def _run(
     ``{label: {"error": ...}}`` for each if the process failed."""
     env = {
         **os.environ,
-        "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        **runtime.bfc_environment(),
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     spec = {
@@ -111,11 +113,11 @@ def _paired(numerator: list[float], denominator: list[float]) -> float:
 def measure_budgets(sizes: dict, budgets: list[str], rounds: int) -> dict:
     """Peaks of every label alone in a fresh process, and times of every label
     in one process in interleaved rounds."""
-    from jacobkit import compare
+    from jacobkit.bench.measure import configurations
 
     fixed = [
         s.label
-        for s in compare.configurations(sizes["features"], CHUNK_SIZES)
+        for s in configurations(sizes["features"], CHUNK_SIZES)
         if s.name not in ("loop", "forward")  # minutes per call at these sizes
     ]
     autos = [f"auto@{b}" for b in budgets]
@@ -294,8 +296,6 @@ def main() -> int:
             [("generator", QUICK_GENERATOR)] if args.quick else NO_BUDGET_PROBLEMS
         )
         python = platform.python_version()
-        from jacobkit import runtime
-
         raw = {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
             f"{python}; TensorFlow {tf.__version__}; "

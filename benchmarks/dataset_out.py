@@ -25,7 +25,8 @@ from pathlib import Path
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, memory, testing
+from jacobkit import memory, testing
+from jacobkit.testing import examples
 
 SIZES = {"sequence": 32, "channels": 4, "filters": 8, "features": 16}
 

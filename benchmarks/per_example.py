@@ -48,8 +48,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import jacobkit as jk  # noqa: E402
-from jacobkit import examples, memory  # noqa: E402
+from jacobkit import memory  # noqa: E402
 from jacobkit.problem import Problem  # noqa: E402
+from jacobkit.testing import examples
 
 PROBLEMS = {
     "generator": {"sequence": 64, "channels": 8, "filters": 32, "features": 144},

@@ -30,7 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, memory, testing
+from jacobkit import memory, testing
+from jacobkit.testing import examples
 
 #: the issue's generator: B=64, T=128, D=32 filters, F=144 features
 GENERATOR = {
@@ -242,7 +243,7 @@ def render(results) -> str:
         "(two cores shared with other jobs while this ran): absolute times are "
         "noisy; the ratios are paired per round and their median is reported.",
         "",
-        "Model: the built-in generator (`jacobkit.examples.generator`), "
+        "Model: the built-in generator (`jacobkit.testing.examples.generator`), "
         + ", ".join(f"{k}={v}" for k, v in results["sizes"].items())
         + ". `structured` finds the linear head (D filters before Dense(F)) "
         "for `conv1`, and separable channels for the head itself. Per-example "

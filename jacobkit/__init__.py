@@ -11,9 +11,11 @@ The public names are imported on first use, so that ``import jacobkit`` (and
 from __future__ import annotations
 
 import importlib
-import os
 import sys
+import types
 from typing import TYPE_CHECKING, Any
+
+from jacobkit import runtime
 
 __version__ = "0.1.0"
 
@@ -24,14 +26,17 @@ _PUBLIC = {
     "Output": "jacobkit.targets",
     "Plan": "jacobkit.planner",
     "Stats": "jacobkit.result",
-    "VerificationError": "jacobkit.verification",
+    "VerificationError": "jacobkit.verify",
     "jacobian": "jacobkit.api",
     "plan": "jacobkit.api",
-    "verify": "jacobkit.verification",
+    "verify": "jacobkit.verify",
 }
 #: public name -> the module that is it (``jk.data`` is :mod:`jacobkit.batches`)
 _MODULES = {
     "data": "jacobkit.batches",
+    # not public: ``from jacobkit import examples`` in code not yet moved to
+    # ``from jacobkit.testing import examples``
+    "examples": "jacobkit.testing.examples",
     "memory": "jacobkit.memory",
     "strategies": "jacobkit.strategies",
 }
@@ -59,7 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.planner import Plan
     from jacobkit.result import JacobianResult, Stats
     from jacobkit.targets import Inputs, Output
-    from jacobkit.verification import VerificationError, verify
+    from jacobkit.verify import VerificationError, verify
 
 
 def __getattr__(name: str) -> Any:
@@ -74,25 +79,30 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC, *_MODULES})
+    return sorted({*globals(), *_PUBLIC, *_MODULES} - {"examples"})
 
 
-def _enable_cpu_memory_stats() -> None:
-    """Before TensorFlow's runtime starts, switch its CPU allocator to the one
-    that keeps statistics, so that peak memory can be measured and budgets
-    planned on CPU (``TF_CPU_ALLOCATOR_USE_BFC=false`` opts out; see
-    :func:`jacobkit.memory.enable_cpu_memory_stats`). While TensorFlow is not
-    even imported its runtime cannot have started: setting the environment as
-    that function does is enough, and TensorFlow stays unloaded."""
-    if "tensorflow" in sys.modules:
-        importlib.import_module("jacobkit.memory").enable_cpu_memory_stats()
-    elif "TF_CPU_ALLOCATOR_USE_BFC" not in os.environ:
-        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if physical // 1024**2 > 1 << 16:  # above TF's 64 GiB default cap
-            os.environ.setdefault(
-                "TF_CPU_BFC_MEM_LIMIT_IN_MB", str(physical // 1024**2)
-            )
+class _Package(types.ModuleType):
+    """``jacobkit.verify`` is the function :func:`jacobkit.verify.verify`, also
+    once its module ``jacobkit/verify.py`` is imported: Python would then set
+    the package's attribute ``verify`` to the module, and this keeps the
+    function there instead (``from jacobkit.verify import ...`` reads
+    ``sys.modules`` and is unaffected)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            name in _PUBLIC
+            and isinstance(value, types.ModuleType)
+            and value.__name__ == _PUBLIC[name]
+        ):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
 
 
-_enable_cpu_memory_stats()
+sys.modules[__name__].__class__ = _Package
+
+
+# Before TensorFlow's runtime starts, switch its CPU allocator to the one that
+# keeps statistics, so that peak memory can be measured and budgets planned on
+# CPU (``TF_CPU_ALLOCATOR_USE_BFC=false`` opts out). This loads no TensorFlow.
+runtime.enable_bfc_cpu_allocator()

@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import engine, planner, quiet, strategies
+from jacobkit import engine, planner, runtime, strategies
 from jacobkit.batches import collect, source
 from jacobkit.problem import Problem
 from jacobkit.result import JacobianResult
@@ -130,7 +130,7 @@ def jacobian(
         reduce=reduce,
     )
     if out is not None or distribute is not None or source.is_batches(inputs):
-        with quiet.tensorflow_warnings():
+        with runtime.tensorflow_warnings():
             return collect.jacobian_batches(request, inputs)
     result = _one_batch(request, inputs, chosen)
     total = time.perf_counter() - start
@@ -141,7 +141,7 @@ def _one_batch(
     request: collect.Request, inputs: Any, chosen: strategies.Strategy | None
 ) -> JacobianResult:
     """``jacobian()`` of one batch of arrays: its problem, run by the engine."""
-    with engine.device_scope(request.device), quiet.tensorflow_warnings():
+    with engine.device_scope(request.device), runtime.tensorflow_warnings():
         problem = request.problem(inputs)
         # stacklevel counted from here: one frame below jacobian()
         source.warn_non_finite(problem.inputs, stacklevel=4)
@@ -194,7 +194,7 @@ def plan(
     and why, the candidates still to try, and each rejected one with the
     reason. Arguments are those of :func:`jacobian`.
     """
-    with engine.device_scope(device), quiet.tensorflow_warnings():
+    with engine.device_scope(device), runtime.tensorflow_warnings():
         problem = Problem(
             model,
             inputs,

@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, planner, quiet, strategies
+from jacobkit import memory, planner, runtime, strategies
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import JacobianResult
 
@@ -89,7 +89,7 @@ def norm_strategy(problem: Problem, memory_budget: Any) -> strategies.Strategy:
 
 def run_strategy(problem: Problem, strategy: strategies.Strategy) -> JacobianResult:
     """Run one configured strategy on a resolved problem and wrap the result."""
-    with quiet.tensorflow_warnings():
+    with runtime.tensorflow_warnings():
         output = strategy.run(problem)
     return _wrap(problem, strategy, output, None)
 
@@ -109,8 +109,8 @@ def run_auto(
     start = time.perf_counter()
     # TensorFlow's warnings about its own internals (pfor's "Conv2DBackprop
     # Filter uses a while_loop", retracing of the candidates' functions) are
-    # not for the user: hidden while jacobkit works (see jacobkit.quiet)
-    with quiet.tensorflow_warnings():
+    # not for the user: hidden while jacobkit works (see jacobkit.runtime)
+    with runtime.tensorflow_warnings():
         strategy, flat, stats, plan = planner.run(
             problem, memory_budget=memory_budget, device=device, cache=cache
         )

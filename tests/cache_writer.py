@@ -13,8 +13,8 @@ import os
 import sys
 
 import jacobkit as jk
-from jacobkit import examples
 from jacobkit.planner import cache
+from jacobkit.testing import examples
 
 
 def main(rewrites: int) -> None:

@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, runtime, testing
+from jacobkit import runtime, testing
+from jacobkit.testing import examples
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def structured_refuses(problem: str, outputs: str) -> bool:
 
 
 def call_kwargs(model) -> dict:
-    return {} if isinstance(model, examples._Affine) else {"training": False}
+    return {} if isinstance(model, examples.Affine) else {"training": False}
 
 
 def target_variables(example: examples.Example) -> list:

@@ -16,8 +16,9 @@ import tensorflow as tf
 import tf_keras
 
 import jacobkit as jk
-from jacobkit import examples, testing
+from jacobkit import testing
 from jacobkit.problem import Problem
+from jacobkit.testing import examples
 from tests.cases import example, reference
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tf_keras
 
-from jacobkit import cli, examples, strategies
+from jacobkit import cli, strategies
+from jacobkit.testing import examples
 
 ROOT = pathlib.Path(__file__).parent.parent
 

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, testing
+from jacobkit import testing
+from jacobkit.testing import examples
 
 
 def _reference(name: str, x: np.ndarray, outputs: str, **sizes) -> list[np.ndarray]:

@@ -19,7 +19,8 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, testing
+from jacobkit import testing
+from jacobkit.testing import examples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: 10 examples in batches of 3: four batches, a last one of 1 (padded for the
@@ -46,7 +47,7 @@ def _single_device() -> dict[str, np.ndarray]:
 _RUN = f"""
     import numpy as np
     import jacobkit as jk
-    from jacobkit import examples
+    from jacobkit.testing import examples
 
     ex = examples.build("mlp", batch={EXAMPLES})
     dataset = tf.data.Dataset.from_tensor_slices(ex.inputs).batch({BATCH})

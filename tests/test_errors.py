@@ -16,8 +16,8 @@ import tensorflow as tf
 import tf_keras
 
 import jacobkit as jk
-from jacobkit import examples
 from jacobkit.memory import PeakMemory
+from jacobkit.testing import examples
 
 MiB = 1024**2
 

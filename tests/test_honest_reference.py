@@ -18,7 +18,8 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, testing
+from jacobkit import testing
+from jacobkit.testing import examples
 from tests.cases import PROBLEMS, call_kwargs, example
 
 #: the float64 copy's outputs against the model's own float32 outputs: float32
@@ -50,7 +51,7 @@ def _nested_conv(depth: int = 4):
     h = layers.Conv2D(6, 3, padding="same", activation="relu", name="stem")(x)
     h = layers.GlobalAveragePooling2D()(wrapper(h))
     model = keras.Model(x, layers.Dense(4, name="head")(h), name="nested_conv")
-    examples._randomize_weights(model, seed=0)
+    examples.randomize_weights(model, seed=0)
     inputs = np.random.default_rng(1).normal(size=(3, 8, 8, 3)).astype("float32")
     return model, inputs
 

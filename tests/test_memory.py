@@ -10,15 +10,24 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from jacobkit import memory
+from jacobkit import memory, runtime
 from jacobkit.memory import (
     DEFAULT_BUDGET_FRACTION,
     PeakMemory,
+    budget,
     format_bytes,
     free_bytes,
     measure_peak,
     normalize_device,
     parse_budget,
+    peak,
+)
+from jacobkit.memory.free import (
+    MemorySources,
+    cgroup_free,
+    meminfo_available,
+    nvidia_smi_total_bytes,
+    parse_nvidia_smi,
 )
 
 # CPU allocation statistics must be switched on before TensorFlow's runtime
@@ -117,7 +126,7 @@ def test_parse_budget_fraction_of_device_free_memory(monkeypatch):
         seen.append(device)
         return 2000
 
-    monkeypatch.setattr(memory, "free_bytes", fake_free)
+    monkeypatch.setattr(budget, "free_bytes", fake_free)
     assert parse_budget(0.25, device="CPU:0") == 500
     assert parse_budget(None, device="/device:CPU:0") == 1600
     assert seen == ["CPU:0", "/device:CPU:0"]
@@ -294,10 +303,10 @@ def test_meminfo_parsing(tmp_path):
         "MemFree:         1000000 kB\n"
         "MemAvailable:    2000000 kB\n"
     )
-    assert memory._meminfo_available(str(path)) == 2_000_000 * 1024
+    assert meminfo_available(str(path)) == 2_000_000 * 1024
     path.write_text("MemTotal:       32000000 kB\n")
-    assert memory._meminfo_available(str(path)) is None
-    assert memory._meminfo_available(str(tmp_path / "missing")) is None
+    assert meminfo_available(str(path)) is None
+    assert meminfo_available(str(tmp_path / "missing")) is None
 
 
 def _write(path, text):
@@ -318,7 +327,7 @@ def test_cgroup_v2_limit_minus_usage(tmp_path):
     _write(step / "memory.current", str(GiB))
     proc = tmp_path / "proc_cgroup"
     proc.write_text("0::/slurm/job_1/step_0\n")
-    assert memory._cgroup_free(str(root), str(proc)) == GiB + 512 * MiB
+    assert cgroup_free(str(root), str(proc)) == GiB + 512 * MiB
 
 
 def test_cgroup_v2_inside_container(tmp_path):
@@ -327,7 +336,7 @@ def test_cgroup_v2_inside_container(tmp_path):
     _write(root / "memory.current", str(GiB + 5))
     proc = tmp_path / "proc_cgroup"
     proc.write_text("0::/\n")
-    assert memory._cgroup_free(str(root), str(proc)) == GiB - 5
+    assert cgroup_free(str(root), str(proc)) == GiB - 5
 
 
 def test_cgroup_v1_limit_and_unlimited(tmp_path):
@@ -338,22 +347,30 @@ def test_cgroup_v1_limit_and_unlimited(tmp_path):
     _write(mem / "memory.stat", f"cache 5\ntotal_inactive_file {GiB}\n")
     proc = tmp_path / "proc_cgroup"
     proc.write_text("4:memory:/docker/abc\n0::/\n")
-    assert memory._cgroup_free(str(root), str(proc)) == 3 * GiB
+    assert cgroup_free(str(root), str(proc)) == 3 * GiB
 
     _write(mem / "memory.limit_in_bytes", "9223372036854771712")
-    assert memory._cgroup_free(str(root), str(proc)) is None
+    assert cgroup_free(str(root), str(proc)) is None
 
 
 def test_no_cgroup_files_means_no_limit(tmp_path):
-    assert memory._cgroup_free(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    assert cgroup_free(str(tmp_path / "none"), str(tmp_path / "none")) is None
 
 
-def test_cpu_free_bytes_takes_min_with_cgroup(monkeypatch):
-    monkeypatch.setattr(memory, "_meminfo_available", lambda: 10 * GiB)
-    monkeypatch.setattr(memory, "_cgroup_free", lambda: 3 * GiB)
-    assert free_bytes("CPU:0") == 3 * GiB
-    monkeypatch.setattr(memory, "_cgroup_free", lambda: None)
-    assert free_bytes("CPU:0") == 10 * GiB
+def test_cpu_free_bytes_takes_min_with_cgroup(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable:    {10 * GiB // KiB} kB\n")
+    root = tmp_path / "cgroup"
+    _write(root / "memory.max", str(4 * GiB))
+    _write(root / "memory.current", str(GiB))
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text("0::/\n")
+    sources = MemorySources(
+        meminfo=str(meminfo), cgroup_root=str(root), proc_cgroup=str(proc)
+    )
+    assert free_bytes("CPU:0", sources=sources) == 3 * GiB
+    _write(root / "memory.max", "max")
+    assert free_bytes("CPU:0", sources=sources) == 10 * GiB
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the error on a machine without GPU")
@@ -369,31 +386,29 @@ def test_nvidia_smi_parsing_and_device_mapping(monkeypatch):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 0, stdout="81559, 1200\n", stderr="")
 
-    monkeypatch.setattr(memory.shutil, "which", lambda name: "/x/nvidia-smi")
-    monkeypatch.setattr(memory.subprocess, "run", fake_run)
+    sources = MemorySources(which=lambda name: "/x/nvidia-smi", run=fake_run)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert memory._nvidia_smi_total_bytes(1) == 81559 * MiB
+    assert nvidia_smi_total_bytes(1, sources=sources) == 81559 * MiB
     assert calls[-1][-2:] == ["-i", "3"]
     assert "--query-gpu=memory.total,memory.used" in calls[-1]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    memory._nvidia_smi_total_bytes(1)
+    nvidia_smi_total_bytes(1, sources=sources)
     assert calls[-1][-2:] == ["-i", "1"]
 
 
-def test_nvidia_smi_missing_or_failing(monkeypatch):
-    monkeypatch.setattr(memory.shutil, "which", lambda name: None)
+def test_nvidia_smi_missing_or_failing():
+    missing = MemorySources(which=lambda name: None)
     with pytest.raises(RuntimeError, match="`nvidia-smi` is not on PATH"):
-        memory._nvidia_smi_total_bytes(0)
+        nvidia_smi_total_bytes(0, sources=missing)
 
     def failing_run(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 9, stdout="", stderr="No devices")
 
-    monkeypatch.setattr(memory.shutil, "which", lambda name: "/x/nvidia-smi")
-    monkeypatch.setattr(memory.subprocess, "run", failing_run)
+    failing = MemorySources(which=lambda name: "/x/nvidia-smi", run=failing_run)
     with pytest.raises(RuntimeError, match="exited with 9: No devices"):
-        memory._nvidia_smi_total_bytes(0)
+        nvidia_smi_total_bytes(0, sources=failing)
     with pytest.raises(RuntimeError, match="unexpected `nvidia-smi` output"):
-        memory._parse_nvidia_smi("[N/A], [N/A]\n", 0)
+        parse_nvidia_smi("[N/A], [N/A]\n", 0)
 
 
 # ---------------------------------------------------------------- peak memory
@@ -472,25 +487,35 @@ def test_peak_memory_without_stats_explains_the_fix(monkeypatch):
     def unavailable(device):
         raise ValueError(f"Cannot reset memory stats for device '{device}'")
 
-    monkeypatch.setattr(memory, "enable_cpu_memory_stats", lambda: False)
+    monkeypatch.setattr(peak, "enable_cpu_memory_stats", lambda: False)
     monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", unavailable)
     expected = "CPU memory statistics need TF_CPU_ALLOCATOR_USE_BFC=true"
     with pytest.raises(RuntimeError, match=expected), PeakMemory("CPU:0"):
         pass
 
 
-def test_enable_cpu_memory_stats_sets_environment(monkeypatch):
-    monkeypatch.setattr(memory, "_tf_runtime_initialized", lambda: False)
-    monkeypatch.setattr(memory, "_total_physical_bytes", lambda: 256 * GiB)
-    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
-    monkeypatch.delenv("TF_CPU_BFC_MEM_LIMIT_IN_MB", raising=False)
-    assert memory.enable_cpu_memory_stats() is True
-    assert os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "true"
-    assert os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == str(256 * 1024)
+def test_enable_cpu_memory_stats_sets_environment():
+    # what enable_cpu_memory_stats() does to os.environ before TF starts
+    environ: dict[str, str] = {}
+    assert runtime.request_bfc_cpu_allocator(environ, physical_bytes=256 * GiB)
+    assert environ["TF_CPU_ALLOCATOR_USE_BFC"] == "true"
+    assert environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == str(256 * 1024)
 
-    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "false")
-    assert memory.enable_cpu_memory_stats() is False
-    assert os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "false"
+    environ = {"TF_CPU_ALLOCATOR_USE_BFC": "false"}
+    assert runtime.request_bfc_cpu_allocator(environ) is False
+    assert environ["TF_CPU_ALLOCATOR_USE_BFC"] == "false"
+
+    small: dict[str, str] = {}  # under TF's 64 GiB default cap: left alone
+    assert runtime.request_bfc_cpu_allocator(small, physical_bytes=32 * GiB)
+    assert small == {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+def test_bfc_environment_of_a_child():
+    assert runtime.bfc_environment() == {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+    assert runtime.bfc_environment(512) == {
+        "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        "TF_CPU_BFC_MEM_LIMIT_IN_MB": "512",
+    }
 
 
 def test_enable_cpu_memory_stats_after_start_reports_availability(cpu_stats):

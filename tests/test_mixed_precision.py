@@ -243,7 +243,8 @@ def test_the_bfloat16_self_check_finds_what_the_plain_loop_gets(compiled):
 _WARNING_SCRIPT = """
 import json, warnings
 import jacobkit as jk
-from jacobkit import examples, precision, testing
+from jacobkit import precision, testing
+from jacobkit.testing import examples
 ex = examples.build("cnn2d")
 low = testing.cast_copy(ex.model, "bfloat16")
 with warnings.catch_warnings(record=True) as caught:

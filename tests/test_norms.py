@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jacobkit as jk
-from jacobkit import examples, norms, testing
+from jacobkit import norms, testing
+from jacobkit.testing import examples
 from tests.cases import call_kwargs, reference, target_variables
 
 NORM_STRATEGIES = {

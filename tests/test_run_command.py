@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jacobkit import cli, examples, testing
+from jacobkit import cli, testing
+from jacobkit.testing import examples
 
 
 def test_run_saved_model_over_a_directory_into_out(tmp_path, capsys):

@@ -10,8 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from jacobkit import compare
-from jacobkit.bench import report, stats
+from jacobkit.bench import auto_report, measure, report, stats
 
 
 # -- rank tests: exact p-values from counting -------------------------------------
@@ -140,7 +139,7 @@ def test_texts():
 
 # -- the reports --------------------------------------------------------------------
 def _measurement(label, name, times, diff=1e-7):
-    return compare.Measurement(
+    return measure.Measurement(
         label,
         name,
         None,
@@ -156,7 +155,7 @@ def _measurement(label, name, times, diff=1e-7):
 
 
 def test_compare_table_gives_the_interval_and_the_test_beside_vs_loop():
-    table = compare.format_table(
+    table = measure.format_table(
         [
             _measurement("loop", "loop", [3.0, 3.1, 3.2]),
             _measurement("while", "while", [1.0, 1.1, 1.2]),
@@ -215,8 +214,8 @@ def test_paired_rounds_show_their_interval_and_signed_rank_test():
         "auto_times_s": auto,
         "fixed_times_s": fixed,
     }
-    text = report._paired({"paired": paired})
+    text = auto_report.paired_text({"paired": paired})
     assert text.startswith("1.00 [") and "two-sided (while, 5 rounds)" in text
     first = {"strategy": "while", "ratios": [0.9, 1.1, 1.0], "ratio": 1.0, "rounds": 3}
-    assert "[0.9, 1.1]" in report._first_paired({"first_paired": first}, 1.25)
+    assert "[0.9, 1.1]" in auto_report.first_paired_text({"first_paired": first}, 1.25)
     assert math.isclose(stats.ratios([0.9, 1.1, 1.0]).median, 1.0)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import jacobkit as jk
-from jacobkit import examples, testing
+from jacobkit import testing
+from jacobkit.testing import examples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,7 +178,7 @@ _KILLED = textwrap.dedent(
     """
     import logging, sys, time
     import jacobkit as jk
-    from jacobkit import examples
+    from jacobkit.testing import examples
 
     out, log = sys.argv[1], sys.argv[2]
     handler = logging.FileHandler(log)  # flushed after every record
@@ -258,7 +259,7 @@ _MEMORY = textwrap.dedent(
     """
     import json, sys, threading, time
     import jacobkit as jk
-    from jacobkit import examples
+    from jacobkit.testing import examples
 
     def rss():
         with open("/proc/self/status") as f:

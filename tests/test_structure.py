@@ -24,8 +24,9 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, memory, testing
+from jacobkit import memory, testing
 from jacobkit.problem import Problem
+from jacobkit.testing import examples
 from tests.cases import unless_kernels_exceed_the_budget
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import jacobkit as jk
-from jacobkit import examples, testing
+from jacobkit import testing
+from jacobkit.testing import examples
 from tests.cases import TARGETS, reference, tensor_reference
 
 ROUNDS = 3

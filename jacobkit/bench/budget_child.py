@@ -2,11 +2,11 @@
 labels (fixed strategies and ``auto@budget``), in one fresh process.
 
 For each label: the peak memory of the first call, of every call until
-``auto`` settles (at most :data:`jacobkit.compare.SETTLE_CALLS`), then
+``auto`` settles (at most :data:`jacobkit.SETTLE_CALLS`), then
 ``rounds`` interleaved timing rounds (each calls every label once, so that a
 load change on a shared machine hits every label alike), then one steady
 call's peak. Fixed labels are the labels of
-:func:`jacobkit.compare.configurations` (the list ``compare`` and ``bench``
+:func:`jacobkit.bench.measure.configurations` (the list ``compare`` and ``bench``
 measure); ``auto`` runs with an empty plan cache.
 
     python -m jacobkit.bench.budget_child '{"problem": ..., "sizes": ...,
@@ -29,15 +29,14 @@ from typing import Any
 def callers(spec: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     """``label -> call()`` for every label of ``spec``."""
     import jacobkit as jk
-    from jacobkit import compare, examples
+    from jacobkit.bench.measure import configurations
+    from jacobkit.testing import examples
 
     ex = examples.build(spec["problem"], **spec["sizes"])
     # rows for the chunk sizes: the output's features (a classifier's
     # sizes name them "classes")
     rows = spec["sizes"].get("features") or int(ex.model(ex.inputs).shape[-1])
-    fixed = {
-        s.label: s for s in compare.configurations(rows, spec.get("chunk_sizes", ()))
-    }
+    fixed = {s.label: s for s in configurations(rows, spec.get("chunk_sizes", ()))}
     found = {}
     for label in spec["labels"]:
         if label.startswith("auto"):
@@ -58,7 +57,8 @@ def callers(spec: dict[str, Any]) -> dict[str, Callable[[], Any]]:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Every label's peaks, settling calls, interleaved times and choice."""
-    from jacobkit import compare, memory
+    from jacobkit import memory
+    from jacobkit.bench.measure import SETTLE_CALLS
 
     calls = callers(spec)
     found: dict[str, Any] = {}
@@ -67,9 +67,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             result = call()
         peaks, count = [first.extra_bytes], 1
         while (
-            result.plan is not None
-            and not result.plan.settled
-            and count < compare.SETTLE_CALLS
+            result.plan is not None and not result.plan.settled and count < SETTLE_CALLS
         ):
             with memory.PeakMemory() as settling:
                 result = call()

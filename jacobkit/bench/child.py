@@ -8,8 +8,8 @@ the reference Jacobians to an ``.npz`` file) and exits. Three kinds:
 - ``probe``: the device's name and the TensorFlow and Keras versions;
 - ``reference``: the reference Jacobians of one problem;
 - ``measure``: one strategy on one problem, through
-  :func:`jacobkit.compare.measure`;
-- ``first_call``: the first call alone (:func:`jacobkit.compare.first_call_s`),
+  :func:`jacobkit.bench.measure.measure`;
+- ``first_call``: the first call alone (:func:`jacobkit.bench.measure.first_call_s`),
   for first calls paired in alternating fresh processes.
 
 Everything runs under ``tf.device(task["device"])``; peak memory is measured
@@ -110,8 +110,8 @@ def _build(task: dict[str, Any], dtype: str):
     """The example and its Problem, built the same way in every child."""
     import keras
 
-    from jacobkit import examples
     from jacobkit.problem import Problem
+    from jacobkit.testing import examples
 
     # Same seed in every process: builders that draw initial weights from
     # Keras's generator (the ResNet) get the same weights each time.
@@ -174,7 +174,8 @@ def _strategy_of(task: dict[str, Any]) -> Any:
 def _measure(task: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
-    from jacobkit import compare, strategies
+    from jacobkit import strategies
+    from jacobkit.bench import measure
 
     strategy = _strategy_of(task)
     auto = strategy is None
@@ -186,7 +187,7 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
         _, problem = _build(task, "float32")
         paired = None
         if auto:
-            measured = compare.measure_auto(
+            measured = measure.measure_auto(
                 problem,
                 reference,
                 repeats=task["repeats"],
@@ -194,14 +195,14 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
                 held_calls=task.get("held_calls", 0),
             )
             if task.get("pair_with") and not measured.error:
-                paired = compare.paired_rounds(
+                paired = measure.paired_rounds(
                     problem,
                     strategies.from_spec(task["pair_with"]),
                     rounds=task["repeats"],
                     device=task["device"],
                 )
         else:
-            measured = compare.measure(
+            measured = measure.measure(
                 problem,
                 strategy,
                 reference,
@@ -224,12 +225,12 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
 def _first_call(task: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
-    from jacobkit import compare
+    from jacobkit.bench.measure import first_call_s
 
     strategy = _strategy_of(task)
     with tf.device(task["device"]):
         _, problem = _build(task, "float32")
-        seconds = compare.first_call_s(problem, strategy, device=task["device"])
+        seconds = first_call_s(problem, strategy, device=task["device"])
     return {"first_call_s": seconds}
 
 

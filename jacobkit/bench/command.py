@@ -54,7 +54,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the suite; 1 if a successful row disagrees with its reference."""
     from jacobkit import memory
     from jacobkit.bench import plots, problems, runner
-    from jacobkit.compare import disagreement_limit, disagreement_line, disagrees
+    from jacobkit.bench.disagreement import (
+        disagreement_limit,
+        disagreement_line,
+        disagrees,
+    )
 
     try:  # before the suite runs, not after it
         plots.require_matplotlib()

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from jacobkit.bench.report import default_labels, rows_by_problem
+from jacobkit.bench.rows import default_labels, rows_by_problem
 
 _MIB = 1024**2
 

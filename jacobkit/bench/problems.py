@@ -1,4 +1,4 @@
-"""The benchmark problems: the examples of :mod:`jacobkit.examples` at sizes
+"""The benchmark problems: the examples of :mod:`jacobkit.testing.examples` at sizes
 that say something, grouped into sweeps.
 
 A :class:`BenchProblem` names a builder, its sizes, the target layer and the
@@ -37,7 +37,7 @@ class BenchProblem:
 
     Attributes:
         id: unique and readable: ``"generator-conv1-F144-B16"``.
-        builder: a name in :data:`jacobkit.examples.BUILDERS`.
+        builder: a name in :data:`jacobkit.testing.examples.BUILDERS`.
         sizes: keyword sizes for the builder.
         layer: the target layer (``None``: the example's own).
         outputs: ``"features"`` or ``"per_example"``.

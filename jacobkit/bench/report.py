@@ -8,7 +8,9 @@ from typing import Any
 
 from jacobkit import memory
 from jacobkit.bench import machine, stats
-from jacobkit.compare import disagrees
+from jacobkit.bench.auto_report import auto_table
+from jacobkit.bench.disagreement import disagrees
+from jacobkit.bench.rows import by_label, default_labels, rows_by_problem
 from jacobkit.memory import format_bytes
 
 #: how failures read in a table cell
@@ -80,30 +82,6 @@ def peak(row: dict[str, Any]) -> str:
     )
 
 
-def rows_by_problem(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Result rows grouped by problem id, in suite order."""
-    grouped: dict[str, list[dict[str, Any]]] = {
-        p["problem"]: [] for p in results["problems"]
-    }
-    for row in results["rows"]:
-        grouped.setdefault(row["problem"], []).append(row)
-    return grouped
-
-
-def default_labels(results: dict[str, Any]) -> list[str]:
-    """Labels of the strategies at their defaults (the first row of each
-    registered name), in the order they ran."""
-    labels: dict[str, str] = {}
-    for row in results["rows"]:
-        if row["default"]:
-            labels.setdefault(row["name"], row["strategy"])
-    return list(labels.values())
-
-
-def _by_label(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {row["strategy"]: row for row in rows}
-
-
 def _problem_title(problem: dict[str, Any]) -> str:
     sizes = ", ".join(f"{k}={v}" for k, v in problem["sizes"].items())
     layer = problem["layer"] or "(the example's target)"
@@ -125,11 +103,11 @@ def headline_table(results: dict[str, Any]) -> str:
     for problem in results["problems"]:
         if not problem["headline"]:
             continue
-        by_label = _by_label(grouped[problem["problem"]])
-        loop = by_label.get("loop")
+        labelled = by_label(grouped[problem["problem"]])
+        loop = labelled.get("loop")
         cells = []
         for label in labels:
-            row = by_label.get(label)
+            row = labelled.get(label)
             if row is None:
                 cells.append("")
             elif row.get("ok"):
@@ -161,10 +139,10 @@ def headline_memory_table(results: dict[str, Any]) -> str:
     for problem in results["problems"]:
         if not problem["headline"]:
             continue
-        by_label = _by_label(grouped[problem["problem"]])
+        labelled = by_label(grouped[problem["problem"]])
         cells = []
         for label in labels:
-            row = by_label.get(label)
+            row = labelled.get(label)
             if row is None:
                 cells.append("")
             else:
@@ -175,8 +153,8 @@ def headline_memory_table(results: dict[str, Any]) -> str:
 
 def problem_table(rows: Sequence[dict[str, Any]]) -> str:
     """Every strategy configuration on one problem."""
-    by_label = _by_label(rows)
-    loop, jacobian = by_label.get("loop"), by_label.get("jacobian")
+    labelled = by_label(rows)
+    loop, jacobian = labelled.get("loop"), labelled.get("jacobian")
     lines = [
         "| strategy | first call | first 3 calls | median | spread | vs loop "
         "| vs jacobian | vs loop: 95% CI, rank test | vs jacobian: 95% CI, rank test "
@@ -207,145 +185,6 @@ def problem_table(rows: Sequence[dict[str, Any]]) -> str:
 def _growth(row: dict[str, Any]) -> str:
     growth = row.get("growth_bytes")
     return "n/a" if growth is None else memory.format_bytes(growth)
-
-
-#: auto's targets (issue 8), as (column, limit) pairs
-AUTO_LIMITS = {"first call": 1.25, "first 3 calls": 1.2, "steady": 1.1, "warm": 1.1}
-#: process growth allowed over the chosen strategy's steady peak (x2, + this)
-GROWTH_SLACK_BYTES = 256 * 2**20
-
-
-def chosen_fixed(fixed: Sequence[dict[str, Any]], ran: str) -> dict[str, Any] | None:
-    """The fixed row of the configuration auto ran (``ran``, a label): the
-    same label, else the same strategy at its defaults."""
-    by_label = _by_label(fixed)
-    return by_label.get(ran) or next(
-        (r for r in fixed if r["name"] == ran.split("(")[0]), None
-    )
-
-
-def auto_table(results: dict[str, Any]) -> str:
-    """``auto`` against the best fixed strategy, on problems flagged
-    ``auto_targets``: each ratio with its target, and the memory check."""
-    lines = [
-        "| problem | auto ran | first call: auto / fastest fixed "
-        "| first 3 calls: auto / best | steady: auto / best "
-        "| steady, paired rounds in one process: auto / best "
-        "| growth <= 2 x peak + 256 MiB | warm cache first call / its own |",
-        "|---|---|---:|---:|---:|---:|---|---:|",
-    ]
-    grouped = rows_by_problem(results)
-    for problem in results["problems"]:
-        if not problem.get("auto_targets"):
-            continue
-        rows = [r for r in grouped[problem["problem"]] if r.get("ok")]
-        fixed = [r for r in rows if r["name"] != "auto"]
-        by_label = _by_label(rows)
-        auto, warm = by_label.get("auto"), by_label.get("auto, warm cache")
-        if auto is None or not fixed:
-            what = "failed" if grouped[problem["problem"]] else "not run"
-            lines.append(f"| {problem['problem']} | {what} | | | | | | |")
-            continue
-        ran = (auto.get("ran") or "").removeprefix("auto: ")
-        own = chosen_fixed(fixed, ran)
-
-        fits = _growth_check(auto, own)
-        warm_ratio = "n/a"
-        if warm is not None and own is not None and own.get("first_call_s"):
-            value = warm["first_call_s"] / own["first_call_s"]
-            over = "" if value <= AUTO_LIMITS["warm"] else " **over**"
-            warm_ratio = f"{value:.2f} ({own['strategy']}){over}"
-        if warm is not None:
-            warm_ratio += _first_paired(warm, AUTO_LIMITS["warm"])
-        lines.append(
-            f"| {problem['problem']} | {ran} "
-            f"| {_ratio(auto, fixed, 'first_call_s', AUTO_LIMITS['first call'])}"
-            f"{_first_paired(auto, AUTO_LIMITS['first call'])} "
-            f"| {_ratio(auto, fixed, 'first_3_calls_s', AUTO_LIMITS['first 3 calls'])} "
-            f"| {_ratio(auto, fixed, 'steady_s', AUTO_LIMITS['steady'])} "
-            f"| {_paired(auto)} | {fits} "
-            f"| {warm_ratio} |"
-        )
-    return "\n".join(lines)
-
-
-def _growth_check(auto: dict, own: dict | None) -> str:
-    """auto's process growth (no result held between calls) against
-    ``2 x peak + 256 MiB``, beside the chosen strategy's own growth run fixed
-    in its own process (what running it costs anyway), and both growths with
-    one result held across each call where they were measured."""
-    growth, peak_bytes = auto.get("growth_bytes"), auto.get("peak_bytes")
-    if growth is None or peak_bytes is None:
-        return "n/a"
-    allowed = 2 * peak_bytes + GROWTH_SLACK_BYTES
-    fmt = memory.format_bytes
-    alone = held = ""
-    if own is not None and own.get("growth_bytes") is not None:
-        alone = f"; {own['strategy']} alone {fmt(own['growth_bytes'])}"
-    if auto.get("held_growth_bytes") is not None:
-        held = f"; one result held across calls: {fmt(auto['held_growth_bytes'])}"
-        if own is not None and own.get("held_growth_bytes") is not None:
-            held += f", {own['strategy']} alone {fmt(own['held_growth_bytes'])}"
-    return (
-        f"{'yes' if growth <= allowed else '**no**'} "
-        f"({fmt(growth)} vs {fmt(allowed)}{alone}{held})"
-    )
-
-
-def _first_paired(row: dict, limit: float) -> str:
-    """The median ratio of first calls in alternating fresh processes
-    (``runner._paired_first_calls``), or nothing where none ran."""
-    paired = row.get("first_paired")
-    if not paired:
-        return ""
-    mark = "" if paired["ratio"] <= limit else " **over**"
-    evidence = ""
-    if paired.get("ratios"):
-        found = stats.ratios(paired["ratios"])
-        parts = [stats.interval_text(found.low, found.high, suffix="")]
-        if found.p_value is not None:
-            parts.append(f"{stats.p_text(found.p_value)} two-sided")
-        evidence = " ".join(part for part in parts if part)
-        evidence = f" {evidence}" if evidence else ""
-    return (
-        f"; paired fresh processes {paired['ratio']:.2f}{evidence} "
-        f"({paired['strategy']}, {paired['rounds']} rounds){mark}"
-    )
-
-
-def _paired(row: dict) -> str:
-    """auto's paired-rounds ratio (:func:`jacobkit.compare.paired_rounds`)."""
-    paired = row.get("paired")
-    if not paired:
-        return "n/a"
-    mark = "" if paired["ratio"] <= AUTO_LIMITS["steady"] else " **over**"
-    evidence = ""
-    auto_times, fixed_times = paired.get("auto_times_s"), paired.get("fixed_times_s")
-    if auto_times and fixed_times and len(auto_times) == len(fixed_times):
-        # auto_s / fixed_s, as the ratio: the fixed strategy is the baseline
-        found = stats.speedup(
-            auto_times, fixed_times, paired=True, alternative="two-sided"
-        )
-        parts = [stats.interval_text(found.low, found.high, suffix="")]
-        if found.p_value is not None:
-            parts.append(f"{stats.p_text(found.p_value)} two-sided")
-        evidence = " ".join(part for part in parts if part)
-        evidence = f" {evidence}" if evidence else ""
-    return (
-        f"{paired['ratio']:.2f}{evidence} "
-        f"({paired['strategy']}, {paired['rounds']} rounds){mark}"
-    )
-
-
-def _ratio(row: dict, fixed: list[dict], key: str, limit: float) -> str:
-    """``row[key]`` over the least of ``fixed``, naming it, marked if over
-    ``limit``."""
-    best = min(fixed, key=lambda r: r.get(key) or float("inf"))
-    if not row.get(key) or not best.get(key):
-        return "n/a"
-    value = row[key] / best[key]
-    mark = "" if value <= limit else " **over**"
-    return f"{value:.2f} ({best['strategy']}){mark}"
 
 
 def _cell(text: str) -> str:

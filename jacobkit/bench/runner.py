@@ -2,7 +2,7 @@
 
 Per problem, one child computes the reference Jacobians (saved to a scratch
 ``.npz``); then one child per strategy configuration measures it with
-:func:`jacobkit.compare.measure` and compares with that reference. A child
+:func:`jacobkit.bench.measure.measure` and compares with that reference. A child
 that fails, runs out of memory or passes the time limit gives a row saying so;
 the suite goes on. Once a strategy has passed the time limit or run out of
 memory on a sweep, the larger points of that sweep are recorded as skipped
@@ -30,11 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jacobkit import runtime
 from jacobkit.bench import child, machine
 from jacobkit.bench.problems import REFERENCES, BenchProblem
 
 #: modules the CPU fork server imports once for every child
-_PRELOAD = ["tensorflow", "keras", "jacobkit.compare", "jacobkit.examples"]
+_PRELOAD = [
+    "tensorflow",
+    "keras",
+    "jacobkit.bench.measure",
+    "jacobkit.testing.examples",
+]
 #: failures that make the larger points of a sweep pointless to run
 _SKIP_AFTER = ("time_limit", "out_of_memory")
 
@@ -105,15 +111,16 @@ class Config:
 
 
 def strategy_configs(problem: BenchProblem) -> list[Config]:
-    """What to run on ``problem``: :func:`jacobkit.compare.configurations`
+    """What to run on ``problem``: :func:`jacobkit.bench.measure.configurations`
     (every registered strategy at its defaults, ``chunked`` at the problem's
     chunk sizes and at every row) less the problem's ``skip``, then ``auto``
     with a cold and with a warm plan cache, each in a fresh process."""
-    from jacobkit import compare, strategies
+    from jacobkit import strategies
+    from jacobkit.bench.measure import configurations
 
     configs = [
         Config(s.label, s.name, strategies.to_spec(s))
-        for s in compare.configurations(problem.num_rows, problem.chunk_sizes)
+        for s in configurations(problem.num_rows, problem.chunk_sizes)
         if s.name not in problem.skip
     ]
     configs += [Config("auto", "auto", cache="cold")]
@@ -273,12 +280,12 @@ def _paired_first_calls(
     auto, warm = by_label.get("auto"), by_label.get("auto, warm cache")
     if auto is None or not fixed:
         return
-    from jacobkit.bench import report
+    from jacobkit.bench import auto_report
 
     spec_of = {c.label: c.spec for c in configs}
     fastest = min(fixed, key=lambda r: r["first_call_s"])
     ran = (auto.get("ran") or "").removeprefix("auto: ")
-    chosen = report.chosen_fixed(fixed, ran)
+    chosen = auto_report.chosen_fixed(fixed, ran)
     pairs = [(auto, fastest, None)]
     if warm is not None and chosen is not None:
         pairs.append((warm, chosen, plan_cache))
@@ -411,12 +418,12 @@ def _crash(exitcode: int | None, log_path: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def _children(settings: Settings) -> Iterator[_ChildPool]:
     """A :class:`_ChildPool` with the environment every child needs."""
-    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
     on_cpu = settings.device.upper().startswith("CPU")
     available = machine.memory_bytes("MemAvailable")
+    limit_mib = None
     if on_cpu and available:
         limit_mib = int(available * settings.memory_fraction / 1024**2)
-        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mib)
+    env = {**runtime.bfc_environment(limit_mib), "TF_CPP_MIN_LOG_LEVEL": "2"}
     methods = multiprocessing.get_all_start_methods()
     method = "forkserver" if on_cpu and "forkserver" in methods else "spawn"
     context = multiprocessing.get_context(method)

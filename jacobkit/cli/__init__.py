@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
 
-from jacobkit import quiet
+from jacobkit import runtime
 from jacobkit.cli import bench, compare, run
 from jacobkit.cli._common import USAGE_ERROR, Parser, UsageError
 
-#: Must be set before TensorFlow starts: TF's pooled CPU allocator is the one
-#: that reports peak memory on CPU.
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# Before TensorFlow starts: TF's pooled CPU allocator is the one that reports
+# peak memory on CPU.
+runtime.enable_bfc_cpu_allocator()
 
 __all__ = ["USAGE_ERROR", "UsageError", "main"]
 
@@ -57,8 +56,8 @@ def _quiet_tensorflow(verbose: bool) -> Iterator[None]:
     if verbose:
         yield
         return
-    quiet.hide_startup_logs()
-    with quiet.tensorflow_warnings(all_threads=True), warnings.catch_warnings():
+    runtime.hide_startup_logs()
+    with runtime.tensorflow_warnings(all_threads=True), warnings.catch_warnings():
         for module in ("keras", "tf_keras", "tensorflow", "absl"):
             warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
         yield

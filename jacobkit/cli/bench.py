@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from jacobkit import quiet
+from jacobkit import runtime
 from jacobkit.cli._common import UsageError
 
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         if not args.verbose:  # its runs are child processes
-            quiet.start_tensorflow_quietly(runtime=False)
+            runtime.start_tensorflow_quietly(runtime=False)
         from jacobkit import memory
 
         try:

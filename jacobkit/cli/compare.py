@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from jacobkit import quiet
+from jacobkit import runtime
 from jacobkit.cli._common import UsageError, check_model_flags, load_model
 
 #: the built-in problem: the users' generator at a size that runs in seconds
@@ -111,7 +111,7 @@ def _load_inputs(path: str) -> Any:
 
 
 def _load_problem(args: argparse.Namespace) -> _Loaded:
-    from jacobkit import examples
+    from jacobkit.testing import examples
 
     if args.model:
         from jacobkit import testing
@@ -191,11 +191,11 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print the table; 1 if a strategy disagrees or all failed."""
     _check_args(args)
     if not args.verbose:
-        quiet.start_tensorflow_quietly()
+        runtime.start_tensorflow_quietly()
     import tensorflow as tf
     from tqdm import tqdm
 
-    from jacobkit import compare
+    from jacobkit.bench import disagreement, measure
     from jacobkit.problem import Problem
 
     device, candidates = _candidates(args)
@@ -213,13 +213,13 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(err)) from err
         reference, ref_name = _reference(problem, loaded, args)
         if candidates is None:
-            candidates = [*compare.default_strategies(problem.num_rows), "auto"]
+            candidates = [*measure.default_strategies(problem.num_rows), "auto"]
         bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
         measurements = []
         for strategy in bar:
             if strategy == "auto":
                 bar.set_postfix_str("auto")
-                measured = compare.measure_auto(
+                measured = measure.measure_auto(
                     problem,
                     reference,
                     repeats=args.repeats,
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             else:
                 bar.set_postfix_str(strategy.label)
-                measured = compare.measure(
+                measured = measure.measure(
                     problem, strategy, reference, repeats=args.repeats, device=device
                 )
             measurements.append(measured)
@@ -237,13 +237,15 @@ def run(args: argparse.Namespace) -> int:
         f"rows {problem.rows_shape} ({args.outputs})"
     )
     print(f"device: {device}; TensorFlow {tf.__version__}; reference: {ref_name}")
-    print(compare.format_table(measurements))
+    print(measure.format_table(measurements))
     failed = [m for m in measurements if m.error]
     loop_diff = max(
         (m.max_rel_diff or 0.0 for m in measurements if m.name == "loop"), default=0.0
     )
-    limit = compare.disagreement_limit(loop_diff)
-    disagree = [m for m in measurements if compare.disagrees(m.max_rel_diff, limit)]
+    limit = disagreement.disagreement_limit(loop_diff)
+    disagree = [
+        m for m in measurements if disagreement.disagrees(m.max_rel_diff, limit)
+    ]
     if disagree:
-        print(compare.disagreement_line([m.strategy for m in disagree], limit))
+        print(disagreement.disagreement_line([m.strategy for m in disagree], limit))
     return 1 if disagree or len(failed) == len(measurements) else 0

@@ -117,7 +117,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
         raise UsageError(f"--batch-size {args.batch_size}: must be >= 1")
     check_model_flags(args)
     if args.model is None:
-        from jacobkit import examples
+        from jacobkit.testing import examples
 
         ex = examples.build("generator", batch=1, **BUILTIN)
         shape = tuple(ex.inputs.shape[1:])

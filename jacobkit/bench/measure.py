@@ -15,9 +15,11 @@ from typing import Any
 import psutil
 import tensorflow as tf
 
-from jacobkit import memory, strategies, testing
+from jacobkit import memory, strategies
+from jacobkit.bench import stats
 from jacobkit.engine import run_auto, run_strategy
 from jacobkit.problem import Problem
+from jacobkit.testing.reference import max_relative_difference
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ def measure_calls(
             times.append(time.perf_counter() - start)
             if i == 0 and reference is not None:
                 diff = max(
-                    testing.max_relative_difference(a, e)
+                    max_relative_difference(a, e)
                     for a, e in zip(result.jacobians.values(), reference, strict=True)
                 )
         calls = 3
@@ -388,38 +390,5 @@ def _against(baseline: Measurement | None, m: Measurement) -> tuple[str, str]:
         return "", ""
     if not (baseline.steady_times_s and m.steady_times_s):
         return "", ""
-    from jacobkit.bench import stats
-
     found = stats.speedup(baseline.steady_times_s, m.steady_times_s)
     return stats.interval_text(found.low, found.high), stats.p_text(found.p_value)
-
-
-# -- when a strategy disagrees with the reference --------------------------------
-#: the largest max. relative difference from the reference that always agrees
-DISAGREEMENT_FLOOR = 1e-4
-
-
-def disagreement_limit(loop_diff: float = 0.0) -> float:
-    """The max. relative difference from the reference above which a strategy
-    disagrees: :data:`DISAGREEMENT_FLOOR`, or
-    ``testing.BASELINE_FACTOR`` × the loop's own difference ``loop_diff``
-    where that is larger (mixed precision, deep models: the float32 loop
-    itself is far from a float64 reference).
-
-    ``jacobkit compare`` passes its loop row's difference: it runs on any
-    model. ``jacobkit bench`` passes none, on purpose: its problems are fixed
-    float32 models on which the floor holds, and a limit that grew with the
-    loop's error would let a regression of the loop hide the others'.
-    """
-    return max(DISAGREEMENT_FLOOR, testing.BASELINE_FACTOR * loop_diff)
-
-
-def disagrees(max_rel_diff: float | None, limit: float = DISAGREEMENT_FLOOR) -> bool:
-    """Whether a difference from the reference (``None``: not measured) is
-    above ``limit`` (:func:`disagreement_limit`)."""
-    return max_rel_diff is not None and max_rel_diff > limit
-
-
-def disagreement_line(labels: Sequence[str], limit: float) -> str:
-    """The line naming the strategies that disagree."""
-    return f"DISAGREE (max rel. diff > {limit:.1e}): " + ", ".join(labels)

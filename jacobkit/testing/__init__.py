@@ -1,0 +1,48 @@
+"""A slow, obvious reference, and comparisons, so anyone can check a result.
+
+The reference is written independently of the strategies and of
+:mod:`jacobkit.problem`: one eager ``tape.gradient`` per row, with the rows
+formed by plain indexing inside the tape. Give it a float64 copy of the model
+(same weights) for a reference that float32 strategies can be held to.
+
+- :mod:`~jacobkit.testing.reference`: :func:`reference_jacobian`,
+  :func:`float64_reference`, :class:`Reference`,
+  :func:`max_relative_difference`;
+- :mod:`~jacobkit.testing.close`: :func:`assert_close`,
+  :data:`BASELINE_FACTOR`;
+- :mod:`~jacobkit.testing.tolerance`: :data:`TOLERANCE`;
+- :mod:`~jacobkit.testing.examples`: the built-in example problems;
+- :func:`cast_copy`, :func:`float64_copy` (from :mod:`jacobkit.keras.cast`)
+  and :func:`verify` (from :mod:`jacobkit.verify`), re-exported.
+
+This package only re-exports; its modules import each other directly.
+"""
+
+from __future__ import annotations
+
+from jacobkit.keras.cast import cast_copy, float64_copy
+from jacobkit.testing.close import BASELINE_FACTOR, assert_close
+from jacobkit.testing.reference import (
+    Reference,
+    float64_reference,
+    max_relative_difference,
+    reference_jacobian,
+    reference_tensor_jacobian,
+)
+from jacobkit.testing.tolerance import TOLERANCE
+from jacobkit.verify import VerificationError, verify
+
+__all__ = [
+    "BASELINE_FACTOR",
+    "TOLERANCE",
+    "Reference",
+    "VerificationError",
+    "assert_close",
+    "cast_copy",
+    "float64_copy",
+    "float64_reference",
+    "max_relative_difference",
+    "reference_jacobian",
+    "reference_tensor_jacobian",
+    "verify",
+]

@@ -1,0 +1,266 @@
+"""A slow, obvious reference, and comparisons, so anyone can check a result.
+
+The reference is written independently of the strategies and of
+:mod:`jacobkit.problem`: one eager ``tape.gradient`` per row, with the rows
+formed by plain indexing inside the tape. Give it a float64 copy of the model
+(same weights) for a reference that float32 strategies can be held to.
+
+>>> import numpy as np, keras
+>>> layer = keras.layers.Dense(2, dtype="float64")
+>>> model = keras.Sequential([keras.Input((3,), dtype="float64"), layer])
+>>> x = np.ones((4, 3))
+>>> ref = reference_jacobian(model, x, [layer.kernel, layer.bias])
+>>> ref[1]          # d(sum_b Y[b, f]) / d bias = B where f matches
+array([[4., 0.],
+       [0., 4.]])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit.keras.cast import dtype_name, float64_copy, variable_path
+
+__all__ = [
+    "Reference",
+    "float64_reference",
+    "max_relative_difference",
+    "reference_jacobian",
+    "reference_tensor_jacobian",
+]
+
+
+def _row_tensors(
+    outputs: tf.Tensor,
+    mode: str | Callable[[Any], tf.Tensor],
+    features: Sequence[int] | None,
+) -> tuple[tuple[int, ...], list[tf.Tensor]]:
+    """Every row as a scalar tensor, built by indexing (inside a tape)."""
+    if features is not None:
+        outputs = tf.stack([outputs[..., f] for f in features], axis=-1)
+    if callable(mode):
+        values = tf.convert_to_tensor(mode(outputs))
+        shape = tuple(values.shape)
+        return shape, [values[index] for index in np.ndindex(*shape)]
+    shape = tuple(outputs.shape)
+    num_features = shape[-1]
+    if mode == "features":
+        return (num_features,), [
+            tf.reduce_sum(outputs[..., f]) for f in range(num_features)
+        ]
+    if mode == "per_example":
+        rows = [
+            tf.reduce_sum(outputs[b, ..., f])
+            for b, f in itertools.product(range(shape[0]), range(num_features))
+        ]
+        return (shape[0], num_features), rows
+    if mode == "full":
+        return shape, [outputs[index] for index in np.ndindex(*shape)]
+    raise ValueError(f"reference_jacobian(outputs={mode!r}): unknown mode.")
+
+
+def reference_jacobian(
+    model: Callable[[Any], tf.Tensor],
+    inputs: Any,
+    variables: Sequence[Any],
+    *,
+    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    features: Sequence[int] | None = None,
+    call_kwargs: Mapping[str, Any] | None = None,
+) -> list[np.ndarray]:
+    """The Jacobian of every row with respect to each variable, one gradient
+    per row, eagerly. Slow on purpose: this is the obvious computation.
+
+    Args:
+        model: called as ``model(inputs, **call_kwargs)``.
+        inputs: what the model takes.
+        variables: ``tf.Variable`` or ``keras.Variable`` objects.
+        outputs, features: as in :func:`jacobkit.jacobian`.
+
+    Returns:
+        One array per variable, shape ``rows_shape + variable.shape``; zeros
+        where a row does not depend on the variable.
+    """
+    call_kwargs = dict(call_kwargs or {})
+    # A keras.Variable's .value is the tf.Variable every read goes through.
+    watched = [v if isinstance(v, tf.Variable) else v.value for v in variables]
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(watched)
+        y = model(inputs, **call_kwargs)
+        rows_shape, rows = _row_tensors(y, outputs, features)
+    result = []
+    for v in watched:
+        grads = [
+            tape.gradient(row, v, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            for row in rows
+        ]
+        stacked = np.stack([np.asarray(g) for g in grads])
+        result.append(stacked.reshape(rows_shape + tuple(v.shape)))
+    return result
+
+
+def reference_tensor_jacobian(
+    model: Callable[[Any], tf.Tensor],
+    tensor: Any,
+    *,
+    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    features: Sequence[int] | None = None,
+) -> np.ndarray:
+    """The Jacobian of every row with respect to the tensor ``model`` is
+    called on, one gradient per row, eagerly (the reference for
+    ``jacobkit.Inputs()`` and, with ``model`` the rest of a network after a
+    layer, ``jacobkit.Output(layer)``).
+
+    Returns:
+        ``rows_shape + tensor.shape``; for ``"per_example"`` and ``"full"``
+        rows, each example's own block only: ``rows_shape + tensor.shape[1:]``
+        (row ``[b, ...]`` with respect to ``tensor[b]``).
+    """
+    x = tf.convert_to_tensor(tensor)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = model(x)
+        rows_shape, rows = _row_tensors(y, outputs, features)
+    grads = [
+        tape.gradient(row, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        for row in rows
+    ]
+    full = np.stack([np.asarray(g) for g in grads]).reshape(rows_shape + x.shape)
+    if outputs not in ("per_example", "full"):
+        return full
+    middle = (slice(None),) * (len(rows_shape) - 1)
+    return np.stack([full[b][(*middle, b)] for b in range(rows_shape[0])])
+
+
+def max_relative_difference(actual: Any, expected: Any) -> float:
+    """``max|actual - expected| / max|expected|`` (0 when both are all zero).
+
+    Relative to the largest reference entry rather than entry by entry, so
+    that entries that are zero in exact arithmetic do not divide by zero.
+    """
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        raise ValueError(
+            f"shapes differ: actual {actual.shape} vs expected {expected.shape}"
+        )
+    scale = np.max(np.abs(expected)) if expected.size else 0.0
+    error = np.max(np.abs(actual - expected)) if expected.size else 0.0
+    if scale == 0.0:
+        return float(error)
+    return float(error / scale)
+
+
+@dataclass(frozen=True)
+class Reference(Sequence):
+    """A reference Jacobian per target, what it was computed on, and how far
+    the obvious computation at the model's own precision is from it.
+
+    A sequence of the reference arrays (``ref[i]``, ``len(ref)``), so it goes
+    wherever a list of arrays does.
+
+    Attributes:
+        jacobians: one array per target, shape ``rows_shape + v.shape``.
+        baseline_errors: per target, :func:`max_relative_difference` of the
+            plain tape loop on the model itself (float32, or its mixed
+            precision) to ``jacobians``; ``None`` without a float64 copy.
+        description: in words, e.g. ``"float64 loop on a float64 copy of the
+            model (every variable float64)"``.
+    """
+
+    jacobians: tuple[np.ndarray, ...]
+    baseline_errors: tuple[float, ...] | None
+    description: str
+
+    def __getitem__(self, index):
+        return self.jacobians[index]
+
+    def __len__(self) -> int:
+        return len(self.jacobians)
+
+
+def float64_reference(
+    model: Any,
+    inputs: Any,
+    variables: Sequence[Any],
+    *,
+    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    features: Sequence[int] | None = None,
+    call_kwargs: Mapping[str, Any] | None = None,
+    baseline: bool = True,
+) -> Reference:
+    """The float64 reference for ``model``'s ``variables``, and the error of
+    the obvious loop on ``model`` itself, from which
+    :func:`jacobkit.testing.assert_close` derives its tolerance.
+
+    The reference is :func:`reference_jacobian` on :func:`float64_copy` of the
+    model (floating inputs cast to float64). Where no float64 copy can be
+    built (a subclassed model, a ``tf.Module``), it is the loop on the model
+    itself, and ``description`` says so. ``baseline=False`` skips the loop
+    on the model itself (``baseline_errors`` is then ``None``).
+    """
+    kwargs = dict(call_kwargs or {})
+
+    def own() -> list[np.ndarray]:
+        return reference_jacobian(
+            model,
+            inputs,
+            variables,
+            outputs=outputs,
+            features=features,
+            call_kwargs=kwargs,
+        )
+
+    try:
+        copy = float64_copy(model)
+    except TypeError as err:
+        dtypes = sorted({dtype_name(v) for v in variables})
+        return Reference(
+            tuple(own()),
+            None,
+            f"{'/'.join(dtypes)} loop on the model itself (no float64 copy: "
+            f"{str(err).split(': ', 1)[-1][:120]})",
+        )
+    copied = [copy.weights[_position(model, v)] for v in variables]
+    inputs64 = tf.nest.map_structure(_as_float64, inputs)
+    jacobians = reference_jacobian(
+        copy, inputs64, copied, outputs=outputs, features=features, call_kwargs=kwargs
+    )
+    errors = None
+    if baseline:
+        errors = tuple(
+            max_relative_difference(a, e) for a, e in zip(own(), jacobians, strict=True)
+        )
+    return Reference(
+        tuple(jacobians),
+        errors,
+        "float64 loop on a float64 copy of the model (every variable float64)",
+    )
+
+
+def _position(model: Any, variable: Any) -> int:
+    """Where ``variable`` is in ``model.weights`` (a copy keeps the order)."""
+    handle = _handle(variable)
+    for i, weight in enumerate(model.weights):
+        if _handle(weight) is handle:
+            return i
+    raise ValueError(
+        f"float64_reference(variables=...): {variable_path(variable)} is not a "
+        "variable of the model; pass the model's own variables."
+    )
+
+
+def _handle(variable: Any) -> tf.Variable:
+    """The ``tf.Variable`` behind a Keras 3 variable (identity for others)."""
+    return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+def _as_float64(value: Any) -> Any:
+    array = np.asarray(value)
+    return array.astype("float64") if array.dtype.kind == "f" else value
