@@ -11,8 +11,6 @@ The public names are imported on first use, so that ``import jacobkit`` (and
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from jacobkit import runtime
@@ -26,17 +24,14 @@ _PUBLIC = {
     "Output": "jacobkit.targets",
     "Plan": "jacobkit.planner",
     "Stats": "jacobkit.result",
-    "VerificationError": "jacobkit.verify",
+    "VerificationError": "jacobkit.verification",
     "jacobian": "jacobkit.api",
     "plan": "jacobkit.api",
-    "verify": "jacobkit.verify",
+    "verify": "jacobkit.verification",
 }
 #: public name -> the module that is it (``jk.data`` is :mod:`jacobkit.batches`)
 _MODULES = {
     "data": "jacobkit.batches",
-    # not public: ``from jacobkit import examples`` in code not yet moved to
-    # ``from jacobkit.testing import examples``
-    "examples": "jacobkit.testing.examples",
     "memory": "jacobkit.memory",
     "strategies": "jacobkit.strategies",
 }
@@ -64,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.planner import Plan
     from jacobkit.result import JacobianResult, Stats
     from jacobkit.targets import Inputs, Output
-    from jacobkit.verify import VerificationError, verify
+    from jacobkit.verification import VerificationError, verify
 
 
 def __getattr__(name: str) -> Any:
@@ -79,27 +74,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC, *_MODULES} - {"examples"})
-
-
-class _Package(types.ModuleType):
-    """``jacobkit.verify`` is the function :func:`jacobkit.verify.verify`, also
-    once its module ``jacobkit/verify.py`` is imported: Python would then set
-    the package's attribute ``verify`` to the module, and this keeps the
-    function there instead (``from jacobkit.verify import ...`` reads
-    ``sys.modules`` and is unaffected)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (
-            name in _PUBLIC
-            and isinstance(value, types.ModuleType)
-            and value.__name__ == _PUBLIC[name]
-        ):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+    return sorted({*globals(), *_PUBLIC, *_MODULES})
 
 
 # Before TensorFlow's runtime starts, switch its CPU allocator to the one that

@@ -166,6 +166,7 @@ def bfloat16_check() -> Bfloat16Check:
     kernel and bias, in bfloat16, against float64 on the same rounded weights
     and inputs. See :data:`MEASURED_BFLOAT16` for what it found."""
     inputs, weights = _cnn2d_values()
+
     def as_dtype(dtype: tf.DType) -> tuple[tf.Tensor, list[tf.Tensor]]:
         rounded = [tf.constant(w, tf.bfloat16) for w in (inputs, *weights)]
         cast = [tf.cast(t, dtype) for t in rounded]

@@ -14,8 +14,9 @@ import warnings
 import pytest
 
 import jacobkit as jk
-from jacobkit import examples, planner, testing
+from jacobkit import planner, testing
 from jacobkit.planner import cache
+from jacobkit.testing import examples
 from tests.cases import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,11 +11,12 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import examples, memory, planner, testing
+from jacobkit import memory, planner, testing
 from jacobkit.planner import estimates
 from jacobkit.planner.plan import Probe
 from jacobkit.strategies import Batch, Chunked, While
 from jacobkit.strategies.structured import NoShortcut
+from jacobkit.testing import examples
 from tests.cases import (
     call_kwargs,
     reference,

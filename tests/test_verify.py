@@ -26,7 +26,7 @@ def test_passes_every_strategys_correct_result(name, outputs):
     result = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy=name, outputs=outputs)
     worst = jk.verify(result, ex.model, ex.inputs, ex.layer, outputs=outputs)
     # measured over every strategy x problem x outputs mode: at most 5e-6
-    # in float32 (see jacobkit/verify.py TOLERANCES)
+    # in float32 (see jacobkit/verification.py TOLERANCES)
     assert 0 <= worst < 1e-4
 
 
@@ -65,7 +65,7 @@ def test_catches_a_corrupted_row(tagger):
 @pytest.mark.parametrize("seed", range(3))
 def test_catches_one_wrong_element(tagger, seed):
     """One kernel entry off by 5% of the largest, in a column where it must
-    be zero. Per the NOTE in jacobkit/verify.py it is caught whatever the
+    be zero. Per the NOTE in jacobkit/verification.py it is caught whatever the
     cotangents (``|v_r| >= 1``): ``tolerance * max|v^T J|`` is at most
     ``1e-4 * 16 * 5 rows * the largest entry``, 0.8% of it."""
     ex, result = tagger

@@ -26,7 +26,7 @@ from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.strategies.registry import get as get_strategy
-from jacobkit.verify import VerificationError, check
+from jacobkit.verification import VerificationError, check
 
 #: model -> {(problem key, strategy key): True (verified), False (failed)}
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -13,7 +13,7 @@ formed by plain indexing inside the tape. Give it a float64 copy of the model
 - :mod:`~jacobkit.testing.tolerance`: :data:`TOLERANCE`;
 - :mod:`~jacobkit.testing.examples`: the built-in example problems;
 - :func:`cast_copy`, :func:`float64_copy` (from :mod:`jacobkit.keras.cast`)
-  and :func:`verify` (from :mod:`jacobkit.verify`), re-exported.
+  and :func:`verify` (from :mod:`jacobkit.verification`), re-exported.
 
 This package only re-exports; its modules import each other directly.
 """
@@ -30,7 +30,7 @@ from jacobkit.testing.reference import (
     reference_tensor_jacobian,
 )
 from jacobkit.testing.tolerance import TOLERANCE
-from jacobkit.verify import VerificationError, verify
+from jacobkit.verification import VerificationError, verify
 
 __all__ = [
     "BASELINE_FACTOR",

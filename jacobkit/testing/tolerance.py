@@ -1,7 +1,8 @@
 """The tolerance floors results are held to against the float64 reference.
 
 The values (and how they were measured) live in the one tolerance table,
-:data:`jacobkit.verify.TOLERANCES`, beside :func:`jacobkit.verify.verify`'s own
+:data:`jacobkit.verification.TOLERANCES`, beside
+:func:`jacobkit.verification.verify`'s own
 row: that table is below both ``verify`` and this package, so both read it
 without an import cycle.
 """
@@ -12,13 +13,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.verify import TOLERANCES
+from jacobkit.verification import TOLERANCES
 
 __all__ = ["TOLERANCE", "tolerance_key"]
 
 #: The floor on :func:`jacobkit.testing.max_relative_difference` against the
 #: float64 reference, by the result's dtype or by mixed-precision policy name:
-#: the ``"reference"`` row of :data:`jacobkit.verify.TOLERANCES`.
+#: the ``"reference"`` row of :data:`jacobkit.verification.TOLERANCES`.
 TOLERANCE: dict[Any, float] = TOLERANCES["reference"]
 
 
