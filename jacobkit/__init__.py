@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _PUBLIC = {
-    "Inputs": "jacobkit.targets",
+    "Inputs": "jacobkit.problem.tensor_targets",
     "JacobianResult": "jacobkit.result",
-    "Output": "jacobkit.targets",
+    "Output": "jacobkit.problem.tensor_targets",
     "Plan": "jacobkit.planner",
     "Stats": "jacobkit.result",
     "VerificationError": "jacobkit.verification",
@@ -57,8 +57,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import memory, strategies
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
+    from jacobkit.problem.tensor_targets import Inputs, Output
     from jacobkit.result import JacobianResult, Stats
-    from jacobkit.targets import Inputs, Output
     from jacobkit.verification import VerificationError, verify
 
 

@@ -5,8 +5,9 @@ Each strategy either stays within 2x of the plain loop's own error (the
 accuracy users get from a tape loop at that precision: eager for ``loop``,
 compiled one row at a time for the others) and within the measured
 :data:`jacobkit.testing.TOLERANCE` of the policy, or refuses with jacobkit's
-message (see :mod:`jacobkit.precision`). Where this CPU's kernels put that
-loop itself more than ``jacobkit.precision.FAR_OFF`` from float64 (bfloat16
+message (see :mod:`jacobkit.strategies._precision`). Where this CPU's
+kernels put that loop itself more than
+``jacobkit.strategies._precision.FAR_OFF`` from float64 (bfloat16
 convolutions without oneDNN), the floor is an expected failure that names
 the CPU and the loop's error.
 
@@ -30,10 +31,10 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import precision as jk_precision
 from jacobkit import runtime, testing
 from jacobkit.problem import Problem
 from jacobkit.strategies import While
+from jacobkit.strategies import _precision as jk_precision
 from tests.cases import (
     STRATEGIES,
     STRUCTURED_REFUSES,
@@ -96,7 +97,7 @@ def _loop_errors(
     keep. Eager (``loop``) for the eager strategy, compiled
     (``while(parallel=1)``, one row after another in a ``tf.function``) for
     the others: on some CPUs TensorFlow's compiled and eager kernels differ
-    (see :data:`jacobkit.precision.MEASURED_BFLOAT16`)."""
+    (see :data:`jacobkit.strategies._precision.MEASURED_BFLOAT16`)."""
     result = jk.jacobian(
         _model(problem, precision),
         example(problem).inputs,
@@ -243,7 +244,8 @@ def test_the_bfloat16_self_check_finds_what_the_plain_loop_gets(compiled):
 _WARNING_SCRIPT = """
 import json, warnings
 import jacobkit as jk
-from jacobkit import examples, precision, testing
+from jacobkit import examples, testing
+from jacobkit.strategies import _precision as precision
 ex = examples.build("cnn2d")
 low = testing.cast_copy(ex.model, "bfloat16")
 with warnings.catch_warnings(record=True) as caught:

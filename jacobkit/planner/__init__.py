@@ -37,7 +37,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, precision, strategies
+from jacobkit import memory, strategies
 from jacobkit.planner import cache as disk
 from jacobkit.planner import probes, scratch
 from jacobkit.planner.execution import Session, entry_of, restore
@@ -46,6 +46,7 @@ from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies import Strategy
+from jacobkit.strategies import _precision as precision
 
 #: the plan keeps its predicted peak below this fraction of the budget: the
 #: memory prior was measured within ~10% of real peaks, the rest is allocator
@@ -124,7 +125,7 @@ def session_for(
 
 def _structured(problem: Problem) -> tuple[Strategy | None, str]:
     """``(Structured(), what it found)`` where an exact structural shortcut
-    applies to ``problem`` (:mod:`jacobkit.structure`), else ``(None, why
+    applies to ``problem`` (:mod:`jacobkit.strategies._structure`), else ``(None, why
     not)``."""
     shortcut = strategies.Structured()
     try:
