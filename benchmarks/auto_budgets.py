@@ -45,9 +45,9 @@ QUICK_GENERATOR = {
     "filters": 16,
     "features": 32,
 }
-#: 64MiB: where this CPU's convolution kernels' scratch space matters (32 MiB
+#: 128MiB: where this CPU's convolution kernels' scratch space matters (32 MiB
 #: per backward pass in flight without oneDNN, see jacobkit.planner.scratch)
-BUDGETS = ["64MiB", "256MiB", "512MiB", "1GiB", "4GiB"]
+BUDGETS = ["128MiB", "256MiB", "512MiB", "1GiB", "4GiB"]
 QUICK_BUDGETS = ["48MiB", "1GiB"]
 #: problems for the no-budget comparison with tape.jacobian: (builder, sizes)
 NO_BUDGET_PROBLEMS = [

@@ -1,7 +1,7 @@
 """Per-example gradient norms of a Conv1D kernel: the Gram ("ghost norm")
 form against materializing chunks of rows, over the sequence length.
 
-``jacobkit.norms.use_gram`` predicts the Gram form cheaper where
+``jacobkit.layers.norms.use_gram`` predicts the Gram form cheaper where
 ``P² (I + K O) < K P I O`` (P positions, I kernel inputs per position, O
 filters, K rows per example). This measures both forms on random inputs and
 cotangents of the generator's first layer (kernel 5, 8 channels, 32 filters,
@@ -24,7 +24,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from jacobkit import norms  # noqa: E402
+from jacobkit import layers  # noqa: E402
+from jacobkit.layers import norms  # noqa: E402
 from jacobkit.strategies.base import map_chunks  # noqa: E402
 
 BATCH, CHANNELS, FILTERS, KERNEL, ROWS = 16, 8, 32, 5, 144
@@ -39,8 +40,8 @@ def measure(sequence: int) -> dict:
     times = {}
     for form in ("gram", "chunks"):
         fn = tf.function(
-            lambda x, dz, form=form: norms.kernel_and_bias_norms(
-                layer, "conv1d", x, dz, summed=False, map_chunks=map_chunks, form=form
+            lambda x, dz, form=form: layers.rule_for(layer).norms(
+                x, dz, summed=False, map_chunks=map_chunks, form=form
             )
         )
         fn(x, dz)  # trace

@@ -19,10 +19,11 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _PUBLIC = {
-    "Inputs": "jacobkit.targets",
+    "Inputs": "jacobkit.problem.tensor_targets",
     "JacobianResult": "jacobkit.result",
-    "Output": "jacobkit.targets",
+    "Output": "jacobkit.problem.tensor_targets",
     "Plan": "jacobkit.planner",
+    "PrecisionWarning": "jacobkit.strategies._precision",
     "Stats": "jacobkit.result",
     "VerificationError": "jacobkit.verification",
     "jacobian": "jacobkit.api",
@@ -41,6 +42,7 @@ __all__ = [
     "JacobianResult",
     "Output",
     "Plan",
+    "PrecisionWarning",
     "Stats",
     "VerificationError",
     "__version__",
@@ -57,8 +59,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import memory, strategies
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
+    from jacobkit.problem.tensor_targets import Inputs, Output
     from jacobkit.result import JacobianResult, Stats
-    from jacobkit.targets import Inputs, Output
+    from jacobkit.strategies._precision import PrecisionWarning
     from jacobkit.verification import VerificationError, verify
 
 

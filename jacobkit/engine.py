@@ -143,4 +143,6 @@ def _wrap(
 
 def target_roles(problem: Problem) -> dict[str, str]:
     """Each role (``"kernel"``, ``"bias"``) -> the name of its target."""
-    return {role: problem.target_names[i] for role, i in problem.roles.items()}
+    return {
+        role: problem.target_names[i] for role, i in problem.roles.by_name().items()
+    }

@@ -69,7 +69,7 @@ class JacobianResult(Mapping):
     Tensor targets are named ``"inputs"`` (``"inputs/<name>"`` for one of
     several inputs) and ``"<layer>/output"``; their per-example rows keep only
     each example's own block, shape ``rows_shape + target.shape[1:]``
-    (:mod:`jacobkit.targets`).
+    (:mod:`jacobkit.problem.tensor_targets`).
 
     With ``reduce="norm"`` each entry is instead the L2 norm of every row's
     Jacobian, shape ``rows_shape``.

@@ -94,7 +94,7 @@ TOLERANCES: dict[str, dict[Any, float]] = {
     # per_example); 2e-2 leaves 2.3x. float16 layers: at most 2.5e-3 (loop);
     # bfloat16 layers: at most 5.8e-3.
     # bfloat16 on a Conv2D model (cnn2d) depends on the CPU's kernels, measured
-    # per instruction set (TF 2.21; ``jacobkit.precision.bfloat16_check`` finds
+    # per instruction set (TF 2.21; ``jacobkit.testing.bfloat16_check`` finds
     # the same figures on a tiny model at first use):
     # - AVX-512 with VNNI/BF16 (AMD EPYC Zen 4; oneDNN on, TensorFlow's default
     #   there): every compiled strategy 3.1e-3 to 7.4e-3; the eager ``loop``
@@ -107,7 +107,7 @@ TOLERANCES: dict[str, dict[Any, float]] = {
     #   bfloat16, and cnn2d's gradients cancel.
     # ``tests/test_mixed_precision.py`` holds each strategy to 2x the plain
     # loop's error on the same path (eager, or compiled), and to these floors
-    # where that loop is within ``jacobkit.precision.FAR_OFF`` (0.1); where it is
+    # where that loop is within ``jacobkit.testing.FAR_OFF`` (0.1); where it is
     # not, the test is an expected failure naming the CPU and the figure.
     "reference": {
         tf.float16: 5e-3,

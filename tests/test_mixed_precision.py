@@ -5,8 +5,9 @@ Each strategy either stays within 2x of the plain loop's own error (the
 accuracy users get from a tape loop at that precision: eager for ``loop``,
 compiled one row at a time for the others) and within the measured
 :data:`jacobkit.testing.TOLERANCE` of the policy, or refuses with jacobkit's
-message (see :mod:`jacobkit.precision`). Where this CPU's kernels put that
-loop itself more than ``jacobkit.precision.FAR_OFF`` from float64 (bfloat16
+message (see :mod:`jacobkit.strategies._precision`). Where this CPU's
+kernels put that loop itself more than
+``jacobkit.testing.FAR_OFF`` from float64 (bfloat16
 convolutions without oneDNN), the floor is an expected failure that names
 the CPU and the loop's error.
 
@@ -30,7 +31,6 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import precision as jk_precision
 from jacobkit import runtime, testing
 from jacobkit.problem import Problem
 from jacobkit.strategies import While
@@ -96,7 +96,7 @@ def _loop_errors(
     keep. Eager (``loop``) for the eager strategy, compiled
     (``while(parallel=1)``, one row after another in a ``tf.function``) for
     the others: on some CPUs TensorFlow's compiled and eager kernels differ
-    (see :data:`jacobkit.precision.MEASURED_BFLOAT16`)."""
+    (see :func:`jacobkit.testing.bfloat16_check`)."""
     result = jk.jacobian(
         _model(problem, precision),
         example(problem).inputs,
@@ -123,7 +123,7 @@ def _within_floor_or_xfail(
         testing.max_relative_difference(a, e)
         for a, e in zip(result.jacobians.values(), reference, strict=True)
     ]
-    if max(errors) > floor and max(loop) > jk_precision.FAR_OFF:
+    if max(errors) > floor and max(loop) > testing.FAR_OFF:
         pytest.xfail(
             f"{runtime.cpu_kind().describe()}: this CPU's {_compute_dtype(precision)} "
             f"kernels put the plain loop ({where}) {max(loop):.2f} from float64, "
@@ -231,11 +231,11 @@ def test_the_bfloat16_self_check_finds_what_the_plain_loop_gets(compiled):
     Conv2D model in plain ops) is far off exactly where the plain loop on the
     cnn2d example is, and within 2x of its figure there (they differ in how
     Keras orders the ops, not in the kernels)."""
-    check = jk_precision.bfloat16_check()
+    check = testing.bfloat16_check()
     found = check.compiled if compiled else check.eager
     loop = max(_loop_errors("cnn2d", "bfloat16", "features", compiled))
-    assert (found > jk_precision.FAR_OFF) == (loop > jk_precision.FAR_OFF)
-    if loop > jk_precision.FAR_OFF:
+    assert (found > testing.FAR_OFF) == (loop > testing.FAR_OFF)
+    if loop > testing.FAR_OFF:
         assert loop / 2 <= found <= 2 * loop, (found, loop)
     assert runtime.cpu_kind().describe() == check.cpu
 
@@ -243,7 +243,7 @@ def test_the_bfloat16_self_check_finds_what_the_plain_loop_gets(compiled):
 _WARNING_SCRIPT = """
 import json, warnings
 import jacobkit as jk
-from jacobkit import precision, testing
+from jacobkit import testing
 from jacobkit.testing import examples
 ex = examples.build("cnn2d")
 low = testing.cast_copy(ex.model, "bfloat16")
@@ -255,9 +255,9 @@ with warnings.catch_warnings(record=True) as caught:
 found = [
     (str(w.message), w.filename)
     for w in caught
-    if issubclass(w.category, precision.PrecisionWarning)
+    if issubclass(w.category, jk.PrecisionWarning)
 ]
-print(json.dumps({"found": found, "error": precision.bfloat16_check().compiled}))
+print(json.dumps({"found": found, "error": testing.bfloat16_check().compiled}))
 """
 
 
@@ -271,7 +271,7 @@ def test_a_far_off_bfloat16_target_warns_once_per_process(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, check=True
     )
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    far = seen["error"] > jk_precision.FAR_OFF
+    far = seen["error"] > testing.FAR_OFF
     assert len(seen["found"]) == (1 if far else 0), seen
     if far:
         message, filename = seen["found"][0]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jacobkit as jk
-from jacobkit import norms, testing
+from jacobkit import testing
+from jacobkit.layers import norms
 from jacobkit.testing import examples
 from tests.cases import call_kwargs, reference, target_variables
 
@@ -56,7 +57,7 @@ def test_norms_agree_with_float64_reference(strategy, problem, outputs):
 @pytest.mark.parametrize("sequence", [4, 48])
 def test_gram_form_and_chunked_materialization(sequence):
     """Short sequences take the Gram form, long ones chunks of rows (the
-    crossover of :func:`jacobkit.norms.use_gram`); both give the norms."""
+    crossover of :func:`jacobkit.layers.norms.use_gram`); both give the norms."""
     sizes = {"batch": 2, "sequence": sequence, "channels": 3, "filters": 4}
     gram = norms.use_gram(sequence, 5 * 3, 4, 5)
     assert gram == (sequence == 4)

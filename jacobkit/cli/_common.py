@@ -46,9 +46,9 @@ def check_model_flags(args: argparse.Namespace) -> None:
 def load_model(path: str) -> Any:
     """The saved Keras model at ``path`` (a :class:`UsageError` if it cannot
     be loaded)."""
-    from jacobkit import saved_models
+    from jacobkit.keras import saved
 
     try:
-        return saved_models.load(path)
+        return saved.load(path)
     except ValueError as err:
         raise UsageError(str(err)) from err

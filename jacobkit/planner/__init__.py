@@ -48,7 +48,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, precision, strategies
+from jacobkit import memory, strategies
 from jacobkit.planner import cache as disk
 from jacobkit.planner import calls, probes, scratch
 from jacobkit.planner.entry import CacheEntry, entry_of, restore
@@ -59,6 +59,7 @@ from jacobkit.planner.session import Session
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
 from jacobkit.strategies import Strategy
+from jacobkit.strategies import _precision as precision
 from jacobkit.strategies.structured import NoShortcut
 
 #: model -> {((problem key, input shapes, budget as given, device, policy),
@@ -127,9 +128,10 @@ def session_for(
 
 def _structured(problem: Problem) -> tuple[Strategy | None, str]:
     """``(Structured(), what it found)`` where an exact structural shortcut
-    applies to ``problem`` (:mod:`jacobkit.structure`), else ``(None, why
-    not)``: the refusal's :attr:`~jacobkit.strategies.structured.NoShortcut.
-    reason`, or the inner strategy's own refusal."""
+    applies to ``problem`` (:mod:`jacobkit.strategies._structure`), else
+    ``(None, why not)``: the refusal's
+    :attr:`~jacobkit.strategies.structured.NoShortcut.reason`, or the inner
+    strategy's own refusal."""
     shortcut = strategies.Structured()
     try:
         shortcut.check(problem)

@@ -1,5 +1,5 @@
 """``auto``'s candidates where an exact structural shortcut applies
-(:mod:`jacobkit.structure`), beside the ``batch`` strategy's closed form.
+(:mod:`jacobkit.strategies._structure`), beside the ``batch`` strategy's closed form.
 
 Measured (2-core CPU, steady calls, after the combine became one matmul):
 
@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from jacobkit import strategies, structure
+from jacobkit import strategies
 from jacobkit.planner.plan import Rejection
 from jacobkit.problem import Problem
 from jacobkit.strategies import Strategy
+from jacobkit.strategies import _structure as structure
 
 #: the name the shortcut's rejections are filed under
 NAME = "structured"
@@ -97,7 +98,7 @@ def shortcut_first(problem: Problem) -> bool:
     found = structure.find(problem)
     if isinstance(found, structure.SeparableChannels):
         return True
-    kernel = problem.targets[problem.roles["kernel"]]
+    kernel = problem.targets[problem.roles.kernel]
     params = sum(t.shape.num_elements() for t in problem.targets)
     per_row = _positions(problem) * kernel.shape.num_elements()
     rows, width = problem.rows_shape[-1], found.width
@@ -109,7 +110,7 @@ def _batch_inside_applies(problem: Problem, closed_form: bool) -> bool:
     ``while`` and may run: a Dense/Conv layer's own variables under a linear
     head (separable channels take one backward pass whatever is inside;
     per-example rows take it as the closed form's rival)."""
-    if problem.tensor_targets is not None or problem.linear_layer_kind is None:
+    if problem.tensor_targets is not None or problem.layer_rule is None:
         return False
     return closed_form or isinstance(structure.find(problem), structure.LinearHead)
 

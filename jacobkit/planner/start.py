@@ -172,7 +172,7 @@ def _per_example_fast_path(problem: Problem) -> bool:
         rows.decomposes_per_example
         and not rows.summed_over_batch
         and problem.tensor_targets is None
-        and problem.linear_layer_kind is not None
+        and problem.layer_rule is not None
     )
 
 

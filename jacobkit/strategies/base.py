@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import precision
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
+from jacobkit.strategies import _precision as precision
 
 #: model -> {(problem key, strategy key): compiled computation}
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

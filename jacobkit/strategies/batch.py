@@ -7,7 +7,7 @@ the layer must run once per forward pass), so by the chain rule every row ``r``
 has ``dr/dW = VJP of linear at x, applied to the cotangent dr/dz``, and the
 VJP of a map that is linear in ``(W, b)`` is exact, not a linearization.
 That VJP is written in closed form over the unfolded input (see the NOTE in
-:func:`jacobkit.linear.kernel_and_bias_gradients`): for rows that depend on a
+:func:`jacobkit.layers.contract.kernel_and_bias_gradients`): for rows that depend on a
 single example ``b`` only (``"per_example"`` and ``"full"``), ``dr/dz`` is
 zero outside example ``b``, so one batched einsum gives every (example, row)
 pair; ``"features"`` rows are sums over examples, and the same product also
@@ -26,10 +26,11 @@ from typing import final
 
 import tensorflow as tf
 
-from jacobkit import linear, norms, precision
+from jacobkit.keras.graph import TapError
+from jacobkit.layers import LayerRule
 from jacobkit.problem import Problem
+from jacobkit.strategies import _precision as precision
 from jacobkit.strategies.base import ZERO, Strategy, map_chunks
-from jacobkit.taps import TapError
 
 _SUPPORTED = "Dense, Conv1D and Conv2D (Keras 3 or tf_keras)"
 #: machine epsilon of the half-precision compute dtypes of mixed precision
@@ -47,11 +48,12 @@ class Batch(Strategy):
     :data:`ROWS_AT_ONCE` rows' backward passes (each over the batch), and
     every row's cotangent at ``z`` (R × size(z) per example) besides the
     result. With ``reduce="norm"``,
-    the norms come from the Gram form or chunks of rows (:mod:`jacobkit.norms`).
+    the norms come from the Gram form or chunks of rows
+    (:mod:`jacobkit.layers.norms`).
 
     Needs a Dense/Conv1D/Conv2D layer that runs once per forward pass in a
     functional or Sequential model: the layer is tapped by running the
-    model's graph beside it (:mod:`jacobkit.taps`), never by changing it.
+    model's graph beside it (:mod:`jacobkit.keras.graph`), never by changing it.
     """
 
     name = "batch"
@@ -80,7 +82,8 @@ class Batch(Strategy):
                 "'jacobian' (per-example rows of Inputs()/Output() targets cost "
                 "K rows there, not B x K)."
             )
-        if problem.linear_layer_kind is None:
+        rule = problem.layer_rule
+        if rule is None:
             what = (
                 "a list of variables"
                 if problem.layer is None
@@ -97,14 +100,14 @@ class Batch(Strategy):
                 "'per_example' or 'full'); a callable outputs= may mix "
                 "examples. Use strategy='chunked'."
             )
-        if set(problem.roles.values()) != set(range(len(problem.targets))):
+        if not problem.roles.cover(len(problem.targets)):
             raise ValueError(
                 "jacobian(strategy='batch'): every target must be the layer's own "
                 "kernel or bias."
             )
         precision.refuse_float16_variables(problem, self.name)
         name = problem.layer.name
-        why = linear.unsupported(problem.layer, problem.linear_layer_kind)
+        why = rule.unsupported()
         if why is not None:
             raise ValueError(
                 f"jacobian(strategy='batch'): layer {name!r} is not supported: "
@@ -198,17 +201,18 @@ def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
     """Forward pass recording the target layer's input and output ``z``.
 
     The model's graph is run with the layer's node computed beside the layer
-    (``activation(linear(x))``, :meth:`Problem.layer_tap`); the user's layer is
+    (``activation(linear(x))``, :attr:`Problem.layer_tap`); the user's layer is
     never changed. With ``check``, the node's output as the layer itself
     computes it is recorded too.
     """
     taps = []
+    rule: LayerRule = problem.layer_rule
 
     def on_layer(call, args, kwargs):
         layer_inputs = args[0]
-        z = problem.layer_linear(layer_inputs)
+        z = _pre_activation(problem, rule, layer_inputs)
         tape.watch(z)
-        activated = problem.layer_activation(z)
+        activated = rule.activation(z)
         taps.append((layer_inputs, z, call(*args, **kwargs) if check else None))
         return activated
 
@@ -221,48 +225,58 @@ def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
     return layer_inputs, z, per_example, tape
 
 
+def _pre_activation(problem: Problem, rule: LayerRule, layer_inputs: tf.Tensor):
+    """The target layer's pre-activation output for ``layer_inputs``,
+    computed beside the layer with its own variables (the targets).
+
+    Outside ``layer.__call__`` Keras does not autocast: under mixed
+    precision the kernel is float32 and ``layer_inputs`` float16. ``z`` is
+    computed in the kernel's dtype, so the contraction with the cotangents
+    accumulates in float32, as the loop's gradient does."""
+    roles, targets = problem.roles, problem.targets
+    kernel = targets[roles.kernel]
+    bias = targets[roles.bias] if roles.bias is not None else None
+    return rule.pre_activation(tf.cast(layer_inputs, kernel.dtype), kernel, bias)
+
+
+def _in_target_order(problem: Problem, kernel: tf.Tensor, bias: tf.Tensor) -> list:
+    """``kernel`` and ``bias`` results in the order of the targets, each in
+    its target's dtype."""
+    by_role = {"kernel": kernel, "bias": bias}
+    roles = problem.roles.by_name()
+    order = sorted(roles, key=roles.get)
+    return [tf.cast(by_role[r], problem.targets[roles[r]].dtype) for r in order]
+
+
 def _contract(problem, layer_inputs, dz, targets, *, summed):
     """The kernel/bias Jacobians from ``dz`` in closed form (see the NOTE in
-    :func:`jacobkit.linear.kernel_and_bias_gradients`): one einsum, no
-    per-row ``vectorized_map`` and no while-loop fallback."""
-    roles = problem.roles
+    :func:`jacobkit.layers.contract.kernel_and_bias_gradients`): one einsum,
+    no per-row ``vectorized_map`` and no while-loop fallback."""
     # under mixed precision the layer input is float16 and ``dz`` float32
     # (``z`` is computed in the kernel's dtype): contract in float32, as the
     # loop's gradient accumulates
-    kernel, bias = linear.kernel_and_bias_gradients(
-        problem.layer,
-        problem.linear_layer_kind,
+    kernel, bias = problem.layer_rule.gradients(
         tf.cast(layer_inputs, dz.dtype),
         dz,
-        tuple(targets[roles["kernel"]].shape),
+        tuple(targets[problem.roles.kernel].shape),
         summed=summed,
     )
-    by_role = {"kernel": kernel, "bias": bias}
-    order = sorted(roles, key=roles.get)
-    return [tf.cast(by_role[role], targets[roles[role]].dtype) for role in order]
+    return _in_target_order(problem, kernel, bias)
 
 
 def _norms(problem, layer_inputs, dz, targets, *, summed):
     """Per-row norms of the kernel/bias Jacobians (Gram form or chunks of
-    rows, :func:`jacobkit.norms.kernel_and_bias_norms`)."""
-    roles = problem.roles
-    kernel, bias = norms.kernel_and_bias_norms(
-        problem.layer,
-        problem.linear_layer_kind,
-        layer_inputs,
-        dz,
-        summed=summed,
-        map_chunks=map_chunks,
+    rows, :func:`jacobkit.layers.norms.kernel_and_bias_norms`)."""
+    kernel, bias = problem.layer_rule.norms(
+        layer_inputs, dz, summed=summed, map_chunks=map_chunks
     )
-    by_role = {"kernel": kernel, "bias": bias}
-    order = sorted(roles, key=roles.get)
-    return [tf.cast(by_role[role], targets[roles[role]].dtype) for role in order]
+    return _in_target_order(problem, kernel, bias)
 
 
 def _check_closed_form(problem: Problem) -> None:
     """Refuse a layer whose output is not ``activation(linear(x))``."""
     _, z, _, _, own = _tapped_forward(problem, problem.inputs, check=True)
-    activated = problem.layer_activation(z)
+    activated = problem.layer_rule.activation(z)
     # float32 rounding of the same operations differs by < 1e-6 relative; a
     # float16/bfloat16 layer (mixed precision) rounds its own output to a few
     # of its epsilons, against ``z`` computed in float32

@@ -7,8 +7,8 @@ from typing import final
 
 import tensorflow as tf
 
-from jacobkit import norms, precision
 from jacobkit.problem import Problem
+from jacobkit.strategies import _precision as precision
 from jacobkit.strategies.base import (
     ZERO,
     Strategy,
@@ -82,9 +82,18 @@ class Chunked(Strategy):
                     fallback_to_while_loop=False,
                 )
                 if reduce == "norm":  # one chunk of Jacobians held at a time
-                    return [norms.row_norms(j, blocked) for j in jacobians]
+                    return [row_norms(j, blocked) for j in jacobians]
                 return jacobians
 
             return map_chunks(chunk, num_rows, self.chunk_size, dtypes)
 
         return compute
+
+
+def row_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
+    """L2 norms over a chunk's parameter axes: ``(c, *v.shape) -> (c,)``, or
+    ``(c, B, *block) -> (c, B)`` for own-example blocks (``blocked``)."""
+    first = 2 if blocked else 1
+    axes = list(range(first, jacobians.shape.rank))
+    squares = tf.square(jacobians)
+    return tf.sqrt(tf.reduce_sum(squares, axis=axes) if axes else squares)

@@ -7,8 +7,8 @@ from typing import final
 
 import tensorflow as tf
 
-from jacobkit import precision
 from jacobkit.problem import Problem
+from jacobkit.strategies import _precision as precision
 from jacobkit.strategies.base import ZERO, Strategy
 
 

@@ -13,7 +13,10 @@ formed by plain indexing inside the tape. Give it a float64 copy of the model
 - :mod:`~jacobkit.testing.tolerance`: :data:`TOLERANCE`;
 - :mod:`~jacobkit.testing.examples`: the built-in example problems;
 - :func:`cast_copy`, :func:`float64_copy` (from :mod:`jacobkit.keras.cast`)
-  and :func:`verify` (from :mod:`jacobkit.verification`), re-exported.
+  and :func:`verify` (from :mod:`jacobkit.verification`), re-exported;
+- :func:`bfloat16_check` and :data:`FAR_OFF`: how far this CPU's bfloat16
+  convolution gradients are from float64 (from the strategies' precision
+  rules), re-exported.
 
 This package only re-exports; its modules import each other directly.
 """
@@ -21,6 +24,7 @@ This package only re-exports; its modules import each other directly.
 from __future__ import annotations
 
 from jacobkit.keras.cast import cast_copy, float64_copy
+from jacobkit.strategies._precision import FAR_OFF, Bfloat16Check, bfloat16_check
 from jacobkit.testing.close import BASELINE_FACTOR, assert_close
 from jacobkit.testing.reference import (
     Reference,
@@ -34,10 +38,13 @@ from jacobkit.verification import VerificationError, verify
 
 __all__ = [
     "BASELINE_FACTOR",
+    "FAR_OFF",
+    "Bfloat16Check",
     "TOLERANCE",
     "Reference",
     "VerificationError",
     "assert_close",
+    "bfloat16_check",
     "cast_copy",
     "float64_copy",
     "float64_reference",

@@ -36,7 +36,7 @@ def assert_close(
       tight one. Measured on the nested and deep models of
       ``tests/test_reference.py``, every strategy is within 1.2x of the
       loop's own error (float32) or refuses (float16, see
-      :mod:`jacobkit.precision`), which ``BASELINE_FACTOR = 2`` covers. The
+      :mod:`jacobkit.strategies._precision`), which ``BASELINE_FACTOR = 2`` covers. The
       derived tolerance is only as tight as that loop: under bfloat16 on CPU
       the eager loop can be far off (0.33 on a Conv2D model, see
       :data:`TOLERANCE`), so pass ``precision=`` with a plain list of arrays

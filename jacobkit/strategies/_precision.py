@@ -46,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import runtime
+from jacobkit.keras import compat
 
 #: relative errors to the float32-weights result, measured as in the NOTE
 MEASURED = {
@@ -70,19 +71,12 @@ def gradient_dtype(problem: Any) -> tf.DType:
         return tf.as_dtype(compute)
     dtypes = [t.dtype for t in problem.targets]
     targets = {id(t) for t in problem.targets}
-    flatten = getattr(problem.model, "_flatten_layers", None)
-    for owner in flatten(include_self=False, recursive=True) if flatten else ():
-        owned = [_unwrapped(w) for w in getattr(owner, "weights", ())]
+    for owner in compat.flatten_layers(problem.model):
+        owned = [compat.unwrap(w) for w in getattr(owner, "weights", ())]
         compute = getattr(owner, "compute_dtype", None)
         if compute is not None and any(id(w) in targets for w in owned):
             dtypes.append(tf.as_dtype(compute))
     return min(dtypes, key=lambda d: d.size)
-
-
-def _unwrapped(variable: Any) -> Any:
-    """The ``tf.Variable`` behind a Keras 3 variable; others as they are."""
-    inner = getattr(variable, "_value", None)
-    return inner if isinstance(inner, tf.Variable) else variable
 
 
 def refuse_float16_vectorized(problem: Any, name: str) -> None:
@@ -273,7 +267,7 @@ def warn_if_bfloat16_far_off(problem: Any, compiled: bool) -> None:
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside jacobkit (the user's
     call), counted from :func:`warnings.warn`'s caller."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1

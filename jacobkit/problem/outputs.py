@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import model_layers
+from jacobkit.keras import layer_tree
 
 
 class OutputError(ValueError):
@@ -99,7 +99,7 @@ def pick(outputs: Any, output: int | str, model: Any) -> tf.Tensor:
     count = f"{len(values)} outputs"
     hint = ""
     if isinstance(output, str) and names:
-        close = model_layers.close_names(output, names)
+        close = layer_tree.close_names(output, names)
         if close:
             hint = f" Did you mean {' or '.join(repr(n) for n in close)}?"
     raise OutputError(

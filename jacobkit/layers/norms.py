@@ -5,7 +5,7 @@ Two ways, used by the strategies that support norms:
 
 - **chunked materialization**: compute a chunk of rows' Jacobians, reduce each
   to its norm, drop the chunk (``chunked``, any target; ``batch`` for Dense
-  and Conv layers, from the closed form of :mod:`jacobkit.linear`).
+  and Conv layers, from the closed form of :mod:`jacobkit.layers.contract`).
 - **the Gram ("ghost norm") form**, for a per-example row of a Dense or Conv
   layer: with ``U = unfold(x[b])`` (``P × I``) and ``G`` the row's cotangent at
   ``z[b]`` (``P × O``), ``dW = Uᵀ G`` and
@@ -22,35 +22,14 @@ Two ways, used by the strategies that support norms:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import linear
+from jacobkit.layers import contract
 
-REDUCE_MODES = (None, "norm")
 #: rows' Jacobians held at once by the chunked materialization in ``batch``
 #: (elements); 2**22 float32 = 16 MiB
 CHUNK_ELEMENTS = 2**22
-
-
-def check_reduce(reduce: Any) -> str | None:
-    if reduce not in REDUCE_MODES:
-        raise ValueError(
-            f"jacobian(reduce={reduce!r}): expected None (the Jacobians) or "
-            "'norm' (the L2 norm of each row's Jacobian per target, shape "
-            "rows_shape)."
-        )
-    return reduce
-
-
-def row_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
-    """L2 norms over a chunk's parameter axes: ``(c, *v.shape) -> (c,)``, or
-    ``(c, B, *block) -> (c, B)`` for own-example blocks (``blocked``)."""
-    first = 2 if blocked else 1
-    axes = list(range(first, jacobians.shape.rank))
-    squares = tf.square(jacobians)
-    return tf.sqrt(tf.reduce_sum(squares, axis=axes) if axes else squares)
 
 
 #: the Gram form's multiply-adds cost this many times a materializing one
@@ -71,9 +50,7 @@ def use_gram(positions: int, inputs: int, units: int, rows: int) -> bool:
 
 
 def kernel_and_bias_norms(
-    layer: Any,
-    kind: str,
-    x: tf.Tensor,
+    patches: tf.Tensor,
     dz: tf.Tensor,
     *,
     summed: bool,
@@ -81,7 +58,8 @@ def kernel_and_bias_norms(
     form: str | None = None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Per-row norms of a Dense/Conv layer's kernel and bias Jacobians from
-    the cotangents ``dz`` (``(B, K, *z.shape[1:])``) at its output.
+    its unfolded input ``patches`` (``(B, P, I)``) and the cotangents ``dz``
+    (``(B, K, *z.shape[1:])``) at its output.
 
     Returns ``(kernel, bias)`` norms of shape ``(R,)``, ``R = K`` if
     ``summed`` else ``B * K`` (row-major), by the Gram form for per-example
@@ -90,7 +68,6 @@ def kernel_and_bias_norms(
     ``"gram"`` or ``"chunks"`` (the crossover benchmark measures both).
     """
     batch, rows, units = dz.shape[0], dz.shape[1], dz.shape[-1]
-    patches = linear.unfold(layer, kind, x)  # (B, P, I)
     positions, inputs = patches.shape[1], patches.shape[2]
     cotangents = tf.reshape(dz, (batch, rows, positions, units))  # (B, K, P, O)
     gram = use_gram(positions, inputs, units, rows) if form is None else form == "gram"
@@ -108,10 +85,10 @@ def kernel_and_bias_norms(
     def chunk(start, count):
         part = cotangents[:, start : start + count]
         if summed:
-            kernel = linear.summed_matmul(patches, part)
+            kernel = contract.summed_matmul(patches, part)
             bias = tf.reduce_sum(part, axis=(0, 2))
         else:  # (B, c, I, O) -> norms (B, c) -> (c, B)
-            kernel = linear.per_example_matmul(patches, part)
+            kernel = contract.per_example_matmul(patches, part)
             bias = tf.reduce_sum(part, axis=2)
         kernel = tf.sqrt(tf.reduce_sum(tf.square(kernel), axis=(-2, -1)))
         bias = tf.norm(bias, axis=-1)

@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import taps
+from jacobkit.keras import graph as taps
+from jacobkit.problem.cache import per_model
 
 #: model -> {(target spec, signature): (names, zero variables)}
 _DELTAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -89,13 +90,6 @@ class Output:
 
 def is_tensor_target(target: Any) -> bool:
     return isinstance(target, (Inputs, Output))
-
-
-def _per_model(cache: weakref.WeakKeyDictionary, model: Any) -> dict:
-    try:
-        return cache.setdefault(model, {})
-    except TypeError:
-        return {}
 
 
 def _input_names(model: Any, inputs: Any) -> list[str]:
@@ -163,7 +157,7 @@ class TensorTargets:
             self.names = (f"{layer.name}/output",)
             specs = [self._output_spec(inputs, layer.name)]
         key = (spec, tuple(specs), training)
-        cache = _per_model(_DELTAS, model)
+        cache = per_model(_DELTAS, model)
         if key not in cache:
             cache[key] = tuple(
                 tf.Variable(
@@ -232,7 +226,7 @@ def check_independent(problem: Any) -> None:
     """Refuse per-example blocks when the model mixes examples (checked once
     per model and problem): example 0's rows, weighted at random, must have a
     zero gradient on every other example of each target tensor."""
-    checked = _per_model(_INDEPENDENT, problem.model)
+    checked = per_model(_INDEPENDENT, problem.model)
     if problem.key in checked or (problem.batch_size or 0) < 2:
         return
     variables = list(problem.targets)

@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from jacobkit.keras import compat
+
 #: class names (anywhere in a layer's MRO) of Keras layers that run a
 #: ``tf.while_loop`` over time steps
 _RECURRENT = ("RNN", "Bidirectional")
@@ -27,10 +29,7 @@ _RECURRENT = ("RNN", "Bidirectional")
 
 def children(layer: Any) -> list[Any]:
     """The layers ``layer`` holds directly (sub-models, wrapped layers, cells)."""
-    flatten = getattr(layer, "_flatten_layers", None)
-    if flatten is None:
-        return []
-    return list(flatten(include_self=False, recursive=False))
+    return compat.flatten_layers(layer, recursive=False)
 
 
 def walk(model: Any) -> Iterator[tuple[Any, tuple[str, ...]]]:

@@ -39,7 +39,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem, as_tf_variable, per_model
+from jacobkit.keras import graph as keras_graph
+from jacobkit.keras.compat import as_tf_variable
+from jacobkit.problem import Problem, per_model
 
 #: Keras activations that act on each element alone (``softmax``, ``glu`` and
 #: friends mix the last axis and are not here).
@@ -77,8 +79,9 @@ _INFERENCE_IDENTITY = frozenset(
 _LINEAR = frozenset({"Dense", "Conv1D", "Conv2D", "Conv3D"})
 
 
-class NotApplicable(Exception):
-    """The structure is absent, or not certain; ``str()`` says why."""
+#: the structure is absent, or not certain; ``str()`` says why (the graph
+#: walk's own refusal: :class:`jacobkit.keras.graph.NotCertain`)
+NotApplicable = keras_graph.NotCertain
 
 
 @dataclass(frozen=True)
@@ -234,62 +237,12 @@ def _graph(problem: Problem) -> _Graph:
     return _Graph(keras, outputs[0])
 
 
-def _producer(tensor: Any) -> tuple[Any, Any]:
-    """``(layer, node)`` that made a symbolic tensor of the graph."""
-    history = getattr(tensor, "_keras_history", None)
-    if history is None:
-        raise NotApplicable("a tensor of the graph has no producing layer")
-    layer, node_index, _ = history
-    return layer, layer._inbound_nodes[node_index]
-
-
-def _single_input(layer: Any, node: Any) -> Any:
-    """The one symbolic input of a plain ``layer(x)`` call."""
-    inputs = node.input_tensors
-    # Keras records training=/mask= keywords of symbolic calls; the model
-    # sets those itself when it runs.
-    extra = set(node.arguments.kwargs) - {"training", "mask"}
-    if len(inputs) != 1 or extra or len(node.arguments.args) != 1:
-        raise NotApplicable(f"layer {layer.name!r} is not called as layer(x)")
-    return inputs[0]
-
-
-def _stock(keras: Any, layer: Any, names: frozenset[str]) -> str | None:
-    """The class name if ``layer`` is exactly a stock Keras layer in ``names``
-    (subclasses may change ``call``, so they are not certain)."""
-    name = type(layer).__name__
-    if name in names and type(layer) is getattr(keras.layers, name, None):
-        return name
-    return None
-
-
 def _elementwise_activation(keras: Any, activation: Any) -> bool:
     name = getattr(activation, "__name__", None)
     return (
         name in _ELEMENTWISE_ACTIVATIONS
         and getattr(keras.activations, name, None) is activation
     )
-
-
-def _used_once(layer: Any) -> None:
-    if len(layer._inbound_nodes) != 1:
-        raise NotApplicable(
-            f"layer {layer.name!r} is called {len(layer._inbound_nodes)} times"
-        )
-
-
-def _input_model(keras: Any, model: Any, tensor: Any) -> Callable[[Any], tf.Tensor]:
-    """``inputs -> tensor`` as a sub-model of ``model``'s functional graph
-    (nothing of ``model`` or its layers changes)."""
-    try:
-        inputs = model.input
-    except AttributeError:  # a Sequential model never called: one input
-        inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
-    try:
-        sub = keras.Model(inputs, tensor)
-    except (ValueError, TypeError, KeyError) as err:
-        raise NotApplicable(f"no sub-model up to {tensor.name}: {err}") from err
-    return sub
 
 
 def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
@@ -302,7 +255,7 @@ def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
         )
     if layer is None:
         raise NotApplicable("separable channels: the targets are not a layer")
-    kind = _stock(keras, layer, _LINEAR)
+    kind = keras_graph.stock(keras, layer, _LINEAR)
     if kind is None:
         raise NotApplicable(
             f"separable channels: target {layer.name!r} is not a stock Dense "
@@ -320,7 +273,7 @@ def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
             f"{getattr(layer.activation, '__name__', layer.activation)!r} is not "
             "elementwise"
         )
-    if set(problem.roles.values()) != set(range(len(problem.targets))):
+    if not problem.roles.cover(len(problem.targets)):
         raise NotApplicable("separable channels: a target is not the layer's own")
     width = problem.output_width
     for target in problem.targets:
@@ -331,10 +284,11 @@ def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
             )
     chain, path = [], []
     tensor = graph.output
-    current, node = _producer(tensor)
+    current, node = keras_graph.producer(tensor)
     training = problem.training
+    passing = _ELEMENTWISE_LAYERS | _INFERENCE_IDENTITY
     while current is not layer:
-        name = _stock(keras, current, _ELEMENTWISE_LAYERS | _INFERENCE_IDENTITY)
+        name = keras_graph.stock(keras, current, passing)
         if name is None or (name in _INFERENCE_IDENTITY and training):
             raise NotApplicable(
                 f"separable channels: layer {current.name!r} "
@@ -348,13 +302,13 @@ def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
                 f"separable channels: activation layer {current.name!r} is not "
                 "elementwise"
             )
-        _used_once(current)
+        keras_graph.used_once(current)
         chain.append(current)
         path.append(current.name)
-        current, node = _producer(_single_input(current, node))
-    _used_once(layer)
-    layer_input = _single_input(layer, node)
-    prefix = _input_model(keras, problem.model, layer_input)
+        current, node = keras_graph.producer(keras_graph.single_input(current, node))
+    keras_graph.used_once(layer)
+    layer_input = keras_graph.single_input(layer, node)
+    prefix = keras_graph.input_model(keras, problem.model, layer_input)
     # The layer's input must not read the targets (weights shared with a
     # layer before it would make the contraction wrong).
     before = {id(as_tf_variable(v)) for v in prefix.weights}
@@ -366,16 +320,12 @@ def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
 
     def tail(x: tf.Tensor) -> tf.Tensor:
         for each in layers:
-            x = each(x, training=False) if _takes_training(each) else each(x)
+            x = each(x, training=False) if keras_graph.takes_training(each) else each(x)
         return x
 
     channels = _channels(problem)
     description = " -> ".join([layer.name, *reversed(path), "output"])
     return SeparableChannels(layer, channels, prefix, tail, description)
-
-
-def _takes_training(layer: Any) -> bool:
-    return bool(getattr(layer, "_call_has_training_arg", False))
 
 
 def _channels(problem: Problem) -> tuple[int, ...]:
@@ -388,8 +338,8 @@ def _channels(problem: Problem) -> tuple[int, ...]:
 
 def _linear_head(problem: Problem, graph: _Graph) -> LinearHead:
     keras = graph.keras
-    head, node = _producer(graph.output)
-    if _stock(keras, head, frozenset({"Dense"})) is None:
+    head, node = keras_graph.producer(graph.output)
+    if keras_graph.stock(keras, head, frozenset({"Dense"})) is None:
         raise NotApplicable(
             f"linear head: the output layer {head.name!r} "
             f"({type(head).__name__}) is not a stock Dense layer"
@@ -403,13 +353,13 @@ def _linear_head(problem: Problem, graph: _Graph) -> LinearHead:
         )
     if getattr(head, "lora_enabled", False) or getattr(head, "quantization_mode", None):
         raise NotApplicable(f"linear head: {head.name!r} is LoRA/quantized")
-    _used_once(head)
+    keras_graph.used_once(head)
     head_vars = {id(as_tf_variable(v)) for v in head.weights}
     if any(id(t) in head_vars for t in problem.targets):
         raise NotApplicable(
             f"linear head: the targets include {head.name!r}'s own variables"
         )
-    h = _single_input(head, node)
+    h = keras_graph.single_input(head, node)
     width = int(head.kernel.shape[0])
     rows_width = len(_channels(problem))
     if width >= rows_width:
@@ -417,7 +367,7 @@ def _linear_head(problem: Problem, graph: _Graph) -> LinearHead:
             f"linear head: {head.name!r} has {width} inputs for {rows_width} "
             "features, no fewer"
         )
-    sub_model = _input_model(keras, problem.model, h)
+    sub_model = keras_graph.input_model(keras, problem.model, h)
     sub_problem = Problem(
         sub_model,
         problem.inputs,

@@ -36,6 +36,11 @@ class TapError(ValueError):
     """The layer cannot be tapped; the message says why (completed by callers)."""
 
 
+class NotCertain(Exception):
+    """A Keras 3 functional graph is not as a shortcut needs it, or not
+    certainly so; ``str()`` says why."""
+
+
 def _keras3_graph(model: Any) -> Any:
     """The Keras 3 ``Functional`` that runs ``model``, or ``None``."""
     try:
@@ -191,3 +196,58 @@ def _run_tf_keras(graph, inputs, training, target, replace):
             tensors[output_id] = [value] * usage[output_id]
     results = [tensors[str(id(x))].pop() for x in graph.outputs]
     return tf.nest.pack_sequence_as(graph._nested_outputs, results)
+
+
+# -- reading a Keras 3 functional graph (the structured shortcuts) --------------
+def producer(tensor: Any) -> tuple[Any, Any]:
+    """``(layer, node)`` that made a symbolic tensor of the graph."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None:
+        raise NotCertain("a tensor of the graph has no producing layer")
+    layer, node_index, _ = history
+    return layer, layer._inbound_nodes[node_index]
+
+
+def single_input(layer: Any, node: Any) -> Any:
+    """The one symbolic input of a plain ``layer(x)`` call."""
+    inputs = node.input_tensors
+    # Keras records training=/mask= keywords of symbolic calls; the model
+    # sets those itself when it runs.
+    extra = set(node.arguments.kwargs) - {"training", "mask"}
+    if len(inputs) != 1 or extra or len(node.arguments.args) != 1:
+        raise NotCertain(f"layer {layer.name!r} is not called as layer(x)")
+    return inputs[0]
+
+
+def stock(keras: Any, layer: Any, names: frozenset[str]) -> str | None:
+    """The class name if ``layer`` is exactly a stock Keras layer in ``names``
+    (subclasses may change ``call``, so they are not certain)."""
+    name = type(layer).__name__
+    if name in names and type(layer) is getattr(keras.layers, name, None):
+        return name
+    return None
+
+
+def used_once(layer: Any) -> None:
+    if len(layer._inbound_nodes) != 1:
+        raise NotCertain(
+            f"layer {layer.name!r} is called {len(layer._inbound_nodes)} times"
+        )
+
+
+def input_model(keras: Any, model: Any, tensor: Any) -> Callable[[Any], tf.Tensor]:
+    """``inputs -> tensor`` as a sub-model of ``model``'s functional graph
+    (nothing of ``model`` or its layers changes)."""
+    try:
+        inputs = model.input
+    except AttributeError:  # a Sequential model never called: one input
+        inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+    try:
+        sub = keras.Model(inputs, tensor)
+    except (ValueError, TypeError, KeyError) as err:
+        raise NotCertain(f"no sub-model up to {tensor.name}: {err}") from err
+    return sub
+
+
+def takes_training(layer: Any) -> bool:
+    return bool(getattr(layer, "_call_has_training_arg", False))

@@ -1,0 +1,52 @@
+"""Per-layer closed forms, one rule per layer type, registered by class.
+
+>>> import keras
+>>> from jacobkit import layers
+>>> layers.rule_for(keras.layers.Dense(3)).kind
+'dense'
+>>> layers.rule_for(keras.layers.LSTM(3)) is None
+True
+
+A layer gets the rule of the first registered class it is an instance of
+(Keras 3 and ``tf_keras`` classes alike, subclasses included); layers of no
+registered class have none, and the ``batch`` strategy refuses them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from jacobkit.keras import compat
+from jacobkit.layers.base import LayerRule
+from jacobkit.layers.conv import Conv1DRule, Conv2DRule
+from jacobkit.layers.dense import DenseRule
+
+__all__ = ["LayerRule", "rule_for"]
+
+#: the registry: Keras layer class name -> its rule
+_RULES: dict[str, type[LayerRule]] = {
+    "Dense": DenseRule,
+    "Conv1D": Conv1DRule,
+    "Conv2D": Conv2DRule,
+}
+
+
+@functools.cache
+def _registry() -> tuple[tuple[type, type[LayerRule]], ...]:
+    """``(layer class, rule)`` for each registered class of each installed
+    Keras flavour (looked up once: importing ``tf_keras`` takes a while)."""
+    return tuple(
+        (getattr(module.layers, name), rule)
+        for module in compat.keras_modules()
+        for name, rule in _RULES.items()
+    )
+
+
+def rule_for(layer: Any) -> LayerRule | None:
+    """The :class:`LayerRule` of ``layer``, or ``None`` where none is
+    registered for its class."""
+    for cls, rule in _registry():
+        if isinstance(layer, cls):
+            return rule(layer)
+    return None

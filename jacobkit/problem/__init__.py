@@ -1,0 +1,30 @@
+"""What is differentiated, resolved once: :class:`Problem` and the pieces it
+is made of.
+
+- :mod:`.rows`: ``outputs=`` and ``features=`` (:class:`Rows`);
+  :mod:`.outputs`: ``output=`` of a multi-output model.
+- :mod:`.targets`: ``layer=`` as a layer, name or variables (:class:`Targets`);
+  :mod:`.tensor_targets`: ``Inputs()`` and ``Output("layer")``.
+- :mod:`.inspect`: the one traced pass (:class:`Inspection`).
+- :mod:`.cache`: the per-model weak cache (:func:`per_model`).
+"""
+
+from jacobkit.problem.arguments import REDUCE_MODES, UNCONNECTED_MODES
+from jacobkit.problem.cache import per_model
+from jacobkit.problem.inspect import CONVOLUTION_GRADIENTS, Inspection
+from jacobkit.problem.problem import Problem
+from jacobkit.problem.rows import OUTPUT_MODES, Rows
+from jacobkit.problem.targets import Roles, Targets
+
+__all__ = [
+    "CONVOLUTION_GRADIENTS",
+    "OUTPUT_MODES",
+    "REDUCE_MODES",
+    "UNCONNECTED_MODES",
+    "Inspection",
+    "Problem",
+    "Roles",
+    "Rows",
+    "Targets",
+    "per_model",
+]

@@ -1,0 +1,204 @@
+"""The one traced pass of a problem: a forward and backward pass, traced and
+never run, shows the output's shape, the rows, which targets reach them and
+what the computation holds (loops, activations, convolution gradients).
+
+What it finds is kept per model, targets, rows and input signature: tracing a
+model takes long (0.2 s for a small Conv1D stack), which a loop of
+``jacobian()`` calls on the same model would pay every time.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+import tensorflow as tf
+
+from jacobkit.problem import outputs as model_outputs
+from jacobkit.problem.cache import per_model
+from jacobkit.problem.rows import Rows
+
+#: gradient op types -> the kind of convolution they differentiate
+CONVOLUTION_GRADIENTS = {
+    "Conv2DBackpropInput": "conv2d",
+    "Conv2DBackpropFilter": "conv2d",
+    "Conv3DBackpropInputV2": "conv3d",
+    "Conv3DBackpropFilterV2": "conv3d",
+    "DepthwiseConv2dNativeBackpropInput": "depthwise",
+    "DepthwiseConv2dNativeBackpropFilter": "depthwise",
+}
+#: op types of a ``tf.while_loop`` (recurrent layers run one over time)
+_LOOPS = ("While", "StatelessWhile")
+#: op types whose outputs are not activations
+_NOT_ACTIVATIONS = {"Const", "Placeholder", "ReadVariableOp", "Identity", "NoOp"}
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What one traced forward and backward pass of a problem shows (nothing
+    runs).
+
+    Attributes:
+        outputs_shape: the model output's shape, ``None`` for several outputs.
+        rows: the rows' shape and dtype.
+        connected: per target, whether it reaches the rows.
+        has_loops: whether the computation runs a ``tf.while_loop``.
+        activation_bytes: bytes of every floating tensor the forward pass
+            makes: an upper bound on what one row's backward pass keeps.
+        gradient_op_types: the op types of the backward pass.
+    """
+
+    outputs_shape: tf.TensorShape | None
+    rows: tf.TensorSpec
+    connected: tuple[bool, ...]
+    has_loops: bool
+    activation_bytes: int
+    gradient_op_types: frozenset[str]
+
+    @property
+    def convolutions(self) -> frozenset[str]:
+        """The convolution kinds the backward pass runs (``"conv2d"``, ...;
+        their CPU kernels' scratch space and accuracy depend on the CPU)."""
+        return frozenset(
+            CONVOLUTION_GRADIENTS[t]
+            for t in self.gradient_op_types
+            if t in CONVOLUTION_GRADIENTS
+        )
+
+
+class Traceable(Protocol):
+    """What the traced pass reads of a problem."""
+
+    model: Any
+    inputs: Any
+    targets: tuple[tf.Variable, ...]
+    rows_spec: Rows
+    training: bool
+    output: int | str | None
+
+    def call_model(self, inputs: Any) -> Any: ...
+
+    def function(self, fn: Callable[..., Any]) -> Any: ...
+
+    def raise_call_error(self, err: Exception) -> NoReturn: ...
+
+
+#: model -> {inspection key: what :func:`inspect` found}
+_INSPECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def inspect(problem: Traceable) -> Inspection:
+    """The :class:`Inspection` of ``problem`` (traced once per model,
+    targets, rows and input signature)."""
+    signature = tuple(
+        (tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(problem.inputs)
+    )
+    key = (
+        tuple(id(t) for t in problem.targets),
+        problem.rows_spec,
+        problem.training,
+        problem.output,
+        signature,
+        repr(tf.nest.map_structure(lambda _: 0, problem.inputs)),
+    )
+    inspected = per_model(_INSPECTED, problem.model)
+    if key not in inspected:
+        inspected[key] = trace(problem)
+    return inspected[key]
+
+
+def trace(problem: Traceable) -> Inspection:
+    """One forward and backward pass of the problem, traced."""
+    found: dict[str, Any] = {}
+    probe = _probe(problem, found)
+    graph = problem.function(probe).get_concrete_function(problem.inputs).graph
+    if "call_failed" in found:
+        problem.raise_call_error(found["call_failed"])
+    if "invalid" in found:
+        raise found["invalid"]
+    outputs = found["outputs"]
+    if "rows" not in found:
+        raise TypeError(
+            "jacobian(model=...): the model returned "
+            f"{type(outputs).__name__}, not a single tensor. Pick one with "
+            f"output= ({model_outputs.choices(outputs, problem.model)}), or "
+            "pass outputs=callable that maps them to rows."
+        )
+    rows = found["rows"]
+    if not rows.dtype.is_floating:
+        raise TypeError(
+            f"jacobian(model=...): the rows have dtype {rows.dtype.name}; "
+            "Jacobians need a floating output (float16/32/64). Cast the "
+            "output to float, or pick a floating output with outputs=callable."
+        )
+    operations = graph.get_operations()
+    forward_ops = found.get("forward_ops", 0)
+    return Inspection(
+        outputs_shape=outputs.shape if isinstance(outputs, tf.Tensor) else None,
+        rows=tf.TensorSpec(rows.shape, rows.dtype),
+        connected=tuple(found["connected"]),
+        has_loops=any(op.type in _LOOPS for op in operations),
+        activation_bytes=_float_bytes(operations[:forward_ops]),
+        gradient_op_types=frozenset(op.type for op in operations[forward_ops:]),
+    )
+
+
+def _probe(problem: Traceable, found: dict[str, Any]) -> Callable[[Any], tf.Tensor]:
+    """The traced function: records in ``found`` the outputs, the rows, the
+    number of forward ops and which targets are connected, or the error
+    (raised by :func:`trace` outside ``tf.function``)."""
+    rows_spec = problem.rows_spec
+
+    def probe(inputs):
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(problem.targets)
+            try:
+                outputs = problem.call_model(inputs)
+            except model_outputs.OutputError as err:
+                found["invalid"] = err
+                return tf.constant(0.0)
+            except (ValueError, TypeError, tf.errors.OpError) as err:
+                # raised as jacobkit's own message, outside tf.function
+                found["call_failed"] = err
+                return tf.constant(0.0)
+            found["outputs"] = outputs
+            if not isinstance(outputs, tf.Tensor):
+                if not callable(rows_spec.mode):
+                    return tf.constant(0.0)
+                rows = tf.convert_to_tensor(rows_spec.mode(outputs))
+            else:
+                try:
+                    rows_spec.check(outputs)
+                except ValueError as err:
+                    # Raised outside tf.function, which would otherwise
+                    # prepend its "in user code:" traceback.
+                    found["invalid"] = err
+                    return tf.constant(0.0)
+                rows = rows_spec.of(outputs)
+            found["rows"] = rows
+            # the forward pass's ops come before the gradient's
+            found["forward_ops"] = len(rows.graph.get_operations())
+        if not rows.dtype.is_floating:
+            return tf.constant(0.0)
+        grads = tape.gradient(
+            rows, problem.targets, output_gradients=tf.ones_like(rows)
+        )
+        found["connected"] = [g is not None for g in grads]
+        return tf.constant(0.0)
+
+    return probe
+
+
+def _float_bytes(operations: Sequence[Any]) -> int:
+    """Bytes of the fully-shaped floating outputs of ``operations`` (less
+    constants, inputs, variable reads and identities)."""
+    total = 0
+    for op in operations:
+        if op.type in _NOT_ACTIVATIONS:
+            continue
+        for out in op.outputs:
+            if out.dtype.is_floating and out.shape.is_fully_defined():
+                total += out.shape.num_elements() * out.dtype.size
+    return total

@@ -1,0 +1,285 @@
+"""The resolved problem: model + inputs + targets + rows, built once per call.
+
+Strategies only see a :class:`Problem`: ``problem.rows(inputs)`` gives the
+flat vector of rows, and ``problem.targets`` the ``tf.Variable`` objects to
+differentiate. What it is made of is resolved by the modules beside it:
+:mod:`~jacobkit.problem.rows` (``outputs=``, ``features=``),
+:mod:`~jacobkit.problem.outputs` (``output=``),
+:mod:`~jacobkit.problem.targets` (``layer=``) and
+:mod:`~jacobkit.problem.inspect` (the one traced pass).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit import layers
+from jacobkit.keras import compat, layer_tree
+from jacobkit.keras import graph as taps
+from jacobkit.problem import arguments, inspect, rows, targets
+from jacobkit.problem import outputs as model_outputs
+from jacobkit.problem import tensor_targets as tensors
+
+
+class Problem:
+    """Model, inputs, target variables and rows, resolved and checked once.
+
+    Attributes:
+        model: the callable being differentiated.
+        inputs: the inputs as (nested) ``tf.Tensor``.
+        targets: the ``tf.Variable`` objects to differentiate, in order.
+        target_names: a unique name per target (``"dense/kernel"``).
+        roles: which targets are the layer's kernel and bias
+            (:class:`~jacobkit.problem.targets.Roles`).
+        layer: the target layer, or ``None`` when variables were given.
+        rows_shape: shape of the rows; each Jacobian is
+            ``rows_shape + target.shape``.
+        num_rows: ``prod(rows_shape)``, written ``R`` in the docs.
+        batch_size: the leading dimension of the output ``Y``.
+        output_width: the size of ``Y``'s last (feature) axis.
+        output_dtype: dtype of the rows.
+        has_loops: whether the model's computation runs a ``tf.while_loop``
+            (a recurrent layer over time steps).
+        output: the output picked by ``output=`` (index or name), or ``None``.
+        reduce: ``None`` (Jacobians) or ``"norm"`` (each row's L2 norm).
+        activation_bytes: bytes of every floating tensor the forward pass
+            makes: an upper bound on what one row's backward pass keeps.
+        convolutions: the convolution kinds its backward pass runs
+            (``"conv2d"``, ...; their CPU kernels' scratch space and accuracy
+            depend on the CPU).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        inputs: Any,
+        layer: Any,
+        *,
+        outputs: str | Callable[[Any], tf.Tensor] = "features",
+        features: Sequence[int] | None = None,
+        training: bool = False,
+        unconnected: str = "error",
+        output: int | str | None = None,
+        reduce: str | None = None,
+    ) -> None:
+        arguments.check_model(model)
+        rows.check_mode(outputs)
+        arguments.check_unconnected(unconnected)
+        self.training = arguments.check_training(training)
+        self.model = model
+        self.reduce = arguments.check_reduce(reduce)
+        self.unconnected = unconnected
+        self.output = model_outputs.check_output_type(output)
+        self.inputs = arguments.to_tensors(inputs)
+        self._is_keras = compat.is_keras_layer(model)
+        self.rows_spec = rows.Rows(outputs, rows.check_features(features))
+        #: ``Inputs``/``Output`` targets (:mod:`.tensor_targets`), or None
+        self.tensor_targets: tensors.TensorTargets | None = None
+        resolved = targets.resolve(
+            layer,
+            model,
+            ensure_built=self._ensure_built,
+            tensor_targets=self._tensor_targets,
+        )
+        self.layer = resolved.layer
+        self.targets: tuple[tf.Variable, ...] = resolved.variables
+        self.target_names = resolved.names
+        self.roles = resolved.roles
+        self.tensor_targets = resolved.tensors
+        inspection = inspect.inspect(self)
+        self._take(inspection)
+        self._check_connected(resolved, inspection.connected)
+        if self.blocked:
+            tensors.check_independent(self)
+
+    # -- resolution ---------------------------------------------------------
+    def _tensor_targets(self, spec: Any) -> tensors.TensorTargets:
+        return tensors.TensorTargets(
+            spec,
+            self.model,
+            self.inputs,
+            self._call,
+            self.function,
+            self.training,
+            lambda name: targets.find_layer(self.model, name),
+        )
+
+    def _ensure_built(self) -> None:
+        if getattr(self.model, "built", True) is False:
+            try:
+                self.call_model(tf.nest.map_structure(lambda t: t[:1], self.inputs))
+            except (ValueError, TypeError, tf.errors.OpError) as err:
+                self.raise_call_error(err)
+
+    def raise_call_error(self, err: Exception) -> NoReturn:
+        """jacobkit's message for a model that failed on these inputs."""
+        arguments.raise_call_error(self.model, self.inputs, err)
+
+    def _take(self, inspection: inspect.Inspection) -> None:
+        """The shapes and facts of the traced pass (:mod:`.inspect`)."""
+        outputs_shape, spec = inspection.outputs_shape, inspection.rows
+        self.has_loops = inspection.has_loops
+        self.activation_bytes = inspection.activation_bytes
+        self.convolutions = inspection.convolutions
+        self.rows_shape: tuple[int, ...] = tuple(spec.shape.as_list())
+        self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
+        if self.blocked:  # K batch-summed rows, see :attr:`blocked`
+            self.num_rows = int(np.prod(self.rows_shape[1:], dtype=np.int64))
+        self.output_dtype = spec.dtype
+        self.batch_size = outputs_shape[0] if outputs_shape is not None else None
+        self.output_width = outputs_shape[-1] if outputs_shape is not None else None
+
+    def _check_connected(
+        self, resolved: targets.Targets, connected: tuple[bool, ...]
+    ) -> None:
+        unconnected = [n for n, ok in zip(self.target_names, connected) if not ok]
+        if unconnected and self.unconnected == "error":
+            targets.explain_unconnected(self.model, resolved, unconnected)
+            raise ValueError(
+                f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
+                "influence the model's outputs, so their Jacobian is zero (a "
+                "tape would return None). Pick a layer on the path to the "
+                "outputs, or pass unconnected='zero' to get zeros."
+            )
+
+    def recurrent_layers(self) -> str | None:
+        """``"layer 'lstm' (LSTM)"``: the recurrent layers (a ``tf.while_loop``
+        over time) the targets' values flow through, or ``None``."""
+        found = layer_tree.recurrent_layers(self.model, self.layer)
+        return layer_tree.describe(found) if found else None
+
+    # -- the target layer ---------------------------------------------------
+    @functools.cached_property
+    def layer_rule(self) -> layers.LayerRule | None:
+        """The closed forms of the target layer (:mod:`jacobkit.layers`), or
+        ``None`` for variables, tensor targets and unregistered layers."""
+        return None if self.layer is None else layers.rule_for(self.layer)
+
+    @functools.cached_property
+    def layer_tap(self) -> taps.LayerTap:
+        """Runs the model with the target layer's node handed to a hook,
+        without touching the model (raises ``TapError`` if it cannot)."""
+        return taps.LayerTap(self.model, self.layer)
+
+    # -- the computation strategies differentiate ---------------------------
+    def call_model(self, inputs: Any, hook: taps.Hook | None = None) -> Any:
+        """``Y = model(inputs)``, with ``training=`` for Keras models (the
+        output picked by ``output=`` of a multi-output model); with a
+        ``hook``, the target layer's node is computed by it (:attr:`layer_tap`).
+
+        A float16 or bfloat16 output (mixed precision) is cast to float32
+        first, so rows are summed, and cotangents seeded, in float32: each
+        row's gradient then reaches the target variables as the loop's
+        gradient of a float32 scalar does.
+        """
+        if hook is not None:
+            outputs = self.layer_tap(inputs, self.training, hook)
+        elif self.tensor_targets is not None:
+            outputs = self.tensor_targets.call(inputs)
+        else:
+            outputs = self._call(inputs)
+        if self.output is not None:
+            outputs = model_outputs.pick(outputs, self.output, self.model)
+        return tf.nest.map_structure(rows.at_least_float32, outputs)
+
+    def _call(self, inputs: Any) -> Any:
+        """The model's own call, every output (the taps run the same graph)."""
+        if self._is_keras:
+            return self.model(inputs, training=self.training)
+        return self.model(inputs)
+
+    def rows(self, inputs: Any) -> tf.Tensor:
+        """The rows as a flat vector of length ``num_rows``.
+
+        For :attr:`blocked` problems these are the per-example rows summed over
+        the batch (``num_rows = K``), whose Jacobian holds every example's own
+        block (see :mod:`jacobkit.problem.tensor_targets`)."""
+        if self.blocked:
+            return tf.reshape(tf.reduce_sum(self.per_example_rows(inputs), 0), (-1,))
+        return tf.reshape(self.rows_spec.of(self.call_model(inputs)), (-1,))
+
+    def per_example_rows(self, inputs: Any, hook: taps.Hook | None = None) -> tf.Tensor:
+        """Rows before any sum over the batch: shape ``(B, K)``.
+
+        Only for the built-in ``outputs`` modes. ``rows`` equals
+        ``per_example_rows(...).sum(0)`` for ``"features"`` and the flattened
+        ``per_example_rows(...)`` otherwise. ``hook`` as in :meth:`call_model`.
+        """
+        selected = self.rows_spec.select(self.call_model(inputs, hook))
+        return self.rows_spec.per_example(selected)
+
+    @property
+    def blocked(self) -> bool:
+        """True for tensor targets with per-example rows (``"per_example"``,
+        ``"full"``): strategies compute ``K`` batch-summed rows and each
+        result keeps only each example's own block, shape
+        ``rows_shape + target.shape[1:]`` (:mod:`.tensor_targets`)."""
+        return self.tensor_targets is not None and self.rows_spec.mode in (
+            "per_example",
+            "full",
+        )
+
+    def shaped(self, jacobian: tf.Tensor, target: tf.Variable) -> tf.Tensor:
+        """A strategy's ``(num_rows, *target.shape)`` Jacobian in the result's
+        shape: ``rows_shape + target.shape``, or the own-example blocks
+        ``rows_shape + target.shape[1:]`` when :attr:`blocked`. With
+        ``reduce="norm"``: the norms ``(num_rows,)`` (``(K, B)`` blocked) as
+        ``rows_shape``."""
+        if self.reduce is not None:
+            if self.blocked:
+                jacobian = tf.transpose(jacobian)
+            return tf.reshape(jacobian, self.rows_shape)
+        if self.blocked:
+            return tensors.own_example_blocks(jacobian, self.rows_shape)
+        return tf.reshape(jacobian, self.rows_shape + tuple(target.shape))
+
+    def function(self, fn: Callable[..., Any]) -> Any:
+        """``tf.function(fn)`` for a computation that calls this problem's
+        model, with AutoGraph only where the model's code needs it (see
+        :func:`jacobkit.keras.compat.needs_autograph`)."""
+        return tf.function(fn, autograph=compat.needs_autograph(self.model))
+
+    def with_inputs(self, inputs: Any) -> Problem:
+        """This problem on ``inputs`` of the same structure, shapes and dtypes
+        (a shallow copy: nothing is traced or checked again)."""
+        other = copy.copy(self)
+        other.inputs = inputs
+        return other
+
+    def detached(self) -> Problem:
+        """This problem without its input values, for what outlives the call.
+
+        Compiled computations and found structures are cached per model and
+        take the inputs as an argument; the problem they close over holds
+        ``tf.TensorSpec``s in place of the inputs, so that the first call's
+        inputs are not kept alive for the life of the model."""
+        return self.with_inputs(
+            tf.nest.map_structure(
+                lambda t: tf.TensorSpec(t.shape, t.dtype), self.inputs
+            )
+        )
+
+    @property
+    def key(self) -> tuple:
+        """Identifies what a compiled strategy depends on (besides the model).
+
+        ``rows_shape`` is part of it: strategies build their computation for
+        ``num_rows`` rows, and with ``outputs="per_example"`` or ``"full"``
+        a new batch size changes it (the cached computation of the old size
+        then failed on the new one).
+        """
+        return (
+            tuple(id(t) for t in self.targets),
+            self.rows_spec,
+            self.rows_shape,
+            self.training,
+            id(self.layer),
+            self.output,
+            self.reduce,
+        )

@@ -1,0 +1,232 @@
+"""``layer=``: what is differentiated, resolved once.
+
+A layer (object or name), a list of variables, or a tensor target
+(``Inputs()``, ``Output("layer")``, :mod:`jacobkit.problem.tensor_targets`)
+becomes a :class:`Targets`: the ``tf.Variable`` objects, a unique result name
+for each and which of them are the layer's kernel and bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit.keras import compat, layer_tree
+from jacobkit.problem import tensor_targets as tensors
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Which targets are the target layer's own kernel and bias (positions
+    in :attr:`Targets.variables`, ``None`` where absent)."""
+
+    kernel: int | None = None
+    bias: int | None = None
+
+    def by_name(self) -> dict[str, int]:
+        """``{"kernel": i, "bias": j}`` for the roles present."""
+        found = {"kernel": self.kernel, "bias": self.bias}
+        return {role: i for role, i in found.items() if i is not None}
+
+    def cover(self, count: int) -> bool:
+        """Whether every one of ``count`` targets is the kernel or the bias."""
+        return set(self.by_name().values()) == set(range(count))
+
+
+@dataclass(frozen=True)
+class Targets:
+    """The resolved targets of one problem.
+
+    Attributes:
+        layer: the target layer, or ``None`` for variables or tensor targets.
+        variables: the ``tf.Variable`` objects to differentiate, in order.
+        names: a unique result name per variable (``"dense/kernel"``).
+        roles: which variables are the layer's kernel and bias.
+        tensors: the ``Inputs``/``Output`` targets, or ``None``.
+    """
+
+    layer: Any
+    variables: tuple[tf.Variable, ...]
+    names: tuple[str, ...]
+    roles: Roles
+    tensors: tensors.TensorTargets | None
+
+
+def resolve(
+    spec: Any,
+    model: Any,
+    *,
+    ensure_built: Callable[[], None],
+    tensor_targets: Callable[[Any], tensors.TensorTargets],
+) -> Targets:
+    """The :class:`Targets` of ``layer=spec`` in ``model``.
+
+    ``ensure_built()`` builds the model where a layer is looked up in it;
+    ``tensor_targets(spec)`` resolves an ``Inputs``/``Output`` target.
+    """
+    if tensors.is_tensor_target(spec):
+        if isinstance(spec, tensors.Output):
+            ensure_built()
+        resolved = tensor_targets(spec)
+        variables = resolved.variables
+        return Targets(None, variables, resolved.names, Roles(), resolved)
+    layer, given = _layer_and_variables(spec, model, ensure_built)
+    keys: Sequence[str | None] = [None] * len(given)
+    if compat.is_keras_layer(model):
+        keys = layer_tree.target_keys(model, given, compat.as_tf_variable)
+    return Targets(
+        layer,
+        tuple(compat.as_tf_variable(v) for v in given),
+        _unique_names(given, keys),
+        _roles(layer, given),
+        None,
+    )
+
+
+def _layer_and_variables(
+    spec: Any, model: Any, ensure_built: Callable[[], None]
+) -> tuple[Any, list[Any]]:
+    if isinstance(spec, str):
+        ensure_built()
+        spec = find_layer(model, spec)
+    if compat.is_layer(spec):
+        ensure_built()
+        variables = _layer_variables(spec)
+        if not variables:
+            raise ValueError(
+                f"jacobian(layer={spec.name!r}): layer {spec.name!r} "
+                f"({type(spec).__name__}) has no trainable variables, so it "
+                "has no Jacobian. Choose a layer with a kernel or bias "
+                "(Dense, Conv1D, Conv2D, ...), or pass a list of variables."
+            )
+        return spec, variables
+    if isinstance(spec, (list, tuple)) and spec:
+        for v in spec:
+            compat.as_tf_variable(v)
+        return None, list(spec)
+    raise TypeError(
+        "jacobian(layer=...): expected a layer, a layer name or a non-empty "
+        f"list of variables, got {type(spec).__name__}: {spec!r}."
+    )
+
+
+def find_layer(model: Any, name: str) -> Any:
+    """The layer of ``model`` named ``name``; raises with close names."""
+    layers = compat.flatten_layers(model)
+    for layer in layers:
+        if layer.name == name:
+            return layer
+    names = [layer.name for layer in layers]
+    close = layer_tree.close_names(name, names)
+    if close:
+        hint = f"Did you mean {' or '.join(repr(n) for n in close)}?"
+    elif names:
+        shown = ", ".join(repr(n) for n in names[:10])
+        more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+        hint = f"The model's layers are: {shown}{more}."
+    else:
+        hint = "The model has no named layers; pass a list of variables instead."
+    raise ValueError(
+        f"jacobian(layer={name!r}): the model has no layer named {name!r}. {hint}"
+    )
+
+
+def _layer_variables(layer: Any) -> list[Any]:
+    kernel = getattr(layer, "kernel", None)
+    if kernel is not None and not callable(kernel):
+        bias = getattr(layer, "bias", None)
+        return [kernel] + ([bias] if bias is not None else [])
+    # Every weight that is trainable by nature, whether or not the layer is
+    # frozen now: layer.trainable=False empties trainable_weights, but the
+    # tf.Variable keeps the trainable flag it was created with (moving
+    # statistics and other state are created non-trainable).
+    weights = getattr(layer, "weights", None)
+    if weights is None:
+        weights = layer.variables
+    return [
+        w
+        for w in weights
+        if compat.as_tf_variable(w).trainable
+        and compat.as_tf_variable(w).dtype.is_floating
+    ]
+
+
+def _roles(layer: Any, variables: list[Any]) -> Roles:
+    found: dict[str, int] = {}
+    if layer is not None:
+        for role in ("kernel", "bias"):
+            variable = getattr(layer, role, None)
+            for i, v in enumerate(variables):
+                if variable is not None and v is variable:
+                    found[role] = i
+    return Roles(**found)
+
+
+def _variable_name(variable: Any) -> str:
+    name = getattr(variable, "path", None) or variable.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _unique_names(variables: list[Any], keys: Sequence[str | None]) -> tuple[str, ...]:
+    names: list[str] = []
+    for v, key in zip(variables, keys):
+        name = key or _variable_name(v)
+        base, n = name, 1
+        while name in names:
+            n += 1
+            name = f"{base}_{n}"
+        names.append(name)
+    return tuple(names)
+
+
+def explain_unconnected(model: Any, targets: Targets, unconnected: list[str]) -> None:
+    """Raise the precise reason where targets that do not reach the rows are
+    not the model's at all: a layer of another model, or variables of none."""
+    if not compat.is_keras_layer(model):
+        return
+    if targets.layer is not None:
+        _check_layer_is_part_of_the_model(model, targets.layer)
+    else:
+        _check_variables_are_the_models(model, targets, unconnected)
+
+
+def _check_layer_is_part_of_the_model(model: Any, layer: Any) -> None:
+    if layer_tree.contains_layer(model, layer):
+        return
+    own = [n for n in compat.flatten_layers(model) if n.name == layer.name]
+    fix = (
+        f"Pass its name ({layer.name!r}) or model.get_layer({layer.name!r}) "
+        "to use this model's own layer of that name."
+        if own
+        else "Pass one of this model's layers (by name or object)."
+    )
+    raise ValueError(
+        f"jacobian(layer=...): layer {layer.name!r} ({type(layer).__name__}) is "
+        f"not part of the model {model.name!r}: it belongs to another "
+        f"model, or was never called in this one, so it cannot influence the "
+        f"outputs. {fix}"
+    )
+
+
+def _check_variables_are_the_models(
+    model: Any, targets: Targets, unconnected: list[str]
+) -> None:
+    own = {id(compat.as_tf_variable(w)) for w in getattr(model, "weights", ())}
+    foreign = [
+        name
+        for name, target in zip(targets.names, targets.variables)
+        if id(target) not in own
+    ]
+    if foreign and set(unconnected) <= set(foreign):
+        one = len(foreign) == 1
+        what = "is not a variable" if one else "are not variables"
+        whose = "it belongs" if one else "they belong"
+        raise ValueError(
+            f"jacobian(layer=[...]): {', '.join(foreign)} {what} of the model "
+            f"{model.name!r}: {whose} to another model, or to none, so "
+            f"{'it' if one else 'they'} cannot influence the outputs. Pass "
+            "this model's variables (model.get_layer(name).kernel, ...)."
+        )
