@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit.keras import compat
 from jacobkit.problem import Problem
 
 #: Tolerances on a worst relative difference, keyed by purpose, then by
@@ -287,7 +288,7 @@ def _default_tolerance(problem: Problem, dtype: Any) -> float:
     and the target layer's compute dtype (a mixed-precision layer computes in
     float16 what it stores in float32)."""
     dtypes = {tf.as_dtype(dtype), tf.as_dtype(problem.output_dtype)}
-    compute = getattr(problem.layer, "compute_dtype", None)
+    compute = compat.compute_dtype(problem.layer)
     if compute is not None:
         dtypes.add(tf.as_dtype(compute))
     table = TOLERANCES["verify"]

@@ -18,17 +18,15 @@ import tensorflow as tf
 
 from jacobkit import strategies
 from jacobkit.batches.manifest import Fingerprint
+from jacobkit.keras import compat
 from jacobkit.problem import Problem
 
 
 def model_fingerprint(model: Any) -> str:
     """sha256 over the model's class and every weight (name, shape, values)."""
     h = hashlib.sha256(type(model).__qualname__.encode())
-    weights = getattr(model, "weights", None)
-    if weights is None:
-        weights = getattr(model, "variables", ())
-    for w in weights:
-        name = getattr(w, "path", None) or getattr(w, "name", "")
+    for w in compat.weights_or_variables(model):
+        name = compat.variable_path(w)
         value = np.ascontiguousarray(np.asarray(w))
         h.update(f"{name}{value.dtype.str}{value.shape}".encode())
         h.update(memoryview(value).cast("B"))

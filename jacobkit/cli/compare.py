@@ -141,11 +141,12 @@ def _reference(
     on the float64 copy, or the float32 loop without one."""
     from jacobkit import strategies, testing
     from jacobkit.engine import run_strategy
+    from jacobkit.keras import compat
     from jacobkit.problem import Problem
 
     if loaded.model64 is None:
         result = run_strategy(problem, strategies.Loop())
-        policy = getattr(getattr(problem.model, "dtype_policy", None), "name", None)
+        policy = compat.dtype_policy_name(problem.model)
         return list(result.jacobians.values()), (
             f"{policy or 'float32'} loop on the model itself (no float64 copy: "
             "Keras cannot rebuild this model from its config)"

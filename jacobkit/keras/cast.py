@@ -8,7 +8,9 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["cast_copy", "dtype_name", "float64_copy", "variable_path"]
+from jacobkit.keras.compat import variable_path
+
+__all__ = ["cast_copy", "dtype_name", "float64_copy"]
 
 #: dtype and dtype-policy names a copy rewrites: every floating one
 _FLOATING_DTYPES = frozenset(
@@ -123,8 +125,3 @@ def _is_floating_dtype(value: Any) -> bool:
 def dtype_name(variable: Any) -> str:
     """The name of a variable's dtype, e.g. ``"float32"``."""
     return tf.as_dtype(variable.dtype).name
-
-
-def variable_path(variable: Any) -> str:
-    """A variable's path (Keras 3) or name (others), for messages."""
-    return getattr(variable, "path", None) or variable.name

@@ -1,6 +1,10 @@
 """Keras 3, ``tf_keras`` or a plain ``tf.Module``: what kind of model or layer
-an object is, the ``tf.Variable`` behind a Keras variable and every layer a
-model holds. The one place jacobkit probes the Keras flavour.
+an object is, the ``tf.Variable`` behind a Keras variable, every layer a
+model holds, and each attribute of a Keras layer, model or variable that
+jacobkit reads where not every object has it (a layer's compute dtype,
+activation, LoRA/quantization, a variable's path, a model's declared inputs
+and outputs). The one place jacobkit probes Keras objects: code outside
+``jacobkit.keras`` calls these functions instead of ``getattr``/``hasattr``.
 """
 
 from __future__ import annotations
@@ -110,3 +114,127 @@ def flatten_layers(model: Any, *, recursive: bool = True) -> list[Any]:
     if recursive and isinstance(model, tf.Module):
         return list(model.submodules)
     return []
+
+
+# -- variables -----------------------------------------------------------------
+def variable_path(variable: Any) -> str:
+    """A variable's path (Keras 3: ``"dense/kernel"``) or, without one, its
+    name (``tf.Variable``, ``tf_keras``: ``"dense/kernel:0"``)."""
+    return getattr(variable, "path", None) or variable.name
+
+
+def weights(layer: Any) -> list[Any]:
+    """The Keras ``weights`` of ``layer`` (a model's are all of its layers');
+    empty for anything without them (a plain ``tf.Module``)."""
+    return list(getattr(layer, "weights", ()))
+
+
+def variables(model: Any) -> list[Any]:
+    """The Keras ``variables`` of ``model`` (its weights plus any other state
+    Keras tracks, e.g. seed generators) or a ``tf.Module``'s; empty for
+    anything else."""
+    return list(getattr(model, "variables", ()))
+
+
+def weights_or_variables(layer: Any) -> list[Any]:
+    """The Keras ``weights`` of ``layer``, or for a plain ``tf.Module`` (which
+    has none) its ``variables``."""
+    found = getattr(layer, "weights", None)
+    return list(found) if found is not None else variables(layer)
+
+
+def named_weight(layer: Any, role: str) -> Any:
+    """The layer's attribute ``role`` (``"kernel"``, ``"bias"``) as stock
+    Keras layers hold their weights, or ``None`` where it has none."""
+    return getattr(layer, role, None)
+
+
+# -- layer configuration -------------------------------------------------------
+def layer_class(keras: ModuleType, name: str) -> type | None:
+    """The class ``keras.layers.<name>`` of a Keras flavour, or ``None``."""
+    return getattr(keras.layers, name, None)
+
+
+def compute_dtype(layer: Any) -> str | None:
+    """The dtype a Keras layer computes in (``"float16"`` under
+    ``mixed_float16``), or ``None`` for anything that is not a Keras layer."""
+    return getattr(layer, "compute_dtype", None)
+
+
+def dtype_policy_name(model: Any) -> str | None:
+    """The name of a Keras model's dtype policy (``"mixed_float16"``), or
+    ``None`` where it has none."""
+    return getattr(getattr(model, "dtype_policy", None), "name", None)
+
+
+def activation(layer: Any) -> Any:
+    """The ``activation`` a Keras layer applies to its output, or ``None``
+    for a layer without one."""
+    return getattr(layer, "activation", None)
+
+
+def activation_name(function: Any) -> str | None:
+    """The ``__name__`` of an activation function (``"relu"``), or ``None``
+    for an object without one."""
+    return getattr(function, "__name__", None)
+
+
+def stock_activation(keras: ModuleType, function: Any) -> str | None:
+    """The name of ``function`` if it is ``keras.activations.<name>`` itself
+    (not a function of the same name defined elsewhere), else ``None``."""
+    name = activation_name(function)
+    if name is None or getattr(keras.activations, name, None) is not function:
+        return None
+    return name
+
+
+def data_format(layer: Any, default: str | None = None) -> str | None:
+    """A convolution's ``data_format`` (``"channels_last"`` or
+    ``"channels_first"``); ``default`` for a layer without one."""
+    return getattr(layer, "data_format", default)
+
+
+def groups(layer: Any) -> int:
+    """A convolution's ``groups`` (1 for a layer without them)."""
+    return getattr(layer, "groups", 1)
+
+
+def lora_enabled(layer: Any) -> bool:
+    """True for a Keras 3 layer with LoRA enabled (its kernel is then
+    ``kernel + lora_a @ lora_b``)."""
+    return bool(getattr(layer, "lora_enabled", False))
+
+
+def quantization_mode(layer: Any) -> str | None:
+    """The quantization mode of a quantized Keras 3 layer (``"int8"``), or
+    ``None`` (falsy) for one that is not quantized."""
+    return getattr(layer, "quantization_mode", None)
+
+
+# -- models --------------------------------------------------------------------
+def unbuilt(model: Any) -> bool:
+    """True only for a Keras layer or model that says it is not built yet;
+    objects that do not say (plain callables, ``tf.Module``) count as built."""
+    return getattr(model, "built", True) is False
+
+
+def declared_inputs(model: Any) -> list[Any]:
+    """The input tensors a Keras model declares (functional models, built
+    ``Sequential`` ones); empty for one that declares none. Keras may raise
+    ``ValueError`` for some models that cannot say."""
+    return list(getattr(model, "inputs", None) or [])
+
+
+def input_names(model: Any) -> list[str | None]:
+    """The name of each input tensor the model declares (:func:`declared_inputs`),
+    ``None`` for one without a name."""
+    return [getattr(t, "name", None) for t in declared_inputs(model)]
+
+
+def output_names(model: Any) -> list[Any] | None:
+    """A Keras model's ``output_names`` (empty where it has none), or
+    ``None`` where asking raises (Keras does for some models it cannot say)."""
+    try:
+        return list(getattr(model, "output_names", None) or [])
+    except (AttributeError, ValueError):
+        return None

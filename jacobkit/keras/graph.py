@@ -27,6 +27,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from jacobkit.keras import compat
+
 #: hook(call, args, kwargs) -> the node's outputs; ``call(*args, **kwargs)``
 #: runs the layer as the model would.
 Hook = Callable[[Callable[..., Any], tuple, dict], Any]
@@ -223,7 +225,7 @@ def stock(keras: Any, layer: Any, names: frozenset[str]) -> str | None:
     """The class name if ``layer`` is exactly a stock Keras layer in ``names``
     (subclasses may change ``call``, so they are not certain)."""
     name = type(layer).__name__
-    if name in names and type(layer) is getattr(keras.layers, name, None):
+    if name in names and type(layer) is compat.layer_class(keras, name):
         return name
     return None
 

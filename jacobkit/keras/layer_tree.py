@@ -71,7 +71,7 @@ def target_keys(
     wanted = {id(unwrap(v)) for v in variables}
     owner: dict[int, tuple[str, ...]] = {}
     for layer, path in walk(model):
-        for weight in getattr(layer, "weights", ()):
+        for weight in compat.weights(layer):
             key = id(unwrap(weight))
             if key in wanted and len(path) >= len(owner.get(key, ())):
                 owner[key] = (*path, _short_name(weight))
@@ -139,7 +139,7 @@ def _expected_inputs(model: Any) -> list[tuple[str, tuple]] | None:
     ``None``), or ``None`` where the model declares none (subclassed models,
     plain functions)."""
     try:
-        declared = getattr(model, "inputs", None)
+        declared = compat.declared_inputs(model)
     except (AttributeError, ValueError):
         return None
     if not declared:

@@ -37,9 +37,10 @@ def _registry() -> tuple[tuple[type, type[LayerRule]], ...]:
     """``(layer class, rule)`` for each registered class of each installed
     Keras flavour (looked up once: importing ``tf_keras`` takes a while)."""
     return tuple(
-        (getattr(module.layers, name), rule)
+        (cls, rule)
         for module in compat.keras_modules()
         for name, rule in _RULES.items()
+        if (cls := compat.layer_class(module, name)) is not None
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import tensorflow as tf
 
+from jacobkit.keras import compat
 from jacobkit.layers import contract, norms
 
 
@@ -33,9 +34,9 @@ class LayerRule:
     def unsupported(self) -> str | None:
         """Why the layer's call is not ``activation(pre_activation(x))``, or
         ``None``."""
-        if getattr(self.layer, "lora_enabled", False):
+        if compat.lora_enabled(self.layer):
             return "it has LoRA enabled"
-        if getattr(self.layer, "quantization_mode", None):
+        if compat.quantization_mode(self.layer):
             return f"it is quantized ({self.layer.quantization_mode})"
         return None
 
@@ -53,7 +54,7 @@ class LayerRule:
 
     def activation(self, z: tf.Tensor) -> tf.Tensor:
         """The layer's activation applied to ``z``."""
-        activation = getattr(self.layer, "activation", None)
+        activation = compat.activation(self.layer)
         return z if activation is None else activation(z)
 
     def gradients(

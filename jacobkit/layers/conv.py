@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from jacobkit.keras import compat
 from jacobkit.layers.base import LayerRule
 
 
@@ -16,9 +17,9 @@ class ConvRule(LayerRule):
         why = super().unsupported()
         if why is not None:
             return why
-        if getattr(layer, "data_format", "channels_last") != "channels_last":
+        if compat.data_format(layer, "channels_last") != "channels_last":
             return f"data_format={layer.data_format!r} (only 'channels_last')"
-        if getattr(layer, "groups", 1) != 1:
+        if compat.groups(layer) != 1:
             return f"groups={layer.groups} (only groups=1)"
         if layer.padding not in ("valid", "same", "causal"):
             return f"padding={layer.padding!r}"

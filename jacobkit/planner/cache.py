@@ -33,6 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from jacobkit.keras import compat
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.problem import Problem
 
@@ -71,7 +72,7 @@ def fingerprint(problem: Problem, device: str) -> str | None:
         config = None
     variables = [
         (_stable(json.dumps(_name(v))), list(v.shape), tf.as_dtype(v.dtype).name)
-        for v in getattr(model, "variables", [])
+        for v in compat.variables(model)
     ]
     key = {
         "format": FORMAT,
@@ -97,7 +98,7 @@ def fingerprint(problem: Problem, device: str) -> str | None:
 
 
 def _name(variable: Any) -> str:
-    return str(getattr(variable, "path", None) or variable.name)
+    return str(compat.variable_path(variable))
 
 
 def _stable(text: str) -> str:

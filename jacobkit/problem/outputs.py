@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.keras import layer_tree
+from jacobkit.keras import compat, layer_tree
 
 
 class OutputError(ValueError):
@@ -38,9 +38,8 @@ def _output_names(outputs: Any, model: Any) -> list[str] | None:
     """The outputs' names: a dict's keys, else a Keras model's output names."""
     if isinstance(outputs, dict):
         return [str(key) for key in outputs]
-    try:
-        names = list(getattr(model, "output_names", None) or [])
-    except (AttributeError, ValueError):
+    names = compat.output_names(model)
+    if names is None:
         return None
     count = len(outputs) if isinstance(outputs, (list, tuple)) else 1
     return [str(n) for n in names] if len(names) == count else None

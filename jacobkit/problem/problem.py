@@ -111,7 +111,7 @@ class Problem:
         )
 
     def _ensure_built(self) -> None:
-        if getattr(self.model, "built", True) is False:
+        if compat.unbuilt(self.model):
             try:
                 self.call_model(tf.nest.map_structure(lambda t: t[:1], self.inputs))
             except (ValueError, TypeError, tf.errors.OpError) as err:

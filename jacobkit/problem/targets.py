@@ -135,20 +135,17 @@ def find_layer(model: Any, name: str) -> Any:
 
 
 def _layer_variables(layer: Any) -> list[Any]:
-    kernel = getattr(layer, "kernel", None)
+    kernel = compat.named_weight(layer, "kernel")
     if kernel is not None and not callable(kernel):
-        bias = getattr(layer, "bias", None)
+        bias = compat.named_weight(layer, "bias")
         return [kernel] + ([bias] if bias is not None else [])
     # Every weight that is trainable by nature, whether or not the layer is
     # frozen now: layer.trainable=False empties trainable_weights, but the
     # tf.Variable keeps the trainable flag it was created with (moving
     # statistics and other state are created non-trainable).
-    weights = getattr(layer, "weights", None)
-    if weights is None:
-        weights = layer.variables
     return [
         w
-        for w in weights
+        for w in compat.weights_or_variables(layer)
         if compat.as_tf_variable(w).trainable
         and compat.as_tf_variable(w).dtype.is_floating
     ]
@@ -158,7 +155,7 @@ def _roles(layer: Any, variables: list[Any]) -> Roles:
     found: dict[str, int] = {}
     if layer is not None:
         for role in ("kernel", "bias"):
-            variable = getattr(layer, role, None)
+            variable = compat.named_weight(layer, role)
             for i, v in enumerate(variables):
                 if variable is not None and v is variable:
                     found[role] = i
@@ -166,7 +163,7 @@ def _roles(layer: Any, variables: list[Any]) -> Roles:
 
 
 def _variable_name(variable: Any) -> str:
-    name = getattr(variable, "path", None) or variable.name
+    name = compat.variable_path(variable)
     return name[:-2] if name.endswith(":0") else name
 
 
@@ -214,7 +211,7 @@ def _check_layer_is_part_of_the_model(model: Any, layer: Any) -> None:
 def _check_variables_are_the_models(
     model: Any, targets: Targets, unconnected: list[str]
 ) -> None:
-    own = {id(compat.as_tf_variable(w)) for w in getattr(model, "weights", ())}
+    own = {id(compat.as_tf_variable(w)) for w in compat.weights(model)}
     foreign = [
         name
         for name, target in zip(targets.names, targets.variables)

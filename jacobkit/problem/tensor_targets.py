@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit.keras import compat
 from jacobkit.keras import graph as taps
 from jacobkit.problem.cache import per_model
 
@@ -97,7 +98,7 @@ def _input_names(model: Any, inputs: Any) -> list[str]:
     flat = tf.nest.flatten(inputs)
     if isinstance(inputs, dict):
         return [str(k) for k in sorted(inputs)]
-    names = [getattr(t, "name", None) for t in getattr(model, "inputs", None) or []]
+    names = compat.input_names(model)
     if len(names) == len(flat) and all(isinstance(n, str) for n in names):
         return [n.split(":")[0] for n in names]
     return [str(i) for i in range(len(flat))]

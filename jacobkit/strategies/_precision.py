@@ -66,14 +66,14 @@ def gradient_dtype(problem: Any) -> tf.DType:
     variables, the lowest compute dtype of the Keras layers that own them,
     else of the variables themselves."""
     layer = getattr(problem, "layer", None)
-    compute = getattr(layer, "compute_dtype", None)
+    compute = compat.compute_dtype(layer)
     if compute is not None:
         return tf.as_dtype(compute)
     dtypes = [t.dtype for t in problem.targets]
     targets = {id(t) for t in problem.targets}
     for owner in compat.flatten_layers(problem.model):
-        owned = [compat.unwrap(w) for w in getattr(owner, "weights", ())]
-        compute = getattr(owner, "compute_dtype", None)
+        owned = [compat.unwrap(w) for w in compat.weights(owner)]
+        compute = compat.compute_dtype(owner)
         if compute is not None and any(id(w) in targets for w in owned):
             dtypes.append(tf.as_dtype(compute))
     return min(dtypes, key=lambda d: d.size)

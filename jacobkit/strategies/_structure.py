@@ -39,6 +39,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from jacobkit.keras import compat
 from jacobkit.keras import graph as keras_graph
 from jacobkit.keras.compat import as_tf_variable
 from jacobkit.problem import Problem, per_model
@@ -238,11 +239,11 @@ def _graph(problem: Problem) -> _Graph:
 
 
 def _elementwise_activation(keras: Any, activation: Any) -> bool:
-    name = getattr(activation, "__name__", None)
-    return (
-        name in _ELEMENTWISE_ACTIVATIONS
-        and getattr(keras.activations, name, None) is activation
-    )
+    return compat.stock_activation(keras, activation) in _ELEMENTWISE_ACTIVATIONS
+
+
+def _lora_or_quantized(layer: Any) -> bool:
+    return compat.lora_enabled(layer) or bool(compat.quantization_mode(layer))
 
 
 def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
@@ -261,16 +262,14 @@ def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
             f"separable channels: target {layer.name!r} is not a stock Dense "
             "or Conv layer"
         )
-    if kind != "Dense" and getattr(layer, "data_format", None) != "channels_last":
+    if kind != "Dense" and compat.data_format(layer) != "channels_last":
         raise NotApplicable(f"separable channels: {layer.name!r} is channels_first")
-    if getattr(layer, "lora_enabled", False) or getattr(
-        layer, "quantization_mode", None
-    ):
+    if _lora_or_quantized(layer):
         raise NotApplicable(f"separable channels: {layer.name!r} is LoRA/quantized")
     if not _elementwise_activation(keras, layer.activation):
         raise NotApplicable(
             f"separable channels: {layer.name!r}'s activation "
-            f"{getattr(layer.activation, '__name__', layer.activation)!r} is not "
+            f"{compat.activation_name(layer.activation) or layer.activation!r} is not "
             "elementwise"
         )
     if not problem.roles.cover(len(problem.targets)):
@@ -344,14 +343,13 @@ def _linear_head(problem: Problem, graph: _Graph) -> LinearHead:
             f"linear head: the output layer {head.name!r} "
             f"({type(head).__name__}) is not a stock Dense layer"
         )
-    if getattr(head.activation, "__name__", None) != "linear" or not (
-        _elementwise_activation(keras, head.activation)
-    ):
+    if compat.stock_activation(keras, head.activation) != "linear":
         raise NotApplicable(
             f"linear head: {head.name!r} has activation "
-            f"{getattr(head.activation, '__name__', head.activation)!r}, not linear"
+            f"{compat.activation_name(head.activation) or head.activation!r}, "
+            "not linear"
         )
-    if getattr(head, "lora_enabled", False) or getattr(head, "quantization_mode", None):
+    if _lora_or_quantized(head):
         raise NotApplicable(f"linear head: {head.name!r} is LoRA/quantized")
     keras_graph.used_once(head)
     head_vars = {id(as_tf_variable(v)) for v in head.weights}

@@ -46,6 +46,8 @@ def rng_inputs(seed: int, dtype: str, *shapes: tuple[int, ...]) -> list[np.ndarr
 def randomize_weights(model: Any, seed: int) -> None:
     """Give every weight (batch-norm statistics included) a seeded value, so
     that float32 and float64 builds share weights and no layer is trivial."""
+    from jacobkit.keras import compat
+
     rng = np.random.default_rng(seed)
     values = []
     for w in model.get_weights():
@@ -54,7 +56,7 @@ def randomize_weights(model: Any, seed: int) -> None:
         value = rng.normal(scale=scale, size=w.shape)
         values.append(value)
     # batch-norm variances must be positive
-    names = [w.path if hasattr(w, "path") else w.name for w in model.weights]
+    names = [compat.variable_path(w) for w in model.weights]
     values = [
         np.abs(v) + 0.5 if "variance" in n else v
         for v, n in zip(values, names, strict=True)

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.keras.cast import dtype_name, float64_copy, variable_path
+from jacobkit.keras.cast import dtype_name, float64_copy
+from jacobkit.keras.compat import variable_path
 
 __all__ = [
     "Reference",
