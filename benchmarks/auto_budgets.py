@@ -129,6 +129,30 @@ def measure_budgets(sizes: dict, budgets: list[str], rounds: int) -> dict:
     return {"budgets": budgets, "fixed": fixed, "alone": alone, "timed": timed}
 
 
+def _prior_table(raw: dict) -> list[str]:
+    """The memory prior against the first call: what ``jk.plan`` predicted
+    before it (the strategy and peak the first call starts on) and the peak
+    the first call measured, per budget."""
+    lines = [
+        "",
+        "The memory prior against the first call (`jk.plan` before it, then the call):",
+        "",
+        "| budget | first call started on | predicted peak (prior) "
+        "| first-call peak | measured / predicted |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for budget in raw["budgets"]:
+        peak = raw["alone"][f"auto@{budget}"]
+        if "error" in peak or peak.get("prior_peak") is None:
+            continue
+        ratio = peak["first_peak"] / peak["prior_peak"]
+        lines.append(
+            f"| {budget} | {peak['prior_strategy']} | {_mib(peak['prior_peak'])} "
+            f"| {_mib(peak['first_peak'])} | {ratio:.2f} |"
+        )
+    return lines
+
+
 def render_budgets(raw: dict) -> tuple[list[dict], str]:
     """The budget table: one verdict row per budget, and the text."""
     from jacobkit.memory import parse_budget
@@ -182,6 +206,7 @@ def render_budgets(raw: dict) -> tuple[list[dict], str]:
             f"{time['steady_s']:.3f} | {best} | {best_s:.3f} | {ratio:.2f}x | "
             f"{paired:.2f}x | {'yes' if within else 'NO'} |"
         )
+    lines += _prior_table(raw)
     lines += [
         "",
         "Every fixed candidate on the same problem: time from the same interleaved",

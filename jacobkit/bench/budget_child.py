@@ -1,8 +1,9 @@
 """The child process of ``benchmarks/auto_budgets.py``: one model, several
 labels (fixed strategies and ``auto@budget``), in one fresh process.
 
-For each label: the peak memory of the first call, of every call until
-``auto`` settles (at most :data:`jacobkit.SETTLE_CALLS`), then
+For each label: what ``auto`` predicts before its first call (``jk.plan``:
+the strategy and the memory prior's peak), the peak memory of the first
+call, of every call until ``auto`` settles (at most :data:`jacobkit.SETTLE_CALLS`), then
 ``rounds`` interleaved timing rounds (each calls every label once, so that a
 load change on a shared machine hits every label alike), then one steady
 call's peak. Fixed labels are the labels of
@@ -23,11 +24,20 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
-def callers(spec: dict[str, Any]) -> dict[str, Callable[[], Any]]:
-    """``label -> call()`` for every label of ``spec``."""
+@dataclass(frozen=True)
+class Caller:
+    """One label's call, and (``auto`` only) its plan before any call."""
+
+    call: Callable[[], Any]
+    plan: Callable[[], Any] | None = None
+
+
+def callers(spec: dict[str, Any]) -> dict[str, Caller]:
+    """``label -> Caller`` for every label of ``spec``."""
     import jacobkit as jk
     from jacobkit.bench.measure import configurations
     from jacobkit.testing import examples
@@ -49,8 +59,16 @@ def callers(spec: dict[str, Any]) -> dict[str, Callable[[], Any]]:
                 f"budget_child: {label!r} is neither auto@BUDGET nor one of "
                 f"{sorted(fixed)}"
             )
-        found[label] = lambda kwargs=kwargs: jk.jacobian(
-            ex.model, ex.inputs, ex.layer, **kwargs
+        found[label] = Caller(
+            call=lambda kwargs=kwargs: jk.jacobian(
+                ex.model, ex.inputs, ex.layer, **kwargs
+            ),
+            # what auto plans before its first call: the memory prior
+            plan=(
+                (lambda kwargs=kwargs: jk.plan(ex.model, ex.inputs, ex.layer, **kwargs))
+                if label.startswith("auto")
+                else None
+            ),
         )
     return found
 
@@ -62,7 +80,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     calls = callers(spec)
     found: dict[str, Any] = {}
-    for label, call in calls.items():
+    for label, caller in calls.items():
+        prior = caller.plan() if caller.plan is not None else None
+        call = caller.call
         with memory.PeakMemory() as first:
             result = call()
         peaks, count = [first.extra_bytes], 1
@@ -80,15 +100,17 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "settle_calls": count,
             "times": [],
             "predicted_peak": plan.predicted_peak_bytes if plan else None,
+            "prior_peak": prior.predicted_peak_bytes if prior else None,
+            "prior_strategy": prior.strategy.label if prior else None,
             "predicted_s": plan.predicted_time_s if plan else None,
             "plan": plan.summary() if plan else None,
         }
     for _ in range(spec["rounds"]):
-        for label, call in calls.items():
-            found[label]["times"].append(call().stats.wall_time_s)
-    for label, call in calls.items():
+        for label, caller in calls.items():
+            found[label]["times"].append(caller.call().stats.wall_time_s)
+    for label, caller in calls.items():
         with memory.PeakMemory() as steady:
-            result = call()
+            result = caller.call()
         ran = result.strategy_config
         found[label].update(
             steady_peak=steady.extra_bytes,
