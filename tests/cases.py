@@ -11,6 +11,8 @@ import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -205,3 +207,19 @@ def unless_kernels_exceed_the_budget() -> Iterator[None]:
         if "convolution gradient kernels take" not in str(err):
             raise
         pytest.xfail(f"{runtime.cpu_kind().describe()}: {err}")
+
+
+def two_blocks() -> tuple[keras.Model, np.ndarray]:
+    """A functional model with two blocks, ``block_0`` and ``block_1``, each
+    holding a Dense named ``query`` (as each transformer layer of a BERT holds
+    its own), then a Dense ``head``; on (3, 4) inputs."""
+    x_in = keras.Input((4,), name="x")
+    h = x_in
+    for i in range(2):
+        block = keras.Sequential(
+            [keras.layers.Dense(3, activation="tanh", name="query")], name=f"block_{i}"
+        )
+        h = block(h)
+    model = keras.Model(x_in, keras.layers.Dense(2, name="head")(h), name="blocks")
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
+    return model, x

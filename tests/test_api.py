@@ -19,7 +19,7 @@ import jacobkit as jk
 from jacobkit import testing
 from jacobkit.problem import Problem
 from jacobkit.testing import examples
-from tests.cases import example, reference
+from tests.cases import example, reference, two_blocks
 
 
 # -- the result ----------------------------------------------------------------
@@ -351,6 +351,47 @@ def test_keys_of_a_nested_model_keep_its_path():
     x = np.ones((2, 4), "float32")
     result = jk.jacobian(model, x, "d", strategy="loop")
     assert list(result) == ["backbone/d/kernel", "backbone/d/bias"]
+
+
+@pytest.mark.parametrize("name", ["block_1/query", "block_1"])
+def test_a_path_names_one_of_several_layers_of_the_same_name(name):
+    """``"block_1/query"`` (the prefix of its result keys) is block_1's
+    ``query``, not block_0's: both blocks hold a Dense named ``query``."""
+    model, x = two_blocks()
+    result = jk.jacobian(model, x, name, strategy="loop")
+    assert list(result) == ["block_1/query/kernel", "block_1/query/bias"]
+    model64 = testing.float64_copy(model)
+    query64 = model64.get_layer("block_1").get_layer("query")
+    expected = testing.reference_jacobian(
+        model64, x.astype("float64"), [query64.kernel, query64.bias]
+    )
+    testing.assert_close(result, expected)
+    query = model.get_layer("block_1").get_layer("query")
+    assert result[0].shape == (2, *query.kernel.shape)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["stack/block_0/attention/query", "block_0/attention/query", "block_0/query"],
+)
+def test_any_path_suffix_or_the_names_in_order_name_a_nested_layer(name):
+    """The full path, a suffix of it, or its names in order with some left
+    out (``"block_0/query"`` for ``"stack/block_0/attention/query"``)."""
+
+    def block(i: int) -> keras.Sequential:
+        attention = keras.Sequential(
+            [keras.layers.Dense(2, name="query")], name="attention"
+        )
+        return keras.Sequential([attention], name=f"block_{i}")
+
+    stack = keras.Sequential([block(0), block(1)], name="stack")
+    model = keras.Sequential([keras.Input((2,)), stack], name="deep")
+    x = np.ones((1, 2), "float32")
+    result = jk.jacobian(model, x, name, strategy="loop")
+    assert list(result) == [
+        "stack/block_0/attention/query/kernel",
+        "stack/block_0/attention/query/bias",
+    ]
 
 
 def test_keys_and_targets_of_a_recurrent_layer():

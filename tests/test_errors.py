@@ -18,6 +18,7 @@ import tf_keras
 import jacobkit as jk
 from jacobkit.memory import PeakMemory
 from jacobkit.testing import examples
+from tests.cases import two_blocks
 
 MiB = 1024**2
 
@@ -113,7 +114,12 @@ def test_errors_come_before_large_allocations(wide, kwargs):
         ("hiden", "Did you mean 'hidden'?"),
         ("Head", "Did you mean 'head'?"),
         ("HIDDEN_1", "Did you mean 'hidden'?"),
-        ("output", "The model's layers are: 'x', 'hidden', 'head'."),
+        # only layers with trainable variables: not the input layer 'x'
+        (
+            "output",
+            "The model's layers with trainable variables are: 'hidden', 'head'.",
+        ),
+        ("y", "The model's layers with trainable variables are: 'hidden', 'head'."),
     ],
 )
 def test_unknown_layer_name_suggests_the_closest(name, hint):
@@ -142,15 +148,74 @@ def test_unknown_layer_name_in_a_large_model():
         ),
     ):
         jk.jacobian(model, x, "haed", strategy="chunked")
-    first = ", ".join(repr(n) for n in ["x", *(f"block{i}" for i in range(9))])
+    first = ", ".join(repr(f"block{i}") for i in range(10))
     with pytest.raises(
         ValueError,
         match=exactly(
             "jacobian(layer='logits'): the model has no layer named 'logits'. "
-            f"The model's layers are: {first} and 16 more."
+            f"The model's layers with trainable variables are: {first} and 15 more."
         ),
     ):
         jk.jacobian(model, x, "logits", strategy="chunked")
+
+
+@pytest.mark.parametrize("target", ["query", "Output"])
+def test_a_name_of_several_layers_is_refused_with_their_paths(target):
+    model, x = two_blocks()
+    layer = jk.Output("query") if target == "Output" else "query"
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "jacobian(layer='query'): 2 layers of the model match 'query': "
+            "'block_0/query', 'block_1/query'. Pass one of these paths to choose one."
+        ),
+    ):
+        jk.jacobian(model, x, layer, strategy="chunked")
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        # the bare name is ambiguous: both paths, never 'query' alone
+        ("qeury", "Did you mean 'block_0/query' or 'block_1/query'?"),
+        (
+            "block_1/qeury",
+            "Did you mean 'block_1/query' or 'block_0/query' or 'block_1'?",
+        ),
+        # nothing close: every layer that has variables, never the input 'x'
+        (
+            "logits",
+            "The model's layers with trainable variables are: 'block_0', "
+            "'block_0/query', 'block_1', 'block_1/query', 'head'.",
+        ),
+        (
+            "xx",
+            "The model's layers with trainable variables are: 'block_0', "
+            "'block_0/query', 'block_1', 'block_1/query', 'head'.",
+        ),
+    ],
+)
+def test_unknown_layer_path_suggests_layers_with_variables(name, hint):
+    model, x = two_blocks()
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            f"jacobian(layer={name!r}): the model has no layer named {name!r}. {hint}"
+        ),
+    ):
+        jk.jacobian(model, x, name, strategy="chunked")
+
+
+def test_ambiguous_name_is_refused_before_large_allocations():
+    layers = [
+        keras.Sequential([keras.layers.Dense(_WIDE, name="query")], name=f"block_{i}")
+        for i in range(2)
+    ]
+    model = keras.Sequential([keras.Input((_WIDE,)), *layers], name="wide_blocks")
+    x = np.ones((2, _WIDE), "float32")
+    with PeakMemory("CPU:0") as memory, pytest.raises(ValueError, match="match"):
+        jk.jacobian(model, x, "query", strategy="jacobian", device="CPU:0")
+    assert memory.extra_bytes < 1 * MiB
 
 
 def test_unknown_layer_name_on_a_model_without_layers():

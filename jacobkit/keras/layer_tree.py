@@ -3,6 +3,9 @@
 - :func:`target_keys`: stable result keys, the layer's path inside the model
   (``"head/kernel"``; ``"backbone/conv1/kernel"`` in a nested sub-model),
   never the model's own name.
+- :func:`layers_named`: the layers a ``layer=`` name or path names (a bare
+  name, any path suffix, the full key prefix the results print);
+  :func:`short_path`, the shortest of those that names one layer alone.
 - :func:`close_names`: "did you mean" suggestions for a layer-name typo.
 - :func:`contains_layer`: whether a layer is part of a model at all.
 - :func:`recurrent_layers`: the layers that loop over time (a
@@ -84,6 +87,85 @@ def target_keys(
 def contains_layer(model: Any, layer: Any) -> bool:
     """Whether ``layer`` is ``model`` or one of the layers inside it."""
     return any(candidate is layer for candidate, _ in walk(model))
+
+
+def named_layers(model: Any) -> list[tuple[Any, str]]:
+    """``(layer, path)`` of every layer inside ``model``, itself excluded; the
+    path is the one result keys start with (``"block_0/query"``, see
+    :func:`target_keys`). A plain ``tf.Module``'s sub-modules by name."""
+    if compat.is_keras_layer(model):
+        return [(layer, "/".join(path)) for layer, path in walk(model) if path]
+    return [(module, module.name) for module in compat.flatten_layers(model)]
+
+
+def _ends_with(path: str, suffix: str) -> bool:
+    """Whether ``suffix`` is ``path`` or its last whole names."""
+    return path == suffix or path.endswith("/" + suffix)
+
+
+def _in_order(names: list[str], path: list[str]) -> bool:
+    """Whether ``path`` ends with ``names[-1]`` and holds ``names[:-1]``
+    before it, in order (others may come between)."""
+    if not names or not path or names[-1] != path[-1]:
+        return False
+    rest = iter(path[:-1])
+    return all(any(name == step for step in rest) for name in names[:-1])
+
+
+def layers_named(layers: Sequence[tuple[Any, str]], name: str) -> list[tuple[Any, str]]:
+    """The ``(layer, path)`` of ``layers`` (:func:`named_layers`) that ``name``
+    names, in order:
+
+    - the one layer whose full path is ``name`` (a top-level layer's name is
+      its full path);
+    - else every layer whose path ends with ``name`` in whole names: a bare
+      name (``"query"``) or a path suffix (``"block_0/query"``);
+    - else every layer whose path holds the names of ``name`` in order and
+      ends with its last one (``"transformer_layer_0/query"`` names
+      ``"transformer_layer_0/self_attention/query"``).
+
+    More than one is ambiguous: the caller refuses it.
+    """
+    exact = [(layer, path) for layer, path in layers if path == name]
+    if exact:
+        return exact[:1]
+    suffix = [(layer, path) for layer, path in layers if _ends_with(path, name)]
+    if suffix:
+        return suffix
+    names = name.split("/")
+    return [
+        (layer, path) for layer, path in layers if _in_order(names, path.split("/"))
+    ]
+
+
+def short_path(path: str, paths: Sequence[str]) -> str:
+    """The shortest suffix of ``path`` (whole names) that names it alone among
+    ``paths`` (:func:`named_layers`): its bare name where no other layer ends
+    with it, else ``"block_0/query"``, at most the full path."""
+    names = path.split("/")
+    for k in range(1, len(names)):
+        suffix = "/".join(names[-k:])
+        if sum(_ends_with(other, suffix) for other in paths) == 1:
+            return suffix
+    return path
+
+
+def close_paths(
+    name: str, paths: Sequence[str], among: Sequence[str], n: int = 3
+) -> list[str]:
+    """Up to ``n`` of ``paths`` closest to ``name``, each shown as its
+    :func:`short_path` among ``among`` (every layer's path): ``name`` is
+    compared with as many trailing names of each path as it has itself
+    (``"qeury"`` with ``"query"``, ``"block_0/qeury"`` with
+    ``"block_0/query"``)."""
+    depth = len(name.split("/"))
+    tails: dict[str, list[str]] = {}
+    for path in paths:
+        tails.setdefault("/".join(path.split("/")[-depth:]), []).append(path)
+    found: list[str] = []
+    for tail in close_names(name, list(tails), n=n):
+        found.extend(short_path(path, among) for path in tails[tail])
+    return found[:n]
 
 
 def close_names(name: str, names: Sequence[str], n: int = 3) -> list[str]:

@@ -107,7 +107,7 @@ class Problem:
             self._call,
             self.function,
             self.training,
-            lambda name: targets.find_layer(self.model, name),
+            lambda name: targets.find_layer(self.model, name, with_variables=False),
         )
 
     def _ensure_built(self) -> None:

@@ -113,25 +113,51 @@ def _layer_and_variables(
     )
 
 
-def find_layer(model: Any, name: str) -> Any:
-    """The layer of ``model`` named ``name``; raises with close names."""
-    layers = compat.flatten_layers(model)
-    for layer in layers:
-        if layer.name == name:
-            return layer
-    names = [layer.name for layer in layers]
-    close = layer_tree.close_names(name, names)
-    if close:
-        hint = f"Did you mean {' or '.join(repr(n) for n in close)}?"
-    elif names:
-        shown = ", ".join(repr(n) for n in names[:10])
-        more = f" and {len(names) - 10} more" if len(names) > 10 else ""
-        hint = f"The model's layers are: {shown}{more}."
-    else:
-        hint = "The model has no named layers; pass a list of variables instead."
+def find_layer(model: Any, name: str, *, with_variables: bool = True) -> Any:
+    """The layer of ``model`` that ``name`` names: its name, any suffix of its
+    path that no other layer's path ends with (``"block_0/query"``), or the
+    full path its result keys start with.
+
+    Raises ``ValueError`` where ``name`` names several layers (every one
+    listed by path) or none (with close names). ``with_variables``: only
+    layers with trainable variables are suggested (``layer=``); else any
+    layer (``Output(name)``).
+    """
+    layers = layer_tree.named_layers(model)
+    found = layer_tree.layers_named(layers, name)
+    if len(found) == 1:
+        return found[0][0]
+    if found:
+        paths = ", ".join(repr(path) for _, path in found)
+        raise ValueError(
+            f"jacobian(layer={name!r}): {len(found)} layers of the model match "
+            f"{name!r}: {paths}. Pass one of these paths to choose one."
+        )
+    every = [path for _, path in layers]
+    paths = [
+        path for layer, path in layers if not with_variables or _layer_variables(layer)
+    ]
     raise ValueError(
-        f"jacobian(layer={name!r}): the model has no layer named {name!r}. {hint}"
+        f"jacobian(layer={name!r}): the model has no layer named {name!r}. "
+        f"{_hint(name, paths, every, with_variables)}"
     )
+
+
+def _hint(name: str, paths: list[str], every: list[str], with_variables: bool) -> str:
+    close = layer_tree.close_paths(name, paths, every)
+    if close:
+        return f"Did you mean {' or '.join(repr(n) for n in close)}?"
+    if not paths:
+        if every:
+            return (
+                "None of its layers has trainable variables; pass a list of "
+                "variables instead."
+            )
+        return "The model has no named layers; pass a list of variables instead."
+    shown = ", ".join(repr(layer_tree.short_path(p, every)) for p in paths[:10])
+    more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
+    which = "layers with trainable variables" if with_variables else "layers"
+    return f"The model's {which} are: {shown}{more}."
 
 
 def _layer_variables(layer: Any) -> list[Any]:
