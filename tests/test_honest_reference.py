@@ -11,6 +11,7 @@ is 4.0e-5 to 6.0e-5 from the reference: a fixed 1e-5 fails them all.
 from __future__ import annotations
 
 import functools
+import re
 
 import keras
 import numpy as np
@@ -233,3 +234,62 @@ def test_compare_says_what_the_reference_was(tmp_path, capsys):
         "float64)" in out
     ), out
     assert "DISAGREE" not in out
+
+
+# -- a loop that is wholly off lends no tolerance ------------------------------------
+def _wholly_off_reference() -> testing.Reference:
+    """A non-zero reference whose loop was 100% off: under ``mixed_float16``
+    a random-init backbone's features underflow and the loop's Jacobian is
+    all zeros, so its own error is 1.0 and 2x that would pass anything."""
+    expected = np.arange(1.0, 7.0).reshape(2, 3)
+    return testing.Reference((expected,), (1.0,), "float64 loop (test)")
+
+
+@pytest.mark.parametrize(
+    "actual, message",
+    [
+        (np.zeros((2, 3)), "Jacobian 0 is all zero where the reference is not"),
+        (np.full((2, 3), np.nan), "Jacobian 0 holds 6 NaN or infinite entries"),
+        (
+            np.array([[1.0, 2.0, np.inf], [4.0, 5.0, 6.0]]),
+            "Jacobian 0 holds 1 NaN or infinite entries",
+        ),
+    ],
+    ids=["zeros", "nan", "inf"],
+)
+def test_empty_or_non_finite_result_fails_whatever_the_loop_error(actual, message):
+    reference = _wholly_off_reference()
+    with pytest.raises(AssertionError, match=message):
+        testing.assert_close([actual], reference)
+    # nor does a given tolerance let it through
+    with pytest.raises(AssertionError, match=message):
+        testing.assert_close([actual], list(reference), tolerance=2.0)
+
+
+def test_derived_tolerance_is_capped():
+    reference = _wholly_off_reference()
+    expected = reference[0]
+    # 60% off everywhere: 2 x the loop's 100% would pass it; the cap does not
+    off = expected * (1 + 0.6)
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
+            "max relative difference 6.000e-01 > tolerance 5.0e-01 (2 x the "
+            "obvious loop's own error 1.0e+00, capped at MAX_DERIVED_TOLERANCE = "
+            "0.5: a loop that far off did not compute this Jacobian either)"
+        ),
+    ):
+        testing.assert_close([off], reference)
+    # within the cap, and a small loop error keeps its own tolerance
+    assert testing.assert_close([expected * 1.4], reference) == pytest.approx(0.4)
+    assert testing.MAX_DERIVED_TOLERANCE == 0.5
+    small = testing.Reference((expected,), (1e-3,), "float64 loop (test)")
+    testing.assert_close([expected * (1 + 1.5e-3)], small)
+    with pytest.raises(AssertionError, match=r"tolerance 2\.0e-03 \(2 x"):
+        testing.assert_close([expected * (1 + 3e-3)], small)
+
+
+def test_an_all_zero_reference_still_takes_an_all_zero_result():
+    """Targets that do not reach the rows: zero in both, not a failure."""
+    zero = testing.Reference((np.zeros((2, 3)),), (0.0,), "float64 loop (test)")
+    assert testing.assert_close([np.zeros((2, 3))], zero) == 0.0

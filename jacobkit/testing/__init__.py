@@ -9,7 +9,7 @@ formed by plain indexing inside the tape. Give it a float64 copy of the model
   :func:`float64_reference`, :class:`Reference`,
   :func:`max_relative_difference`;
 - :mod:`~jacobkit.testing.close`: :func:`assert_close`,
-  :data:`BASELINE_FACTOR`;
+  :data:`BASELINE_FACTOR`, :data:`MAX_DERIVED_TOLERANCE`;
 - :mod:`~jacobkit.testing.tolerance`: :data:`TOLERANCE`;
 - :mod:`~jacobkit.testing.examples`: the built-in example problems;
 - :func:`cast_copy`, :func:`float64_copy` (from :mod:`jacobkit.keras.cast`)
@@ -25,7 +25,11 @@ from __future__ import annotations
 
 from jacobkit.keras.cast import cast_copy, float64_copy
 from jacobkit.strategies._precision import FAR_OFF, Bfloat16Check, bfloat16_check
-from jacobkit.testing.close import BASELINE_FACTOR, assert_close
+from jacobkit.testing.close import (
+    BASELINE_FACTOR,
+    MAX_DERIVED_TOLERANCE,
+    assert_close,
+)
 from jacobkit.testing.reference import (
     Reference,
     float64_reference,
@@ -39,6 +43,7 @@ from jacobkit.verification import VerificationError, verify
 __all__ = [
     "BASELINE_FACTOR",
     "FAR_OFF",
+    "MAX_DERIVED_TOLERANCE",
     "Bfloat16Check",
     "TOLERANCE",
     "Reference",
