@@ -111,16 +111,21 @@ def first_paired_text(row: dict, limit: float) -> str:
     mark = "" if paired["ratio"] <= limit else " **over**"
     evidence = ""
     if paired.get("ratios"):
-        found = stats.ratios(paired["ratios"])
-        parts = [stats.interval_text(found.low, found.high, suffix="")]
-        if found.p_value is not None:
-            parts.append(f"{stats.p_text(found.p_value)} two-sided")
-        evidence = " ".join(part for part in parts if part)
-        evidence = f" {evidence}" if evidence else ""
+        evidence = _evidence(stats.ratios(paired["ratios"]))
     return (
         f"; paired fresh processes {paired['ratio']:.2f}{evidence} "
         f"({paired['strategy']}, {paired['rounds']} rounds){mark}"
     )
+
+
+def _evidence(found: stats.Ratios | stats.Speedup) -> str:
+    """`` [low, high] p=… two-sided`` for a paired ratio (empty where neither
+    is known), as both paired columns print it."""
+    parts = [stats.interval_text(found.low, found.high, suffix="")]
+    if found.p_value is not None:
+        parts.append(f"{stats.p_text(found.p_value)} two-sided")
+    evidence = " ".join(part for part in parts if part)
+    return f" {evidence}" if evidence else ""
 
 
 def paired_text(row: dict) -> str:
@@ -133,14 +138,9 @@ def paired_text(row: dict) -> str:
     auto_times, fixed_times = paired.get("auto_times_s"), paired.get("fixed_times_s")
     if auto_times and fixed_times and len(auto_times) == len(fixed_times):
         # auto_s / fixed_s, as the ratio: the fixed strategy is the baseline
-        found = stats.speedup(
-            auto_times, fixed_times, paired=True, alternative="two-sided"
+        evidence = _evidence(
+            stats.speedup(auto_times, fixed_times, paired=True, alternative="two-sided")
         )
-        parts = [stats.interval_text(found.low, found.high, suffix="")]
-        if found.p_value is not None:
-            parts.append(f"{stats.p_text(found.p_value)} two-sided")
-        evidence = " ".join(part for part in parts if part)
-        evidence = f" {evidence}" if evidence else ""
     return (
         f"{paired['ratio']:.2f}{evidence} "
         f"({paired['strategy']}, {paired['rounds']} rounds){mark}"
