@@ -107,10 +107,7 @@ def _probe_tensors(kind: str, dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
     if kind == "conv3d":
         x = generator.normal((2, 8, 32, 32, 2))
         k = generator.normal((3, 3, 3, 2, 1))
-    elif kind == "depthwise":
-        x = generator.normal((2, 64, 64, 2))
-        k = generator.normal((3, 3, 2, 1))
-    else:
+    else:  # conv2d; depthwise reads the same kernel as (h, w, in, multiplier)
         x = generator.normal((2, 64, 64, 2))
         k = generator.normal((3, 3, 2, 1))
     return tf.cast(x, dtype), tf.cast(k, dtype)
