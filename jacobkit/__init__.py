@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from jacobkit import runtime
 
-__version__ = "0.1.0"
+#: the package version, its one source (``pyproject.toml`` reads it)
+__version__ = "0.2.0"
+
+#: what ``import tensorflow`` failing means for a jacobkit user
+NO_TENSORFLOW = (
+    "jacobkit needs TensorFlow, and none is installed: install one variant, e.g. "
+    "pip install 'jacobkit[tensorflow]' (or 'jacobkit[tensorflow-cpu]'), or "
+    "your own tensorflow / tensorflow-cpu / tf-nightly build"
+)
 
 #: public name -> the module that defines it
 _PUBLIC = {
@@ -66,12 +74,17 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MODULES:
-        value = importlib.import_module(_MODULES[name])
-    elif name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    else:
+    if name not in _MODULES and name not in _PUBLIC:
         raise AttributeError(f"module 'jacobkit' has no attribute {name!r}")
+    try:
+        if name in _MODULES:
+            value = importlib.import_module(_MODULES[name])
+        else:
+            value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    except ModuleNotFoundError as err:
+        if err.name != "tensorflow":
+            raise
+        raise ModuleNotFoundError(NO_TENSORFLOW, name="tensorflow") from err
     globals()[name] = value
     return value
 

@@ -153,12 +153,16 @@ def verify(
     Args:
         result: a :class:`~jacobkit.JacobianResult`, or a list of arrays
             (one per target, shape ``rows_shape + v.shape``).
-        model, inputs, layer: as given to :func:`jacobkit.jacobian`.
+        model: as given to :func:`jacobkit.jacobian`.
+        inputs: as given to :func:`jacobkit.jacobian`.
+        layer: as given to :func:`jacobkit.jacobian`.
         probes: the number of random cotangents (>= 1).
-        outputs, features, training: the rows, as given to
-            :func:`jacobkit.jacobian` (they must match the result's). A
-            model that is random when ``training=True`` (dropout) gives
-            other rows in the check than in the result: it cannot be checked.
+        outputs: the rows, as given to :func:`jacobkit.jacobian` (they
+            must match the result's).
+        features: as given to :func:`jacobkit.jacobian`.
+        training: as given to :func:`jacobkit.jacobian`. A model that is
+            random when ``training=True`` (dropout) gives other rows in the
+            check than in the result: it cannot be checked.
         tolerance: the largest relative difference accepted; default: the
             loosest ``TOLERANCES["verify"]`` of the result's, the rows' and the
             target layer's compute dtype.

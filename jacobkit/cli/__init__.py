@@ -15,7 +15,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 
-from jacobkit import runtime
+from jacobkit import __version__, runtime
 from jacobkit.cli import bench, compare, run
 from jacobkit.cli._common import USAGE_ERROR, Parser, UsageError
 
@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-output Jacobians of TensorFlow/Keras models.",
     )
     parser.add_argument("-v", "--verbose", **verbose)
+    parser.add_argument(
+        "--version", action="version", version=f"jacobkit {__version__}"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS.values():
         add(subparsers, common)

@@ -82,7 +82,8 @@ def reference_jacobian(
         model: called as ``model(inputs, **call_kwargs)``.
         inputs: what the model takes.
         variables: ``tf.Variable`` or ``keras.Variable`` objects.
-        outputs, features: as in :func:`jacobkit.jacobian`.
+        outputs: as in :func:`jacobkit.jacobian`.
+        features: as in :func:`jacobkit.jacobian`.
 
     Returns:
         One array per variable, shape ``rows_shape + variable.shape``; zeros
