@@ -32,7 +32,7 @@ def jacobian(
     output: int | str | None = None,
     reduce: str | None = None,
     steps: int | None = None,
-    out: str | os.PathLike | None = None,
+    out: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     progress: bool = True,
     distribute: tf.distribute.Strategy | None = None,

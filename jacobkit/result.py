@@ -42,7 +42,7 @@ class Stats:
 
 
 @dataclass(frozen=True)
-class JacobianResult(Mapping):
+class JacobianResult(Mapping[str, Any]):
     """Per-row Jacobians of one model output with respect to target variables.
 
     For each target variable ``v`` the Jacobian has shape

@@ -161,6 +161,7 @@ class Replicas:
         """Every worker's float64 sums added up (in worker order), on every
         worker; the sums themselves on one worker."""
         if not self.multi_worker:
+            assert sums is not None, "one worker always has its sums"
             return sums
         local = (
             sums if sums is not None else [np.zeros(v.shape, np.float64) for v in like]

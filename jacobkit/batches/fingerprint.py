@@ -29,7 +29,7 @@ def model_fingerprint(model: Any) -> str:
         name = compat.variable_path(w)
         value = np.ascontiguousarray(np.asarray(w))
         h.update(f"{name}{value.dtype.str}{value.shape}".encode())
-        h.update(memoryview(value).cast("B"))
+        h.update(value.tobytes())
     return h.hexdigest()[:32]
 
 

@@ -134,7 +134,7 @@ def digest_batch(arrays: Sequence[np.ndarray]) -> str:
     for a in arrays:
         a = np.ascontiguousarray(a)
         h.update(f"{a.dtype.str}{a.shape}".encode())
-        h.update(memoryview(a).cast("B"))
+        h.update(a.tobytes())
     return h.hexdigest()
 
 

@@ -14,6 +14,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from jacobkit import __version__, runtime
 from jacobkit.cli import bench, compare, run
@@ -30,7 +31,7 @@ SUBCOMMANDS = {"compare": compare.add, "bench": bench.add, "run": run.add}
 
 
 def _parser() -> argparse.ArgumentParser:
-    verbose = {
+    verbose: dict[str, Any] = {
         "action": "store_true",
         "help": "show TensorFlow's start-up logs and warnings",
     }

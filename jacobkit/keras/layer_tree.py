@@ -263,7 +263,9 @@ def input_mismatch(model: Any, inputs: Any, flat: Sequence[Any]) -> str | None:
     expected = _expected_inputs(model)
     if expected is None:
         return None
-    received = [tuple(int(d) if d is not None else None for d in t.shape) for t in flat]
+    received: list[tuple[int | None, ...]] = [
+        tuple(int(d) if d is not None else None for d in t.shape) for t in flat
+    ]
     if len(expected) != len(received):
         listed = ", ".join(f"{name!r} {_shape(dims)}" for name, dims in expected)
         got = ", ".join(_shape(r) for r in received)
@@ -276,15 +278,15 @@ def input_mismatch(model: Any, inputs: Any, flat: Sequence[Any]) -> str | None:
         by_name = dict(expected)
         if set(by_name) == set(inputs):
             expected = [(name, by_name[name]) for name in sorted(inputs)]
-    for (name, want), got in zip(expected, received):
-        if _fits(want, got):
+    for (name, want), shape in zip(expected, received):
+        if _fits(want, shape):
             continue
         which = f"input {name!r} of " if len(expected) > 1 else ""
         start = (
             f"{which}the model expects shape {_shape(want)} (batch first), got "
-            f"shape {_shape(got)}"
+            f"shape {_shape(shape)}"
         )
-        if len(got) == len(want) - 1 and _fits(want[1:], got):
+        if len(shape) == len(want) - 1 and _fits(want[1:], shape):
             return (
                 f"{start}: the batch axis is missing. Add it: x[None] (or "
                 "np.expand_dims(x, 0)) for a single example."

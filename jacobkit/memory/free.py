@@ -243,7 +243,7 @@ def _tf_gpu_total_bytes(physical_device: Any) -> int | None:
         return None
     for key in ("memory_limit", "total_memory", "memory_total", "memory_size"):
         value = details.get(key)
-        if isinstance(value, Integral) and value > 0:
+        if isinstance(value, Integral) and int(value) > 0:
             return int(value)
     return None
 

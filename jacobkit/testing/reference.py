@@ -137,7 +137,7 @@ def reference_tensor_jacobian(
     if outputs not in ("per_example", "full"):
         return full
     middle = (slice(None),) * (len(rows_shape) - 1)
-    return np.stack([full[b][(*middle, b)] for b in range(rows_shape[0])])
+    return np.stack([full[b][middle + (b,)] for b in range(rows_shape[0])])
 
 
 def max_relative_difference(actual: Any, expected: Any) -> float:
@@ -160,7 +160,7 @@ def max_relative_difference(actual: Any, expected: Any) -> float:
 
 
 @dataclass(frozen=True)
-class Reference(Sequence):
+class Reference(Sequence[np.ndarray]):
     """A reference Jacobian per target, what it was computed on, and how far
     the obvious computation at the model's own precision is from it.
 
@@ -180,7 +180,7 @@ class Reference(Sequence):
     baseline_errors: tuple[float, ...] | None
     description: str
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: Any) -> Any:
         return self.jacobians[index]
 
     def __len__(self) -> int:
