@@ -29,6 +29,23 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("JACOBKIT_NOTEBOOK_SIZE", "small")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the tests marked slow (larger problems, real models)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with pytest --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _cold_plan_cache(tmp_path, monkeypatch):
     """Each test starts with an empty plan cache: what one test's ``auto``
