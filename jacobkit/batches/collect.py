@@ -198,10 +198,13 @@ class _Resume:
     """The batches an earlier, interrupted call into ``out=`` finished: they
     are skipped, but read again, to check they are the same inputs."""
 
-    def __init__(self, writer: Store | None, out: str | os.PathLike | None) -> None:
+    def __init__(
+        self, writer: Store | None, out: str | os.PathLike[str] | None
+    ) -> None:
         self.done = writer.batches_done if writer is not None else 0
         self.expected = writer.inputs_chain if writer is not None else EMPTY_CHAIN
-        self.out = out
+        # only read where batches are done, which needs a directory
+        self.out: str | os.PathLike[str] = out if out is not None else ""
         self._chain = EMPTY_CHAIN
 
     def skips(self, k: int, digest: str) -> bool:
@@ -350,6 +353,7 @@ class Collector:
         if self.writer is not None:
             return self.writer.finish(self.sums if self.summed else None)
         if self.summed:
+            assert self.sums is not None, "summed rows keep their sums"
             numpy_dtype = self.dtype.as_numpy_dtype
             return {
                 name: tf.constant(s.astype(numpy_dtype))

@@ -228,6 +228,7 @@ class Store:
         target's array memory-mapped read-only."""
         if not self.complete:
             if self.kind == "sum":
+                assert sums is not None, "a sum store finishes with its sums"
                 for target, values in zip(self.files, sums, strict=True):
                     _save_npy(
                         self.path(target), np.asarray(values).astype(target.dtype)
@@ -306,7 +307,11 @@ class Store:
     def _write_manifest(self) -> None:
         text = json.dumps(self.manifest.to_json(), indent=1, sort_keys=True)
         path = os.path.join(self.directory, MANIFEST)
-        _write_file(path, lambda f: f.write(text.encode()), atomic=True)
+
+        def write(f: BinaryIO) -> None:
+            f.write(text.encode())
+
+        _write_file(path, write, atomic=True)
 
     def _remove_files(self, names: Sequence[str]) -> None:
         for name in names:

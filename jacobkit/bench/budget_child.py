@@ -18,6 +18,7 @@ prints one line ``RESULT {json}``: ``{label: measurements}``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -60,12 +61,12 @@ def callers(spec: dict[str, Any]) -> dict[str, Caller]:
                 f"{sorted(fixed)}"
             )
         found[label] = Caller(
-            call=lambda kwargs=kwargs: jk.jacobian(
-                ex.model, ex.inputs, ex.layer, **kwargs
+            call=functools.partial(
+                jk.jacobian, ex.model, ex.inputs, ex.layer, **kwargs
             ),
             # what auto plans before its first call: the memory prior
             plan=(
-                (lambda kwargs=kwargs: jk.plan(ex.model, ex.inputs, ex.layer, **kwargs))
+                functools.partial(jk.plan, ex.model, ex.inputs, ex.layer, **kwargs)
                 if label.startswith("auto")
                 else None
             ),
@@ -85,13 +86,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         call = caller.call
         with memory.PeakMemory() as first:
             result = call()
-        peaks, count = [first.extra_bytes], 1
+        peaks: list[int] = [first.extra_bytes or 0]
+        count = 1
         while (
             result.plan is not None and not result.plan.settled and count < SETTLE_CALLS
         ):
             with memory.PeakMemory() as settling:
                 result = call()
-            peaks.append(settling.extra_bytes)
+            peaks.append(settling.extra_bytes or 0)
             count += 1
         plan = result.plan
         found[label] = {

@@ -209,6 +209,7 @@ def measure_calls(
             start = time.perf_counter()
             result = call()
             steady.append(time.perf_counter() - start)
+        assert result is not None, "repeats >= 1"
         ran = result.strategy_config
         plan = str(result.plan) if base.name == "auto" else None
         result = None
@@ -368,7 +369,11 @@ def format_table(measurements: Sequence[Measurement]) -> str:
         if m.error:
             lines.append(f"| {m.strategy} | failed: {m.error[:60]} | | | | | | | | |")
             continue
-        ratio = f"{loop.steady_s / m.steady_s:.1f}x" if loop else ""
+        ratio = (
+            f"{loop.steady_s / m.steady_s:.1f}x"
+            if loop and loop.steady_s and m.steady_s
+            else ""
+        )
         interval, p_value = _against(loop, m)
         peak = memory.format_bytes(m.peak_bytes) if m.peak_bytes is not None else "n/a"
         growth = (

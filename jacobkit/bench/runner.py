@@ -286,7 +286,9 @@ def _paired_first_calls(
     fastest = min(fixed, key=lambda r: r["first_call_s"])
     ran = (auto.get("ran") or "").removeprefix("auto: ")
     chosen = auto_report.chosen_fixed(fixed, ran)
-    pairs = [(auto, fastest, None)]
+    pairs: list[tuple[dict[str, Any], dict[str, Any], str | None]] = [
+        (auto, fastest, None)
+    ]
     if warm is not None and chosen is not None:
         pairs.append((warm, chosen, plan_cache))
     for row, other, cache in pairs:
@@ -381,6 +383,7 @@ class _ChildPool:
             process.kill()
             process.join()
         wall = time.perf_counter() - start
+        answer: dict[str, Any]
         if timed_out:
             answer = {
                 "error": f"TimeLimit: no result within {timeout_s:.0f} s",

@@ -129,11 +129,11 @@ def _load_problem(args: argparse.Namespace) -> _Loaded:
         except TypeError:
             model64 = None
         return _Loaded(model, inputs, args.layer, model64, inputs, args.model)
-    sizes = {
-        name: getattr(args, f"size_{name}") or value
+    sizes: dict[str, int] = {
+        name: int(getattr(args, f"size_{name}") or value)
         for name, value in DEFAULT_SIZES.items()
     }
-    ex = examples.build("generator", **sizes)
+    ex = examples.build("generator", "float32", **sizes)
     ex64 = examples.build("generator", "float64", **sizes)
     text = ", ".join(f"{k}={v}" for k, v in sizes.items())
     described = f"built-in generator ({text})"

@@ -119,7 +119,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
     if args.model is None:
         from jacobkit.testing import examples
 
-        ex = examples.build("generator", batch=1, **BUILTIN)
+        ex = examples.build("generator", "float32", 0, batch=1, **BUILTIN)
         shape = tuple(ex.inputs.shape[1:])
         sizes = ", ".join(f"{k}={v}" for k, v in BUILTIN.items())
         return (
@@ -184,9 +184,8 @@ def run(args: argparse.Namespace) -> int:
     size = sum(
         int(v.nbytes) if hasattr(v, "nbytes") else 0 for v in result.jacobians.values()
     )
-    size = size or sum(
-        int(v.shape.num_elements()) * v.dtype.size for v in result.jacobians.values()
-    )
+    tensors: list[Any] = list(result.jacobians.values())
+    size = size or sum(int(v.shape.num_elements()) * v.dtype.size for v in tensors)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     where = (
         os.path.abspath(args.out)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import tensorflow as tf
 
@@ -30,14 +30,16 @@ def run_segment(
     """
     if isinstance(view, RowRange):
         view.select(start)
+    # a RowRange answers what strategies ask of a problem (duck-typed)
+    problem = cast(Problem, view)
     begin = time.perf_counter()
     peak = None
     if device is not None:
         with memory.PeakMemory(device) as measured:
-            jacobians, stats = strategy.run(view)
+            jacobians, stats = strategy.run(problem)
         peak = measured.extra_bytes
     else:
-        jacobians, stats = strategy.run(view)
+        jacobians, stats = strategy.run(problem)
     seconds = time.perf_counter() - begin
     probe = Probe(
         strategy=strategy,

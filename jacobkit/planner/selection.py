@@ -124,7 +124,9 @@ def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float
 def winner(policy: Policy, a: Estimate, b: Estimate) -> Estimate:
     """The faster of two measured estimates; within the policy's ``noise``,
     the one with the lower peak (``a`` on a tie)."""
+    assert a.seconds_per_row is not None and b.seconds_per_row is not None
     fast, slow = (a, b) if a.seconds_per_row <= b.seconds_per_row else (b, a)
+    assert fast.seconds_per_row is not None and slow.seconds_per_row is not None
     close = slow.seconds_per_row <= policy.noise * fast.seconds_per_row
     if close and a.peak is not None and b.peak is not None:
         return a if a.peak <= b.peak else b

@@ -206,12 +206,15 @@ class Session:
     def _finish_trial(self, row: int) -> None:
         """Keep the faster of the candidate tried and the current strategy."""
         trying = self.trying
+        assert trying is not None, "a trial is under way"
+        current, found = self.estimate(self.current), self.estimate(trying)
+        assert current is not None and found is not None, "both have run"
         verdict = trials.judge(
             self.policy,
             self.probes,
             self.current,
             trying,
-            (self.estimate(self.current), self.estimate(trying)),
+            (current, found),
             (self.calls, row),
         )
         self.trying = None
@@ -239,7 +242,7 @@ class Session:
                 None if peak is None else peak + self.footprint.kept_during(rows),
                 self.allowed_bytes,
             )
-            smaller = candidate
+            smaller: Strategy | None = candidate
             if rows == self.num_rows and rows != self.segment_rows:
                 # tried on whole calls: as many rows at once as whole calls
                 # allow (a vectorized chunk of every row, where it fits)
@@ -263,6 +266,7 @@ class Session:
             trace_s = est.predicted_trace_s(smaller, self.known.get(smaller), current)
             if not selection.should_try(self.policy, self.spent_s, trace_s):
                 return None
+            assert trace_s is not None, "should_try refuses an unknown time"
             self.pending[0] = smaller
             return smaller, trace_s
         return None

@@ -98,6 +98,8 @@ def shortcut_first(problem: Problem) -> bool:
     found = structure.find(problem)
     if isinstance(found, structure.SeparableChannels):
         return True
+    if problem.roles.kernel is None:
+        return False
     kernel = problem.targets[problem.roles.kernel]
     params = sum(t.shape.num_elements() for t in problem.targets)
     per_row = _positions(problem) * kernel.shape.num_elements()

@@ -41,6 +41,8 @@ def judge(
     at ``(call, row)``."""
     current, found = estimates
     call, row = at
+    # both ran: their rates are known
+    assert current.seconds_per_row is not None and found.seconds_per_row is not None
     # the first run after a trace is slow while the allocator grows for
     # the new function (measured: 1.5-1.8x the later rate, every
     # strategy, MLP 512-1024-1024-144 on 2 CPU cores): both are judged
@@ -55,6 +57,7 @@ def judge(
         found,
         seconds_per_row=best_rate(probes, trying, found.seconds_per_row, runs),
     )
+    assert current.seconds_per_row is not None and found.seconds_per_row is not None
     rates = (
         f"{found.seconds_per_row * 1e3:.3g} ms/row vs "
         f"{current.seconds_per_row * 1e3:.3g} ms/row"

@@ -128,10 +128,10 @@ def find_layer(model: Any, name: str, *, with_variables: bool = True) -> Any:
     if len(found) == 1:
         return found[0][0]
     if found:
-        paths = ", ".join(repr(path) for _, path in found)
+        listed = ", ".join(repr(path) for _, path in found)
         raise ValueError(
             f"jacobian(layer={name!r}): {len(found)} layers of the model match "
-            f"{name!r}: {paths}. Pass one of these paths to choose one."
+            f"{name!r}: {listed}. Pass one of these paths to choose one."
         )
     every = [path for _, path in layers]
     paths = [

@@ -100,7 +100,7 @@ def _input_names(model: Any, inputs: Any) -> list[str]:
         return [str(k) for k in sorted(inputs)]
     names = compat.input_names(model)
     if len(names) == len(flat) and all(isinstance(n, str) for n in names):
-        return [n.split(":")[0] for n in names]
+        return [str(n).split(":")[0] for n in names]
     return [str(i) for i in range(len(flat))]
 
 
@@ -127,7 +127,7 @@ class TensorTargets:
         self._call = call
         self._function = function
         self._training = training
-        self._tap = None
+        self._tap: Callable[..., Any] | None = None
         if isinstance(spec, Inputs):
             self._indices, names = self._select_inputs(spec, model, inputs)
             flat = tf.nest.flatten(inputs)
@@ -196,7 +196,9 @@ class TensorTargets:
             found.append(outputs)
             return outputs
 
-        tap = self._function(lambda x: self._tap(x, self._training, hook))
+        layer_tap = self._tap
+        assert layer_tap is not None, "an Output target has its tap"
+        tap = self._function(lambda x: layer_tap(x, self._training, hook))
         tap.get_concrete_function(inputs)
         outputs = found[0]
         if not isinstance(outputs, tf.Tensor) or not outputs.dtype.is_floating:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -211,7 +212,8 @@ def _cnn2d_jacobian(x: tf.Tensor, weights: list[tf.Tensor]) -> list[tf.Tensor]:
     with tf.GradientTape() as tape:
         tape.watch(weights[:2])
         rows = _cnn2d(x, weights)
-    return tape.jacobian(rows, weights[:2])
+    jacobians: list[tf.Tensor] = tape.jacobian(rows, weights[:2])
+    return jacobians
 
 
 def _cnn2d_rows(x: tf.Tensor, weights: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -268,7 +270,8 @@ def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside jacobkit (the user's
     call), counted from :func:`warnings.warn`'s caller."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level

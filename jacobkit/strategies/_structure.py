@@ -149,7 +149,7 @@ class SeparableChannels:
 Structure = LinearHead | SeparableChannels
 
 #: model -> {problem key: Structure, or the reason none applies}
-_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FOUND: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 def find(problem: Problem) -> Structure:
@@ -179,7 +179,8 @@ def find(problem: Problem) -> Structure:
     found = cache[key]
     if isinstance(found, _Reason):
         raise NotApplicable(found.text)
-    return found
+    structure: Structure = found
+    return structure
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
         current, node = keras_graph.producer(keras_graph.single_input(current, node))
     keras_graph.used_once(layer)
     layer_input = keras_graph.single_input(layer, node)
-    prefix = keras_graph.input_model(keras, problem.model, layer_input)
+    prefix: Any = keras_graph.input_model(keras, problem.model, layer_input)
     # The layer's input must not read the targets (weights shared with a
     # layer before it would make the contraction wrong).
     before = {id(as_tf_variable(v)) for v in prefix.weights}
@@ -328,7 +329,7 @@ def _separable(problem: Problem, graph: _Graph) -> SeparableChannels:
 
 
 def _channels(problem: Problem) -> tuple[int, ...]:
-    width = int(problem.output_width)
+    width = int(problem.output_width or 0)
     chosen = problem.rows_spec.features
     if chosen is None:
         return tuple(range(width))

@@ -18,7 +18,7 @@ from jacobkit.result import Stats
 from jacobkit.strategies import _precision as precision
 
 #: model -> {(problem key, strategy key): compiled computation}
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 ZERO = tf.UnconnectedGradients.ZERO
@@ -96,7 +96,7 @@ class Strategy(abc.ABC):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[Any, ...]:
         """What distinguishes two configurations of this strategy."""
         return (self.name, tuple(self.options.items()))
 
@@ -104,7 +104,9 @@ class Strategy(abc.ABC):
     def label(self) -> str:
         """Short display name: ``chunked(16)``, ``while(parallel=5)``, ``batch``."""
         parts = []
-        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        fields: tuple[dataclasses.Field[Any], ...] = (
+            dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        )
         for f in fields:
             value = getattr(self, f.name)
             if value is None:
@@ -141,7 +143,8 @@ class Strategy(abc.ABC):
             # over this call's would keep them alive for the life of the model
             fn = self.build(problem.detached())
             compiled[key] = _Compiled(problem.function(fn) if self.compiled else fn)
-        return compiled[key]
+        entry: _Compiled = compiled[key]
+        return entry
 
     def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
         """Run on ``problem.inputs``: the ``(R, *v.shape)`` Jacobians per
@@ -207,13 +210,13 @@ def check_chunk_size(name: str, chunk_size: Any) -> int:
             f"strategies.{name}(chunk_size={chunk_size!r}): expected a positive "
             f"int, got {type(chunk_size).__name__}."
         )
-    chunk_size = int(chunk_size)
-    if chunk_size < 1:
+    size = int(chunk_size)
+    if size < 1:
         raise ValueError(
-            f"strategies.{name}(chunk_size={chunk_size}): chunk_size must be >= 1 "
+            f"strategies.{name}(chunk_size={size}): chunk_size must be >= 1 "
             "(the number of rows computed together). Use 1 for the least memory."
         )
-    return chunk_size
+    return size
 
 
 def map_chunks(

@@ -21,8 +21,9 @@ batch): that is checked once, numerically, before the first run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import tensorflow as tf
 
@@ -133,17 +134,17 @@ class Batch(Strategy):
                 "'jacobian'."
             )
 
-    def build(self, problem: Problem):
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
         targets = problem.targets
         summed = problem.rows_spec.summed_over_batch
 
         contract = _norms if problem.reduce == "norm" else _contract
 
-        def compute(inputs):
+        def compute(inputs: Any) -> Any:
             layer_inputs, z, per_example, tape = _tapped_forward(problem, inputs)
             batch, rows = per_example.shape
 
-            def chunk(start, count):
+            def chunk(start: Any, count: Any) -> Any:
                 # (count, B, *z.shape[1:]): d P[b, k] / d z[b] for the chunk's
                 # rows k, from the batch-summed rows (examples do not mix)
                 return [
@@ -186,10 +187,10 @@ def rows_per_chunk(rows: int, z: tf.Tensor) -> int:
     per_row = max(z.shape.num_elements() * z.dtype.size, 1)
     most = min(rows, max(ROWS_AT_ONCE, CHUNK_BYTES // per_row))
     chunks = -(-rows // most)
-    return -(-rows // chunks)
+    return int(-(-rows // chunks))
 
 
-def _row_cotangents(start, count, batch, rows, dtype):
+def _row_cotangents(start: Any, count: Any, batch: Any, rows: Any, dtype: Any) -> Any:
     """``(count, B, K)`` cotangents selecting rows ``start..start+count-1`` of
     every example: the gradient of ``sum_b P[b, k]`` at ``z[b]`` is
     ``d P[b, k] / d z[b]`` when examples do not mix."""
@@ -197,7 +198,7 @@ def _row_cotangents(start, count, batch, rows, dtype):
     return tf.broadcast_to(one_hot[:, None, :], (count, batch, rows))
 
 
-def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
+def _tapped_forward(problem: Problem, inputs: Any, *, check: bool = False) -> Any:
     """Forward pass recording the target layer's input and output ``z``.
 
     The model's graph is run with the layer's node computed beside the layer
@@ -205,10 +206,10 @@ def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
     never changed. With ``check``, the node's output as the layer itself
     computes it is recorded too.
     """
-    taps = []
-    rule: LayerRule = problem.layer_rule
+    taps: list[tuple[Any, Any, Any]] = []
+    rule = _rule(problem)
 
-    def on_layer(call, args, kwargs):
+    def on_layer(call: Any, args: Any, kwargs: Any) -> Any:
         layer_inputs = args[0]
         z = _pre_activation(problem, rule, layer_inputs)
         tape.watch(z)
@@ -225,7 +226,16 @@ def _tapped_forward(problem: Problem, inputs, *, check: bool = False):
     return layer_inputs, z, per_example, tape
 
 
-def _pre_activation(problem: Problem, rule: LayerRule, layer_inputs: tf.Tensor):
+def _rule(problem: Problem) -> LayerRule:
+    """The target layer's rule (``batch`` runs only where it has one)."""
+    rule = problem.layer_rule
+    assert rule is not None, "checked before batch runs"
+    return rule
+
+
+def _pre_activation(
+    problem: Problem, rule: LayerRule, layer_inputs: tf.Tensor
+) -> tf.Tensor:
     """The target layer's pre-activation output for ``layer_inputs``,
     computed beside the layer with its own variables (the targets).
 
@@ -234,21 +244,26 @@ def _pre_activation(problem: Problem, rule: LayerRule, layer_inputs: tf.Tensor):
     computed in the kernel's dtype, so the contraction with the cotangents
     accumulates in float32, as the loop's gradient does."""
     roles, targets = problem.roles, problem.targets
+    assert roles.kernel is not None, "a layer rule's target has a kernel"
     kernel = targets[roles.kernel]
     bias = targets[roles.bias] if roles.bias is not None else None
     return rule.pre_activation(tf.cast(layer_inputs, kernel.dtype), kernel, bias)
 
 
-def _in_target_order(problem: Problem, kernel: tf.Tensor, bias: tf.Tensor) -> list:
+def _in_target_order(
+    problem: Problem, kernel: tf.Tensor, bias: tf.Tensor
+) -> list[tf.Tensor]:
     """``kernel`` and ``bias`` results in the order of the targets, each in
     its target's dtype."""
     by_role = {"kernel": kernel, "bias": bias}
     roles = problem.roles.by_name()
-    order = sorted(roles, key=roles.get)
+    order = sorted(roles, key=lambda role: roles[role])
     return [tf.cast(by_role[r], problem.targets[roles[r]].dtype) for r in order]
 
 
-def _contract(problem, layer_inputs, dz, targets, *, summed):
+def _contract(
+    problem: Any, layer_inputs: Any, dz: Any, targets: Any, *, summed: Any
+) -> Any:
     """The kernel/bias Jacobians from ``dz`` in closed form (see the NOTE in
     :func:`jacobkit.layers.contract.kernel_and_bias_gradients`): one einsum,
     no per-row ``vectorized_map`` and no while-loop fallback."""
@@ -264,7 +279,9 @@ def _contract(problem, layer_inputs, dz, targets, *, summed):
     return _in_target_order(problem, kernel, bias)
 
 
-def _norms(problem, layer_inputs, dz, targets, *, summed):
+def _norms(
+    problem: Any, layer_inputs: Any, dz: Any, targets: Any, *, summed: Any
+) -> Any:
     """Per-row norms of the kernel/bias Jacobians (Gram form or chunks of
     rows, :func:`jacobkit.layers.norms.kernel_and_bias_norms`)."""
     kernel, bias = problem.layer_rule.norms(
@@ -276,7 +293,7 @@ def _norms(problem, layer_inputs, dz, targets, *, summed):
 def _check_closed_form(problem: Problem) -> None:
     """Refuse a layer whose output is not ``activation(linear(x))``."""
     _, z, _, _, own = _tapped_forward(problem, problem.inputs, check=True)
-    activated = problem.layer_rule.activation(z)
+    activated = _rule(problem).activation(z)
     # float32 rounding of the same operations differs by < 1e-6 relative; a
     # float16/bfloat16 layer (mixed precision) rounds its own output to a few
     # of its epsilons, against ``z`` computed in float32

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import tensorflow as tf
 
@@ -58,21 +59,21 @@ class Chunked(Strategy):
     def check(self, problem: Problem) -> None:
         precision.refuse_float16_vectorized(problem, self.name)
 
-    def build(self, problem: Problem):
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
         targets = problem.targets
         num_rows = problem.num_rows
         dtypes = [t.dtype for t in targets]
         reduce = problem.reduce
         blocked = problem.blocked
 
-        def compute(inputs):
+        def compute(inputs: Any) -> Any:
             with tf.GradientTape(
                 persistent=True, watch_accessed_variables=False
             ) as tape:
                 tape.watch(targets)
                 rows = problem.rows(inputs)
 
-            def chunk(start, size):
+            def chunk(start: Any, size: Any) -> Any:
                 cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
                 jacobians = tf.vectorized_map(
                     lambda ct: tape.gradient(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import tensorflow as tf
 
@@ -55,7 +56,7 @@ class Forward(Strategy):
             return
         targets = list(problem.targets)
 
-        def one_tangent(inputs):
+        def one_tangent(inputs: Any) -> Any:
             tangents = [tf.zeros(t.shape, t.dtype) for t in targets]
             with tf.autodiff.ForwardAccumulator(targets, tangents) as acc:
                 rows = problem.rows(inputs)
@@ -82,10 +83,10 @@ class Forward(Strategy):
         # a named layer says it all; TensorFlow's traced error would bury it
         raise refused from (None if layers else failed)
 
-    def build(self, problem: Problem):
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
         num_rows = problem.num_rows
 
-        def compute(inputs):
+        def compute(inputs: Any) -> Any:
             return [
                 self._one_target(problem, inputs, target, num_rows)
                 for target in problem.targets
@@ -93,16 +94,16 @@ class Forward(Strategy):
 
         return compute
 
-    def _one_target(self, problem, inputs, target, num_rows):
+    def _one_target(self, problem: Any, inputs: Any, target: Any, num_rows: Any) -> Any:
         num_params = target.shape.num_elements()
 
-        def jvp(tangent):
+        def jvp(tangent: Any) -> Any:
             with tf.autodiff.ForwardAccumulator(target, tangent) as acc:
                 rows = problem.rows(inputs)
             # float32 rows of a float16 model: columns in the target's dtype
             return tf.cast(acc.jvp(rows, unconnected_gradients=ZERO), target.dtype)
 
-        def chunk(start, size):
+        def chunk(start: Any, size: Any) -> Any:
             tangents = tf.one_hot(
                 tf.range(start, start + size), num_params, dtype=target.dtype
             )

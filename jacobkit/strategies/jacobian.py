@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import tensorflow as tf
 
@@ -26,10 +27,10 @@ class Jacobian(Strategy):
     def check(self, problem: Problem) -> None:
         precision.refuse_float16_vectorized(problem, self.name)
 
-    def build(self, problem: Problem):
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
         targets = problem.targets
 
-        def compute(inputs):
+        def compute(inputs: Any) -> Any:
             with tf.GradientTape(
                 persistent=True, watch_accessed_variables=False
             ) as tape:

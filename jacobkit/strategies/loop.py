@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import tensorflow as tf
 
@@ -28,10 +29,10 @@ class Loop(Strategy):
     def rows_at_once(self, num_rows: int) -> int:
         return 1
 
-    def build(self, problem: Problem):
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
         targets = problem.targets
 
-        def compute(inputs):
+        def compute(inputs: Any) -> Any:
             with tf.GradientTape(
                 persistent=True, watch_accessed_variables=False
             ) as tape:

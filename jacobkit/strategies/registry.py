@@ -50,7 +50,7 @@ def get(strategy: str | Strategy) -> Strategy:
     )
 
 
-def to_spec(strategy: Strategy) -> dict:
+def to_spec(strategy: Strategy) -> dict[str, Any]:
     """A configured strategy as JSON-friendly data: ``{"name", "options"}``
     (an option that is itself a strategy, as ``Structured(inner=While(5))``,
     as ``{"strategy": its spec}``)."""

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import tensorflow as tf
 
@@ -29,7 +30,7 @@ from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
 
 #: model -> {(problem key, strategy key): True (verified), False (failed)}
-_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VERIFIED: weakref.WeakKeyDictionary[Any, dict[Any, bool]] = weakref.WeakKeyDictionary()
 
 
 class NoShortcut(ValueError):
@@ -155,10 +156,11 @@ class Structured(Strategy):
             if _separable_or_none(sub) is None:
                 self.resolved_inner().check(sub)
 
-    def build(self, problem: Problem):
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
         found = structure.find(problem)
         if isinstance(found, structure.SeparableChannels):
-            return _separable_fn(problem, found)
+            separable_fn: Callable[[Any], Any] = _separable_fn(problem, found)
+            return separable_fn
         sub = found.sub_problem.with_inputs(problem.inputs)
         separable = _separable_or_none(sub)
         inner_fn = (
@@ -168,7 +170,7 @@ class Structured(Strategy):
         )
         prefix = problem.rows_shape[:-1]
 
-        def compute(inputs):
+        def compute(inputs: Any) -> Any:
             kernel = found.kernel()  # (D, K)
             combined = []
             for jac, target in zip(inner_fn(inputs), problem.targets):
@@ -219,14 +221,16 @@ def _separable_or_none(problem: Problem) -> structure.SeparableChannels | None:
         return None
 
 
-def _separable_fn(problem: Problem, found: structure.SeparableChannels):
+def _separable_fn(
+    problem: Problem, found: structure.SeparableChannels
+) -> Callable[[Any], Any]:
     """Row colouring: one backward pass (per example for per-example rows),
     demultiplexed by output channel (see the NOTE in
     :mod:`jacobkit.strategies._structure`)."""
     targets = problem.targets
     mode = problem.rows_spec.mode
     channels = list(found.channels)
-    width = int(problem.output_width)
+    width = int(problem.output_width or 0)
 
     def demultiplex(grad: tf.Tensor, target: tf.Variable) -> tf.Tensor:
         # grad: (E, *v.shape), E examples (1 for "features"); the row of
@@ -238,7 +242,7 @@ def _separable_fn(problem: Problem, found: structure.SeparableChannels):
         rows = grad[:, None] * mask[None]  # (E, K, *v.shape)
         return tf.reshape(rows, (problem.num_rows, *target.shape))
 
-    def compute(inputs):
+    def compute(inputs: Any) -> Any:
         if mode == "features":
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(targets)
@@ -248,7 +252,7 @@ def _separable_fn(problem: Problem, found: structure.SeparableChannels):
         else:
             layer_input = found.layer_input(inputs)
 
-            def one_example(x):
+            def one_example(x: Any) -> Any:
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
                     tape.watch(targets)
                     total = tf.reduce_sum(found.tail(x[None]))

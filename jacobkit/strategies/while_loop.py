@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import final
+from typing import Any, final
 
 import tensorflow as tf
 
@@ -68,11 +69,11 @@ class While(Strategy):
         parallel = self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS
         return While(parallel // 2) if parallel > 1 else None
 
-    def build(self, problem: Problem):
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
         targets = problem.targets
         parallel = self.parallel_iterations
 
-        def compute(inputs):
+        def compute(inputs: Any) -> Any:
             with tf.GradientTape(
                 persistent=True, watch_accessed_variables=False
             ) as tape:

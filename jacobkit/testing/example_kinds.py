@@ -4,6 +4,8 @@ a frozen ResNet50 backbone."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
@@ -56,15 +58,15 @@ def subclassed(dtype: str = "float32", seed: int = 0, *, batch: int = 3) -> Exam
     ``"inner"``."""
     keras = keras_module()
 
-    class TwoLayer(keras.Model):
-        def __init__(self):
+    class TwoLayer(keras.Model):  # type: ignore[name-defined]
+        def __init__(self) -> None:
             super().__init__(name="subclassed", dtype=dtype)
             self.inner = keras.layers.Dense(
                 6, activation="sigmoid", name="inner", dtype=dtype
             )
             self.out = keras.layers.Dense(3, name="head", dtype=dtype)
 
-        def call(self, x, training=False):
+        def call(self, x: Any, training: Any = False) -> Any:
             return self.out(self.inner(x) * x[:, :1])
 
     model = TwoLayer()
@@ -128,7 +130,7 @@ class Affine(tf.Module):
         self.b = tf.Variable(rng.normal(scale=0.3, size=(6,)), dtype=dtype, name="b")
         self.v = tf.Variable(rng.normal(scale=0.5, size=(6, 3)), dtype=dtype, name="v")
 
-    def __call__(self, x):
+    def __call__(self, x: Any) -> Any:
         return tf.tanh(x @ self.w + self.b) @ self.v
 
 

@@ -133,7 +133,9 @@ def reference_tensor_jacobian(
         tape.gradient(row, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         for row in rows
     ]
-    full = np.stack([np.asarray(g) for g in grads]).reshape(rows_shape + x.shape)
+    full: np.ndarray = np.stack([np.asarray(g) for g in grads]).reshape(
+        rows_shape + x.shape
+    )
     if outputs not in ("per_example", "full"):
         return full
     middle = (slice(None),) * (len(rows_shape) - 1)
