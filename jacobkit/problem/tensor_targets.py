@@ -129,7 +129,7 @@ class TensorTargets:
         self._call = call
         self._function = function
         self._training = training
-        self._tap: Callable[..., Any] | None = None
+        self._tap: Any = None
         if isinstance(spec, Inputs):
             self._indices, names = self._select_inputs(spec, model, inputs)
             flat = tf.nest.flatten(inputs)
