@@ -276,3 +276,23 @@ def test_tensorflow_logs_stay_hidden_unless_verbose(saved):
     # before absl::InitializeLog() is called are written to STDERR", oneDNN)
     assert len(verbose.stderr.splitlines()) > 1, verbose.stderr
     assert verbose.stderr.splitlines()[-1] == quiet.stderr.splitlines()[-1]
+
+
+def test_run_prints_no_tensorflow_logs_and_names_its_flags(tmp_path):
+    # the built-in job into --out, then the same directory with other inputs:
+    # the refusal says what to type (--overwrite), not the keyword argument
+    out = str(tmp_path / "out")
+    code = "import sys; from jacobkit import cli; sys.exit(cli.main(sys.argv[1:]))"
+
+    def run(*argv):
+        return _run(code.replace("sys.argv[1:]", repr(["run", *argv])))
+
+    first = run("--examples", "8", "--batch-size", "8", "--out", out, "--no-progress")
+    assert first.returncode == 0, first.stderr
+    assert first.stderr == "", first.stderr
+    assert "computed 144 rows" in first.stdout
+    other = run("--examples", "8", "--batch-size", "4", "--out", out, "--no-progress")
+    assert other.returncode == 2
+    (line,) = other.stderr.splitlines()
+    assert line.startswith("jacobkit run: error: ")
+    assert "--overwrite" in line and "overwrite=True" not in line, line

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from jacobkit import runtime
 from jacobkit.cli._common import UsageError, check_model_flags, load_model
 
 #: the built-in problem's generator sizes and number of synthetic examples
@@ -157,8 +158,28 @@ def _budget(text: str | None) -> Any:
         return text
 
 
+#: the library's words for an argument -> the command line's flag
+_FLAGS = {
+    "overwrite=True": "--overwrite",
+    "another out= directory": "another --out directory",
+}
+
+
+def _in_flags(message: str) -> str:
+    """A library error as the command line says it: its remedies name the
+    flags (``--overwrite``), not the keyword arguments behind them."""
+    for words, flag in _FLAGS.items():
+        message = message.replace(words, flag)
+    return message
+
+
 def run(args: argparse.Namespace) -> int:
     """Compute, then print a summary: rows, time, peak memory, where it is."""
+    check_model_flags(args)
+    if not args.verbose:
+        # TF_CPP_MIN_LOG_LEVEL alone does not hide the lines its native
+        # libraries print while they load
+        runtime.start_tensorflow_quietly()
     import jacobkit as jk
     from jacobkit import memory
 
@@ -178,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except (ValueError, TypeError) as err:  # jacobkit's own messages
-        raise UsageError(str(err)) from err
+        raise UsageError(_in_flags(str(err))) from err
     seconds = time.perf_counter() - start
     rows = result.stats.num_rows or 0
     size = sum(
