@@ -423,3 +423,22 @@ def _check_inputs_released(strategy, name="generator"):
     del result
     gc.collect()
     assert alive() is None, f"{strategy} keeps the first call's inputs alive"
+
+
+@pytest.mark.parametrize("target", ["conv1", "head"])
+def test_nan_inputs_do_not_turn_auto_off_its_shortcut(target):
+    # NaN in the inputs makes the rows NaN; the structured shortcut's check
+    # must not read that as the shortcut failing and drop it for the process
+    import warnings
+
+    ex = examples.build("generator", batch=4, features=144)
+    x = np.array(ex.inputs)
+    x[0, 0, 0] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the NaN count warning
+        first = jk.jacobian(ex.model, x, target, cache=False)
+    assert np.isnan(np.asarray(first.kernel)).any()
+    clean = jk.jacobian(ex.model, ex.inputs, target, cache=False)
+    assert first.strategy_config == clean.strategy_config, first.plan
+    assert clean.strategy == "structured", clean.plan
+    assert "failed" not in str(clean.plan)
