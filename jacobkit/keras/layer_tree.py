@@ -191,22 +191,55 @@ def recurrent_layers(model: Any, target: Any = None) -> list[Any]:
     ``target``, else those after it in the model's layer order; every one
     when ``target`` is ``None`` (a list of variables) or comes after them all.
     """
+    return _layers_through(model, target, _is_recurrent) or _all(model, _is_recurrent)
+
+
+#: layers whose gradient TensorFlow's vectorization (pfor) cannot convert
+#: without its while-loop fallback: DepthwiseConv2dNativeBackpropInput and
+#: ...BackpropFilter have no pfor rule for a batched cotangent (TF 2.21)
+_DEPTHWISE = frozenset(
+    {"DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"}
+)
+
+
+def _is_depthwise(layer: Any) -> bool:
+    return any(
+        cls.__name__ in _DEPTHWISE and cls.__module__.startswith(("keras", "tf_keras"))
+        for cls in type(layer).__mro__
+    )
+
+
+def depthwise_layers(model: Any, target: Any = None) -> list[Any]:
+    """The depthwise and separable convolutions that the gradient of
+    ``target`` passes through (chosen as :func:`recurrent_layers` does)."""
+    return _layers_through(model, target, _is_depthwise)
+
+
+def _layers_through(
+    model: Any, target: Any, chosen: Callable[[Any], bool]
+) -> list[Any]:
+    """The outermost ``chosen`` layers that values of ``target`` flow
+    through: the one that is or holds ``target``, else those after it in the
+    model's layer order (none where it comes after them all); every one when
+    ``target`` is ``None`` (variables, tensor targets) or not in the model."""
     found: list[tuple[int, Any, tuple[str, ...]]] = []
     target_at = None
     for position, (layer, path) in enumerate(walk(model)):
         if layer is target:
             target_at = (position, path)
-        if _is_recurrent(layer) and not any(path[: len(p)] == p for _, _, p in found):
+        if chosen(layer) and not any(path[: len(p)] == p for _, _, p in found):
             found.append((position, layer, path))
     if target_at is not None:
         position, path = target_at
         holding = [layer for _, layer, p in found if path[: len(p)] == p]
         if holding:
             return holding
-        after = [layer for at, layer, _ in found if at > position]
-        if after:
-            return after
+        return [layer for at, layer, _ in found if at > position]
     return [layer for _, layer, _ in found]
+
+
+def _all(model: Any, chosen: Callable[[Any], bool]) -> list[Any]:
+    return _layers_through(model, None, chosen)
 
 
 def describe(layers: Sequence[Any]) -> str:

@@ -34,11 +34,14 @@ from jacobkit.strategies import Strategy
 
 
 def candidates(
-    segment_rows: int, fits: Callable[[Strategy], bool]
+    segment_rows: int,
+    fits: Callable[[Strategy], bool],
+    cannot_run: Callable[[Strategy], str | None] = lambda strategy: None,
 ) -> tuple[list[Strategy], list[Rejection]]:
     """``auto``'s candidates for segments of ``segment_rows`` rows, cheapest to
     trace first, each as large as ``fits(strategy)`` allows; and the
-    registered strategies it does not consider, with the reason."""
+    registered strategies it does not consider, with the reason (among them
+    those that ``cannot_run`` names a reason for)."""
     found: list[Strategy] = []
     rejected: list[Rejection] = []
     ranked = sorted(strategies.REGISTRY.values(), key=lambda cls: cls.trace_weight)
@@ -46,6 +49,10 @@ def candidates(
         strategy = cls.for_auto(segment_rows)
         if strategy is None:
             rejected.append(Rejection(cls.name, _NOT_AUTO.get(cls.name, "not offered")))
+            continue
+        reason = cannot_run(strategy)
+        if reason is not None:
+            rejected.append(Rejection(cls.name, reason))
             continue
         while strategy is not None and not fits(strategy):
             strategy = strategy.smaller()

@@ -77,7 +77,9 @@ def start(
         allowed_bytes=allowed_bytes,
         prior=prior,
     )
-    found, rejected = selection.candidates(size, footprint.fits)
+    found, rejected = selection.candidates(
+        size, footprint.fits, lambda s: s.cannot_run(problem)
+    )
     # which strategy starts is a property of the problem (what vectorizing
     # its rows costs), not of this CPU's kernels: compared without scratch
     activations = replace(prior, scratch_bytes=0)

@@ -154,6 +154,16 @@ class Problem:
         found = layer_tree.recurrent_layers(self.model, self.layer)
         return layer_tree.describe(found) if found else None
 
+    def depthwise_layers(self) -> str | None:
+        """``"layer 'dw' (DepthwiseConv2D)"``: the depthwise and separable
+        convolutions the rows' gradient passes through on its way to the
+        targets (pfor cannot vectorize theirs), or ``None``."""
+        target = self.layer
+        if target is None and self.tensor_targets is not None:
+            target = self.tensor_targets.layer
+        found = layer_tree.depthwise_layers(self.model, target)
+        return layer_tree.describe(found) if found else None
+
     # -- the target layer ---------------------------------------------------
     @functools.cached_property
     def layer_rule(self) -> layers.LayerRule | None:

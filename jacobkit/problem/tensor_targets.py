@@ -234,6 +234,11 @@ class TensorTargets:
             )
         return tf.TensorSpec(outputs.shape, outputs.dtype)
 
+    @property
+    def layer(self) -> Any:
+        """The layer of an ``Output`` target; ``None`` for ``Inputs``."""
+        return None if self._tap is None else self._tap.layer
+
     # -- the forward pass, with the zero variables added ---------------------
     def call(self, inputs: Any) -> Any:
         """The model's outputs, each target tensor ``a`` replaced by ``a + d``."""

@@ -81,6 +81,12 @@ class Strategy(abc.ABC):
     def check(self, problem: Problem) -> None:  # noqa: B027 - optional hook
         """Raise a clear error if this strategy cannot solve ``problem``."""
 
+    def cannot_run(self, problem: Problem) -> str | None:
+        """Why this strategy cannot run through ``problem``'s layers, known
+        from their types alone (nothing is traced): ``auto`` leaves such a
+        candidate out before trying it. ``None`` where nothing is known."""
+        return None
+
     def smaller(self) -> Strategy | None:
         """The same computation holding less at once (half the chunk, half the
         rows in flight), or ``None`` where nothing smaller exists. The

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -56,7 +59,20 @@ class Chunked(Strategy):
         """Half the rows per chunk, down to one."""
         return Chunked(self.chunk_size // 2) if self.chunk_size > 1 else None
 
+    def cannot_run(self, problem: Problem) -> str | None:
+        layers = problem.depthwise_layers()
+        if layers is None:
+            return None
+        return (
+            f"TensorFlow's vectorization (pfor) has no rule for the gradient of "
+            f"{layers}, which this target's gradient passes through; "
+            "strategy='jacobian', 'while' or 'loop' run there"
+        )
+
     def check(self, problem: Problem) -> None:
+        reason = self.cannot_run(problem)
+        if reason is not None:
+            raise ValueError(f"jacobian(strategy='chunked'): {reason}.")
         precision.refuse_float16_vectorized(problem, self.name)
 
     def build(self, problem: Problem) -> Callable[[Any], Any]:
@@ -75,13 +91,17 @@ class Chunked(Strategy):
 
             def chunk(start: Any, size: Any) -> Any:
                 cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
-                jacobians = tf.vectorized_map(
-                    lambda ct: tape.gradient(
-                        rows, targets, output_gradients=ct, unconnected_gradients=ZERO
-                    ),
-                    cotangents,
-                    fallback_to_while_loop=False,
-                )
+                with _pfor_refused():
+                    jacobians = tf.vectorized_map(
+                        lambda ct: tape.gradient(
+                            rows,
+                            targets,
+                            output_gradients=ct,
+                            unconnected_gradients=ZERO,
+                        ),
+                        cotangents,
+                        fallback_to_while_loop=False,
+                    )
                 if reduce == "norm":  # one chunk of Jacobians held at a time
                     return [row_norms(j, blocked) for j in jacobians]
                 return jacobians
@@ -89,6 +109,38 @@ class Chunked(Strategy):
             return map_chunks(chunk, num_rows, self.chunk_size, dtypes)
 
         return compute
+
+
+class _PforErrors(logging.Filter):
+    """Drops pfor's own error records (the NodeDef of the op it could not
+    convert, ~160 lines on a depthwise convolution): the refusal says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pfor" not in record.pathname
+
+
+@contextlib.contextmanager
+def _pfor_refused() -> Iterator[None]:
+    """While tracing a vectorized pass: pfor's error logs dropped, and its
+    failure to convert an op refused in one sentence naming the op."""
+    logger = logging.getLogger("tensorflow")
+    dropper = _PforErrors()
+    logger.addFilter(dropper)
+    try:
+        yield
+    except ValueError as err:
+        text = str(err)
+        if "pfor" not in text and "loop invariant" not in text:
+            raise
+        found = re.search(r"op '(\w+)'", text)
+        op = f"op {found.group(1)}" if found else "an op"
+        raise ValueError(
+            f"jacobian(strategy='chunked'): TensorFlow's vectorization (pfor) "
+            f"cannot convert the gradient's {op} on this model; "
+            "strategy='jacobian', 'while' or 'loop' run there."
+        ) from None
+    finally:
+        logger.removeFilter(dropper)
 
 
 def row_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
