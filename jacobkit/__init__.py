@@ -41,6 +41,7 @@ _PUBLIC = {
 #: public name -> the module that is it (``jk.data`` is :mod:`jacobkit.batches`)
 _MODULES = {
     "data": "jacobkit.batches",
+    "explain": "jacobkit.explain",
     "memory": "jacobkit.memory",
     "strategies": "jacobkit.strategies",
 }
@@ -55,6 +56,7 @@ __all__ = [
     "VerificationError",
     "__version__",
     "data",
+    "explain",
     "jacobian",
     "memory",
     "plan",
@@ -64,7 +66,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import batches as data
-    from jacobkit import memory, strategies
+    from jacobkit import explain, memory, strategies
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.problem.tensor_targets import Inputs, Output

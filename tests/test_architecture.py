@@ -31,11 +31,12 @@ RANKS = {
     "engine": 8,
     "batches": 9,
     "api": 10,
-    "__init__": 11,
-    "testing": 12,
-    "bench": 13,
-    "cli": 14,
-    "__main__": 15,
+    "explain": 11,
+    "__init__": 12,
+    "testing": 13,
+    "bench": 14,
+    "cli": 15,
+    "__main__": 16,
 }
 MAX_MODULE_LINES = 450
 MAX_CLASS_LINES = 300

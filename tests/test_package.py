@@ -18,6 +18,7 @@ API_DOCS = ROOT / "docs" / "api"
 #: public modules documented as a whole: the name users write -> the module
 PUBLIC_MODULES = {
     "data": "jacobkit.batches",
+    "explain": "jacobkit.explain",
     "memory": "jacobkit.memory",
     "strategies": "jacobkit.strategies",
     "testing": "jacobkit.testing",

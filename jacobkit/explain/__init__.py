@@ -1,0 +1,39 @@
+"""Attributions for every class in one call, on top of :func:`jacobkit.jacobian`.
+
+>>> from jacobkit import explain
+>>> maps = explain.saliency(model, x)                  # doctest: +SKIP
+>>> maps.shape                                         # (B, K, H, W)  # doctest: +SKIP
+
+Each method returns a map per example and **per class** — the model output's
+last axis, or the subset ``classes=[...]`` — shaped ``(B, K, ...)``, from one
+:func:`jacobkit.jacobian` call (per chunk of interpolation steps or noisy
+samples): the rows are the per-example classes, the target is the input
+(:class:`jacobkit.Inputs`) or a layer's activation (:class:`jacobkit.Output`).
+So ``jacobian`` picks the strategy, honours ``memory_budget`` and traces once
+per input signature. xplique and tf-keras-vis compute one class per call;
+their equivalent settings are given in each method's docstring.
+
+Works on Keras 3 and ``tf_keras`` models, nested backbones (a layer inside a
+sub-model), and on plain callables ``f(x) -> (B, ..., K)`` for the input
+methods (Grad-CAM needs a layer of a functional or Sequential model).
+"""
+
+from __future__ import annotations
+
+from jacobkit.explain.cam import grad_cam
+from jacobkit.explain.input_maps import (
+    gradient_x_input,
+    integrated_gradients,
+    saliency,
+    smoothgrad,
+)
+from jacobkit.explain.plot import plot
+
+__all__ = [
+    "grad_cam",
+    "gradient_x_input",
+    "integrated_gradients",
+    "plot",
+    "saliency",
+    "smoothgrad",
+]

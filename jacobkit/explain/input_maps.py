@@ -1,0 +1,138 @@
+"""Attributions on the inputs: saliency, gradient x input, integrated
+gradients, SmoothGrad. Each returns ``(B, K, ...)`` for every class at once.
+
+The definitions are xplique's and tf-keras-vis's (read in their source), so
+their numbers match class by class with their normalization off; each
+docstring names the settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit.explain._gradients import as_batch, input_gradients, mean_gradients
+
+
+def saliency(
+    model: Any,
+    x: Any,
+    *,
+    classes: Sequence[int] | None = None,
+    channel_axis: int | None = -1,
+    **kwargs: Any,
+) -> tf.Tensor:
+    """Saliency maps for every class: ``max_c |d Y[b, k] / d x[b]|``.
+
+    Args:
+        model: a Keras 3 or ``tf_keras`` model, or a callable ``f(x)`` whose
+            output is ``(B, ..., K)`` (rows are summed over middle axes).
+        x: the inputs, ``(B, H, W, C)`` for images (any ``(B, ...)``).
+        classes: these indices of the output's last axis (default: all).
+        channel_axis: the axis of ``x`` reduced by the max (default the
+            last); ``None`` keeps every channel (``|gradient|``).
+        **kwargs: passed to :func:`jacobkit.jacobian` (``strategy``,
+            ``memory_budget``, ``device``, ``training``, ``output``).
+
+    Returns:
+        ``(B, K, H, W)`` for images (``(B, K, *x.shape[1:])`` without the
+        channel axis).
+
+    Same numbers as xplique's ``Saliency`` (one class per call, its targets
+    one-hot) and tf-keras-vis's ``Saliency`` with ``normalize_map=False`` and
+    ``keepdims=False`` (one ``CategoricalScore`` per class).
+    """
+    x = as_batch(x)
+    grads = tf.abs(input_gradients(model, x, classes, **kwargs))
+    if channel_axis is None:
+        return grads
+    axis = channel_axis % x.shape.rank + 1  # x's axis, after the class axis
+    return tf.reduce_max(grads, axis=axis)
+
+
+def gradient_x_input(
+    model: Any, x: Any, *, classes: Sequence[int] | None = None, **kwargs: Any
+) -> tf.Tensor:
+    """``x[b] * d Y[b, k] / d x[b]`` for every class: ``(B, K, *x.shape[1:])``.
+
+    Same numbers as xplique's ``GradientInput``.
+    """
+    x = as_batch(x)
+    grads = input_gradients(model, x, classes, **kwargs)
+    return grads * tf.cast(x[:, None], grads.dtype)
+
+
+def integrated_gradients(
+    model: Any,
+    x: Any,
+    *,
+    steps: int = 32,
+    baseline: Any = None,
+    classes: Sequence[int] | None = None,
+    memory_budget: Any = None,
+    **kwargs: Any,
+) -> tf.Tensor:
+    """Integrated gradients for every class: ``(x - x0) * mean_a grad(x0 +
+    a (x - x0))``, ``a = linspace(0, 1, steps)`` (Riemann sum, both ends).
+
+    Args:
+        steps: the number of points on the path (>= 2).
+        baseline: ``x0``, broadcast to ``x`` (default zeros).
+        memory_budget: the ``steps x B`` interpolated inputs run in chunks
+            whose gradients take at most a quarter of it (default: all steps
+            in one call); passed on to :func:`jacobkit.jacobian`.
+
+    Returns:
+        ``(B, K, *x.shape[1:])``.
+
+    Same numbers as xplique's ``IntegratedGradients(steps=steps,
+    baseline_value=0)``; tf-keras-vis has no integrated gradients.
+    """
+    x = as_batch(x)
+    if int(steps) < 2:
+        raise ValueError(f"integrated_gradients(steps={steps}): need >= 2 steps")
+    x0 = (
+        tf.zeros_like(x)
+        if baseline is None
+        else tf.broadcast_to(tf.cast(baseline, x.dtype), x.shape)
+    )
+    alphas = tf.linspace(0.0, 1.0, int(steps))
+    path = [x0 + tf.cast(a, x.dtype) * (x - x0) for a in alphas]
+    mean = mean_gradients(model, path, classes, memory_budget, **kwargs)
+    return mean * tf.cast((x - x0)[:, None], mean.dtype)
+
+
+def smoothgrad(
+    model: Any,
+    x: Any,
+    *,
+    samples: int = 16,
+    noise: float = 0.2,
+    seed: int = 0,
+    classes: Sequence[int] | None = None,
+    memory_budget: Any = None,
+    **kwargs: Any,
+) -> tf.Tensor:
+    """SmoothGrad for every class: the mean of the input gradients at
+    ``samples`` noisy copies ``x + N(0, noise^2)``: ``(B, K, *x.shape[1:])``.
+
+    ``noise`` is the standard deviation in the inputs' units; ``seed`` makes
+    the copies reproducible. The copies run in chunks as in
+    :func:`integrated_gradients`.
+
+    xplique's ``SmoothGrad(nb_samples=samples, noise=noise)`` and
+    tf-keras-vis's ``Saliency(smooth_samples=samples,
+    smooth_noise=noise)`` draw other noise (and tf-keras-vis scales it by
+    the input's range, then takes ``|.|`` and the channel max): their means
+    agree with this one in distribution, not to the last digit.
+    """
+    x = as_batch(x)
+    if int(samples) < 1:
+        raise ValueError(f"smoothgrad(samples={samples}): need >= 1 sample")
+    noisy = [
+        x + tf.random.stateless_normal(x.shape, (seed, i), stddev=noise, dtype=x.dtype)
+        for i in range(int(samples))
+    ]
+    return mean_gradients(model, noisy, classes, memory_budget, **kwargs)

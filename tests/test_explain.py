@@ -1,0 +1,222 @@
+"""``jacobkit.explain``: every class in one call, against tf-keras-vis (class
+by class, normalization off) and against independent float64 tape references.
+
+Tolerances (measured on the models below): saliency and Grad-CAM against
+tf-keras-vis 0 and 9e-8 (both float32); saliency and gradient x input
+against float64 1.3e-7 and 1.1e-7. We allow 1e-4 against float64 and 1e-5
+against tf-keras-vis.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import jacobkit as jk
+from jacobkit import explain, testing
+
+CLASSES = 4
+
+
+def _cnn(backbone: bool = False):
+    """A small image classifier; with ``backbone``, its convolutions inside a
+    nested functional model, as in transfer learning."""
+    inp = keras.Input((12, 12, 3))
+    h = keras.layers.Conv2D(6, 3, activation="relu", name="c1")(inp)
+    h = keras.layers.Conv2D(8, 3, activation="relu", name="c2")(h)
+    if backbone:
+        inner = keras.Model(inp, h, name="backbone")
+        inp = keras.Input((12, 12, 3))
+        h = inner(inp)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    out = keras.layers.Dense(CLASSES, name="head")(h)
+    return keras.Model(inp, out)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return np.random.default_rng(0).normal(size=(3, 12, 12, 3)).astype("float32")
+
+
+def _input_gradients64(model, x, classes):
+    """float64 ``dY[b, k] / dx[b]``, one tape per class: ``(B, K, ...)``."""
+    model64 = testing.float64_copy(model)
+    x64 = tf.constant(x, tf.float64)
+    grads = []
+    for k in classes:
+        with tf.GradientTape() as tape:
+            tape.watch(x64)
+            y = model64(x64)[:, k]
+        grads.append(tape.gradient(y, x64))
+    return np.stack([g.numpy() for g in grads], axis=1)
+
+
+def _close(actual, expected, tol=1e-4):
+    assert actual.shape == expected.shape
+    assert testing.max_relative_difference(actual, expected) < tol
+
+
+# -- against tf-keras-vis -----------------------------------------------------
+def test_saliency_equals_tf_keras_vis_for_every_class(images):
+    from tf_keras_vis.saliency import Saliency
+    from tf_keras_vis.utils.scores import CategoricalScore
+
+    model = _cnn()
+    mine = explain.saliency(model, images)
+    assert mine.shape == (3, CLASSES, 12, 12)
+    theirs = Saliency(model, clone=False)
+    for k in range(CLASSES):
+        score = CategoricalScore([k] * len(images))
+        ref = theirs(score, images, keepdims=False, normalize_map=False)
+        _close(np.asarray(mine[:, k]), ref, 1e-5)
+
+
+def test_grad_cam_equals_tf_keras_vis_for_every_class(images):
+    from tf_keras_vis.gradcam import Gradcam
+    from tf_keras_vis.utils.scores import CategoricalScore
+
+    model = _cnn()
+    mine = explain.grad_cam(model, images, "c2", resize=False)
+    assert mine.shape == (3, CLASSES, 8, 8)
+    theirs = Gradcam(model, clone=False)
+    for k in range(CLASSES):
+        score = CategoricalScore([k] * len(images))
+        ref = theirs(
+            score, images, penultimate_layer="c2", normalize_cam=False, expand_cam=False
+        )
+        _close(np.asarray(mine[:, k]), ref, 1e-5)
+
+
+# -- against float64 tape references -----------------------------------------
+@pytest.mark.parametrize("classes", [None, [3, 1]])
+def test_input_methods_agree_with_float64(images, classes):
+    model = _cnn()
+    chosen = list(range(CLASSES)) if classes is None else classes
+    grads = _input_gradients64(model, images, chosen)
+    _close(
+        np.asarray(explain.saliency(model, images, classes=classes)),
+        np.abs(grads).max(axis=-1),
+    )
+    _close(
+        np.asarray(explain.gradient_x_input(model, images, classes=classes)),
+        grads * images[:, None],
+    )
+
+
+def test_integrated_gradients_is_the_riemann_mean_and_fits_a_budget(images):
+    model = _cnn()
+    # 480 KiB: the gradients of 5 of the 6 steps' copies fit a quarter of it,
+    # so the steps run in 2 chunks of 3 (measured peak 335 KiB)
+    steps, budget = 6, 480 * 1024
+    alphas = np.linspace(0.0, 1.0, steps)
+    path = [_input_gradients64(model, a * images, range(CLASSES)) for a in alphas]
+    expected = np.mean(path, axis=0) * images[:, None]
+    _close(
+        np.asarray(explain.integrated_gradients(model, images, steps=steps)), expected
+    )
+    # under a budget that holds fewer steps' gradients than all: chunks, the
+    # same numbers, and a peak within the budget
+    with jk.memory.PeakMemory() as peak:
+        chunked = explain.integrated_gradients(
+            model, images, steps=steps, memory_budget=budget
+        )
+    _close(np.asarray(chunked), expected)
+    if peak.extra_bytes is not None:
+        assert peak.extra_bytes <= budget
+
+
+def test_smoothgrad_is_the_mean_over_the_same_noisy_copies(images):
+    model = _cnn()
+    samples, noise = 3, 0.3
+    x = tf.constant(images)
+    copies = [
+        x + tf.random.stateless_normal(x.shape, (7, i), stddev=noise)
+        for i in range(samples)
+    ]
+    expected = np.mean(
+        [_input_gradients64(model, c.numpy(), range(CLASSES)) for c in copies], axis=0
+    )
+    mine = explain.smoothgrad(model, images, samples=samples, noise=noise, seed=7)
+    _close(np.asarray(mine), expected)
+
+
+def test_grad_cam_on_a_nested_backbone_agrees_with_float64(images):
+    model = _cnn(backbone=True)
+    backbone = model.get_layer("backbone")
+    mine = explain.grad_cam(model, images, "backbone/c2", resize=True)
+    assert mine.shape == (3, CLASSES, 12, 12)
+    # reference: A = the backbone's output (its last layer is c2), the rest
+    # of the model as a function of A, in float64
+    model64 = testing.float64_copy(model)
+    a = tf.constant(backbone(images).numpy(), tf.float64)
+    pool = keras.layers.GlobalAveragePooling2D(dtype="float64")
+    head = model64.get_layer("head")
+    cams = []
+    for k in range(CLASSES):
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            y = head(pool(a))[:, k]
+        weights = tf.reduce_mean(tape.gradient(y, a), axis=(1, 2))
+        cam = tf.nn.relu(tf.einsum("bc,bhwc->bhw", weights, a))
+        cams.append(tf.image.resize(cam[..., None], (12, 12))[..., 0].numpy())
+    _close(np.asarray(mine), np.stack(cams, axis=1))
+
+
+def test_a_plain_callable_and_a_tf_keras_model(images):
+    import tf_keras
+
+    w = tf.constant(np.random.default_rng(1).normal(size=(12 * 12 * 3, CLASSES)))
+
+    def f(x):
+        flat = tf.reshape(tf.cast(x, tf.float64), (x.shape[0], -1))
+        return tf.cast(tf.tanh(flat @ w), x.dtype)
+
+    x64 = tf.constant(images, tf.float64)
+    grads = []
+    for k in range(CLASSES):
+        with tf.GradientTape() as tape:
+            tape.watch(x64)
+            y = tf.tanh(tf.reshape(x64, (3, -1)) @ w)[:, k]
+        grads.append(tape.gradient(y, x64).numpy())
+    _close(
+        np.asarray(explain.gradient_x_input(f, images)),
+        np.stack(grads, 1) * images[:, None],
+    )
+
+    old = tf_keras.Sequential(
+        [
+            tf_keras.Input((12, 12, 3)),
+            tf_keras.layers.Conv2D(5, 3, activation="relu", name="c1"),
+            tf_keras.layers.GlobalAveragePooling2D(),
+            tf_keras.layers.Dense(CLASSES, name="head"),
+        ]
+    )
+    ref = _input_gradients64(old, images, range(CLASSES))
+    _close(np.asarray(explain.saliency(old, images)), np.abs(ref).max(axis=-1))
+    cam = explain.grad_cam(old, images, "c1", resize=False)
+    assert cam.shape == (3, CLASSES, 10, 10) and float(tf.reduce_min(cam)) >= 0
+
+
+def test_mistakes_are_refused_in_one_sentence(images):
+    model = _cnn()
+    with pytest.raises(TypeError, match="floating"):
+        explain.saliency(model, images.astype("int32"))
+    with pytest.raises(ValueError, match="batch"):
+        explain.saliency(model, images[0, 0, 0])
+    with pytest.raises(ValueError, match="steps"):
+        explain.integrated_gradients(model, images, steps=1)
+    with pytest.raises(ValueError, match="c9"):
+        explain.grad_cam(model, images, "c9")
+
+
+def test_plot_draws_images_by_classes(images):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    maps = explain.saliency(_cnn(), images, classes=[0, 2])
+    fig = explain.plot(maps, images, classes=["cat", "dog"])
+    axes = fig.get_axes()
+    assert len(axes) == 3 * 2
+    assert [ax.get_title() for ax in axes[:2]] == ["cat", "dog"]
