@@ -79,11 +79,11 @@ def session_for(
     device = memory.normalize_device(device)
     policy = current_policy()
     shapes = probes.input_shapes(problem)
-    key = (problem.key, shapes, repr(memory_budget), device, policy)
-    name = disk.fingerprint(problem, device) if cache else None
+    key = (problem.key, shapes, repr(memory_budget), device, policy, cache)
     sessions = per_model(_SESSIONS, problem.model)
-    if (key, name) in sessions:  # (asking the device for free memory takes time)
-        return sessions[(key, name)], name
+    if key in sessions:  # a repeated call: nothing to plan (nor to fingerprint)
+        return sessions[key]
+    name = disk.fingerprint(problem, device) if cache else None
     budget = memory.parse_budget(memory_budget, device=device)
     result_bytes = probes.result_bytes(problem)
     if result_bytes > budget * policy.safety:
@@ -122,7 +122,7 @@ def session_for(
     if entry is not None and not restore(session, entry):
         session = fresh()  # planned afresh, and rewritten after the first call
         session.dirty = True
-    sessions[(key, name)] = session
+    sessions[key] = (session, name)
     return session, name
 
 
