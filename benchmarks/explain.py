@@ -101,6 +101,34 @@ def _per_class_ig(model, x, classes, steps):
     return run
 
 
+def _per_class_gradcam(model, layer, x, classes):
+    """One compiled gradient of the activation per class (xplique's way), the
+    layer's node tapped so that nested backbones work too."""
+    from jacobkit.keras.graph import LayerTap
+    from jacobkit.problem.targets import find_layer
+
+    tap = LayerTap(model, find_layer(model, layer, with_variables=False))
+
+    @tf.function
+    def cam(x, k):
+        acts = []
+        with tf.GradientTape() as tape:
+
+            def hook(call, args, kwargs):
+                a = call(*args, **kwargs)
+                tape.watch(a)
+                acts.append(a)
+                return a
+
+            y = tap(x, False, hook)[:, k]
+        grads = tape.gradient(y, acts[0])
+        weights = tf.reduce_mean(grads, axis=(1, 2))
+        return tf.nn.relu(tf.einsum("bc,bhwc->bhw", weights, acts[0]))
+
+    x = tf.constant(x)
+    return lambda: tf.stack([cam(x, tf.constant(k)) for k in range(classes)], 1)
+
+
 def _tf_keras_vis(model, layer, x, classes):
     from tf_keras_vis.gradcam import Gradcam
     from tf_keras_vis.saliency import Saliency
@@ -160,11 +188,13 @@ def measure(name, model, layer, x, classes, rounds, steps):
     mine_cam = lambda: explain.grad_cam(model, x, layer, resize=False)  # noqa: E731
     mine_ig = lambda: explain.integrated_gradients(model, x, steps=steps)  # noqa: E731
     xq_ig = _per_class_ig(model, x, classes, steps)
+    xq_cam = _per_class_gradcam(model, layer, x, classes)
     vis_sal, vis_cam = _tf_keras_vis(model, layer, x, classes)
     checks = {
         "saliency": _diff(mine_sal(), xq_sal()),
         "saliency (tf-keras-vis)": _diff(mine_sal(), vis_sal()),
         "integrated gradients": _diff(mine_ig(), xq_ig()),
+        "Grad-CAM": _diff(mine_cam(), xq_cam()),
     }
     try:
         checks["Grad-CAM (tf-keras-vis)"] = _diff(mine_cam(), vis_cam())
@@ -173,7 +203,11 @@ def measure(name, model, layer, x, classes, rounds, steps):
         vis_cam = None
     for method, mine, theirs in [
         ("saliency", mine_sal, {"per class": xq_sal, "tf-keras-vis": vis_sal}),
-        ("Grad-CAM", mine_cam, {"tf-keras-vis": vis_cam} if vis_cam else {}),
+        (
+            "Grad-CAM",
+            mine_cam,
+            {"per class": xq_cam, **({"tf-keras-vis": vis_cam} if vis_cam else {})},
+        ),
         (f"integrated gradients ({steps} steps)", mine_ig, {"per class": xq_ig}),
     ]:
         t = _race({"explain": mine, **theirs}, rounds)

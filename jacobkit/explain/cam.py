@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ import tensorflow as tf
 from jacobkit.api import jacobian
 from jacobkit.explain._gradients import as_batch
 from jacobkit.keras.graph import LayerTap, TapError
+from jacobkit.problem.cache import per_model
 from jacobkit.problem.targets import find_layer
 from jacobkit.problem.tensor_targets import Output
 
@@ -85,19 +87,33 @@ def grad_cam(
     return tf.reshape(up, (batch, count, height, width))
 
 
+#: model -> {(layer, training): the compiled forward pass to the layer's output}
+_FORWARD: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
 def _activation(model: Any, layer: Any, x: tf.Tensor, training: bool) -> tf.Tensor:
-    """``layer``'s output on ``x``, from one forward pass of ``model`` with
-    the layer's node tapped (the model is not changed)."""
-    try:
-        tap = LayerTap(model, layer)
-    except TapError as err:
-        raise ValueError(f"grad_cam(layer={layer.name!r}): {err}.") from err
-    found: list[tf.Tensor] = []
+    """``layer``'s output on ``x``, from one compiled forward pass of
+    ``model`` with the layer's node tapped (the model is not changed; the
+    function is traced once per model, layer and input signature)."""
+    compiled = per_model(_FORWARD, model)
+    key = (id(layer), training)
+    if key not in compiled:
+        try:
+            tap = LayerTap(model, layer)
+        except TapError as err:
+            raise ValueError(f"grad_cam(layer={layer.name!r}): {err}.") from err
 
-    def hook(call: Any, args: Any, kwargs: Any) -> Any:
-        outputs = call(*args, **kwargs)
-        found.append(outputs)
-        return outputs
+        def forward(x: tf.Tensor) -> tf.Tensor:
+            found: list[tf.Tensor] = []
 
-    tap(x, training, hook)
-    return found[0]
+            def hook(call: Any, args: Any, kwargs: Any) -> Any:
+                outputs = call(*args, **kwargs)
+                found.append(outputs)
+                return outputs
+
+            tap(x, training, hook)
+            return found[0]
+
+        compiled[key] = tf.function(forward, reduce_retracing=True)
+    activation: tf.Tensor = compiled[key](x)
+    return activation
