@@ -209,14 +209,17 @@ def _is_depthwise(layer: Any) -> bool:
     )
 
 
-def depthwise_layers(model: Any, target: Any = None) -> list[Any]:
+def depthwise_layers(
+    model: Any, target: Any = None, *, after_only: bool = False
+) -> list[Any]:
     """The depthwise and separable convolutions that the gradient of
-    ``target`` passes through (chosen as :func:`recurrent_layers` does)."""
-    return _layers_through(model, target, _is_depthwise)
+    ``target`` passes through (chosen as :func:`recurrent_layers` does);
+    ``after_only``: those after it, not ``target`` itself."""
+    return _layers_through(model, target, _is_depthwise, after_only=after_only)
 
 
 def _layers_through(
-    model: Any, target: Any, chosen: Callable[[Any], bool]
+    model: Any, target: Any, chosen: Callable[[Any], bool], *, after_only: bool = False
 ) -> list[Any]:
     """The outermost ``chosen`` layers that values of ``target`` flow
     through: the one that is or holds ``target``, else those after it in the
@@ -232,7 +235,7 @@ def _layers_through(
     if target_at is not None:
         position, path = target_at
         holding = [layer for _, layer, p in found if path[: len(p)] == p]
-        if holding:
+        if holding and not after_only:
             return holding
         return [layer for at, layer, _ in found if at > position]
     return [layer for _, layer, _ in found]

@@ -21,6 +21,13 @@ from jacobkit.keras import compat
 from jacobkit.layers.base import LayerRule
 from jacobkit.layers.conv import Conv1DRule, Conv2DRule
 from jacobkit.layers.dense import DenseRule
+from jacobkit.layers.depthwise import DepthwiseConv2DRule
+from jacobkit.layers.einsum import EinsumDenseRule
+from jacobkit.layers.embedding import EmbeddingRule
+from jacobkit.layers.normalization import (
+    BatchNormalizationRule,
+    LayerNormalizationRule,
+)
 
 __all__ = ["LayerRule", "rule_for"]
 
@@ -29,6 +36,11 @@ _RULES: dict[str, type[LayerRule]] = {
     "Dense": DenseRule,
     "Conv1D": Conv1DRule,
     "Conv2D": Conv2DRule,
+    "DepthwiseConv2D": DepthwiseConv2DRule,
+    "EinsumDense": EinsumDenseRule,
+    "Embedding": EmbeddingRule,
+    "LayerNormalization": LayerNormalizationRule,
+    "BatchNormalization": BatchNormalizationRule,
 }
 
 

@@ -30,6 +30,20 @@ class LayerRule:
 
     layer: Any
     kind: ClassVar[str] = ""
+    #: the attributes holding the weights in the kernel and bias roles (the
+    #: first present one counts: Keras 3 and tf_keras name some differently)
+    kernel_attrs: ClassVar[tuple[str, ...]] = ("kernel",)
+    bias_attrs: ClassVar[tuple[str, ...]] = ("bias",)
+
+    def weight(self, role: str) -> Any:
+        """The layer's weight in ``role`` (``"kernel"``, ``"bias"``), or
+        ``None``."""
+        attrs = self.kernel_attrs if role == "kernel" else self.bias_attrs
+        for attr in attrs:
+            found = getattr(self.layer, attr, None)
+            if found is not None:
+                return found
+        return None
 
     def unsupported(self) -> str | None:
         """Why the layer's call is not ``activation(pre_activation(x))``, or
@@ -87,3 +101,32 @@ class LayerRule:
         return norms.kernel_and_bias_norms(
             self.unfold(x), dz, summed=summed, map_chunks=map_chunks, form=form
         )
+
+
+class MaterializedNorms(LayerRule):
+    """Norms from the closed-form gradients themselves, for rules whose
+    gradients are not one matmul over an unfolded input (elementwise and
+    per-channel forms): every row's gradient is formed once, then reduced.
+    Their gradients are the size of the layer's weights per row, which for
+    these layers (normalizations, embeddings of small vocabularies, depthwise
+    kernels) is small against the activations."""
+
+    def norms(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        *,
+        summed: bool,
+        map_chunks: Callable[..., list[tf.Tensor]],
+        form: str | None = None,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        kernel, bias = self.gradients(
+            x, dz, tuple(self.weight("kernel").shape), summed=summed
+        )
+        return _row_norm(kernel), _row_norm(bias)
+
+
+def _row_norm(jacobians: tf.Tensor) -> tf.Tensor:
+    """``(R, ...)`` -> ``(R,)``: each row's L2 norm."""
+    flat = tf.reshape(jacobians, (jacobians.shape[0], -1))
+    return tf.norm(flat, axis=-1)

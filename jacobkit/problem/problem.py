@@ -154,14 +154,15 @@ class Problem:
         found = layer_tree.recurrent_layers(self.model, self.layer)
         return layer_tree.describe(found) if found else None
 
-    def depthwise_layers(self) -> str | None:
+    def depthwise_layers(self, *, after_only: bool = False) -> str | None:
         """``"layer 'dw' (DepthwiseConv2D)"``: the depthwise and separable
         convolutions the rows' gradient passes through on its way to the
-        targets (pfor cannot vectorize theirs), or ``None``."""
+        targets (pfor cannot vectorize theirs), or ``None``; ``after_only``:
+        those after the target layer (on the way to its output)."""
         target = self.layer
         if target is None and self.tensor_targets is not None:
             target = self.tensor_targets.layer
-        found = layer_tree.depthwise_layers(self.model, target)
+        found = layer_tree.depthwise_layers(self.model, target, after_only=after_only)
         return layer_tree.describe(found) if found else None
 
     # -- the target layer ---------------------------------------------------

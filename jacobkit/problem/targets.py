@@ -14,6 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from jacobkit import layers
 from jacobkit.keras import compat, layer_tree
 from jacobkit.problem import tensor_targets as tensors
 
@@ -180,8 +181,13 @@ def _layer_variables(layer: Any) -> list[Any]:
 def _roles(layer: Any, variables: list[Any]) -> Roles:
     found: dict[str, int] = {}
     if layer is not None:
+        rule = layers.rule_for(layer)
         for role in ("kernel", "bias"):
-            variable = compat.named_weight(layer, role)
+            variable = (
+                rule.weight(role)
+                if rule is not None
+                else compat.named_weight(layer, role)
+            )
             for i, v in enumerate(variables):
                 if variable is not None and v is variable:
                     found[role] = i

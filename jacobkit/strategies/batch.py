@@ -33,7 +33,11 @@ from jacobkit.problem import Problem
 from jacobkit.strategies import _precision as precision
 from jacobkit.strategies.base import ZERO, Strategy, map_chunks
 
-_SUPPORTED = "Dense, Conv1D and Conv2D (Keras 3 or tf_keras)"
+_SUPPORTED = (
+    "Dense, Conv1D, Conv2D, DepthwiseConv2D, EinsumDense (MultiHeadAttention's "
+    "projections), Embedding, LayerNormalization and inference-mode "
+    "BatchNormalization (Keras 3 or tf_keras)"
+)
 #: machine epsilon of the half-precision compute dtypes of mixed precision
 _EPSILON = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
 
@@ -139,6 +143,10 @@ class Batch(Strategy):
         summed = problem.rows_spec.summed_over_batch
 
         contract = _norms if problem.reduce == "norm" else _contract
+        # pfor has no rule for a depthwise convolution's gradient: there, its
+        # ops alone run in a while loop inside the vectorized pass (as
+        # tape.jacobian does), the rest stays vectorized
+        fallback = problem.depthwise_layers(after_only=True) is not None
 
         def compute(inputs: Any) -> Any:
             layer_inputs, z, per_example, tape = _tapped_forward(problem, inputs)
@@ -156,7 +164,7 @@ class Batch(Strategy):
                             unconnected_gradients=ZERO,
                         ),
                         _row_cotangents(start, count, batch, rows, per_example.dtype),
-                        fallback_to_while_loop=False,
+                        fallback_to_while_loop=fallback,
                     )
                 ]
 
@@ -276,6 +284,9 @@ def _contract(
         tuple(targets[problem.roles.kernel].shape),
         summed=summed,
     )
+    if problem.roles.bias is not None:
+        # a rule gives (R, units) bias rows; EinsumDense's bias is (heads, dim)
+        bias = tf.reshape(bias, (-1, *targets[problem.roles.bias].shape))
     return _in_target_order(problem, kernel, bias)
 
 

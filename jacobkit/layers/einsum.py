@@ -1,0 +1,126 @@
+"""``EinsumDense`` (and so ``MultiHeadAttention``'s projections): the
+equations that are a Dense layer over grouped axes,
+``free + contracted, contracted + out -> free + out``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit.layers import contract, norms
+from jacobkit.layers.base import LayerRule
+
+
+@dataclass(frozen=True)
+class _Equation:
+    """The letters of a Dense-like einsum equation."""
+
+    free: str  # input axes kept (the batch axis first), as in the output
+    contracted: str  # input axes summed with the kernel's leading axes
+    out: str  # the kernel's trailing axes, the output's last ones
+
+
+def _parse(equation: str) -> _Equation | None:
+    """``"abc,cde->abde"`` -> free ``ab``, contracted ``c``, out ``de``; or
+    ``None`` where the equation is not of that Dense-like form."""
+    try:
+        inputs, output = equation.replace(" ", "").split("->")
+        x, kernel = inputs.split(",")
+    except ValueError:
+        return None
+    if "..." in equation:
+        x, kernel, output = (s.replace("...", "") for s in (x, kernel, output))
+    contracted = "".join(c for c in x if c in kernel and c not in output)
+    out = "".join(c for c in kernel if c not in x)
+    free = x[: len(x) - len(contracted)]
+    if x != free + contracted or kernel != contracted + out:
+        return None
+    if output != free + out:
+        return None
+    return _Equation(free, contracted, out)
+
+
+class EinsumDenseRule(LayerRule):
+    """Closed forms of an ``EinsumDense`` layer whose equation is a Dense
+    layer over grouped axes (every projection of ``MultiHeadAttention``:
+    ``abc,cde->abde`` for query/key/value, ``abcd,cde->abe`` for the output),
+    with its bias, if any, on all of the kernel's output axes."""
+
+    kind = "einsum_dense"
+
+    @functools.cached_property
+    def _equation(self) -> _Equation | None:
+        return _parse(self.layer.equation)
+
+    def unsupported(self) -> str | None:
+        why = super().unsupported()
+        if why is not None:
+            return why
+        eq = self._equation
+        if eq is None:
+            return (
+                f"equation {self.layer.equation!r} is not of the form "
+                "'free+contracted,contracted+out->free+out'"
+            )
+        bias_axes = getattr(self.layer, "bias_axes", None)
+        if bias_axes and bias_axes != eq.out:
+            return f"bias_axes={bias_axes!r} (only all of the output axes, {eq.out!r})"
+        return None
+
+    def _sizes(self, kernel_shape: tuple[int, ...]) -> tuple[int, int]:
+        eq = self._equation
+        assert eq is not None, "checked by unsupported()"
+        inputs = int(np.prod(kernel_shape[: len(eq.contracted)]))
+        return inputs, int(np.prod(kernel_shape[len(eq.contracted) :]))
+
+    def pre_activation(
+        self, x: tf.Tensor, kernel: tf.Variable, bias: tf.Variable | None
+    ) -> tf.Tensor:
+        z = tf.einsum(self.layer.equation, x, kernel)
+        return z if bias is None else z + bias
+
+    def unfold(self, x: tf.Tensor) -> tf.Tensor:
+        eq = self._equation
+        assert eq is not None, "checked by unsupported()"
+        inputs = int(np.prod(x.shape[x.shape.rank - len(eq.contracted) :]))
+        return tf.reshape(x, (x.shape[0], -1, inputs))
+
+    def _grouped(self, dz: tf.Tensor, kernel_shape: tuple[int, ...]) -> tf.Tensor:
+        """``(B, K, *z.shape[1:])`` -> ``(B, K, P, O)``: the output axes grouped
+        as the kernel's are."""
+        _, units = self._sizes(kernel_shape)
+        return tf.reshape(dz, (dz.shape[0], dz.shape[1], -1, units))
+
+    def gradients(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        kernel_shape: tuple[int, ...],
+        *,
+        summed: bool,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        return contract.kernel_and_bias_gradients(
+            self.unfold(x), self._grouped(dz, kernel_shape), kernel_shape, summed=summed
+        )
+
+    def norms(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        *,
+        summed: bool,
+        map_chunks: Callable[..., list[tf.Tensor]],
+        form: str | None = None,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        kernel_shape = tuple(self.weight("kernel").shape)
+        return norms.kernel_and_bias_norms(
+            self.unfold(x),
+            self._grouped(dz, kernel_shape),
+            summed=summed,
+            map_chunks=map_chunks,
+            form=form,
+        )

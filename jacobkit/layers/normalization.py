@@ -1,0 +1,98 @@
+"""``LayerNormalization`` and inference-mode ``BatchNormalization``:
+``z = gamma * xhat + beta``, elementwise in the normalized input ``xhat``."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from jacobkit.layers.base import MaterializedNorms
+
+
+class _Normalization(MaterializedNorms):
+    """``z[b, ..., c] = gamma[c] * xhat[b, ..., c] + beta[c]`` over the last
+    axis: a row's ``dr/dgamma[c] = sum_p G[b, p, c] xhat[b, p, c]`` and
+    ``dr/dbeta[c] = sum_p G[b, p, c]`` (BackPACK's BatchNorm rule, in
+    evaluation mode)."""
+
+    kernel_attrs = ("gamma",)
+    bias_attrs = ("beta",)
+
+    def unsupported(self) -> str | None:
+        why = super().unsupported()
+        if why is not None:
+            return why
+        axis = self.layer.axis
+        axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
+        if axes not in ([-1], [self._rank() - 1]):
+            return f"axis={axis!r} (only the last axis)"
+        return None
+
+    def _rank(self) -> int:
+        shape = getattr(self.layer, "input_shape", None) or self.layer.input.shape
+        return len(shape)
+
+    def normalized(self, x: tf.Tensor) -> tf.Tensor:
+        """``xhat``, ``x``'s shape."""
+        raise NotImplementedError
+
+    def pre_activation(
+        self, x: tf.Tensor, kernel: tf.Variable, bias: tf.Variable | None
+    ) -> tf.Tensor:
+        xhat = self.normalized(x)
+        z = xhat if kernel is None else xhat * kernel
+        return z if bias is None else z + bias
+
+    def activation(self, z: tf.Tensor) -> tf.Tensor:
+        return z
+
+    def gradients(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        kernel_shape: tuple[int, ...],
+        *,
+        summed: bool,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        channels = kernel_shape[-1]
+        batch, rows = dz.shape[0], dz.shape[1]
+        xhat = tf.reshape(tf.cast(self.normalized(x), dz.dtype), (batch, -1, channels))
+        g = tf.reshape(dz, (batch, rows, -1, channels))  # (B, K, P, C)
+        if summed:
+            gamma = tf.einsum("bpc,bkpc->kc", xhat, g)
+            beta = tf.reduce_sum(g, axis=(0, 2))
+        else:
+            gamma = tf.reshape(tf.einsum("bpc,bkpc->bkc", xhat, g), (-1, channels))
+            beta = tf.reshape(tf.reduce_sum(g, axis=2), (-1, channels))
+        return gamma, beta
+
+
+class LayerNormalizationRule(_Normalization):
+    """``xhat = (x - mean) / sqrt(var + epsilon)`` over the last axis of each
+    example's positions (its own statistics: examples never mix)."""
+
+    kind = "layer_normalization"
+
+    def unsupported(self) -> str | None:
+        if getattr(self.layer, "rms_scaling", False):
+            return "rms_scaling=True"
+        return super().unsupported()
+
+    def normalized(self, x: tf.Tensor) -> tf.Tensor:
+        x = tf.cast(x, tf.float32) if x.dtype.size < 4 else x
+        mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return (x - mean) * tf.math.rsqrt(variance + self.layer.epsilon)
+
+
+class BatchNormalizationRule(_Normalization):
+    """Inference mode only: ``xhat = (x - moving_mean) / sqrt(moving_var +
+    epsilon)``. In training mode the batch statistics mix the examples, and
+    the closed form's check refuses it."""
+
+    kind = "batch_normalization"
+
+    def normalized(self, x: tf.Tensor) -> tf.Tensor:
+        layer = self.layer
+        x = tf.cast(x, tf.float32) if x.dtype.size < 4 else x
+        mean = tf.cast(tf.convert_to_tensor(layer.moving_mean), x.dtype)
+        variance = tf.cast(tf.convert_to_tensor(layer.moving_variance), x.dtype)
+        return (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
