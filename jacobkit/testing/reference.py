@@ -102,7 +102,8 @@ def reference_jacobian(
             tape.gradient(row, v, unconnected_gradients=tf.UnconnectedGradients.ZERO)
             for row in rows
         ]
-        stacked = np.stack([np.asarray(g) for g in grads])
+        # an embedding's gradient is tf.IndexedSlices: made dense first
+        stacked = np.stack([np.asarray(tf.convert_to_tensor(g)) for g in grads])
         result.append(stacked.reshape(rows_shape + tuple(v.shape)))
     return result
 
