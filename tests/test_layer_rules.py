@@ -166,3 +166,24 @@ def test_every_strategy_on_the_blocks(blocks, strategy, block, layer, outputs):
         return
     res = jk.jacobian(model, x, layer, strategy=strategy, outputs=outputs)
     testing.assert_close(res, _reference(model, x, layer, outputs))
+
+
+@pytest.mark.parametrize("layer", ["expand", "depthwise", "bn"])
+def test_tf_keras_layers_get_their_own_rules(layer):
+    # tf_keras's DepthwiseConv2D is a subclass of its Conv2D: it must get the
+    # depthwise rule, not the convolution's
+    import tf_keras
+
+    model = tf_keras.Sequential(
+        [
+            tf_keras.Input((6, 6, 3)),
+            tf_keras.layers.Conv2D(4, 1, name="expand"),
+            tf_keras.layers.DepthwiseConv2D(3, name="depthwise"),
+            tf_keras.layers.BatchNormalization(name="bn"),
+            tf_keras.layers.GlobalAveragePooling2D(),
+            tf_keras.layers.Dense(3),
+        ]
+    )
+    x = np.random.default_rng(0).normal(size=(3, 6, 6, 3)).astype("float32")
+    res = jk.jacobian(model, x, layer, strategy="batch", outputs="per_example")
+    testing.assert_close(res, _reference(model, x, layer, "per_example"))

@@ -33,10 +33,11 @@ __all__ = ["LayerRule", "rule_for"]
 
 #: the registry: Keras layer class name -> its rule
 _RULES: dict[str, type[LayerRule]] = {
+    # subclasses first: tf_keras's DepthwiseConv2D is a Conv2D
+    "DepthwiseConv2D": DepthwiseConv2DRule,
     "Dense": DenseRule,
     "Conv1D": Conv1DRule,
     "Conv2D": Conv2DRule,
-    "DepthwiseConv2D": DepthwiseConv2DRule,
     "EinsumDense": EinsumDenseRule,
     "Embedding": EmbeddingRule,
     "LayerNormalization": LayerNormalizationRule,
