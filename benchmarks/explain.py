@@ -63,8 +63,9 @@ def _mobilenet(classes: int) -> tuple[keras.Model, str, np.ndarray]:
     return model, f"{base.name}/Conv_1", x
 
 
-def _per_class_saliency(model, x, classes):
-    """One compiled batched gradient per class (xplique's way)."""
+def _class_gradient(model):
+    """``(x, k) -> d sum_b Y[b, k] / dx``, compiled: one batched gradient per
+    class, as xplique computes its attributions."""
 
     @tf.function
     def grad(x, k):
@@ -73,6 +74,12 @@ def _per_class_saliency(model, x, classes):
             y = model(x)[:, k]
         return tape.gradient(y, x)
 
+    return grad
+
+
+def _per_class_saliency(model, x, classes):
+    """One compiled batched gradient per class (xplique's way)."""
+    grad = _class_gradient(model)
     x = tf.constant(x)
     return lambda: tf.stack(
         [tf.reduce_max(tf.abs(grad(x, tf.constant(k))), -1) for k in range(classes)], 1
@@ -80,13 +87,7 @@ def _per_class_saliency(model, x, classes):
 
 
 def _per_class_ig(model, x, classes, steps):
-    @tf.function
-    def grad(x, k):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = model(x)[:, k]
-        return tape.gradient(y, x)
-
+    grad = _class_gradient(model)
     x = tf.constant(x)
     alphas = tf.linspace(0.0, 1.0, steps)
     path = tf.reshape(alphas[:, None, None, None, None] * x[None], (-1, *x.shape[1:]))
