@@ -276,3 +276,19 @@ def test_tensorflow_logs_stay_hidden_unless_verbose(saved):
     # before absl::InitializeLog() is called are written to STDERR", oneDNN)
     assert len(verbose.stderr.splitlines()) > 1, verbose.stderr
     assert verbose.stderr.splitlines()[-1] == quiet.stderr.splitlines()[-1]
+
+
+def test_run_hides_tensorflow_logs_unless_verbose(saved):
+    """``jacobkit run`` starts TensorFlow quietly, as ``compare`` does: with a
+    user's mistake, stderr holds jacobkit's one line and nothing else."""
+    model, x = saved
+    argv = ["run", "--model", model, "--inputs", x, "--layer", "hed"]
+    code = "import sys; from jacobkit import cli; sys.exit(cli.main(sys.argv[1:]))"
+    quiet = _run(code.replace("sys.argv[1:]", repr(argv)))
+    assert quiet.returncode == 2
+    assert len(quiet.stderr.splitlines()) == 1, quiet.stderr
+    assert quiet.stderr.startswith("jacobkit run: error: "), quiet.stderr
+    assert "'hed'" in quiet.stderr, quiet.stderr
+    verbose = _run(code.replace("sys.argv[1:]", repr(["-v", *argv])))
+    assert verbose.returncode == 2
+    assert len(verbose.stderr.splitlines()) > 1, verbose.stderr

@@ -159,6 +159,10 @@ def _budget(text: str | None) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Compute, then print a summary: rows, time, peak memory, where it is."""
+    if not args.verbose:
+        from jacobkit import runtime
+
+        runtime.start_tensorflow_quietly()
     import jacobkit as jk
     from jacobkit import memory
 
@@ -178,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except (ValueError, TypeError) as err:  # jacobkit's own messages
-        raise UsageError(str(err)) from err
+        raise UsageError(_as_flags(str(err))) from err
     seconds = time.perf_counter() - start
     rows = result.stats.num_rows or 0
     size = sum(
@@ -208,3 +212,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"result at: {where}")
     sys.stdout.flush()
     return 0
+
+
+#: the library's keyword arguments, as the command line spells them
+_FLAGS = {
+    "overwrite=True": "--overwrite",
+    "another out=": "another --out",
+    "jacobian(out=": "--out (",
+    "out= directory": "--out directory",
+}
+
+
+def _as_flags(message: str) -> str:
+    """A library message in the command's terms: ``--overwrite``, not
+    ``overwrite=True``."""
+    for keyword, flag in _FLAGS.items():
+        message = message.replace(keyword, flag)
+    return message
