@@ -230,7 +230,11 @@ class Problem:
         shape: ``rows_shape + target.shape``, or the own-example blocks
         ``rows_shape + target.shape[1:]`` when :attr:`blocked`. With
         ``reduce="norm"``: the norms ``(num_rows,)`` (``(K, B)`` blocked) as
-        ``rows_shape``."""
+        ``rows_shape``. A 16-bit float Jacobian (an ``Output()``/``Inputs()``
+        target under mixed precision) comes back as float32, like a variable
+        target's."""
+        if jacobian.dtype in (tf.float16, tf.bfloat16):
+            jacobian = tf.cast(jacobian, tf.float32)
         if self.reduce is not None:
             if self.blocked:
                 jacobian = tf.transpose(jacobian)
