@@ -154,3 +154,30 @@ def test_real_model_agrees_with_float64(strategy, target, request):
     assert result.strategy == strategy
     assert result.rows_shape == (3,)
     testing.assert_close(result, _reference(target))
+
+
+def test_unknown_layer_on_a_frozen_backbone_offers_its_layers():
+    """The frozen backbone's layers have variables (not trainable ones) and
+    are targets: a near miss is offered them; with nothing close, the
+    candidates are listed (never a layer without variables)."""
+    model, x = _model("mobilenet_v2")
+    with pytest.raises(ValueError, match=r"Did you mean 'Conv_1' or 'Conv1'"):
+        jk.jacobian(model, x, "Conv_11", strategy="loop")
+    with pytest.raises(ValueError, match=r"layers with .*variables are: .*'Conv1'"):
+        jk.jacobian(model, x, "xyzq", strategy="loop")
+    with pytest.raises(ValueError) as refused:
+        jk.jacobian(model, x, "input_layr", strategy="loop")
+    assert "'input_layer'" not in str(refused.value)
+
+
+def test_forward_on_a_large_kernel_is_refused_with_the_numbers():
+    """MobileNetV2's ``Conv_1`` kernel (1x1x112x1280 at alpha=0.35: 143,360
+    elements, one forward pass each) against the loop's 3 rows: refused
+    before it runs, saying how many passes and how much slower."""
+    model, x = _model("mobilenet_v2")
+    with pytest.raises(ValueError) as refused:
+        jk.jacobian(model, x, "Conv_1", strategy="forward")
+    message = str(refused.value)
+    assert "forward mode needs 143,360 forward passes" in message, message
+    assert "the loop needs 3 backward passes" in message, message
+    assert "Forward(max_slowdown=None)" in message, message
