@@ -292,3 +292,29 @@ def test_run_hides_tensorflow_logs_unless_verbose(saved):
     verbose = _run(code.replace("sys.argv[1:]", repr(["-v", *argv])))
     assert verbose.returncode == 2
     assert len(verbose.stderr.splitlines()) > 1, verbose.stderr
+
+
+def test_interrupted_compare_prints_the_rows_measured_so_far(
+    tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C during a strategy (forward on a large kernel was one that ran
+    for minutes) prints the table of the strategies already measured."""
+    from jacobkit.bench import measure
+
+    model, x = _small_saved_model(tmp_path, keras, ".keras")
+    real = measure.measure
+
+    def interrupted_on_chunked(problem, strategy, *args, **kwargs):
+        if strategy.name == "chunked":
+            raise KeyboardInterrupt
+        return real(problem, strategy, *args, **kwargs)
+
+    monkeypatch.setattr(measure, "measure", interrupted_on_chunked)
+    argv = ["compare", "--model", model, "--inputs", x, "--layer", "d"]
+    code = cli.main([*argv, "--strategies", "loop,chunked,while", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert code == 130, out
+    rows = _table_rows(out)
+    assert set(rows) == {"loop"}, out
+    assert float(rows["loop"][-1]) < 1e-4, out
+    assert out.splitlines()[-1] == "interrupted: 1 of 3 strategies measured", out
