@@ -296,3 +296,45 @@ def test_run_prints_no_tensorflow_logs_and_names_its_flags(tmp_path):
     (line,) = other.stderr.splitlines()
     assert line.startswith("jacobkit run: error: ")
     assert "--overwrite" in line and "overwrite=True" not in line, line
+
+
+def test_run_hides_tensorflow_logs_unless_verbose(saved):
+    """``jacobkit run`` starts TensorFlow quietly, as ``compare`` does: with a
+    user's mistake, stderr holds jacobkit's one line and nothing else."""
+    model, x = saved
+    argv = ["run", "--model", model, "--inputs", x, "--layer", "hed"]
+    code = "import sys; from jacobkit import cli; sys.exit(cli.main(sys.argv[1:]))"
+    quiet = _run(code.replace("sys.argv[1:]", repr(argv)))
+    assert quiet.returncode == 2
+    assert len(quiet.stderr.splitlines()) == 1, quiet.stderr
+    assert quiet.stderr.startswith("jacobkit run: error: "), quiet.stderr
+    assert "'hed'" in quiet.stderr, quiet.stderr
+    verbose = _run(code.replace("sys.argv[1:]", repr(["-v", *argv])))
+    assert verbose.returncode == 2
+    assert len(verbose.stderr.splitlines()) > 1, verbose.stderr
+
+
+def test_interrupted_compare_prints_the_rows_measured_so_far(
+    tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C during a strategy (forward on a large kernel was one that ran
+    for minutes) prints the table of the strategies already measured."""
+    from jacobkit.bench import measure
+
+    model, x = _small_saved_model(tmp_path, keras, ".keras")
+    real = measure.measure
+
+    def interrupted_on_chunked(problem, strategy, *args, **kwargs):
+        if strategy.name == "chunked":
+            raise KeyboardInterrupt
+        return real(problem, strategy, *args, **kwargs)
+
+    monkeypatch.setattr(measure, "measure", interrupted_on_chunked)
+    argv = ["compare", "--model", model, "--inputs", x, "--layer", "d"]
+    code = cli.main([*argv, "--strategies", "loop,chunked,while", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert code == 130, out
+    rows = _table_rows(out)
+    assert set(rows) == {"loop"}, out
+    assert float(rows["loop"][-1]) < 1e-4, out
+    assert out.splitlines()[-1] == "interrupted: 1 of 3 strategies measured", out

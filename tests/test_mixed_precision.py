@@ -278,3 +278,40 @@ def test_a_far_off_bfloat16_target_warns_once_per_process(tmp_path):
         assert f"{seen['error']:.2f} max relative difference" in message
         assert runtime.cpu_kind().describe() in message
         assert filename == str(script)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+@pytest.mark.parametrize("outputs", ["features", "per_example"])
+def test_output_target_returns_float32_without_numpy_warnings(policy, outputs):
+    """An ``Output()`` target under mixed precision: a float32 Jacobian, like
+    a variable target's, and no NumPy ``RuntimeWarning`` from the per-example
+    check's float16 arithmetic."""
+    import warnings
+
+    import numpy as np
+
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    outputs_ = keras.layers.Dense(3, name="head", dtype="float32")(hidden)
+    model = keras.Model(inputs, outputs_)
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        result = jk.jacobian(
+            model, x, jk.Output("hidden"), strategy="loop", outputs=outputs
+        )
+    (jacobian,) = result.values()
+    assert jacobian.dtype == tf.float32
+    # the reference: the head is linear, so d y / d hidden is its kernel,
+    # the same for every example (float16 hidden, float32 head: exact up to
+    # the kernel's float16 cast, measured 0 to 2.4e-4 relative)
+    kernel = np.asarray(model.get_layer("head").kernel, "float64").T  # (3, 8)
+    got = np.asarray(jacobian, "float64")
+    if outputs == "features":
+        expected = np.broadcast_to(kernel[:, None, :], (3, 4, 8))
+        assert got.shape == (3, 4, 8)
+    else:
+        expected = kernel
+        assert got.shape[-1] == 8
+        got = got.reshape(4, 3, 8)[0]
+    assert testing.max_relative_difference(got, expected) < 1e-3

@@ -35,3 +35,26 @@ def test_run_saved_model_over_a_directory_into_out(tmp_path, capsys):
     # the same command again: everything is done, nothing is computed
     assert cli.main([*args, "--out", str(out), "--strategy", "chunked"]) == 0
     assert "computed 0 rows" in capsys.readouterr().out
+
+
+def test_run_errors_name_the_flags(tmp_path, capsys):
+    """A refusal to mix two calls' results in one ``--out`` tells the user of
+    the command line to pass ``--overwrite``, not ``overwrite=True``."""
+    ex = examples.build("generator", batch=4, features=4)
+    model_path = tmp_path / "generator.keras"
+    ex.model.save(model_path)
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    np.save(inputs / "a.npy", ex.inputs)
+    out = tmp_path / "out"
+    args = ["run", "--model", str(model_path), "--inputs", str(inputs)]
+    args += ["--out", str(out), "--strategy", "chunked", "--no-progress"]
+    assert cli.main([*args, "--layer", "conv1"]) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "--layer", "head"]) == cli.USAGE_ERROR
+    error = capsys.readouterr().err
+    assert "--overwrite" in error, error
+    assert "overwrite=True" not in error, error
+    assert "out=" not in error, error
+    # and --overwrite does start afresh
+    assert cli.main([*args, "--layer", "head", "--overwrite"]) == 0

@@ -17,6 +17,9 @@ from jacobkit import runtime
 from jacobkit.cli._common import UsageError, check_model_flags, load_model
 
 #: the built-in problem: the users' generator at a size that runs in seconds
+#: exit code of a run the user interrupted (Ctrl-C), after the rows so far
+INTERRUPTED = 130
+
 DEFAULT_SIZES = {
     "batch": 16,
     "sequence": 64,
@@ -202,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     import tensorflow as tf
     from tqdm import tqdm
 
-    from jacobkit.bench import disagreement, measure
+    from jacobkit.bench import measure
     from jacobkit.problem import Problem
 
     device, candidates = _candidates(args)
@@ -222,23 +225,49 @@ def run(args: argparse.Namespace) -> int:
         if candidates is None:
             candidates = [*measure.default_strategies(problem.num_rows), "auto"]
         bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
-        measurements = []
-        for strategy in bar:
-            if strategy == "auto":
-                bar.set_postfix_str("auto")
-                measured = measure.measure_auto(
-                    problem,
-                    reference,
-                    repeats=args.repeats,
-                    device=device,
-                    memory_budget=args.memory_budget,
-                )
-            else:
-                bar.set_postfix_str(strategy.label)
-                measured = measure.measure(
-                    problem, strategy, reference, repeats=args.repeats, device=device
-                )
-            measurements.append(measured)
+        measurements: list = []
+        try:
+            _measure_all(bar, problem, reference, args, device, measurements)
+        except KeyboardInterrupt:  # Ctrl-C: the rows measured so far
+            bar.close()
+            _print_table(loaded, problem, args, device, ref_name, measurements)
+            print(
+                f"interrupted: {len(measurements)} of {len(candidates)} "
+                "strategies measured"
+            )
+            return INTERRUPTED
+    return _print_table(loaded, problem, args, device, ref_name, measurements)
+
+
+def _measure_all(bar, problem, reference, args, device, measurements: list) -> None:
+    """Measure each strategy of ``bar`` in turn, appending to
+    ``measurements`` (so an interrupted run keeps the rows it has)."""
+    from jacobkit.bench import measure
+
+    for strategy in bar:
+        if strategy == "auto":
+            bar.set_postfix_str("auto")
+            measured = measure.measure_auto(
+                problem,
+                reference,
+                repeats=args.repeats,
+                device=device,
+                memory_budget=args.memory_budget,
+            )
+        else:
+            bar.set_postfix_str(strategy.label)
+            measured = measure.measure(
+                problem, strategy, reference, repeats=args.repeats, device=device
+            )
+        measurements.append(measured)
+
+
+def _print_table(loaded, problem, args, device, ref_name, measurements) -> int:
+    """Print the problem, the table and any disagreement; the exit code."""
+    import tensorflow as tf
+
+    from jacobkit.bench import disagreement, measure
+
     print(
         f"problem: {loaded.described}; target {loaded.layer!r}; "
         f"rows {problem.rows_shape} ({args.outputs})"

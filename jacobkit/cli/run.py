@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
 import sys
 import time
@@ -162,12 +163,14 @@ def _budget(text: str | None) -> Any:
 _FLAGS = {
     "overwrite=True": "--overwrite",
     "another out= directory": "another --out directory",
+    "another out=": "another --out",
 }
 
 
 def _in_flags(message: str) -> str:
     """A library error as the command line says it: its remedies name the
     flags (``--overwrite``), not the keyword arguments behind them."""
+    message = re.sub(r"jacobian\(out=('[^']*')\)", r"--out \1", message)
     for words, flag in _FLAGS.items():
         message = message.replace(words, flag)
     return message

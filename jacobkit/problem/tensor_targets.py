@@ -283,7 +283,9 @@ def check_independent(problem: Any) -> None:
         unconnected_gradients=tf.UnconnectedGradients.ZERO,
     )
     for name, grad in zip(problem.target_names, grads):
-        grad = np.asarray(grad)
+        # float64: a float16 gradient (mixed precision) would overflow or
+        # divide by zero in float16 (a NumPy RuntimeWarning), 1e-30 being 0
+        grad = np.asarray(grad, dtype="float64")
         total = np.max(np.abs(grad)) + 1e-30
         leak = np.max(np.abs(grad[1:])) / total
         if leak > 1e-6:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, final
@@ -26,10 +29,18 @@ class Forward(Strategy):
     batched tangent, so for Conv kernels each chunk runs its tangents one by
     one in a while loop (correct, not vectorized); Dense kernels and every
     bias vectorize.
+
+    Its cost is known before it runs: one forward pass per Conv kernel element
+    and one per chunk of the other targets' elements, against the loop's one
+    backward pass (about 3 forward passes) per row. Where that predicts more
+    than ``max_slowdown`` times the loop's passes and more than
+    :data:`MANY_PASSES`, :meth:`check` refuses with the numbers (MobileNetV2's
+    ``Conv_1``: 409,600 passes). ``max_slowdown=None`` runs it anyway.
     """
 
     name = "forward"
     chunk_size: int = 64
+    max_slowdown: float | None = 10.0
 
     trace_weight = 3.0
 
@@ -40,7 +51,9 @@ class Forward(Strategy):
 
     def smaller(self) -> Forward | None:
         """Half the tangents per chunk, down to one."""
-        return Forward(self.chunk_size // 2) if self.chunk_size > 1 else None
+        if self.chunk_size <= 1:
+            return None
+        return dataclasses.replace(self, chunk_size=self.chunk_size // 2)
 
     def check(self, problem: Problem) -> None:
         """Refuse a model forward mode cannot run through, before it runs.
@@ -52,6 +65,7 @@ class Forward(Strategy):
         data"). Where the model runs such a loop, one tangent's computation is
         traced here (nothing runs) to find out.
         """
+        _check_cost(self, problem)
         if not problem.has_loops:
             return
         targets = list(problem.targets)
@@ -121,3 +135,51 @@ def _first_line(err: BaseException) -> str:
     """The last line of a traced error that says what went wrong."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[-1] if lines else type(err).__name__
+
+
+#: up to this many forward passes run whatever their ratio to the loop.
+#: Measured: MobileNetV2 at 32 px, batch 2, its 432-element first kernel
+#: (one pass each, in a while loop) took 20 s with tracing, on a loaded 2-core
+#: CPU; 2,000 passes are then about a minute and a half
+MANY_PASSES = 2_000
+#: one backward pass of the loop, in forward passes
+_BACKWARD_PASSES = 3
+
+
+def predicted_passes(strategy: Forward, problem: Problem) -> int:
+    """Forward passes ``strategy`` makes: a Conv kernel's (rank >= 3)
+    tangents run one by one (see :class:`Forward`), others in chunks."""
+    passes = 0
+    for target in problem.targets:
+        size = int(target.shape.num_elements())
+        one_by_one = target.shape.rank is not None and target.shape.rank >= 3
+        passes += size if one_by_one else math.ceil(size / strategy.chunk_size)
+    return passes
+
+
+def _check_cost(strategy: Forward, problem: Problem) -> None:
+    """Refuse, with the numbers, where forward mode makes more than
+    ``strategy.max_slowdown`` times the loop's passes and more than
+    :data:`MANY_PASSES`; an eager forward pass is timed only then, for the
+    message."""
+    if strategy.max_slowdown is None:
+        return
+    passes = predicted_passes(strategy, problem)
+    loop_passes = _BACKWARD_PASSES * problem.num_rows
+    if passes <= max(strategy.max_slowdown * loop_passes, MANY_PASSES):
+        return
+    problem.call_model(problem.inputs)  # the first call builds; time the next
+    start = time.perf_counter()
+    problem.call_model(problem.inputs)
+    per_pass = time.perf_counter() - start
+    predicted = passes * per_pass
+    raise ValueError(
+        f"jacobian(strategy='forward'): forward mode needs {passes:,} forward "
+        f"passes here (one per element of a Conv kernel, one per "
+        f"{strategy.chunk_size} of the others), up to {predicted:,.0f} s at "
+        f"{per_pass * 1e3:.1f} ms an eager pass; the loop needs "
+        f"{problem.num_rows:,} backward passes (about "
+        f"{loop_passes * per_pass:,.1f} s): {passes / loop_passes:,.0f}x slower. "
+        "Use strategy='loop', 'chunked' or 'auto', or "
+        "jacobkit.strategies.Forward(max_slowdown=None) to run it anyway."
+    )

@@ -194,11 +194,10 @@ class Structured(Strategy):
         if verified.get(key) is False:  # failed its check: inner from now on
             return self.resolved_inner().run(problem)
         jacobians, stats = super().run(problem)
-        if key in verified or self.probes == 0:
-            return jacobians, stats
-        if not all(bool(tf.reduce_all(tf.math.is_finite(j))) for j in jacobians):
-            # NaN/Inf inputs make the rows NaN whatever computes them: no
-            # verdict on the shortcut from them (the next finite call checks)
+        if key in verified or self.probes == 0 or not _all_finite(jacobians):
+            # NaN/Inf rows (NaN inputs: the caller warned) pass through as a
+            # plain tape gives them; a check on them would compare NaN with
+            # NaN and fail, so it waits for a finite call
             return jacobians, stats
         try:
             check(problem, jacobians, probes=self.probes, tolerance=self.tolerance)
@@ -216,6 +215,11 @@ class Structured(Strategy):
             return self.resolved_inner().run(problem)
         verified[key] = True
         return jacobians, stats
+
+
+def _all_finite(jacobians: list[tf.Tensor]) -> bool:
+    """Whether every entry of every Jacobian is finite."""
+    return all(bool(tf.reduce_all(tf.math.is_finite(j))) for j in jacobians)
 
 
 def _separable_or_none(problem: Problem) -> structure.SeparableChannels | None:
