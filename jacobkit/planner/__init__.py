@@ -63,7 +63,9 @@ from jacobkit.strategies import _precision as precision
 from jacobkit.strategies.structured import NoShortcut
 
 #: model -> {((problem key, input shapes, budget as given, device, policy),
-#: cache name): Session}
+#: cache on): (Session, cache name)}. The cache name is looked up only for a
+#: new session: fingerprinting reads the model's config and variables, which
+#: cost tens of milliseconds on a backbone, on every call otherwise.
 _SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -80,10 +82,10 @@ def session_for(
     policy = current_policy()
     shapes = probes.input_shapes(problem)
     key = (problem.key, shapes, repr(memory_budget), device, policy)
-    name = disk.fingerprint(problem, device) if cache else None
     sessions = per_model(_SESSIONS, problem.model)
-    if (key, name) in sessions:  # (asking the device for free memory takes time)
-        return sessions[(key, name)], name
+    if (key, cache) in sessions:  # (asking the device for free memory takes time)
+        return sessions[(key, cache)]
+    name = disk.fingerprint(problem, device) if cache else None
     budget = memory.parse_budget(memory_budget, device=device)
     result_bytes = probes.result_bytes(problem)
     if result_bytes > budget * policy.safety:
@@ -122,7 +124,7 @@ def session_for(
     if entry is not None and not restore(session, entry):
         session = fresh()  # planned afresh, and rewritten after the first call
         session.dirty = True
-    sessions[(key, name)] = session
+    sessions[(key, cache)] = (session, name)
     return session, name
 
 
