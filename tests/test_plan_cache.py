@@ -236,3 +236,27 @@ def test_a_repeated_auto_call_does_not_fingerprint_the_model_again():
     for _ in range(5):
         jk.jacobian(model, x, "hidden")
     assert len(calls) == first
+
+
+def test_repeated_call_fingerprints_the_model_once(cache_dir, monkeypatch):
+    # the entry's name reads the model's config and variables (tens of ms on a
+    # backbone): a repeated call reuses its session's name, so auto's steady
+    # call costs what the strategy it runs costs
+    calls = []
+    fingerprint = cache.fingerprint
+
+    def counted(problem, device):
+        calls.append(device)
+        return fingerprint(problem, device)
+
+    monkeypatch.setattr(cache, "fingerprint", counted)
+    ex = examples.build("mlp")
+    first = jk.jacobian(ex.model, ex.inputs, ex.layer)
+    for _ in range(3):
+        again = jk.jacobian(ex.model, ex.inputs, ex.layer)
+    assert len(calls) == 1
+    assert len(_entries(cache_dir)) == 1
+    # the answer is still the float64 reference's (tolerance as in the tests
+    # above: testing.assert_close's, derived from the loop's own error)
+    testing.assert_close(first, reference("mlp", "features"))
+    testing.assert_close(again, reference("mlp", "features"))

@@ -7,6 +7,8 @@ import functools
 import re
 import warnings
 
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -396,3 +398,33 @@ def test_use_policy_changes_new_sessions_and_restores_the_outer_policy(generator
     assert planner.current_policy() == outer == planner.Policy()
     # sessions are kept per policy: outside the block, whole calls again
     assert jk.plan(ex.model, ex.inputs, ex.layer).segment_rows == 48
+
+
+def _frozen_backbone_head():
+    """A frozen conv backbone whose activations (16 x 32 x 32 x 16 floats,
+    1 MiB each) dwarf its head's (16 x 3): what a keras.applications
+    backbone with a new head looks like, small."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 3))
+    h = inputs
+    for i in range(4):
+        h = keras.layers.Conv2D(
+            16, 3, padding="same", activation="relu", name=f"conv{i}"
+        )(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    backbone = keras.Model(inputs, h)
+    backbone.trainable = False
+    outer = keras.Input((32, 32, 3))
+    model = keras.Model(outer, keras.layers.Dense(3, name="head")(backbone(outer)))
+    x = np.random.default_rng(0).normal(size=(16, 32, 32, 3)).astype("float32")
+    return model, x
+
+
+def test_frozen_backbone_is_not_counted_in_the_head_prior():
+    # the head's backward pass never differentiates the frozen convs: its
+    # predicted peak is far below that of a target under all of them
+    model, x = _frozen_backbone_head()
+    head = jk.plan(model, x, "head", cache=False).predicted_peak_bytes
+    conv = jk.plan(model, x, "conv0", cache=False).predicted_peak_bytes
+    assert head is not None and conv is not None
+    assert head * 4 < conv

@@ -63,7 +63,9 @@ from jacobkit.strategies import _precision as precision
 from jacobkit.strategies.structured import NoShortcut
 
 #: model -> {((problem key, input shapes, budget as given, device, policy),
-#: cache name): Session}
+#: cache on): (Session, cache name)}. The cache name is looked up only for a
+#: new session: fingerprinting reads the model's config and variables, which
+#: cost tens of milliseconds on a backbone, on every call otherwise.
 _SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
