@@ -69,7 +69,7 @@ OUTPUTS = {
 #: start of its message
 BATCH_REFUSES = {
     "shared_layer": "runs 2 times per forward pass",
-    "tf_module": "supports Dense, Conv1D and Conv2D",
+    "tf_module": "supports Dense, Conv1D, Conv2D",
     "subclassed": "not from a functional graph",
 }
 

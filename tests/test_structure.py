@@ -145,7 +145,7 @@ class _MyDense(keras.layers.Dense):
             lambda: _small(after=[keras.layers.Dropout(0.5)]),
             "head",
             {"training": True},
-            "'dropout' .* is not elementwise",
+            r"'dropout(_\d+)?' .* is not elementwise",
         ),
         (lambda: _small(), "head", {"outputs": "full"}, "not colourable"),
         (lambda: _small(), "hidden", {"outputs": lambda y: y[0]}, "callable outputs"),
