@@ -115,9 +115,6 @@ class _Files:
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
     """(model, batches, layer, description); a user's mistake is a
     :class:`~jacobkit.cli._common.UsageError` (one line, exit code 2)."""
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size {args.batch_size}: must be >= 1")
-    check_model_flags(args)
     if args.model is None:
         from jacobkit.testing import examples
 
@@ -162,7 +159,6 @@ def _budget(text: str | None) -> Any:
 #: the library's words for an argument -> the command line's flag
 _FLAGS = {
     "overwrite=True": "--overwrite",
-    "another out= directory": "another --out directory",
     "another out=": "another --out",
 }
 
@@ -178,6 +174,9 @@ def _in_flags(message: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Compute, then print a summary: rows, time, peak memory, where it is."""
+    # the options' mistakes first, before TensorFlow starts
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size}: must be >= 1")
     check_model_flags(args)
     if not args.verbose:
         # TF_CPP_MIN_LOG_LEVEL alone does not hide the lines its native
