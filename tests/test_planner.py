@@ -20,6 +20,7 @@ from jacobkit.strategies import Batch, Chunked, While
 from jacobkit.strategies.structured import NoShortcut
 from jacobkit.testing import examples
 from tests.cases import (
+    OUTPUTS,
     call_kwargs,
     reference,
     target_variables,
@@ -163,10 +164,14 @@ def test_every_call_runs_every_row_at_once_by_default(generator, eager_trials):
 def test_starts_vectorized_where_it_costs_little_memory():
     """Where computing every row at once is predicted to peak within
     ``Policy.start_peak_factor`` of ``while``'s (a wide MLP: the result dominates),
-    the first call vectorizes every row; where it costs much more (the
-    generator's conv activations per row), it starts on ``while``."""
+    the first call vectorizes every row (on a Dense target, by the closed
+    form of ``batch``, whose chunks of rows cost the least work and
+    memory); where it costs much more (the generator's conv activations per
+    row), it starts on ``while``."""
     wide = examples.build("mlp", batch=256, inputs=512, hidden=1024, features=144)
-    assert jk.plan(wide.model, wide.inputs, wide.layer).strategy == Chunked(144)
+    assert jk.plan(wide.model, wide.inputs, wide.layer).strategy == Batch()
+    square = jk.plan(wide.model, wide.inputs, wide.layer, outputs=OUTPUTS["callable"])
+    assert square.strategy == Chunked(144)
     conv = examples.build("generator", **SIZES)
     assert jk.plan(conv.model, conv.inputs, conv.layer).strategy == While(10)
     # a budget that shrinks chunked to while's size does not change that
@@ -271,14 +276,17 @@ def inject_out_of_memory(monkeypatch, cls, size_of, most: int) -> list:
 
 
 def test_out_of_memory_in_while_halves_the_rows_in_flight(monkeypatch):
-    ex = examples.build("mlp")  # 10 rows: one segment
+    # 10 rows: one segment; a callable outputs= (rows that mix examples), so
+    # that auto starts on while rather than the Dense layer's closed form
+    ex = examples.build("mlp")
+    outputs = OUTPUTS["callable"]
     tried = inject_out_of_memory(monkeypatch, While, lambda s: s.parallel_iterations, 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer, outputs=outputs)
     assert tried == [10, 5, 2] and result.strategy_config == While(2)
     assert len([w for w in caught if "ran out of memory" in str(w.message)]) == 1
-    testing.assert_close(result, reference("mlp", "features"))
+    testing.assert_close(result, reference("mlp", "callable"))
     switch = result.plan.switches[-1]
     assert (switch.old, switch.new, switch.reason) == (
         While(5),
@@ -286,7 +294,7 @@ def test_out_of_memory_in_while_halves_the_rows_in_flight(monkeypatch):
         "ran out of memory",
     )
     tried.clear()
-    jk.jacobian(ex.model, ex.inputs, ex.layer)
+    jk.jacobian(ex.model, ex.inputs, ex.layer, outputs=outputs)
     assert tried == [2], "remembered what worked"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from jacobkit.keras import compat
-from jacobkit.layers.base import LayerRule
+from jacobkit.layers.base import LayerRule, UnfoldedMatmul
 
 
 class ConvRule(LayerRule):
@@ -68,11 +68,11 @@ class ConvRule(LayerRule):
         return tf.reshape(patches, (x.shape[0], -1, patches.shape[-1]))
 
 
-class Conv2DRule(ConvRule):
+class Conv2DRule(UnfoldedMatmul, ConvRule):
     kind = "conv2d"
 
 
-class Conv1DRule(ConvRule):
+class Conv1DRule(UnfoldedMatmul, ConvRule):
     """A Conv1D is unfolded as a Conv2D of height 1."""
 
     kind = "conv1d"

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from jacobkit.layers.base import LayerRule
+from jacobkit.layers.base import UnfoldedMatmul
 
 
-class DenseRule(LayerRule):
+class DenseRule(UnfoldedMatmul):
     """Closed forms of a ``Dense`` layer (Keras 3 or ``tf_keras``)."""
 
     kind = "dense"
+    summed_starts_on_batch = True
 
     def pre_activation(
         self, x: tf.Tensor, kernel: tf.Variable, bias: tf.Variable | None

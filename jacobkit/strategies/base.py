@@ -234,25 +234,54 @@ def map_chunks(
     """Run ``fn(start, size)`` over ``range(0, total, chunk_size)``, one chunk
     at a time, and concatenate its outputs along axis 0.
 
-    ``fn`` returns a list of tensors with leading dimension ``size``. The full
-    chunks run in a ``tf.map_fn`` (a ``tf.while_loop``) with
-    ``parallel_iterations=1``, so only one chunk's intermediates are alive at a
-    time; a last, smaller chunk runs once after the loop, so nothing is padded.
+    ``fn`` returns a list of tensors with leading dimension ``size``. Each
+    chunk's outputs are written into result buffers allocated once, so the
+    peak is the result plus one chunk (a ``tf.map_fn`` stacks its chunks into
+    a new tensor while they are all alive: twice the result). The chunks run
+    in a ``tf.while_loop`` with ``parallel_iterations=1``, so only one chunk's
+    intermediates are alive at a time; a last, smaller chunk runs once after
+    the loop, so nothing is padded.
+
+    NOTE (the buffers). ``InplaceUpdate`` writes rows of its input's buffer
+    and returns that buffer (no copy). The buffers are made here by ``Empty``
+    and reach nothing else until the last write, so nothing can see them
+    change. Measured on the MLP's 288 MiB result in chunks of 16 rows: peak
+    337 MiB against 576 MiB for ``tf.map_fn``, same time (2-core CPU).
     """
     size = min(chunk_size, total)
     n_full, rest = divmod(total, size)
-    if n_full == 1:
-        parts = [fn(tf.constant(0), size)]
-    else:
-        stacked = tf.map_fn(
-            lambda start: list(fn(start, size)),
-            tf.range(n_full) * size,
-            fn_output_signature=list(dtypes),
+    first = list(fn(tf.constant(0), size))
+    if n_full == 1 and not rest:
+        return first
+    buffers = [
+        _write(tf.raw_ops.Empty(shape=(total, *t.shape[1:]), dtype=t.dtype), 0, t)
+        for t in first
+    ]
+    del first
+
+    def body(index: Any, *buffers: tf.Tensor) -> tuple[Any, ...]:
+        start = index * size
+        parts = fn(start, size)
+        return (index + 1, *(_write(b, start, t) for b, t in zip(buffers, parts)))
+
+    if n_full > 1:
+        _, *buffers = tf.while_loop(
+            lambda index, *_: index < n_full,
+            body,
+            (tf.constant(1), *buffers),
             parallel_iterations=1,
         )
-        parts = [[tf.reshape(t, (n_full * size, *t.shape[2:])) for t in stacked]]
     if rest:
-        parts.append(fn(tf.constant(n_full * size), rest))
-    if len(parts) == 1:
-        return list(parts[0])
-    return [tf.concat(list(chunks), axis=0) for chunks in zip(*parts)]
+        start = n_full * size
+        parts = fn(tf.constant(start), rest)
+        buffers = [_write(b, start, t) for b, t in zip(buffers, parts)]
+    for buffer, dtype in zip(buffers, dtypes):
+        assert buffer.dtype == dtype, (buffer.dtype, dtype)
+    return list(buffers)
+
+
+def _write(buffer: tf.Tensor, start: Any, rows: tf.Tensor) -> tf.Tensor:
+    """``buffer`` with rows ``start .. start + len(rows) - 1`` set to ``rows``,
+    written in place (see the NOTE in :func:`map_chunks`)."""
+    index = tf.range(start, start + tf.shape(rows)[0])
+    return tf.raw_ops.InplaceUpdate(x=buffer, i=index, v=rows)

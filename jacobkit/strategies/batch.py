@@ -152,23 +152,33 @@ class Batch(Strategy):
             layer_inputs, z, per_example, tape = _tapped_forward(problem, inputs)
             batch, rows = per_example.shape
 
-            def chunk(start: Any, count: Any) -> Any:
+            def cotangents(start: Any, count: Any) -> Any:
                 # (count, B, *z.shape[1:]): d P[b, k] / d z[b] for the chunk's
                 # rows k, from the batch-summed rows (examples do not mix)
-                return [
-                    tf.vectorized_map(
-                        lambda ct: tape.gradient(
-                            per_example,
-                            z,
-                            output_gradients=ct,
-                            unconnected_gradients=ZERO,
-                        ),
-                        _row_cotangents(start, count, batch, rows, per_example.dtype),
-                        fallback_to_while_loop=fallback,
-                    )
-                ]
+                return tf.vectorized_map(
+                    lambda ct: tape.gradient(
+                        per_example, z, output_gradients=ct, unconnected_gradients=ZERO
+                    ),
+                    _row_cotangents(start, count, batch, rows, per_example.dtype),
+                    fallback_to_while_loop=fallback,
+                )
 
-            (dz,) = map_chunks(chunk, rows, rows_per_chunk(rows, z), [z.dtype])
+            size = rows_per_chunk(rows, z)
+            if summed and problem.reduce != "norm":
+                # each chunk's cotangents are contracted at once and written
+                # into the result: the peak is the result plus one chunk
+                x = tf.cast(layer_inputs, z.dtype)
+                return map_chunks(
+                    lambda start, count: _summed_rows(
+                        problem, x, cotangents(start, count), targets
+                    ),
+                    rows,
+                    size,
+                    [t.dtype for t in targets],
+                )
+            (dz,) = map_chunks(
+                lambda start, count: [cotangents(start, count)], rows, size, [z.dtype]
+            )
             # (B, K, *z.shape[1:]), then one contraction writes the result once
             dz = tf.experimental.numpy.moveaxis(dz, 0, 1)
             return contract(problem, layer_inputs, dz, targets, summed=summed)
@@ -286,6 +296,17 @@ def _contract(
     )
     if problem.roles.bias is not None:
         # a rule gives (R, units) bias rows; EinsumDense's bias is (heads, dim)
+        bias = tf.reshape(bias, (-1, *targets[problem.roles.bias].shape))
+    return _in_target_order(problem, kernel, bias)
+
+
+def _summed_rows(problem: Any, x: Any, dz: Any, targets: Any) -> Any:
+    """One chunk of rows summed over the batch from its row-major cotangents
+    ``dz`` (``(count, B, *z.shape[1:])``), in the order of the targets."""
+    kernel, bias = problem.layer_rule.summed_gradients(
+        x, dz, tuple(targets[problem.roles.kernel].shape)
+    )
+    if problem.roles.bias is not None:
         bias = tf.reshape(bias, (-1, *targets[problem.roles.bias].shape))
     return _in_target_order(problem, kernel, bias)
 

@@ -1,0 +1,281 @@
+"""The MLP at the FLOP limit: jacobkit's strategies against TensorFlow's own
+``tape.jacobian``, PyTorch and JAX on the benchmark MLP (Dense 512→1024 relu
+→ 1024 tanh → 144, B=256, every feature's gradient summed over the batch
+with respect to the first Dense: a 288 MiB result).
+
+Every run is a fresh process pinned to one core (``taskset -c 0``), with the
+same weights (``peers/export_mlp.py``): the first call (tracing included),
+the median of the steady calls, and the growth of the process's peak
+resident memory during the first call and during one steady call (with the
+previous result freed; ``peers/memory.py``). Rounds alternate the runs, and
+each figure is the median over rounds. The GEMM rate of the machine is
+probed the same way, so each time also reads as a fraction of the limit
+(the FLOPs every method must do, at that rate).
+
+    python benchmarks/mlp_limit.py --peers-python /path/to/peers/bin/python \\
+        --rounds 3 --out benchmarks/results/cpu
+
+Without ``--peers-python`` only TensorFlow and jacobkit run. PyTorch and JAX
+are not dependencies of jacobkit: ``peers/README.md`` says how to make their
+environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SIZES = {"batch": 256, "inputs": 512, "hidden": 1024, "features": 144}
+#: MACs of one row: the backward pass through the head and hidden2 at B=256,
+#: and the contraction with hidden1's input (the head's is F x smaller)
+ROW_MACS = SIZES["batch"] * (
+    SIZES["hidden"] * SIZES["hidden"] + SIZES["inputs"] * SIZES["hidden"]
+)
+FLOPS = 2 * ROW_MACS * SIZES["features"]
+RESULT_MIB = SIZES["features"] * (SIZES["inputs"] + 1) * SIZES["hidden"] * 4 / 2**20
+
+#: jacobkit's runs: label -> strategy argument (None: the default call)
+JACOBKIT = {
+    "jacobkit default (auto)": None,
+    "jacobkit batch": "batch",
+    "jacobkit chunked(144)": "chunked",
+    "jacobkit while": "while",
+    "jacobkit jacobian": "jacobian",
+    "TF tape.jacobian (pfor)": "tape.jacobian",
+}
+PEERS = {
+    "PyTorch jacrev(chunk_size=4)": ["mlp_torch.py", "--chunk-size", "4"],
+    "PyTorch jacrev(chunk_size=8)": ["mlp_torch.py", "--chunk-size", "8"],
+    "PyTorch jacrev(chunk_size=16)": ["mlp_torch.py", "--chunk-size", "16"],
+    "PyTorch loop of autograd.grad": ["mlp_torch.py", "--method", "loop"],
+    "JAX lax.map(vjp, batch_size=8)": ["mlp_jax.py", "--batch-size", "8"],
+    "JAX lax.map(vjp, batch_size=16)": ["mlp_jax.py", "--batch-size", "16"],
+}
+
+
+def child(strategy: str, weights: str, repeats: int) -> None:
+    """One jacobkit (or raw TensorFlow) run; prints one JSON line."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.path.insert(0, str(HERE / "peers"))
+    import numpy as np
+    import tensorflow as tf
+    from memory import PeakRss
+
+    import jacobkit as jk
+    from jacobkit.testing import example_models
+
+    example = example_models.mlp(**SIZES)
+    model, x = example.model, example.inputs
+    layer = model.get_layer("hidden1")
+
+    if strategy == "tape.jacobian":
+
+        @tf.function
+        def jacobian() -> list[tf.Tensor]:
+            with tf.GradientTape() as tape:
+                rows = tf.reduce_sum(model(x), axis=0)
+            return tape.jacobian(rows, [layer.kernel, layer.bias])
+
+        def call() -> list[tf.Tensor]:
+            return [t.numpy() for t in jacobian()]
+    else:
+        kwargs = {} if strategy == "auto" else {"strategy": strategy}
+
+        def call() -> list[tf.Tensor]:
+            result = jk.jacobian(model, x, "hidden1", **kwargs)
+            return [result.kernel.numpy(), result.bias.numpy()]
+
+    rss = PeakRss()
+    start = time.perf_counter()
+    result = call()
+    first_s = time.perf_counter() - start
+    first_growth = rss.growth()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - start)
+    del result
+    rss = PeakRss()
+    result = call()
+    np.save(weights + f".{os.getpid()}.npy", result[0])
+    print(
+        json.dumps(
+            {
+                "first_s": first_s,
+                "steady_s": statistics.median(times),
+                "first_growth_mib": first_growth,
+                "peak_growth_mib": rss.growth(),
+                "kernel": weights + f".{os.getpid()}.npy",
+            }
+        )
+    )
+
+
+def gemm_rate() -> float:
+    """GFLOP/s of one (4096 x 1024) @ (1024 x 1024) float32 matmul."""
+    import tensorflow as tf
+
+    a = tf.random.normal((4096, 1024))
+    b = tf.random.normal((1024, 1024))
+    matmul = tf.function(lambda: tf.matmul(a, b))
+    matmul().numpy()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        matmul().numpy()
+        times.append(time.perf_counter() - start)
+    return 2 * 4096 * 1024 * 1024 / statistics.median(times) / 1e9
+
+
+def _pinned(command: list[str]) -> list[str]:
+    return (["taskset", "-c", "0"] if shutil.which("taskset") else []) + command
+
+
+def _run(command: list[str], env: dict[str, str]) -> dict:
+    out = subprocess.run(
+        _pinned(command), capture_output=True, text=True, env=env, check=False
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers-python", help="the peers' environment's python")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--weights", help=argparse.SUPPRESS)
+    parser.add_argument("--gemm", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.weights, args.repeats)
+    if args.gemm:
+        return print(json.dumps({"gflops": gemm_rate()}))
+
+    work = Path(tempfile.mkdtemp())
+    weights = str(work / "mlp.npz")
+    subprocess.run(
+        [sys.executable, str(HERE / "peers" / "export_mlp.py"), "--out", weights],
+        check=True,
+        capture_output=True,
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    runs = {
+        label: [sys.executable, __file__, "--child", strategy or "auto"]
+        + ["--weights", weights, "--repeats", str(args.repeats)]
+        for label, strategy in JACOBKIT.items()
+    }
+    if args.peers_python:
+        for label, (script, *flags) in PEERS.items():
+            runs[label] = [args.peers_python, str(HERE / "peers" / script), *flags]
+            runs[label] += ["--weights", weights, "--repeats", str(args.repeats)]
+            runs[label] += ["--save", str(work / f"{len(runs)}.npy")]
+    rates, rounds = [], {label: [] for label in runs}
+    for round_ in range(args.rounds):
+        rates.append(_run([sys.executable, __file__, "--gemm"], env)["gflops"])
+        for label, command in runs.items():
+            result = _run(command, env)
+            rounds[label].append(result)
+            print(f"round {round_ + 1}: {label}: {result}", flush=True)
+    _report(rounds, runs, statistics.median(rates), work, args.out)
+
+
+def _agreement(rounds: dict, runs: dict, work: Path) -> dict[str, float]:
+    """Max |kernel - reference| / max |reference| against the float64 loop."""
+    import numpy as np
+
+    from jacobkit.testing import example_models, reference_jacobian
+
+    example = example_models.mlp("float64", **SIZES)
+    layer = example.model.get_layer("hidden1")
+    reference = reference_jacobian(
+        example.model, example.inputs, [layer.kernel, layer.bias]
+    )[0]
+    scale = np.abs(reference).max()
+    out = {}
+    for label, results in rounds.items():
+        path = next((r.get("kernel") for r in results if "kernel" in r), None)
+        if path is None and "--save" in runs[label]:
+            path = runs[label][runs[label].index("--save") + 1]
+        if path and Path(path).exists():
+            out[label] = float(np.abs(np.load(path) - reference).max() / scale)
+    return out
+
+
+def _report(rounds: dict, runs: dict, rate: float, work: Path, out: Path) -> None:
+    limit_s = FLOPS / rate / 1e9
+    agreement = _agreement(rounds, runs, work)
+    rows = {}
+    for label, results in rounds.items():
+        good = [r for r in results if "error" not in r]
+        if not good:
+            rows[label] = {"error": results[-1]["error"]}
+            continue
+        rows[label] = {
+            key: statistics.median(r[key] for r in good)
+            for key in ("first_s", "steady_s", "first_growth_mib", "peak_growth_mib")
+        }
+        rows[label]["of_limit"] = limit_s / rows[label]["steady_s"]
+        rows[label]["agreement"] = agreement.get(label)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {
+        "gemm_gflops": rate,
+        "flops": FLOPS,
+        "limit_s": limit_s,
+        "result_mib": RESULT_MIB,
+        "rounds": len(next(iter(rounds.values()))),
+        "rows": rows,
+    }
+    (out / "mlp_limit.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / "mlp_limit.md").write_text(_markdown(data))
+    print(_markdown(data))
+
+
+def _markdown(data: dict) -> str:
+    lines = [
+        "# The MLP at the FLOP limit",
+        "",
+        "`python benchmarks/mlp_limit.py` (see its docstring): Dense "
+        "512→1024→1024→144, B=256, target the first Dense, rows summed over "
+        f"the batch; result {data['result_mib']:.0f} MiB. One core per run "
+        f"(`taskset -c 0`), fresh processes, median of {data['rounds']} "
+        f"alternating rounds. GEMM probe: {data['gemm_gflops']:.0f} GFLOP/s, "
+        f"so the {data['flops'] / 1e9:.0f} GFLOP every method must do take "
+        f"at least {data['limit_s']:.2f} s (the limit).",
+        "",
+        "| run | steady | first call | of the limit | peak growth, steady call "
+        "| peak growth, first call | max rel. diff vs float64 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, row in data["rows"].items():
+        if "error" in row:
+            lines.append(f"| {label} | failed: {' '.join(row['error'])} | | | | | |")
+            continue
+        diff = row["agreement"]
+        lines.append(
+            f"| {label} | {row['steady_s']:.2f} s | {row['first_s']:.2f} s "
+            f"| {row['of_limit']:.0%} | {row['peak_growth_mib']:.0f} MiB "
+            f"({row['peak_growth_mib'] / data['result_mib']:.2f}× result) "
+            f"| {row['first_growth_mib']:.0f} MiB "
+            f"| {'' if diff is None else f'{diff:.1e}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
