@@ -1,6 +1,7 @@
 """Per-example rows and norms by the layer rules, against the summed call.
 
-On the transformer and mobile blocks of ``tests/test_layer_rules.py`` (random
+On the transformer, attention and mobile blocks of
+``tests/test_layer_rules.py`` (random
 weights, batch 16), for each layer with a closed form, in one process,
 steady (each traced first), alternating rounds (median):
 
@@ -37,7 +38,8 @@ from tests import test_layer_rules as blocks  # noqa: E402
 
 TARGETS = {
     "transformer": ["embedding", "query", "attention_output", "norm", "ffn"],
-    "mobile": ["expand", "bn1", "depthwise", "bn2", "project"],
+    "attention": ["mha"],
+    "mobile": ["expand", "bn1", "depthwise", "bn2", "project", "separable"],
 }
 
 

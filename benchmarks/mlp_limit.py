@@ -5,9 +5,11 @@ with respect to the first Dense: a 288 MiB result).
 
 Every run is a fresh process pinned to one core (``taskset -c 0``), with the
 same weights (``peers/export_mlp.py``): the first call (tracing included),
-the median of the steady calls, and the growth of the process's peak
-resident memory during the first call and during one steady call (with the
-previous result freed; ``peers/memory.py``). Rounds alternate the runs, and
+the median of the next ``--repeats`` calls (5; ``auto`` tries its other
+candidates on some of them, and has no plan from an earlier process), and
+the growth of the process's peak resident memory during the first call and
+during one steady call (with the previous result freed;
+``peers/memory.py``). Rounds alternate the runs, and
 each figure is the median over rounds. The GEMM rate of the machine is
 probed the same way, so each time also reads as a fraction of the limit
 (the FLOPs every method must do, at that rate).
@@ -94,6 +96,15 @@ def child(strategy: str, weights: str, repeats: int) -> None:
             result = jk.jacobian(model, x, "hidden1", **kwargs)
             return [result.kernel.numpy(), result.bias.numpy()]
 
+    if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") == "true":
+        # TensorFlow's own count of the bytes it allocated (pooled allocator)
+        result = call()
+        del result
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        result = call()
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+        return print(json.dumps({"allocator_peak_mib": peak / 2**20}))
     rss = PeakRss()
     start = time.perf_counter()
     result = call()
@@ -155,7 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers-python", help="the peers' environment's python")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
@@ -173,8 +184,13 @@ def main() -> None:
         check=True,
         capture_output=True,
     )
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    # TensorFlow's default CPU allocator (jacobkit turns the pooled one on
+    # where the variable is unset)
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "false"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    # no plan from an earlier process: every run starts cold, as a new
+    # user's first process does
+    env["JACOBKIT_CACHE_DIR"] = ""
     runs = {
         label: [sys.executable, __file__, "--child", strategy or "auto"]
         + ["--weights", weights, "--repeats", str(args.repeats)]
@@ -190,6 +206,9 @@ def main() -> None:
         rates.append(_run([sys.executable, __file__, "--gemm"], env)["gflops"])
         for label, command in runs.items():
             result = _run(command, env)
+            if label in JACOBKIT and "error" not in result:
+                pooled = {**env, "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+                result.update(_run(command, pooled))
             rounds[label].append(result)
             print(f"round {round_ + 1}: {label}: {result}", flush=True)
     _report(rounds, runs, statistics.median(rates), work, args.out)
@@ -230,6 +249,9 @@ def _report(rounds: dict, runs: dict, rate: float, work: Path, out: Path) -> Non
             key: statistics.median(r[key] for r in good)
             for key in ("first_s", "steady_s", "first_growth_mib", "peak_growth_mib")
         }
+        pooled = [r["allocator_peak_mib"] for r in good if "allocator_peak_mib" in r]
+        if pooled:
+            rows[label]["allocator_peak_mib"] = statistics.median(pooled)
         rows[label]["of_limit"] = limit_s / rows[label]["steady_s"]
         rows[label]["agreement"] = agreement.get(label)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,23 +280,40 @@ def _markdown(data: dict) -> str:
         f"so the {data['flops'] / 1e9:.0f} GFLOP every method must do take "
         f"at least {data['limit_s']:.2f} s (the limit).",
         "",
+        "Peak growth: how much the process's peak resident memory grew during "
+        "one steady call (the previous result freed and the heap trimmed "
+        "first), the same measure for every framework. TensorFlow keeps "
+        "memory it freed for reuse even with its default allocator (every "
+        "TensorFlow run reads about the result's size there), so for "
+        "TensorFlow the exact figure is its own allocator's peak (its pooled "
+        "allocator, in a separate process), given beside it. PyTorch's and "
+        "JAX's resident growth is the comparable figure for them.",
+        "",
         "| run | steady | first call | of the limit | peak growth, steady call "
-        "| peak growth, first call | max rel. diff vs float64 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| TF allocator peak | peak growth, first call | max rel. diff vs float64 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, row in data["rows"].items():
         if "error" in row:
-            lines.append(f"| {label} | failed: {' '.join(row['error'])} | | | | | |")
+            lines.append(f"| {label} | failed: {' '.join(row['error'])} | | | | | | |")
             continue
         diff = row["agreement"]
         lines.append(
             f"| {label} | {row['steady_s']:.2f} s | {row['first_s']:.2f} s "
             f"| {row['of_limit']:.0%} | {row['peak_growth_mib']:.0f} MiB "
             f"({row['peak_growth_mib'] / data['result_mib']:.2f}× result) "
+            f"| {_pooled(row, data['result_mib'])} "
             f"| {row['first_growth_mib']:.0f} MiB "
             f"| {'' if diff is None else f'{diff:.1e}'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _pooled(row: dict, result_mib: float) -> str:
+    peak = row.get("allocator_peak_mib")
+    if peak is None:
+        return ""
+    return f"{peak:.0f} MiB ({peak / result_mib:.2f}×)"
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import functools
 from typing import Any
 
 from jacobkit.keras import compat
+from jacobkit.layers.attention import MultiHeadAttentionRule
 from jacobkit.layers.base import LayerRule
 from jacobkit.layers.conv import Conv1DRule, Conv2DRule
 from jacobkit.layers.dense import DenseRule
@@ -28,6 +29,7 @@ from jacobkit.layers.normalization import (
     BatchNormalizationRule,
     LayerNormalizationRule,
 )
+from jacobkit.layers.separable import SeparableConv2DRule
 
 __all__ = ["LayerRule", "rule_for"]
 
@@ -35,10 +37,12 @@ __all__ = ["LayerRule", "rule_for"]
 _RULES: dict[str, type[LayerRule]] = {
     # subclasses first: tf_keras's DepthwiseConv2D is a Conv2D
     "DepthwiseConv2D": DepthwiseConv2DRule,
+    "SeparableConv2D": SeparableConv2DRule,
     "Dense": DenseRule,
     "Conv1D": Conv1DRule,
     "Conv2D": Conv2DRule,
     "EinsumDense": EinsumDenseRule,
+    "MultiHeadAttention": MultiHeadAttentionRule,
     "Embedding": EmbeddingRule,
     "LayerNormalization": LayerNormalizationRule,
     "BatchNormalization": BatchNormalizationRule,

@@ -19,6 +19,20 @@ from jacobkit.layers import contract, norms
 
 
 @dataclass(frozen=True)
+class Tapped:
+    """One linear map computed beside its layer: its input ``x`` and its
+    pre-activation output ``z`` (watched by the caller's tape)."""
+
+    inputs: tf.Tensor
+    z: tf.Tensor
+
+
+#: ``(kernel, bias)`` of each of a rule's :meth:`LayerRule.parts`, the bias
+#: ``None`` where the part has none
+Weights = list[tuple[tf.Variable, "tf.Variable | None"]]
+
+
+@dataclass(frozen=True)
 class LayerRule:
     """The closed forms of one layer whose pre-activation output ``z`` is
     linear in its kernel and bias: ``z[b, p] = unfold(x)[b, p] @ W + c``.
@@ -49,6 +63,33 @@ class LayerRule:
             if found is not None:
                 return found
         return None
+
+    def parts(self) -> tuple[LayerRule, ...]:
+        """The linear maps whose kernels and biases the rule differentiates:
+        the layer itself, or (``MultiHeadAttention``) its projections, each
+        with a rule of its own."""
+        return (self,)
+
+    def tapped_call(
+        self,
+        args: tuple,
+        kwargs: dict,
+        weights: Weights,
+        watch: Callable[[tf.Tensor], tf.Tensor],
+    ) -> tuple[Any, list[Tapped]]:
+        """The layer's output from its node's arguments, computed beside the
+        layer with ``weights`` (one pair per part), each part's ``z`` passed
+        through ``watch`` before anything uses it; and every part's input and
+        ``z``. The layer itself is never called or changed.
+
+        Outside ``layer.__call__`` Keras does not autocast: under mixed
+        precision the kernel is float32 and the input float16. ``z`` is
+        computed in the kernel's dtype, so the contraction with the
+        cotangents accumulates in float32, as the loop's gradient does."""
+        ((kernel, bias),) = weights
+        x = args[0]
+        z = watch(self.pre_activation(tf.cast(x, kernel.dtype), kernel, bias))
+        return self.activation(z), [Tapped(x, z)]
 
     def unsupported(self) -> str | None:
         """Why the layer's call is not ``activation(pre_activation(x))``, or

@@ -23,13 +23,18 @@ class _Normalization(MaterializedNorms):
             return why
         axis = self.layer.axis
         axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
-        if axes not in ([-1], [self._rank() - 1]):
+        if axes != [-1] and axes != [self._last_axis()]:
             return f"axis={axis!r} (only the last axis)"
         return None
 
-    def _rank(self) -> int:
-        shape = getattr(self.layer, "input_shape", None) or self.layer.input.shape
-        return len(shape)
+    def _last_axis(self) -> int | None:
+        """The last axis of the layer's input, or ``None`` where the layer has
+        no node of its own (called from Python inside another layer)."""
+        try:
+            shape = getattr(self.layer, "input_shape", None) or self.layer.input.shape
+        except (AttributeError, ValueError):
+            return None
+        return len(shape) - 1
 
     def normalized(self, x: tf.Tensor) -> tf.Tensor:
         """``xhat``, ``x``'s shape."""

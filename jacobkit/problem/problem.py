@@ -173,6 +173,15 @@ class Problem:
         return None if self.layer is None else layers.rule_for(self.layer)
 
     @functools.cached_property
+    def projections(self) -> tuple[targets.Projection, ...] | None:
+        """The linear parts of the target layer with the positions of their
+        kernels and biases among the targets (:func:`targets.projections`),
+        or ``None`` where the layer has no rule or the targets are not
+        exactly those kernels and biases."""
+        rule = self.layer_rule
+        return None if rule is None else targets.projections(rule, self.targets)
+
+    @functools.cached_property
     def layer_tap(self) -> taps.LayerTap:
         """Runs the model with the target layer's node handed to a hook,
         without touching the model (raises ``TapError`` if it cannot)."""

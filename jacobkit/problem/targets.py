@@ -178,6 +178,43 @@ def _layer_variables(layer: Any) -> list[Any]:
     ]
 
 
+@dataclass(frozen=True)
+class Projection:
+    """One linear part of the target layer (:meth:`jacobkit.layers.LayerRule.parts`:
+    the layer itself, or one of an attention layer's projections): its rule
+    and the positions of its kernel and bias among the targets (``bias``:
+    ``None`` where it has none)."""
+
+    rule: layers.LayerRule
+    kernel: int
+    bias: int | None
+
+
+def projections(
+    rule: layers.LayerRule, variables: Sequence[Any]
+) -> tuple[Projection, ...] | None:
+    """Each of ``rule``'s parts with the positions of its kernel and bias in
+    ``variables``; ``None`` unless each part's kernel and bias are targets
+    and every target is one of them."""
+    found = []
+    for part in rule.parts():
+        kernel = _position(variables, part.weight("kernel"))
+        bias = part.weight("bias")
+        at = _position(variables, bias)
+        if kernel is None or (bias is not None and at is None):
+            return None
+        found.append(Projection(part, kernel, at))
+    covered = {i for p in found for i in (p.kernel, p.bias) if i is not None}
+    return tuple(found) if covered == set(range(len(variables))) else None
+
+
+def _position(variables: Sequence[Any], variable: Any) -> int | None:
+    if variable is None:
+        return None
+    inner = compat.as_tf_variable(variable)
+    return next((i for i, v in enumerate(variables) if v is inner), None)
+
+
 def _roles(layer: Any, variables: list[Any]) -> Roles:
     found: dict[str, int] = {}
     if layer is not None:
