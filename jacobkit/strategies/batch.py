@@ -295,6 +295,10 @@ def _projections(problem: Problem) -> tuple[Projection, ...]:
     return found
 
 
+# The helpers below have no data-dependent control flow: AutoGraph (kept for
+# tf_keras models) must not rewrite them (it miscalled ``_kernel_shape`` from
+# inside a comprehension over ``zip``).
+@tf.autograph.experimental.do_not_convert
 def _placed(problem: Problem, parts: list[tuple[Any, Any]]) -> list[tf.Tensor]:
     """Each part's ``(kernel, bias)`` results (or norms) at its targets'
     positions, each in its target's dtype (bias rows reshaped to the
@@ -312,10 +316,12 @@ def _placed(problem: Problem, parts: list[tuple[Any, Any]]) -> list[tf.Tensor]:
     return out
 
 
+@tf.autograph.experimental.do_not_convert
 def _kernel_shape(projection: Projection) -> tuple[int, ...]:
     return tuple(projection.rule.weight("kernel").shape)
 
 
+@tf.autograph.experimental.do_not_convert
 def _summed_rows(problem: Problem, xs: list[Any], dzs: list[Any]) -> list[tf.Tensor]:
     """One chunk of rows summed over the batch from its row-major cotangents
     (each ``(count, B, *z.shape[1:])``), in the order of the targets."""
@@ -328,6 +334,7 @@ def _summed_rows(problem: Problem, xs: list[Any], dzs: list[Any]) -> list[tf.Ten
     )
 
 
+@tf.autograph.experimental.do_not_convert
 def _contract(
     problem: Problem, xs: list[Any], dzs: list[Any], *, summed: bool
 ) -> list[tf.Tensor]:
@@ -346,6 +353,7 @@ def _contract(
     )
 
 
+@tf.autograph.experimental.do_not_convert
 def _norms(
     problem: Problem, xs: list[Any], dzs: list[Any], *, summed: bool
 ) -> list[tf.Tensor]:
