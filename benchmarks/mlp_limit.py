@@ -46,21 +46,22 @@ FLOPS = 2 * ROW_MACS * SIZES["features"]
 RESULT_MIB = SIZES["features"] * (SIZES["inputs"] + 1) * SIZES["hidden"] * 4 / 2**20
 
 #: jacobkit's runs: label -> strategy argument (None: the default call)
+#: (``jacobian`` is left out: it is ``tape.jacobian`` with jacobkit's
+#: checks, within noise of it in a first sweep)
 JACOBKIT = {
     "jacobkit default (auto)": None,
     "jacobkit batch": "batch",
     "jacobkit chunked(144)": "chunked",
     "jacobkit while": "while",
-    "jacobkit jacobian": "jacobian",
     "TF tape.jacobian (pfor)": "tape.jacobian",
 }
+#: the peers' best settings from a first sweep (chunk sizes 4, 8, 16 and 36
+#: for PyTorch, 8 and 16 for JAX; one core): 16 and 36 were slower
 PEERS = {
     "PyTorch jacrev(chunk_size=4)": ["mlp_torch.py", "--chunk-size", "4"],
     "PyTorch jacrev(chunk_size=8)": ["mlp_torch.py", "--chunk-size", "8"],
-    "PyTorch jacrev(chunk_size=16)": ["mlp_torch.py", "--chunk-size", "16"],
     "PyTorch loop of autograd.grad": ["mlp_torch.py", "--method", "loop"],
     "JAX lax.map(vjp, batch_size=8)": ["mlp_jax.py", "--batch-size", "8"],
-    "JAX lax.map(vjp, batch_size=16)": ["mlp_jax.py", "--batch-size", "16"],
 }
 
 
@@ -91,10 +92,15 @@ def child(strategy: str, weights: str, repeats: int) -> None:
             return [t.numpy() for t in jacobian()]
     else:
         kwargs = {} if strategy == "auto" else {"strategy": strategy}
+        plans = []
 
         def call() -> list[tf.Tensor]:
             result = jk.jacobian(model, x, "hidden1", **kwargs)
+            plans[:] = [result.plan]
             return [result.kernel.numpy(), result.bias.numpy()]
+
+        def settled() -> bool:
+            return plans[0] is None or plans[0].settled
 
     if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") == "true":
         # TensorFlow's own count of the bytes it allocated (pooled allocator)
@@ -110,6 +116,17 @@ def child(strategy: str, weights: str, repeats: int) -> None:
     result = call()
     first_s = time.perf_counter() - start
     first_growth = rss.growth()
+    first_three = first_s
+    for _ in range(2):
+        start = time.perf_counter()
+        result = call()
+        first_three += time.perf_counter() - start
+    # auto tries its other candidates on later calls: steady is after it
+    # settled (at most 40 calls)
+    for _ in range(40):
+        if strategy == "tape.jacobian" or settled():
+            break
+        result = call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -123,6 +140,7 @@ def child(strategy: str, weights: str, repeats: int) -> None:
         json.dumps(
             {
                 "first_s": first_s,
+                "first_three_s": first_three,
                 "steady_s": statistics.median(times),
                 "first_growth_mib": first_growth,
                 "peak_growth_mib": rss.growth(),
@@ -212,6 +230,7 @@ def main() -> None:
             rounds[label].append(result)
             print(f"round {round_ + 1}: {label}: {result}", flush=True)
     _report(rounds, runs, statistics.median(rates), work, args.out)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _agreement(rounds: dict, runs: dict, work: Path) -> dict[str, float]:
@@ -247,7 +266,13 @@ def _report(rounds: dict, runs: dict, rate: float, work: Path, out: Path) -> Non
             continue
         rows[label] = {
             key: statistics.median(r[key] for r in good)
-            for key in ("first_s", "steady_s", "first_growth_mib", "peak_growth_mib")
+            for key in (
+                "first_s",
+                "first_three_s",
+                "steady_s",
+                "first_growth_mib",
+                "peak_growth_mib",
+            )
         }
         pooled = [r["allocator_peak_mib"] for r in good if "allocator_peak_mib" in r]
         if pooled:
@@ -289,23 +314,34 @@ def _markdown(data: dict) -> str:
         "allocator, in a separate process), given beside it. PyTorch's and "
         "JAX's resident growth is the comparable figure for them.",
         "",
-        "| run | steady | first call | of the limit | peak growth, steady call "
-        "| TF allocator peak | peak growth, first call | max rel. diff vs float64 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | steady | first call | first 3 calls | of the limit "
+        "| peak growth, steady call | TF allocator peak | peak growth, first call "
+        "| max rel. diff vs float64 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, row in data["rows"].items():
         if "error" in row:
-            lines.append(f"| {label} | failed: {' '.join(row['error'])} | | | | | | |")
+            lines.append(
+                f"| {label} | failed: {' '.join(row['error'])} | | | | | | | |"
+            )
             continue
         diff = row["agreement"]
         lines.append(
             f"| {label} | {row['steady_s']:.2f} s | {row['first_s']:.2f} s "
+            f"| {row['first_three_s']:.2f} s "
             f"| {row['of_limit']:.0%} | {row['peak_growth_mib']:.0f} MiB "
             f"({row['peak_growth_mib'] / data['result_mib']:.2f}× result) "
             f"| {_pooled(row, data['result_mib'])} "
             f"| {row['first_growth_mib']:.0f} MiB "
             f"| {'' if diff is None else f'{diff:.1e}'} |"
         )
+    lines += [
+        "",
+        "PyTorch and JAX differ from float64 at one hidden unit only: for one "
+        "example its pre-activation is 4.5e-8, within float32 rounding of "
+        "ReLU's kink, and their forward pass rounds it to the other side "
+        "(the same weights; excluding that unit they agree to 6e-7).",
+    ]
     return "\n".join(lines) + "\n"
 
 

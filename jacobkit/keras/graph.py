@@ -57,9 +57,8 @@ def _keras3_graph(model: Any) -> Any:
 
 def _tf_keras_graph(model: Any) -> Any:
     """The ``tf_keras`` graph network ``model`` runs, or ``None``."""
-    try:
-        import tf_keras
-    except ImportError:
+    tf_keras = compat.tf_keras()
+    if tf_keras is None:
         return None
     if isinstance(model, tf_keras.Model) and getattr(model, "_is_graph_network", False):
         return model

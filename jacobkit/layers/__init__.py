@@ -50,15 +50,21 @@ _RULES: dict[str, type[LayerRule]] = {
 
 
 @functools.cache
-def _registry() -> tuple[tuple[type, type[LayerRule]], ...]:
-    """``(layer class, rule)`` for each registered class of each installed
-    Keras flavour (looked up once: importing ``tf_keras`` takes a while)."""
+def _registry_of(modules: tuple[Any, ...]) -> tuple[tuple[type, type[LayerRule]], ...]:
+    """``(layer class, rule)`` for each registered class of each Keras flavour
+    in ``modules``."""
     return tuple(
         (cls, rule)
-        for module in compat.keras_modules()
+        for module in modules
         for name, rule in _RULES.items()
         if (cls := compat.layer_class(module, name)) is not None
     )
+
+
+def _registry() -> tuple[tuple[type, type[LayerRule]], ...]:
+    """``(layer class, rule)`` for each registered class of each Keras flavour
+    imported now (``tf_keras`` counts once it is imported)."""
+    return _registry_of(compat.keras_modules())
 
 
 def rule_for(layer: Any) -> LayerRule | None:

@@ -38,14 +38,16 @@ def summed_gradients_by_row(
     closed form of :func:`kernel_and_bias_gradients`, ``summed``).
 
     One broadcasting batched matmul straight from ``dz``'s layout, with no
-    transpose of the cotangents: on the MLP 512-1024-1024-144 (B=256, 16
-    rows), 57 ms against 77 ms for ``tf.einsum("bi,kbj->kij")`` and a
-    further 2 transposes for :func:`summed_matmul` (one core).
+    transpose of the cotangents, the patches transposed once (a contiguous
+    ``(I, B * P)``): on the MLP 512-1024-1024-144 (B=256, 16 rows), 48 ms
+    against 56 ms with ``transpose_a=True`` instead, 77 ms for
+    ``tf.einsum("bi,kbj->kij")``, and a further 2 transposes for
+    :func:`summed_matmul` (one core).
     """
     rows, units = dz.shape[0], dz.shape[-1]
     flat = tf.reshape(patches, (-1, patches.shape[-1]))  # (B * P, I)
     cotangents = tf.reshape(dz, (rows, -1, units))  # (K, B * P, O)
-    kernel = tf.matmul(flat, cotangents, transpose_a=True)
+    kernel = tf.matmul(tf.transpose(flat)[None], cotangents)
     bias = tf.reduce_sum(cotangents, axis=1)
     return tf.reshape(kernel, (rows, *kernel_shape)), bias
 
