@@ -280,7 +280,18 @@ def render(processes: list[list[dict]], note: str) -> str:
             f"{f'{jac}×' if jac != '?' else 'not run (predicted peak too large)'}"
             f" | {_spread([r['peak'] for r in ratios], '.2f')} | {errors} |"
         )
+    lines += ["", LAYER_RULES]
     return "\n".join(lines) + "\n"
+
+
+#: where the per-layer rules' rows are recorded
+LAYER_RULES = (
+    "Per-example rows and norms of the transformer, attention and mobile "
+    "blocks' layers (Embedding, EinsumDense, MultiHeadAttention, "
+    "LayerNormalization, BatchNormalization, DepthwiseConv2D, SeparableConv2D) "
+    "by their closed forms, next to `while` and `jacobian`: "
+    "[layer_rules.md](layer_rules.md) (`benchmarks/layer_rules.py`)."
+)
 
 
 def measure_all(batches: list[int]) -> list[dict]:

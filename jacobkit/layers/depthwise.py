@@ -3,6 +3,8 @@ filters, unfolded per channel."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import tensorflow as tf
 
 from jacobkit.layers.base import MaterializedNorms
@@ -16,7 +18,7 @@ class DepthwiseConv2DRule(MaterializedNorms, ConvRule):
 
     kind = "depthwise_conv2d"
     # Keras 3 holds it as ``kernel``, tf_keras as ``depthwise_kernel``
-    kernel_attrs = ("depthwise_kernel", "kernel")
+    kernel_attrs: ClassVar[tuple[str, ...]] = ("depthwise_kernel", "kernel")
 
     def unsupported(self) -> str | None:
         why = super().unsupported()

@@ -6,7 +6,7 @@ the depthwise output)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import tensorflow as tf
 
@@ -20,15 +20,15 @@ class _Depthwise(DepthwiseConv2DRule):
     """The depthwise half: the layer's strides, padding and dilation; no bias
     of its own."""
 
-    kernel_attrs = ("depthwise_kernel",)
-    bias_attrs = ()
+    kernel_attrs: ClassVar[tuple[str, ...]] = ("depthwise_kernel",)
+    bias_attrs: ClassVar[tuple[str, ...]] = ()
 
 
 class _Pointwise(Conv2DRule):
     """The pointwise half: a 1x1 convolution of the depthwise output (stride
     1, no padding), with the layer's bias."""
 
-    kernel_attrs = ("pointwise_kernel",)
+    kernel_attrs: ClassVar[tuple[str, ...]] = ("pointwise_kernel",)
 
     def padded(self, x: tf.Tensor) -> tuple[tf.Tensor, str]:
         return x, "VALID"
