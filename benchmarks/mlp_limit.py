@@ -71,7 +71,7 @@ def child(strategy: str, weights: str, repeats: int) -> None:
     sys.path.insert(0, str(HERE / "peers"))
     import numpy as np
     import tensorflow as tf
-    from memory import PeakRss
+    from protocol import measure
 
     import jacobkit as jk
     from jacobkit.testing import example_models
@@ -111,39 +111,16 @@ def child(strategy: str, weights: str, repeats: int) -> None:
         result = call()
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
         return print(json.dumps({"allocator_peak_mib": peak / 2**20}))
-    rss = PeakRss()
-    start = time.perf_counter()
-    result = call()
-    first_s = time.perf_counter() - start
-    first_growth = rss.growth()
-    first_three = first_s
-    for _ in range(2):
-        start = time.perf_counter()
-        result = call()
-        first_three += time.perf_counter() - start
     # auto tries its other candidates on later calls: steady is after it
-    # settled (at most 40 calls)
-    for _ in range(40):
-        if strategy == "tape.jacobian" or settled():
-            break
-        result = call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = call()
-        times.append(time.perf_counter() - start)
-    del result
-    rss = PeakRss()
-    result = call()
+    # settled
+    timings, result = measure(
+        call, repeats, settled=lambda: strategy == "tape.jacobian" or settled()
+    )
     np.save(weights + f".{os.getpid()}.npy", result[0])
     print(
         json.dumps(
             {
-                "first_s": first_s,
-                "first_three_s": first_three,
-                "steady_s": statistics.median(times),
-                "first_growth_mib": first_growth,
-                "peak_growth_mib": rss.growth(),
+                **timings,
                 "kernel": weights + f".{os.getpid()}.npy",
             }
         )

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from memory import PeakRss
+from protocol import measure
 
 
 def main() -> None:
@@ -43,24 +42,7 @@ def main() -> None:
         jax.block_until_ready(out)
         return out
 
-    rss = PeakRss()
-    start = time.perf_counter()
-    result = call()
-    first_s = time.perf_counter() - start
-    first_growth = rss.growth()
-    first_three = first_s
-    for _ in range(2):
-        start = time.perf_counter()
-        result = call()
-        first_three += time.perf_counter() - start
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        result = call()
-        times.append(time.perf_counter() - start)
-    del result
-    rss = PeakRss()
-    result = call()
+    timings, result = measure(call, args.repeats)
     if args.save:
         np.save(args.save, np.asarray(result[0]))
     print(
@@ -68,11 +50,7 @@ def main() -> None:
             {
                 "peer": "jax",
                 "method": f"lax.map(vjp, batch_size={args.batch_size})",
-                "first_s": first_s,
-                "first_three_s": first_three,
-                "steady_s": float(np.median(times)),
-                "first_growth_mib": first_growth,
-                "peak_growth_mib": rss.growth(),
+                **timings,
             }
         )
     )

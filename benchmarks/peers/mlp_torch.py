@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import torch
-from memory import PeakRss
+from protocol import measure
 from torch.func import functional_call, jacrev
 
 
@@ -76,24 +75,7 @@ def main() -> None:
                 )
             return [weight, bias]
 
-    rss = PeakRss()
-    start = time.perf_counter()
-    result = call()
-    first_s = time.perf_counter() - start
-    first_growth = rss.growth()
-    first_three = first_s
-    for _ in range(2):
-        start = time.perf_counter()
-        result = call()
-        first_three += time.perf_counter() - start
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        result = call()
-        times.append(time.perf_counter() - start)
-    del result
-    rss = PeakRss()
-    result = call()
+    timings, result = measure(call, args.repeats)
     if args.save:
         # weight is (K, out, in): the transpose of the Keras kernel layout
         np.save(args.save, result[0].detach().transpose(1, 2).numpy())
@@ -103,11 +85,7 @@ def main() -> None:
                 "peer": "pytorch",
                 "method": args.method,
                 "chunk_size": args.chunk_size,
-                "first_s": first_s,
-                "first_three_s": first_three,
-                "steady_s": float(np.median(times)),
-                "first_growth_mib": first_growth,
-                "peak_growth_mib": rss.growth(),
+                **timings,
             }
         )
     )
