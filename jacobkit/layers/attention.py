@@ -83,23 +83,15 @@ class MultiHeadAttentionRule(LayerRule):
             use_causal_mask=bool(call.get("use_causal_mask", False)),
         )
         parts = self.parts()
-        taps = []
-
-        def project(part: LayerRule, x: tf.Tensor, pair: Any) -> tf.Tensor:
-            kernel, bias = pair
-            z = watch(part.pre_activation(tf.cast(x, kernel.dtype), kernel, bias))
-            taps.append(Tapped(x, z))
-            return z
-
-        projected = [
-            project(part, x, pair)
-            for part, x, pair in zip(parts[:3], (query, key, value), weights[:3])
+        taps = [
+            part.tapped(x, kernel, bias, watch)
+            for part, x, (kernel, bias) in zip(parts, (query, key, value), weights)
         ]
         attended, _ = layer._compute_attention(
-            *projected, mask, bool(call.get("training") or False)
+            *(tap.z for tap in taps), mask, bool(call.get("training") or False)
         )
-        output = project(parts[3], attended, weights[3])
-        return output, taps
+        taps.append(parts[3].tapped(attended, *weights[3], watch))
+        return taps[3].z, taps
 
 
 def _mask(call: dict, name: str, tensor: tf.Tensor) -> Any:

@@ -87,9 +87,21 @@ class LayerRule:
         computed in the kernel's dtype, so the contraction with the
         cotangents accumulates in float32, as the loop's gradient does."""
         ((kernel, bias),) = weights
-        x = args[0]
-        z = watch(self.pre_activation(tf.cast(x, kernel.dtype), kernel, bias))
-        return self.activation(z), [Tapped(x, z)]
+        tapped = self.tapped(args[0], kernel, bias, watch)
+        return self.activation(tapped.z), [tapped]
+
+    def tapped(
+        self,
+        x: tf.Tensor,
+        kernel: tf.Variable,
+        bias: tf.Variable | None,
+        watch: Callable[[tf.Tensor], tf.Tensor],
+    ) -> Tapped:
+        """This part's ``z`` for input ``x`` in the kernel's dtype, passed
+        through ``watch`` (see :meth:`tapped_call`)."""
+        return Tapped(
+            x, watch(self.pre_activation(tf.cast(x, kernel.dtype), kernel, bias))
+        )
 
     def unsupported(self) -> str | None:
         """Why the layer's call is not ``activation(pre_activation(x))``, or

@@ -64,7 +64,7 @@ def kernel_and_bias_norms(
     Returns ``(kernel, bias)`` norms of shape ``(R,)``, ``R = K`` if
     ``summed`` else ``B * K`` (row-major), by the Gram form for per-example
     rows where :func:`use_gram` says so, else by materializing chunks of rows
-    (``map_chunks(fn, total, chunk_size, dtypes)``). ``form`` forces
+    (``map_chunks(fn, total, chunk_size)``). ``form`` forces
     ``"gram"`` or ``"chunks"`` (the crossover benchmark measures both).
     """
     batch, rows, units = dz.shape[0], dz.shape[1], dz.shape[-1]
@@ -96,7 +96,7 @@ def kernel_and_bias_norms(
             kernel, bias = tf.transpose(kernel), tf.transpose(bias)
         return [kernel, bias]
 
-    kernel, bias = map_chunks(chunk, rows, size, [dz.dtype, dz.dtype])
+    kernel, bias = map_chunks(chunk, rows, size)
     if summed:
         return kernel, bias
     # (K, B) -> (B, K), row-major (b, k)

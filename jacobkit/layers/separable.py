@@ -76,8 +76,6 @@ class SeparableConv2DRule(LayerRule):
     ) -> tuple[Any, list[Tapped]]:
         (depthwise_kernel, _), (pointwise_kernel, bias) = weights
         depthwise, pointwise = self.parts()
-        x = args[0]
-        cast = tf.cast(x, depthwise_kernel.dtype)
-        middle = watch(depthwise.pre_activation(cast, depthwise_kernel, None))
-        z = watch(pointwise.pre_activation(middle, pointwise_kernel, bias))
-        return self.activation(z), [Tapped(x, middle), Tapped(middle, z)]
+        middle = depthwise.tapped(args[0], depthwise_kernel, None, watch)
+        out = pointwise.tapped(middle.z, pointwise_kernel, bias, watch)
+        return self.activation(out.z), [middle, out]

@@ -173,13 +173,7 @@ def _smallest_configurations() -> list[Strategy]:
 def _per_example_fast_path(problem: Problem) -> bool:
     """Rows of single examples of a Dense/Conv layer's own variables: where
     the ``batch`` strategy's closed form may apply."""
-    rows = problem.rows_spec
-    return (
-        rows.decomposes_per_example
-        and not rows.summed_over_batch
-        and problem.tensor_targets is None
-        and problem.layer_rule is not None
-    )
+    return _closed_form_rows(problem) and not problem.rows_spec.summed_over_batch
 
 
 def _summed_closed_form(problem: Problem) -> bool:
@@ -187,11 +181,20 @@ def _summed_closed_form(problem: Problem) -> bool:
     starts them on ``batch`` (``LayerRule.summed_starts_on_batch``: Dense)."""
     rule = problem.layer_rule
     return (
-        problem.rows_spec.summed_over_batch
-        and problem.rows_spec.decomposes_per_example
-        and problem.tensor_targets is None
+        _closed_form_rows(problem)
+        and problem.rows_spec.summed_over_batch
         and rule is not None
         and rule.summed_starts_on_batch
+    )
+
+
+def _closed_form_rows(problem: Problem) -> bool:
+    """Rows that each belong to one example or sum over examples, of a layer
+    with a rule (``batch``'s closed form may apply)."""
+    return (
+        problem.rows_spec.decomposes_per_example
+        and problem.tensor_targets is None
+        and problem.layer_rule is not None
     )
 
 

@@ -209,10 +209,12 @@ def projections(
 
 
 def _position(variables: Sequence[Any], variable: Any) -> int | None:
+    """Where ``variable`` is in ``variables`` (Keras or ``tf.Variable``
+    objects alike), or ``None``."""
     if variable is None:
         return None
-    inner = compat.as_tf_variable(variable)
-    return next((i for i, v in enumerate(variables) if v is inner), None)
+    inner = compat.unwrap(variable)
+    return next((i for i, v in enumerate(variables) if compat.unwrap(v) is inner), None)
 
 
 def _roles(layer: Any, variables: list[Any]) -> Roles:
@@ -225,9 +227,9 @@ def _roles(layer: Any, variables: list[Any]) -> Roles:
                 if rule is not None
                 else compat.named_weight(layer, role)
             )
-            for i, v in enumerate(variables):
-                if variable is not None and v is variable:
-                    found[role] = i
+            at = _position(variables, variable)
+            if at is not None:
+                found[role] = at
     return Roles(**found)
 
 

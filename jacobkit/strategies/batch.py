@@ -150,7 +150,6 @@ class Batch(Strategy):
 
     def build(self, problem: Problem) -> Callable[[Any], Any]:
         summed = problem.rows_spec.summed_over_batch
-        dtypes = [t.dtype for t in problem.targets]
         # pfor has no rule for a depthwise convolution's gradient: there, its
         # ops alone run in a while loop inside the vectorized pass (as
         # tape.jacobian does), the rest stays vectorized
@@ -187,9 +186,8 @@ class Batch(Strategy):
                     ),
                     rows,
                     size,
-                    dtypes,
                 )
-            dzs = map_chunks(cotangents, rows, size, [z.dtype for z in zs])
+            dzs = map_chunks(cotangents, rows, size)
             # (B, K, *z.shape[1:]), then one contraction writes the result once
             dzs = [tf.experimental.numpy.moveaxis(dz, 0, 1) for dz in dzs]
             if problem.reduce == "norm":
@@ -304,7 +302,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def _no_autograph(fn: _F) -> _F:
     """``fn`` left as written by AutoGraph (kept for tf_keras models): the
     helpers below have no data-dependent control flow, and AutoGraph
-    miscalled ``_kernel_shape`` from inside a comprehension over ``zip``."""
+    miscalled a helper from inside a comprehension over ``zip``."""
     return cast(_F, tf.autograph.experimental.do_not_convert(fn))
 
 
@@ -327,24 +325,32 @@ def _placed(problem: Problem, parts: list[tuple[Any, Any]]) -> list[tf.Tensor]:
 
 
 @_no_autograph
-def _kernel_shape(projection: Projection) -> tuple[int, ...]:
-    return tuple(projection.rule.weight("kernel").shape)
-
-
-@_no_autograph
-def _summed_rows(problem: Problem, xs: list[Any], dzs: list[Any]) -> list[tf.Tensor]:
-    """One chunk of rows summed over the batch from its row-major cotangents
-    (each ``(count, B, *z.shape[1:])``), in the order of the targets."""
+def _each_part(
+    problem: Problem,
+    xs: list[Any],
+    dzs: list[Any],
+    contract: Callable[[Projection, Any, Any, tuple[int, ...]], tuple[Any, Any]],
+) -> list[tf.Tensor]:
+    """``contract(part, x, dz, kernel_shape)`` of each part, placed in the
+    order of the targets (:func:`_placed`)."""
+    targets = problem.targets
     return _placed(
         problem,
         [
-            p.rule.summed_gradients(x, dz, _kernel_shape(p))
+            contract(p, x, dz, tuple(targets[p.kernel].shape))
             for p, x, dz in zip(_projections(problem), xs, dzs)
         ],
     )
 
 
-@_no_autograph
+def _summed_rows(problem: Problem, xs: list[Any], dzs: list[Any]) -> list[tf.Tensor]:
+    """One chunk of rows summed over the batch from its row-major cotangents
+    (each ``(count, B, *z.shape[1:])``), in the order of the targets."""
+    return _each_part(
+        problem, xs, dzs, lambda p, x, dz, shape: p.rule.summed_gradients(x, dz, shape)
+    )
+
+
 def _contract(
     problem: Problem, xs: list[Any], dzs: list[Any], *, summed: bool
 ) -> list[tf.Tensor]:
@@ -354,27 +360,24 @@ def _contract(
     # under mixed precision the layer input is float16 and ``dz`` float32
     # (``z`` is computed in the kernel's dtype): contract in float32, as the
     # loop's gradient accumulates (``xs`` are cast to ``z``'s dtype)
-    return _placed(
+    return _each_part(
         problem,
-        [
-            p.rule.gradients(x, dz, _kernel_shape(p), summed=summed)
-            for p, x, dz in zip(_projections(problem), xs, dzs)
-        ],
+        xs,
+        dzs,
+        lambda p, x, dz, shape: p.rule.gradients(x, dz, shape, summed=summed),
     )
 
 
-@_no_autograph
 def _norms(
     problem: Problem, xs: list[Any], dzs: list[Any], *, summed: bool
 ) -> list[tf.Tensor]:
     """Per-row norms of the kernel/bias Jacobians (Gram form or chunks of
     rows, :func:`jacobkit.layers.norms.kernel_and_bias_norms`)."""
-    return _placed(
+    return _each_part(
         problem,
-        [
-            p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks)
-            for p, x, dz in zip(_projections(problem), xs, dzs)
-        ],
+        xs,
+        dzs,
+        lambda p, x, dz, _: p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks),
     )
 
 

@@ -78,7 +78,6 @@ class Chunked(Strategy):
     def build(self, problem: Problem) -> Callable[[Any], Any]:
         targets = problem.targets
         num_rows = problem.num_rows
-        dtypes = [t.dtype for t in targets]
         reduce = problem.reduce
         blocked = problem.blocked
 
@@ -106,7 +105,7 @@ class Chunked(Strategy):
                     return [row_norms(j, blocked) for j in jacobians]
                 return jacobians
 
-            return map_chunks(chunk, num_rows, self.chunk_size, dtypes)
+            return map_chunks(chunk, num_rows, self.chunk_size)
 
         return compute
 

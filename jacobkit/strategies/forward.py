@@ -126,7 +126,7 @@ class Forward(Strategy):
             # JVP of a conv kernel); those chunks fall back to a while loop.
             return [tf.vectorized_map(jvp, tangents, fallback_to_while_loop=True)]
 
-        (columns,) = map_chunks(chunk, num_params, self.chunk_size, [target.dtype])
+        (columns,) = map_chunks(chunk, num_params, self.chunk_size)
         # columns: (P, R) -> (R, *target.shape)
         return tf.reshape(tf.transpose(columns), (num_rows, *target.shape))
 
