@@ -436,3 +436,48 @@ def test_frozen_backbone_is_not_counted_in_the_head_prior():
     conv = jk.plan(model, x, "conv0", cache=False).predicted_peak_bytes
     assert head is not None and conv is not None
     assert head * 4 < conv
+
+
+def test_few_rows_start_eager_then_trace_as_calls_repeat():
+    """Three rows (``Policy.eager_rows`` is 4): the first call runs the eager
+    ``loop``, which traces nothing; once the time spent on the loop pays
+    for a candidate's predicted tracing (rent 0 here: at once), auto tries
+    the traced candidates and keeps the fastest. Every call agrees with
+    float64 (assert_close's derived tolerance: measured max relative error
+    ~1e-6 on this generator)."""
+    ex = examples.build("generator", **SIZES)
+    rows = [0, 5, 47]
+    wide = examples.build("generator", "float64", **SIZES)
+    expected = testing.reference_jacobian(
+        wide.model,
+        wide.inputs,
+        target_variables(wide),
+        call_kwargs=call_kwargs(wide.model),
+    )
+    expected = [np.asarray(e)[rows] for e in expected]
+    with planner.use_policy(rent=0.0):
+        first = jk.jacobian(ex.model, ex.inputs, ex.layer, features=rows)
+        assert first.strategy == "loop"
+        assert first.stats.traced is False
+        testing.assert_close(first, expected)
+        plan = first.plan
+        assert plan.pending, "traced candidates are left to try"
+        assert "loop" not in {r.label for r in plan.rejected}
+        ran = {first.strategy}
+        for _ in range(8):
+            res = jk.jacobian(ex.model, ex.inputs, ex.layer, features=rows)
+            testing.assert_close(res, expected)
+            ran.add(res.plan.strategy.name)
+            ran.update(s.new.name for s in res.plan.switches)
+    assert ran - {"loop"}, f"auto never tried a traced candidate: {ran}"
+
+
+def test_many_rows_do_not_start_eager(generator):
+    """Above ``Policy.eager_rows`` the first call is traced as before (the
+    loop stays out of auto's candidates: one backward pass per row)."""
+    with planner.use_policy(eager_rows=2):
+        res = jk.jacobian(
+            generator.model, generator.inputs, "conv1", features=[0, 1, 2]
+        )
+    assert res.strategy != "loop"
+    assert "loop" in {r.label for r in res.plan.rejected}

@@ -2,10 +2,11 @@
 keras.applications MobileNetV2 backbone with a Dense head, and a keras_hub
 BERT classifier, against the float64 reference.
 
-Both are small random-init configurations built here (``weights=None``, no
-preset), so nothing is downloaded: MobileNetV2 at ``alpha=0.35`` on 32 px
-images, BERT with 2 transformer layers, hidden size 32 and a 50-token
-vocabulary. Batches of 2, 3 output rows (the heads' classes).
+Both are small random-init configurations of the benchmark's builders
+(:mod:`jacobkit.testing.example_backbones`: ``weights=None``, no preset), so
+nothing is downloaded: MobileNetV2 at ``alpha=0.35`` on 32 px images, BERT
+with 2 transformer layers, hidden size 32 and a 1,000-token vocabulary.
+Batches of 2, 3 output rows (the heads' classes).
 
 Targets: the head (``Dense``), the backbone's first convolution (``Conv1``,
 3x3x3x16: small enough for ``forward``) and a transformer projection named by
@@ -29,6 +30,7 @@ import pytest
 
 import jacobkit as jk
 from jacobkit import testing
+from jacobkit.testing import examples
 
 keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
@@ -37,42 +39,14 @@ STRATEGY_NAMES = list(jk.strategies.REGISTRY)
 
 
 def _mobilenet():
-    keras.utils.set_random_seed(0)
-    base = keras.applications.MobileNetV2(
-        input_shape=(32, 32, 3),
-        alpha=0.35,
-        include_top=False,
-        weights=None,
-        pooling="avg",
-    )
-    base.trainable = False
-    inputs = keras.Input((32, 32, 3))
-    outputs = keras.layers.Dense(3, name="head")(base(inputs, training=False))
-    model = keras.Model(inputs, outputs)
-    x = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype("float32")
-    return model, x
+    # the benchmark's frozen MobileNetV2 at a third of its width
+    ex = examples.build("frozen_mobilenet", batch=2, size=32, alpha=0.35)
+    return ex.model, ex.inputs
 
 
 def _bert():
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=16,
-    )
-    model = keras_hub.models.BertTextClassifier(
-        backbone=backbone, num_classes=3, preprocessor=None
-    )
-    rng = np.random.default_rng(0)
-    x = {
-        "token_ids": rng.integers(0, 50, size=(2, 8)).astype("int32"),
-        "segment_ids": np.zeros((2, 8), "int32"),
-        "padding_mask": np.ones((2, 8), "int32"),
-    }
-    return model, x
+    ex = examples.build("bert_classifier", batch=2, sequence=8, hidden=32)
+    return ex.model, ex.inputs
 
 
 _BUILDERS = {"mobilenet_v2": _mobilenet, "bert": _bert}

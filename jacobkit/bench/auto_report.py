@@ -14,6 +14,7 @@ __all__ = [
     "AUTO_LIMITS",
     "GROWTH_SLACK_BYTES",
     "auto_table",
+    "overhead_table",
     "chosen_fixed",
     "first_paired_text",
     "paired_text",
@@ -23,6 +24,10 @@ __all__ = [
 AUTO_LIMITS = {"first call": 1.25, "first 3 calls": 1.2, "steady": 1.1, "warm": 1.1}
 #: process growth allowed over the chosen strategy's steady peak (x2, + this)
 GROWTH_SLACK_BYTES = 256 * 2**20
+#: auto's steady call against the strategy it runs, called fixed (issue 20)
+OVERHEAD_LIMIT = 1.15
+#: the memory prior's prediction against the measured peak, either way
+PRIOR_LIMIT = 2.0
 
 
 def chosen_fixed(fixed: Sequence[dict[str, Any]], ran: str) -> dict[str, Any] | None:
@@ -156,3 +161,63 @@ def _ratio(row: dict, fixed: list[dict], key: str, limit: float) -> str:
     value = row[key] / best[key]
     mark = "" if value <= limit else " **over**"
     return f"{value:.2f} ({best['strategy']}){mark}"
+
+
+def overhead_table(results: dict[str, Any]) -> str:
+    """auto's per-call overhead (its steady call against the strategy it
+    runs, called fixed, alternating in one process) and its memory prior
+    (each strategy's predicted peak before it ran against the peak
+    measured), on the problems flagged ``auto_targets``."""
+    lines = [
+        "| problem | auto ran | per-call overhead: auto / same strategy fixed "
+        "| memory prior: predicted / measured peak |",
+        "|---|---|---:|---|",
+    ]
+    grouped = rows_by_problem(results)
+    for problem in results["problems"]:
+        if not problem.get("auto_targets"):
+            continue
+        auto = by_label([r for r in grouped[problem["problem"]] if r.get("ok")]).get(
+            "auto"
+        )
+        if auto is None:
+            lines.append(f"| {problem['problem']} | not run | | |")
+            continue
+        ran = (auto.get("ran") or "").removeprefix("auto: ")
+        lines.append(
+            f"| {problem['problem']} | {ran} | {_overhead_text(auto)} "
+            f"| {_prior_text(auto)} |"
+        )
+    return "\n".join(lines)
+
+
+def _overhead_text(row: dict) -> str:
+    """Paired steady calls of auto and what it ran: the ratio, the medians
+    and the difference in milliseconds."""
+    own = row.get("overhead")
+    if not own:
+        return "n/a"
+    mark = "" if own["ratio"] <= OVERHEAD_LIMIT else " **over**"
+    extra_ms = (own["auto_s"] - own["fixed_s"]) * 1e3
+    return (
+        f"{own['ratio']:.2f} ({own['auto_s'] * 1e3:.3g} ms vs "
+        f"{own['fixed_s'] * 1e3:.3g} ms, {extra_ms:+.2g} ms; {own['strategy']}, "
+        f"{own['rounds']} rounds){mark}"
+    )
+
+
+def _prior_text(row: dict) -> str:
+    """Each strategy auto ran: predicted / measured peak, marked where the
+    prior is off by more than :data:`PRIOR_LIMIT` either way."""
+    parts = []
+    for peak in row.get("peaks") or ():
+        predicted, measured = peak["predicted_bytes"], peak["measured_bytes"]
+        if not predicted or not measured:
+            continue
+        ratio = predicted / measured
+        off = ratio > PRIOR_LIMIT or ratio < 1 / PRIOR_LIMIT
+        parts.append(
+            f"{peak['strategy']} {ratio:.2f} ({format_bytes(predicted)} / "
+            f"{format_bytes(measured)}){' **off**' if off else ''}"
+        )
+    return "; ".join(parts) or "n/a"

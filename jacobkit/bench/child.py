@@ -185,7 +185,7 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
             reference = [saved[f"arr_{i}"] for i in range(len(saved.files))]
     with tf.device(task["device"]):
         _, problem = _build(task, "float32")
-        paired = None
+        paired = own = None
         if auto:
             measured = measure.measure_auto(
                 problem,
@@ -201,6 +201,16 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
                     rounds=task["repeats"],
                     device=task["device"],
                 )
+                if measured.ran_spec != task["pair_with"]:
+                    # auto's per-call overhead: against what it runs, fixed
+                    own = measure.paired_rounds(
+                        problem,
+                        strategies.from_spec(measured.ran_spec),
+                        rounds=task["repeats"],
+                        device=task["device"],
+                    )
+                else:
+                    own = paired
         else:
             measured = measure.measure(
                 problem,
@@ -217,6 +227,8 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
     answer["num_rows"] = problem.num_rows
     if paired is not None:
         answer["paired"] = paired.as_dict()
+    if own is not None:
+        answer["overhead"] = own.as_dict()
     if measured.error:
         answer["failure"] = classify_failure(measured.error)
     return answer

@@ -9,7 +9,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import psutil
@@ -20,6 +20,30 @@ from jacobkit.bench import stats
 from jacobkit.engine import run_auto, run_strategy
 from jacobkit.problem import Problem
 from jacobkit.testing.reference import max_relative_difference
+
+
+@dataclass(frozen=True)
+class PeakPrediction:
+    """What ``auto`` predicted of one strategy's peak before it ran (its
+    memory prior), beside the peak it measured running it.
+
+    Attributes:
+        strategy: the configured strategy's label.
+        predicted_bytes: the prior's peak (``None``: not predicted).
+        measured_bytes: the highest measured peak of its runs (``None``: not
+            measured on this device).
+    """
+
+    strategy: str
+    predicted_bytes: int | None
+    measured_bytes: int | None
+
+    @property
+    def ratio(self) -> float | None:
+        """Predicted over measured (``None`` if either is missing)."""
+        if not self.predicted_bytes or not self.measured_bytes:
+            return None
+        return self.predicted_bytes / self.measured_bytes
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,10 @@ class Measurement:
         error: ``"ExceptionName: message"`` if the strategy failed.
         plan: for auto, ``str(result.plan)`` after the last timed call: what
             it ran, measured, tried and switched.
+        ran_spec: for auto, the strategy it settled on
+            (:func:`jacobkit.strategies.to_spec`), to time it fixed beside.
+        peaks: for auto, each strategy it ran: its prior's predicted peak and
+            the peak it measured.
     """
 
     strategy: str
@@ -71,6 +99,8 @@ class Measurement:
     max_rel_diff: float | None = None
     error: str | None = None
     plan: str | None = None
+    ran_spec: dict[str, Any] | None = None
+    peaks: tuple[PeakPrediction, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -211,7 +241,7 @@ def measure_calls(
             steady.append(time.perf_counter() - start)
         assert result is not None, "repeats >= 1"
         ran = result.strategy_config
-        plan = str(result.plan) if base.name == "auto" else None
+        plan = result.plan if base.name == "auto" else None
         result = None
         peak = _steady_peak(call, device)
         after = process_memory_bytes()
@@ -221,22 +251,31 @@ def measure_calls(
     except _FAILURES as err:
         return _failed(base, err)
     if base.name == "auto":
-        base = Measurement(f"auto: {ran.label}", "auto", ran.chunk_size, plan=plan)
+        assert plan is not None, "auto returns its plan"
+        base = Measurement(
+            f"auto: {ran.label}",
+            "auto",
+            ran.chunk_size,
+            plan=str(plan),
+            ran_spec=strategies.to_spec(ran),
+            peaks=tuple(
+                PeakPrediction(e.strategy.label, e.predicted_peak_bytes, e.peak_bytes)
+                for e in plan.estimates
+            ),
+        )
     growth = None if resident is None or after is None else max(after - resident, 0)
     held_growth = None if resident is None or held is None else max(held - resident, 0)
-    return Measurement(
-        **{
-            **base.as_dict(),
-            "first_call_s": times[0],
-            "first_3_calls_s": sum(times),
-            "steady_s": statistics.median(steady) if steady else times[-1],
-            "spread_s": (max(steady) - min(steady)) if steady else 0.0,
-            "steady_times_s": tuple(steady) if steady else (times[-1],),
-            "peak_bytes": peak,
-            "growth_bytes": growth,
-            "held_growth_bytes": held_growth,
-            "max_rel_diff": diff,
-        }
+    return replace(
+        base,
+        first_call_s=times[0],
+        first_3_calls_s=sum(times),
+        steady_s=statistics.median(steady) if steady else times[-1],
+        spread_s=(max(steady) - min(steady)) if steady else 0.0,
+        steady_times_s=tuple(steady) if steady else (times[-1],),
+        peak_bytes=peak,
+        growth_bytes=growth,
+        held_growth_bytes=held_growth,
+        max_rel_diff=diff,
     )
 
 

@@ -248,8 +248,9 @@ def full_suite() -> list[BenchProblem]:
 def auto_suite() -> list[BenchProblem]:
     """The problems of ``auto``'s targets (issue 8): the users' generator at
     B=64, T=128, C=16 with Conv1D 64/128/128 → Dense(144), target the first
-    Conv1D; and an MLP 512→1024→1024→144 at B=256, target the first Dense.
-    ``loop`` and ``forward`` are not run (minutes per call at these sizes)."""
+    Conv1D; and an MLP 512→1024→1024→144 at B=256, target the first Dense
+    (``loop`` and ``forward`` not run: minutes per call at these sizes); then
+    the users' frozen backbones (:func:`frozen_heads`)."""
     slow = ("loop", "forward")
     return [
         BenchProblem(
@@ -280,29 +281,67 @@ def auto_suite() -> list[BenchProblem]:
             auto_targets=True,
             skip=slow,
         ),
+        *frozen_heads(),
     ]
+
+
+def _frozen_head(builder: str, name: str, **sizes: int) -> BenchProblem:
+    """A users' model with a frozen backbone (issue 20): its 3-class head
+    is the target, 3 rows, where tracing is most of a first call. ``loop``
+    runs (the answer with no tracing); ``forward`` does not (a pass per
+    head parameter)."""
+    size = f"-{sizes['size']}px" if "size" in sizes else f"-T{sizes['sequence']}"
+    return BenchProblem(
+        id=f"{name}-head-C{sizes['classes']}-B{sizes['batch']}{size}",
+        builder=builder,
+        sizes=sizes,
+        layer="logits" if builder == "bert_classifier" else "head",
+        reference="float32-loop",
+        headline=True,
+        auto_targets=True,
+        skip=("forward",),
+    )
+
+
+def frozen_heads() -> list[BenchProblem]:
+    """Frozen MobileNetV2, ResNet50 (the seed's case: 96 px, 16 images) and
+    a keras_hub BERT classifier (2 layers of width 128, 64 tokens), each
+    with a 3-class head."""
+    return [
+        _frozen_head("frozen_mobilenet", "mobilenet_v2", batch=16, size=96, classes=3),
+        _frozen_head("frozen_resnet", "resnet50", batch=16, size=96, classes=3),
+        _frozen_head(
+            "bert_classifier", "bert", batch=16, sequence=64, classes=3, hidden=128
+        ),
+    ]
+
+
+#: the auto-quick suite's sizes, per builder
+_QUICK_SIZES: dict[str, dict[str, int]] = {
+    "generator": {"sequence": 32, "filters": 8, "filters2": 16, "filters3": 16},
+    "mlp": {"inputs": 32, "hidden": 64},
+    "frozen_mobilenet": {"size": 32},
+    "frozen_resnet": {"size": 32},
+    "bert_classifier": {"sequence": 16, "hidden": 32},
+}
 
 
 def auto_quick_suite() -> list[BenchProblem]:
     """:func:`auto_suite` at small sizes (a check of the machinery)."""
-    return [
-        replace(
-            problem,
-            id=problem.id.replace("-wide", "-small"),
-            sizes={
-                **problem.sizes,
-                "batch": 8,
-                **(
-                    {"sequence": 32, "filters": 8, "filters2": 16, "filters3": 16}
-                    if problem.builder == "generator"
-                    else {"inputs": 32, "hidden": 64}
-                ),
-                "features": 48,
-            },
-            chunk_sizes=(8,),
+    found = []
+    for problem in auto_suite():
+        sizes = {**problem.sizes, "batch": 8, **_QUICK_SIZES[problem.builder]}
+        if "features" in sizes:
+            sizes["features"] = 48
+        found.append(
+            replace(
+                problem,
+                id=f"{problem.builder}-{problem.layer}-small",
+                sizes=sizes,
+                chunk_sizes=(8,) if problem.chunk_sizes else (),
+            )
         )
-        for problem in auto_suite()
-    ]
+    return found
 
 
 SUITES = {

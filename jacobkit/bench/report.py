@@ -8,7 +8,12 @@ from typing import Any
 
 from jacobkit import memory
 from jacobkit.bench import machine, stats
-from jacobkit.bench.auto_report import auto_table
+from jacobkit.bench.auto_report import (
+    OVERHEAD_LIMIT,
+    PRIOR_LIMIT,
+    auto_table,
+    overhead_table,
+)
 from jacobkit.bench.disagreement import disagrees
 from jacobkit.bench.rows import by_label, default_labels, rows_by_problem
 from jacobkit.memory import format_bytes
@@ -259,6 +264,15 @@ def render(results: dict[str, Any]) -> str:
             "during each call).",
             "",
             auto_table(results),
+            "",
+            "auto's per-call overhead: its steady call against the strategy it "
+            "runs, called fixed, alternating call by call in auto's process "
+            f"(target <= {OVERHEAD_LIMIT}x). Its memory prior: for each "
+            "strategy it ran, the peak it predicted before the run against the "
+            f"peak it measured (within {PRIOR_LIMIT:g}x either way, else "
+            "marked).",
+            "",
+            overhead_table(results),
             "",
         ]
     for problem in results["problems"]:

@@ -75,13 +75,25 @@ def predicted_peak(
 
 
 def predicted_trace_s(
-    strategy: Strategy, known: Estimate | None, reference: Estimate | None
+    strategy: Strategy,
+    known: Estimate | None,
+    reference: Estimate | None,
+    num_rows: int = 1,
 ) -> float | None:
     """Tracing time of ``strategy``: measured if it was traced before (in this
     process or one that wrote the disk cache), else scaled from a measured
-    strategy by their :attr:`~jacobkit.strategies.Strategy.trace_weight`."""
+    strategy by their :attr:`~jacobkit.strategies.Strategy.trace_weight`.
+    From the eager ``loop``, which traces nothing: its weight times the
+    loop's steady call of ``num_rows`` rows (tracing runs the model's Python
+    once, as an eager call does, then compiles what it recorded)."""
     if known is not None and known.trace_s is not None:
         return known.trace_s
+    if (
+        reference is not None
+        and not reference.strategy.compiled
+        and reference.seconds_per_row is not None
+    ):
+        return strategy.trace_weight * reference.seconds_per_row * num_rows
     if reference is None or reference.trace_s is None:
         return None
     weight = max(reference.strategy.trace_weight, 1e-3)

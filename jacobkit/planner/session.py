@@ -263,7 +263,9 @@ class Session:
                 )
                 self.dirty = True
                 continue
-            trace_s = est.predicted_trace_s(smaller, self.known.get(smaller), current)
+            trace_s = est.predicted_trace_s(
+                smaller, self.known.get(smaller), current, self.num_rows
+            )
             if not selection.should_try(self.policy, self.spent_s, trace_s):
                 return None
             assert trace_s is not None, "should_try refuses an unknown time"

@@ -336,7 +336,49 @@ def _channels(problem: Problem) -> tuple[int, ...]:
     return tuple(f % width for f in chosen)
 
 
-def _linear_head(problem: Problem, graph: _Graph) -> LinearHead:
+#: model -> {problem key: LinearHead of any width, or the reason none applies}
+_HEADS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def find_head(problem: Problem) -> LinearHead:
+    """The model's linear head whatever its width (cached per model and
+    problem): ``batch`` seeds its backward pass at the head's input with the
+    head's kernel columns, which skips the head's own backward from one-hot
+    rows, also where the head is wider than the rows (where :func:`find`
+    refuses it: combining ``D > F`` rows would cost more, not less).
+
+    Raises:
+        NotApplicable: the model does not end in a linear head, or not
+            certainly.
+    """
+    cache = per_model(_HEADS, problem.model)
+    key = problem.key
+    if key not in cache:
+        # a detached problem (a strategy's build) holds specs: zeros of
+        # their shapes serve (the head's sub-problem keeps no values)
+        problem = problem.with_inputs(
+            tf.nest.map_structure(
+                lambda t: (
+                    tf.zeros(t.shape, t.dtype) if isinstance(t, tf.TensorSpec) else t
+                ),
+                problem.inputs,
+            )
+        )
+        try:
+            found = _linear_head(problem, _graph(problem), narrower=False)
+            cache[key] = replace(found, sub_problem=found.sub_problem.detached())
+        except NotApplicable as err:
+            cache[key] = _Reason(str(err))
+    found = cache[key]
+    if isinstance(found, _Reason):
+        raise NotApplicable(found.text)
+    head: LinearHead = found
+    return head
+
+
+def _linear_head(
+    problem: Problem, graph: _Graph, *, narrower: bool = True
+) -> LinearHead:
     keras = graph.keras
     head, node = keras_graph.producer(graph.output)
     if keras_graph.stock(keras, head, frozenset({"Dense"})) is None:
@@ -361,7 +403,7 @@ def _linear_head(problem: Problem, graph: _Graph) -> LinearHead:
     h = keras_graph.single_input(head, node)
     width = int(head.kernel.shape[0])
     rows_width = len(_channels(problem))
-    if width >= rows_width:
+    if narrower and width >= rows_width:
         raise NotApplicable(
             f"linear head: {head.name!r} has {width} inputs for {rows_width} "
             "features, no fewer"

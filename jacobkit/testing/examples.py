@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jacobkit.testing.example import Example, randomize_weights, rng_inputs
+from jacobkit.testing.example_backbones import bert_classifier, frozen_mobilenet
 from jacobkit.testing.example_kinds import (
     Affine,
     frozen_resnet,
@@ -37,9 +38,11 @@ __all__ = [
     "BUILDERS",
     "Affine",
     "Example",
+    "bert_classifier",
     "build",
     "cnn2d",
     "dense_head",
+    "frozen_mobilenet",
     "frozen_resnet",
     "generator",
     "mlp",
@@ -68,6 +71,8 @@ BUILDERS: dict[str, Callable[..., Example]] = {
     "shared_layer": shared_layer,
     "tf_module": tf_module,
     "frozen_resnet": frozen_resnet,
+    "frozen_mobilenet": frozen_mobilenet,
+    "bert_classifier": bert_classifier,
     "dense_head": dense_head,
 }
 

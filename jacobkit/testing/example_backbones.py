@@ -1,0 +1,109 @@
+"""Frozen backbones users bring: keras.applications MobileNetV2 and a
+keras_hub BERT classifier, each with a small head, built with random
+weights (``weights=None``, no preset) so that nothing is downloaded.
+
+The frozen ResNet50 of the users' second case is
+:func:`jacobkit.testing.example_kinds.frozen_resnet`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jacobkit.testing.example import Example, keras_module, rng_inputs
+
+__all__ = ["bert_classifier", "frozen_mobilenet"]
+
+
+def frozen_mobilenet(
+    dtype: str = "float32",
+    seed: int = 0,
+    *,
+    batch: int = 2,
+    size: int = 32,
+    classes: int = 3,
+    alpha: float = 1.0,
+) -> Example:
+    """A frozen MobileNetV2 backbone (``weights=None``, average pooling; full
+    width unless ``alpha``) under a linear ``Dense(classes)`` head. Target:
+    ``"head"``."""
+    keras = keras_module()
+    keras.utils.set_random_seed(seed)  # before building: same weights every time
+    backbone = keras.applications.MobileNetV2(
+        input_shape=(size, size, 3),
+        alpha=alpha,
+        include_top=False,
+        weights=None,
+        pooling="avg",
+    )
+    backbone.trainable = False
+    x = keras.Input((size, size, 3), dtype=dtype)
+    y = keras.layers.Dense(classes, name="head", dtype=dtype)(
+        backbone(x, training=False)
+    )
+    model = keras.Model(x, y, name="frozen_mobilenet")
+    (inputs,) = rng_inputs(seed, dtype, (batch, size, size, 3))
+    return Example(
+        "frozen_mobilenet",
+        model,
+        inputs,
+        "head",
+        "frozen MobileNetV2 + Dense head",
+        {"batch": batch, "size": size, "classes": classes},
+    )
+
+
+def bert_classifier(
+    dtype: str = "float32",
+    seed: int = 0,
+    *,
+    batch: int = 2,
+    sequence: int = 16,
+    classes: int = 3,
+    layers: int = 2,
+    hidden: int = 64,
+) -> Example:
+    """A keras_hub ``BertTextClassifier`` (random weights, no preprocessor)
+    over a small ``BertBackbone``: ``layers`` transformer layers of width
+    ``hidden`` (``max(2, hidden // 32)`` heads, a feed-forward of ``4 * hidden``), a
+    1,000-token vocabulary. Target: its ``"logits"`` head. Needs keras-hub
+    (the ``dev`` extra)."""
+    try:
+        import keras_hub
+    except ImportError as err:  # pragma: no cover - in the dev extra
+        raise ImportError(
+            "the bert_classifier example needs keras-hub: pip install keras-hub"
+        ) from err
+    keras = keras_module()
+    keras.utils.set_random_seed(seed)
+    vocabulary = 1000
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=vocabulary,
+        num_layers=layers,
+        num_heads=max(2, hidden // 32),
+        hidden_dim=hidden,
+        intermediate_dim=4 * hidden,
+        max_sequence_length=sequence,
+        dtype=dtype,
+    )
+    model = keras_hub.models.BertTextClassifier(
+        backbone=backbone, num_classes=classes, preprocessor=None, dtype=dtype
+    )
+    rng = np.random.default_rng(seed + 1000)
+    inputs: dict[str, Any] = {
+        "token_ids": rng.integers(0, vocabulary, size=(batch, sequence)).astype(
+            "int32"
+        ),
+        "segment_ids": np.zeros((batch, sequence), "int32"),
+        "padding_mask": np.ones((batch, sequence), "int32"),
+    }
+    return Example(
+        "bert_classifier",
+        model,
+        inputs,
+        "logits",
+        "keras_hub BERT classifier",
+        {"batch": batch, "sequence": sequence, "classes": classes},
+    )
