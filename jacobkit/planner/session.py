@@ -257,8 +257,9 @@ class Session:
                     Rejection(
                         candidate,
                         f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
-                        f"(twice the current peak + {_fmt(slack)}, within the "
-                        "budget)",
+                        f"({self.policy.safety:.0%} of "
+                        f"{self.policy.race_peak_factor:g} x the current peak + "
+                        f"{_fmt(slack)}, within the budget)",
                     )
                 )
                 self.dirty = True
