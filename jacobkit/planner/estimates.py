@@ -67,11 +67,16 @@ def predicted_peak(
     """Peak memory before ``strategy`` ran: the forward pass kept by the tape,
     one forward pass's activations per row alive at once, the gradient
     kernels' scratch space per backward pass in flight
-    (:mod:`jacobkit.planner.scratch`), and the segment's Jacobians plus their
-    concatenation (up to twice the result)."""
+    (:mod:`jacobkit.planner.scratch`), the segment's Jacobians (twice, where
+    they are stacked into the result:
+    :attr:`~jacobkit.strategies.Strategy.result_copies`), and for an eager
+    strategy every activation of the forward pass (an eager Keras call holds
+    them until it returns)."""
     at_once = strategy.rows_at_once(segment_rows)
     scratch = prior.scratch_in_flight(strategy.passes_in_flight(segment_rows))
-    return int((1 + at_once) * prior.row_bytes + scratch + 2 * result_bytes)
+    eager = 0 if strategy.compiled else prior.eager_bytes
+    results = strategy.result_copies * result_bytes
+    return int((1 + at_once) * prior.row_bytes + scratch + results + eager)
 
 
 def predicted_trace_s(

@@ -60,11 +60,15 @@ class MemoryPrior:
             (:func:`scratch_bytes`; 0 where none was measured).
         threads: backward passes that can run at once (TensorFlow's inter-op
             threads): a ``while`` loop's iterations beyond it wait.
+        eager_bytes: what an eager forward pass holds at its peak (every
+            activation: :attr:`jacobkit.problem.Problem.forward_bytes`), for
+            strategies that run eagerly (``loop``).
     """
 
     row_bytes: int
     scratch_bytes: int = 0
     threads: int = 1
+    eager_bytes: int = 0
 
     def scratch_in_flight(self, passes: int) -> int:
         """Scratch of ``passes`` separate backward passes started at once."""

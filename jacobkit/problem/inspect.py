@@ -48,6 +48,11 @@ class Inspection:
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
         gradient_op_types: the op types of the backward pass.
+        forward_bytes: bytes of every floating tensor the forward pass
+            makes, upstream of the targets too: what an eager forward pass
+            of a Keras model holds at its peak (it keeps them until the
+            call returns; measured on a frozen MobileNetV2 at 96 px, 16
+            images: 260 MiB held, 319 MiB counted).
     """
 
     outputs_shape: tf.TensorShape | None
@@ -56,6 +61,7 @@ class Inspection:
     has_loops: bool
     activation_bytes: int
     gradient_op_types: frozenset[str]
+    forward_bytes: int = 0
 
     @property
     def convolutions(self) -> frozenset[str]:
@@ -144,6 +150,7 @@ def trace(problem: Traceable) -> Inspection:
             operations[:forward_ops], _target_reads(graph, problem.targets)
         ),
         gradient_op_types=frozenset(op.type for op in operations[forward_ops:]),
+        forward_bytes=_float_bytes(operations[:forward_ops]),
     )
 
 

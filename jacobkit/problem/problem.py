@@ -50,6 +50,8 @@ class Problem:
         reduce: ``None`` (Jacobians) or ``"norm"`` (each row's L2 norm).
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
+        forward_bytes: bytes of every floating tensor the forward pass
+            makes (what an eager pass holds at its peak).
         convolutions: the convolution kinds its backward pass runs
             (``"conv2d"``, ...; their CPU kernels' scratch space and accuracy
             depend on the CPU).
@@ -126,6 +128,7 @@ class Problem:
         outputs_shape, spec = inspection.outputs_shape, inspection.rows
         self.has_loops = inspection.has_loops
         self.activation_bytes = inspection.activation_bytes
+        self.forward_bytes = inspection.forward_bytes
         self.convolutions = inspection.convolutions
         self.rows_shape: tuple[int, ...] = tuple(spec.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))

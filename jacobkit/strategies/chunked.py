@@ -42,6 +42,7 @@ class Chunked(Strategy):
     #: measured first call minus steady call, relative to ``while``'s: 1.4x
     #: on both the MLP and the wide generator (2-core CPU)
     trace_weight = 1.5
+    result_copies = 1
 
     @classmethod
     def for_auto(cls, num_rows: int) -> Chunked:

@@ -43,6 +43,7 @@ class Forward(Strategy):
     max_slowdown: float | None = 10.0
 
     trace_weight = 3.0
+    result_copies = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(

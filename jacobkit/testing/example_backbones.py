@@ -1,6 +1,7 @@
-"""Frozen backbones users bring: keras.applications MobileNetV2 and a
-keras_hub BERT classifier, each with a small head, built with random
-weights (``weights=None``, no preset) so that nothing is downloaded.
+"""Frozen backbones users bring: keras.applications MobileNetV2 and
+EfficientNetB0, and a keras_hub BERT classifier, each with a small head,
+built with random weights (``weights=None``, no preset) so that nothing is
+downloaded.
 
 The frozen ResNet50 of the users' second case is
 :func:`jacobkit.testing.example_kinds.frozen_resnet`.
@@ -8,13 +9,14 @@ The frozen ResNet50 of the users' second case is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from jacobkit.testing.example import Example, keras_module, rng_inputs
 
-__all__ = ["bert_classifier", "frozen_mobilenet"]
+__all__ = ["bert_classifier", "frozen_efficientnet", "frozen_mobilenet"]
 
 
 def frozen_mobilenet(
@@ -30,29 +32,68 @@ def frozen_mobilenet(
     width unless ``alpha``) under a linear ``Dense(classes)`` head. Target:
     ``"head"``."""
     keras = keras_module()
-    keras.utils.set_random_seed(seed)  # before building: same weights every time
-    backbone = keras.applications.MobileNetV2(
-        input_shape=(size, size, 3),
-        alpha=alpha,
-        include_top=False,
-        weights=None,
-        pooling="avg",
-    )
-    backbone.trainable = False
-    x = keras.Input((size, size, 3), dtype=dtype)
-    y = keras.layers.Dense(classes, name="head", dtype=dtype)(
-        backbone(x, training=False)
-    )
-    model = keras.Model(x, y, name="frozen_mobilenet")
-    (inputs,) = rng_inputs(seed, dtype, (batch, size, size, 3))
-    return Example(
+    return _frozen(
         "frozen_mobilenet",
-        model,
-        inputs,
-        "head",
-        "frozen MobileNetV2 + Dense head",
+        lambda shape: keras.applications.MobileNetV2(
+            input_shape=shape,
+            alpha=alpha,
+            include_top=False,
+            weights=None,
+            pooling="avg",
+        ),
+        "MobileNetV2",
+        dtype,
+        seed,
         {"batch": batch, "size": size, "classes": classes},
     )
+
+
+def frozen_efficientnet(
+    dtype: str = "float32",
+    seed: int = 0,
+    *,
+    batch: int = 2,
+    size: int = 32,
+    classes: int = 3,
+) -> Example:
+    """A frozen EfficientNetB0 backbone (``weights=None``, average pooling)
+    under a linear ``Dense(classes)`` head. Target: ``"head"``."""
+    keras = keras_module()
+    return _frozen(
+        "frozen_efficientnet",
+        lambda shape: keras.applications.EfficientNetB0(
+            input_shape=shape, include_top=False, weights=None, pooling="avg"
+        ),
+        "EfficientNetB0",
+        dtype,
+        seed,
+        {"batch": batch, "size": size, "classes": classes},
+    )
+
+
+def _frozen(
+    name: str,
+    backbone_of: Callable[[tuple[int, int, int]], Any],
+    title: str,
+    dtype: str,
+    seed: int,
+    sizes: dict[str, int],
+) -> Example:
+    """``backbone_of(input_shape)``, frozen and called with
+    ``training=False``, under a linear ``Dense(classes)`` head named
+    ``"head"``."""
+    keras = keras_module()
+    keras.utils.set_random_seed(seed)  # before building: same weights every time
+    shape = (sizes["size"], sizes["size"], 3)
+    backbone = backbone_of(shape)
+    backbone.trainable = False
+    x = keras.Input(shape, dtype=dtype)
+    y = keras.layers.Dense(sizes["classes"], name="head", dtype=dtype)(
+        backbone(x, training=False)
+    )
+    model = keras.Model(x, y, name=name)
+    (inputs,) = rng_inputs(seed, dtype, (sizes["batch"], *shape))
+    return Example(name, model, inputs, "head", f"frozen {title} + Dense head", sizes)
 
 
 def bert_classifier(

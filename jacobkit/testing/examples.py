@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jacobkit.testing.example import Example, randomize_weights, rng_inputs
-from jacobkit.testing.example_backbones import bert_classifier, frozen_mobilenet
+from jacobkit.testing.example_backbones import (
+    bert_classifier,
+    frozen_efficientnet,
+    frozen_mobilenet,
+)
 from jacobkit.testing.example_kinds import (
     Affine,
     frozen_resnet,
@@ -42,6 +46,7 @@ __all__ = [
     "build",
     "cnn2d",
     "dense_head",
+    "frozen_efficientnet",
     "frozen_mobilenet",
     "frozen_resnet",
     "generator",
@@ -72,6 +77,7 @@ BUILDERS: dict[str, Callable[..., Example]] = {
     "tf_module": tf_module,
     "frozen_resnet": frozen_resnet,
     "frozen_mobilenet": frozen_mobilenet,
+    "frozen_efficientnet": frozen_efficientnet,
     "bert_classifier": bert_classifier,
     "dense_head": dense_head,
 }
