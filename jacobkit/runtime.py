@@ -231,7 +231,7 @@ def hide_startup_logs() -> None:
 
 
 @contextlib.contextmanager
-def _native_stderr_hidden() -> Iterator[None]:
+def native_stderr_hidden() -> Iterator[None]:
     """Send the process's stderr (file descriptor 2) to ``os.devnull``."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -260,7 +260,7 @@ def start_tensorflow_quietly(*, runtime: bool = True) -> None:
     hide_startup_logs()
     if "tensorflow" in sys.modules:
         return
-    with _native_stderr_hidden():
+    with native_stderr_hidden():
         import tensorflow as tf
 
         if runtime:

@@ -165,6 +165,18 @@ def _mistakes(model, x, tmp_path):
             "jacobkit compare: error: argument --repeats: invalid int value: 'many' "
             "(see jacobkit compare --help)",
         ),
+        "negative-time-limit": (
+            ["compare", "--time-limit", "-1"],
+            "jacobkit compare: error: argument --time-limit: -1 is negative: give "
+            "the seconds each strategy may run (0 or 'none': no limit) (see "
+            "jacobkit compare --help)",
+        ),
+        "time-limit-not-seconds": (
+            ["compare", "--time-limit", "soon"],
+            "jacobkit compare: error: argument --time-limit: 'soon' is not a "
+            "number of seconds (0 or 'none': no limit) (see jacobkit compare "
+            "--help)",
+        ),
         "run-layer-without-model": (
             ["run", "--layer", "head"],
             "jacobkit run: error: --layer needs --model (a saved Keras model); "
@@ -199,6 +211,8 @@ def saved(tmp_path_factory):
         "layer-typo",
         "unknown-strategy",
         "bad-option",
+        "negative-time-limit",
+        "time-limit-not-seconds",
         "run-layer-without-model",
         "run-missing-inputs",
         "run-layer-typo",
@@ -314,27 +328,88 @@ def test_run_hides_tensorflow_logs_unless_verbose(saved):
     assert len(verbose.stderr.splitlines()) > 1, verbose.stderr
 
 
-def test_interrupted_compare_prints_the_rows_measured_so_far(
-    tmp_path, capsys, monkeypatch
-):
-    """Ctrl-C during a strategy (forward on a large kernel was one that ran
-    for minutes) prints the table of the strategies already measured."""
+#: the built-in generator at the size of the user's report: ``conv1``'s kernel
+#: has 409,600 elements, one forward pass each (minutes), but 2 rows (the
+#: reference and the reverse-mode strategies take a few backward passes)
+WIDE = [*("--batch", "2", "--sequence", "8", "--channels", "320"), "--filters", "256"]
+
+
+def _with_unrefused_forward(monkeypatch) -> None:
+    """The strategies compare runs by default: loop, forward told to run
+    whatever its cost (not by name on the command line), while."""
     from jacobkit.bench import measure
 
-    model, x = _small_saved_model(tmp_path, keras, ".keras")
-    real = measure.measure
+    def candidates(num_rows):
+        forward = strategies.Forward(max_slowdown=None)
+        return [strategies.Loop(), forward, strategies.While()]
 
-    def interrupted_on_chunked(problem, strategy, *args, **kwargs):
-        if strategy.name == "chunked":
-            raise KeyboardInterrupt
-        return real(problem, strategy, *args, **kwargs)
+    monkeypatch.setattr(measure, "default_strategies", candidates)
 
-    monkeypatch.setattr(measure, "measure", interrupted_on_chunked)
-    argv = ["compare", "--model", model, "--inputs", x, "--layer", "d"]
-    code = cli.main([*argv, "--strategies", "loop,chunked,while", "--repeats", "1"])
+
+def test_a_strategy_past_the_time_limit_is_stopped_and_the_table_prints(
+    capsys, monkeypatch
+):
+    """forward on a 409,600-element kernel (the user's report: minutes with
+    no word) is stopped at the time limit; its row says so, and the rows
+    before and after it are measured and printed."""
+    _with_unrefused_forward(monkeypatch)
+    argv = ["compare", *WIDE, "--num-features", "2", "--repeats", "1"]
+    code = cli.main([*argv, "--time-limit", "15"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "each strategy in a fresh process (15 s)" in out
+    rows = _table_rows(out)
+    (auto,) = [label for label in rows if label.startswith("auto")]
+    forward = strategies.Forward(max_slowdown=None).label
+    assert set(rows) == {"loop", forward, "while", auto}, out
+    assert rows[forward][1] == "failed: TimeLimit: no result within 15 s", out
+    for label in ("loop", "while", auto):
+        assert float(rows[label][-1]) < 1e-4, out
+
+
+def test_interrupted_compare_prints_the_rows_measured_so_far(capsys, monkeypatch):
+    """Ctrl-C during a strategy (forward on a large kernel was one that ran
+    for minutes) stops its process and prints the table of the strategies
+    already measured."""
+    import multiprocessing
+    import signal
+    import threading
+
+    from jacobkit.bench import processes
+
+    _with_unrefused_forward(monkeypatch)
+    real = processes.ChildPool.run
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def interrupted_in_forward(pool, task, timeout_s):
+        if task["strategy"] != "forward":
+            return real(pool, task, timeout_s)
+        # Ctrl-C once forward's process runs: SIGINT to the waiting thread
+        ctrl_c = threading.Timer(2.0, signal.pthread_kill, (main, signal.SIGINT))
+        ctrl_c.start()
+        try:
+            return real(pool, task, timeout_s)
+        finally:
+            ctrl_c.cancel()
+
+    monkeypatch.setattr(processes.ChildPool, "run", interrupted_in_forward)
+    argv = ["compare", *WIDE, "--num-features", "2", "--repeats", "1"]
+    code = cli.main([*argv, "--time-limit", "300"])
     out = capsys.readouterr().out
     assert code == 130, out
     rows = _table_rows(out)
     assert set(rows) == {"loop"}, out
     assert float(rows["loop"][-1]) < 1e-4, out
-    assert out.splitlines()[-1] == "interrupted: 1 of 3 strategies measured", out
+    assert out.splitlines()[-1] == "interrupted: 1 of 4 strategies measured", out
+    assert multiprocessing.active_children() == []  # forward's process is gone
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("2.5", 2.5), ("120", 120.0), ("0", None), ("none", None), ("inf", None)],
+)
+def test_time_limit_values(text, seconds):
+    from jacobkit.cli import compare
+
+    assert compare._time_limit(text) == seconds

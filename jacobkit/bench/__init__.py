@@ -3,6 +3,8 @@ a reference, each measured in a fresh subprocess (``jacobkit bench``).
 
 - :mod:`~jacobkit.bench.problems`: the problems and the quick and full suites;
 - :mod:`~jacobkit.bench.runner`: runs a suite, one subprocess per run;
+- :mod:`~jacobkit.bench.processes`: those subprocesses, with a time limit
+  (also each strategy of ``jacobkit compare``);
 - :mod:`~jacobkit.bench.child`: what runs inside each subprocess;
 - :mod:`~jacobkit.bench.measure`: time, peak memory and agreement of
   strategies on one problem (also ``jacobkit compare`` and the notebooks);

@@ -3,12 +3,13 @@
 The runner starts a fresh process per task, so that peak memory starts clean
 and one strategy's crash or time limit cannot take the suite down. Each task
 is a plain dict; the child writes its answer as JSON to ``result_path`` (and
-the reference Jacobians to an ``.npz`` file) and exits. Three kinds:
+the reference Jacobians to an ``.npz`` file) and exits. Four kinds:
 
 - ``probe``: the device's name and the TensorFlow and Keras versions;
 - ``reference``: the reference Jacobians of one problem;
 - ``measure``: one strategy on one problem, through
-  :func:`jacobkit.bench.measure.measure`;
+  :func:`jacobkit.bench.measure.measure` (a benchmark problem, or the problem
+  of ``jacobkit compare``: its built-in generator or a saved model);
 - ``first_call``: the first call alone (:func:`jacobkit.bench.measure.first_call_s`),
   for first calls paired in alternating fresh processes.
 
@@ -106,24 +107,32 @@ def _probe(task: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _build(task: dict[str, Any], dtype: str):
-    """The example and its Problem, built the same way in every child."""
+def _build(task: dict[str, Any], dtype: str) -> tuple[Any, Any, Any]:
+    """The model, its inputs and the Problem, built the same way in every
+    child: the example ``task["builder"]`` at ``task["sizes"]``, or (``jacobkit
+    compare --model``) the saved model at ``task["model_path"]`` with the
+    ``.npy`` inputs at ``task["inputs_path"]``."""
     import keras
 
     from jacobkit.problem import Problem
     from jacobkit.testing import examples
 
-    # Same seed in every process: builders that draw initial weights from
-    # Keras's generator (the ResNet) get the same weights each time.
-    keras.utils.set_random_seed(task.get("seed", 0))
-    example = examples.build(task["builder"], dtype, **task["sizes"])
+    if task.get("model_path"):
+        from jacobkit.keras import saved
+
+        model = saved.load(task["model_path"])
+        inputs, layer = np.load(task["inputs_path"]), task["layer"]
+    else:
+        # Same seed in every process: builders that draw initial weights from
+        # Keras's generator (the ResNet) get the same weights each time.
+        keras.utils.set_random_seed(task.get("seed", 0))
+        example = examples.build(task["builder"], dtype, **task["sizes"])
+        model, inputs = example.model, example.inputs
+        layer = task["layer"] or example.layer
     problem = Problem(
-        example.model,
-        example.inputs,
-        task["layer"] or example.layer,
-        outputs=task["outputs"],
+        model, inputs, layer, outputs=task["outputs"], features=task.get("features")
     )
-    return example, problem
+    return model, inputs, problem
 
 
 def _reference(task: dict[str, Any]) -> dict[str, Any]:
@@ -137,10 +146,10 @@ def _reference(task: dict[str, Any]) -> dict[str, Any]:
         if task["reference"] == "float64":
             # a float64 copy of the float32 build: a float64 build may keep
             # float32 parts (ResNet50 takes no dtype)
-            example, problem = _build(task, "float32")
+            model, inputs, problem = _build(task, "float32")
             reference = testing.float64_reference(
-                example.model,
-                example.inputs,
+                model,
+                inputs,
                 list(problem.targets),
                 outputs=task["outputs"],
                 call_kwargs={"training": False},
@@ -150,7 +159,7 @@ def _reference(task: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"no float64 reference: {reference.description}")
             jacobians = list(reference)
         elif task["reference"] == "float32-loop":
-            _, problem = _build(task, "float32")
+            *_, problem = _build(task, "float32")
             jacobians = [np.asarray(j) for j in strategies.Loop().run(problem)[0]]
         else:
             raise ValueError(f"unknown reference kind {task['reference']!r}")
@@ -160,13 +169,14 @@ def _reference(task: dict[str, Any]) -> dict[str, Any]:
 
 def _strategy_of(task: dict[str, Any]) -> Any:
     """The task's configured strategy, or ``None`` for auto (whose plan cache,
-    empty before the cold run and its result after, is set up here), once
-    the device is checked."""
+    empty before the cold run and its result after, is set up here; without
+    ``task["plan_cache"]``, the user's), once the device is checked."""
     from jacobkit import strategies
 
     _check_device(task["device"])
     if task["strategy"] == "auto":
-        os.environ["JACOBKIT_CACHE_DIR"] = task["plan_cache"]
+        if task.get("plan_cache") is not None:
+            os.environ["JACOBKIT_CACHE_DIR"] = task["plan_cache"]
         return None
     return strategies.from_spec(task["spec"])
 
@@ -184,7 +194,7 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
         with np.load(task["reference_path"]) as saved:
             reference = [saved[f"arr_{i}"] for i in range(len(saved.files))]
     with tf.device(task["device"]):
-        _, problem = _build(task, "float32")
+        *_, problem = _build(task, "float32")
         paired = own = None
         if auto:
             measured = measure.measure_auto(
@@ -192,6 +202,7 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
                 reference,
                 repeats=task["repeats"],
                 device=task["device"],
+                memory_budget=task.get("memory_budget"),
                 held_calls=task.get("held_calls", 0),
             )
             if task.get("pair_with") and not measured.error:
@@ -241,7 +252,7 @@ def _first_call(task: dict[str, Any]) -> dict[str, Any]:
 
     strategy = _strategy_of(task)
     with tf.device(task["device"]):
-        _, problem = _build(task, "float32")
+        *_, problem = _build(task, "float32")
         seconds = first_call_s(problem, strategy, device=task["device"])
     return {"first_call_s": seconds}
 

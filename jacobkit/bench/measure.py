@@ -105,6 +105,16 @@ class Measurement:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        """The measurement :meth:`as_dict` gave, back from its JSON (other
+        keys ignored)."""
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if known.get("steady_times_s") is not None:
+            known["steady_times_s"] = tuple(known["steady_times_s"])
+        known["peaks"] = tuple(PeakPrediction(**p) for p in known.get("peaks") or ())
+        return cls(**known)
+
 
 #: auto's calls before its steady calls are timed, at most (it usually
 #: settles sooner: every candidate tried, or none worth its tracing)

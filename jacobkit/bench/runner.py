@@ -1,46 +1,34 @@
 """Run a suite: every (problem, strategy, chunk size) in a fresh subprocess.
 
-Per problem, one child computes the reference Jacobians (saved to a scratch
-``.npz``); then one child per strategy configuration measures it with
-:func:`jacobkit.bench.measure.measure` and compares with that reference. A child
-that fails, runs out of memory or passes the time limit gives a row saying so;
-the suite goes on. Once a strategy has passed the time limit or run out of
-memory on a sweep, the larger points of that sweep are recorded as skipped
-for the same reason instead of being run.
+Per problem, one child (:mod:`jacobkit.bench.processes`) computes the
+reference Jacobians (saved to a scratch ``.npz``); then one child per strategy
+configuration measures it with :func:`jacobkit.bench.measure.measure` and
+compares with that reference. A child that fails, runs out of memory or passes
+the time limit gives a row saying so; the suite goes on. Once a strategy has
+passed the time limit or run out of memory on a sweep, the larger points of
+that sweep are recorded as skipped for the same reason instead of being run.
 
 On the CPU the children are forked from a server process that has already
-imported TensorFlow (``multiprocessing``'s ``forkserver``; the TensorFlow
-runtime itself starts in each child), which saves ~10 s of imports per child.
-On a GPU they are spawned from scratch, so that no CUDA state crosses a fork.
+imported TensorFlow, which saves ~10 s of imports per child; on a GPU they
+are spawned from scratch (see :mod:`jacobkit.bench.processes`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jacobkit import runtime
-from jacobkit.bench import child, machine
+from jacobkit.bench import machine, processes
 from jacobkit.bench.problems import REFERENCES, BenchProblem
 
-#: modules the CPU fork server imports once for every child
-_PRELOAD = [
-    "tensorflow",
-    "keras",
-    "jacobkit.bench.measure",
-    "jacobkit.testing.examples",
-]
 #: failures that make the larger points of a sweep pointless to run
 _SKIP_AFTER = ("time_limit", "out_of_memory")
 
@@ -151,7 +139,12 @@ def run_suite(
         "problems": [p.to_dict() for p in problems],
         "rows": [],
     }
-    with _children(settings) as pool, _progress(total, settings.progress) as bar:
+    with (
+        processes.open_pool(
+            settings.device, memory_fraction=settings.memory_fraction
+        ) as pool,
+        _progress(total, settings.progress) as bar,
+    ):
         bar.set_postfix_str("probe")
         probe = pool.run(
             {
@@ -357,89 +350,3 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
         total=total, desc="bench", unit="run", file=sys.stderr, disable=not enabled
     ) as bar:
         yield bar
-
-
-class _ChildPool:
-    """Starts one fresh process per task, with a time limit."""
-
-    def __init__(self, context: Any, scratch: Path) -> None:
-        self.context = context
-        self.scratch = scratch
-        self._count = 0
-
-    def run(self, task: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """The child's JSON answer, or a failure row if it gave none."""
-        self._count += 1
-        result_path = str(self.scratch / f"task{self._count}.json")
-        log_path = str(self.scratch / f"task{self._count}.log")
-        process = self.context.Process(
-            target=child.main, args=(task, result_path, log_path)
-        )
-        start = time.perf_counter()
-        process.start()
-        process.join(timeout_s)
-        timed_out = process.is_alive()
-        if timed_out:
-            process.kill()
-            process.join()
-        wall = time.perf_counter() - start
-        answer: dict[str, Any]
-        if timed_out:
-            answer = {
-                "error": f"TimeLimit: no result within {timeout_s:.0f} s",
-                "failure": "time_limit",
-            }
-        elif os.path.exists(result_path):
-            with open(result_path) as saved:
-                answer = json.load(saved)
-        else:
-            answer = _crash(process.exitcode, log_path)
-        answer["child_wall_s"] = wall
-        return answer
-
-
-def _crash(exitcode: int | None, log_path: str) -> dict[str, Any]:
-    """A row for a child that died without answering."""
-    tail = ""
-    with contextlib.suppress(OSError), open(log_path, errors="replace") as log:
-        lines = [line.strip() for line in log if line.strip()]
-        tail = lines[-1][:200] if lines else ""
-    if exitcode is not None and exitcode < 0:
-        name = signal.Signals(-exitcode).name
-        # SIGKILL from outside is the operating system's out-of-memory killer.
-        failure = "out_of_memory" if exitcode == -signal.SIGKILL else "error"
-        return {
-            "error": f"Crashed: killed by {name}. {tail}".strip(),
-            "failure": failure,
-        }
-    return {
-        "error": f"Crashed: exit code {exitcode}. {tail}".strip(),
-        "failure": "error",
-    }
-
-
-@contextlib.contextmanager
-def _children(settings: Settings) -> Iterator[_ChildPool]:
-    """A :class:`_ChildPool` with the environment every child needs."""
-    on_cpu = settings.device.upper().startswith("CPU")
-    available = machine.memory_bytes("MemAvailable")
-    limit_mib = None
-    if on_cpu and available:
-        limit_mib = int(available * settings.memory_fraction / 1024**2)
-    env = {**runtime.bfc_environment(limit_mib), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    methods = multiprocessing.get_all_start_methods()
-    method = "forkserver" if on_cpu and "forkserver" in methods else "spawn"
-    context = multiprocessing.get_context(method)
-    if method == "forkserver":
-        context.set_forkserver_preload(["jacobkit.bench.child", *_PRELOAD])
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        with tempfile.TemporaryDirectory(prefix="jacobkit-bench-") as scratch:
-            yield _ChildPool(context, Path(scratch))
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

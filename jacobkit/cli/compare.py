@@ -3,11 +3,21 @@
 The problem is a saved Keras model with ``.npy`` inputs, or the built-in
 generator; the reference is the float64 loop on a float64 copy of the model
 where Keras can build one. TensorFlow is imported when the command runs.
+
+The parent process loads the problem (a mistake in it is a usage error) and
+computes the reference once, with no time limit; it goes to each strategy as
+an ``.npz`` file. Each strategy then runs in a fresh child process
+(:mod:`jacobkit.bench.processes`, as ``jacobkit bench`` runs them) that
+rebuilds the problem itself: the saved model and inputs loaded from their
+paths, or the generator built from its sizes. A child that passes
+``--time-limit`` is killed (a TensorFlow op cannot be interrupted inside a
+process) and its row says so; the others still run and the table prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -16,10 +26,12 @@ from typing import Any
 from jacobkit import runtime
 from jacobkit.cli._common import UsageError, check_model_flags, load_model
 
-#: the built-in problem: the users' generator at a size that runs in seconds
 #: exit code of a run the user interrupted (Ctrl-C), after the rows so far
 INTERRUPTED = 130
+#: seconds each strategy's child may run, by default
+DEFAULT_TIME_LIMIT_S = 120.0
 
+#: the built-in problem: the users' generator at a size that runs in seconds
 DEFAULT_SIZES = {
     "batch": 16,
     "sequence": 64,
@@ -36,9 +48,11 @@ def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="run every strategy on one problem and print a table",
         description=(
-            "Run every strategy on one problem: time, peak memory and agreement "
-            "with a reference. With no --model, a built-in Conv1D generator "
-            "with 144 output features on random inputs."
+            "Run every strategy on one problem, each in a fresh process with a "
+            "time limit: time, peak memory and agreement with a reference. With "
+            "no --model, a built-in Conv1D generator with 144 output features on "
+            "random inputs. Ctrl-C stops the running strategy and prints the "
+            "rows so far (exit code 130)."
         ),
     )
     p.add_argument("--model", help="a saved Keras model (.keras)")
@@ -71,12 +85,40 @@ def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help="timed calls after the first (default 5: the fewest with which the "
         "rank test behind 'faster' can reach p < 0.05; with 3 it cannot)",
     )
+    p.add_argument(
+        "--time-limit",
+        type=_time_limit,
+        default=DEFAULT_TIME_LIMIT_S,
+        metavar="SECONDS",
+        help="wall time of each strategy, which runs in a fresh process of its "
+        "own (its start and the problem's rebuild included); one past it is "
+        "stopped, its row says TimeLimit and the next one runs (default "
+        f"{DEFAULT_TIME_LIMIT_S:g}; 0 or 'none': no limit)",
+    )
     p.add_argument("--device", help="CPU:0 or GPU:0 (default: TensorFlow's choice)")
     p.set_defaults(run=run)
 
 
 def _size_flag(name: str) -> str:
     return "--num-features" if name == "features" else f"--{name}"
+
+
+def _time_limit(text: str) -> float | None:
+    """``--time-limit``: seconds, or ``None`` for no limit (0, ``none``)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds (0 or 'none': no limit)"
+        ) from None
+    if not seconds >= 0:  # negative, or nan
+        raise argparse.ArgumentTypeError(
+            f"{text} is negative: give the seconds each strategy may run "
+            "(0 or 'none': no limit)"
+        )
+    return None if seconds == 0 or math.isinf(seconds) else seconds
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -98,7 +140,8 @@ def _check_args(args: argparse.Namespace) -> None:
 class _Loaded:
     """The problem to compare on: ``model`` and ``inputs``, their float64
     copies (``model64`` ``None`` where Keras cannot build one), the target
-    ``layer`` and the problem ``described`` in words."""
+    ``layer``, the problem ``described`` in words and, for the built-in
+    generator, its ``sizes`` (with which a child builds it again)."""
 
     model: Any
     inputs: Any
@@ -106,6 +149,7 @@ class _Loaded:
     model64: Any
     inputs64: Any
     described: str
+    sizes: dict[str, int] | None = None
 
 
 def _load_inputs(path: str) -> Any:
@@ -140,7 +184,9 @@ def _load_problem(args: argparse.Namespace) -> _Loaded:
     ex64 = examples.build("generator", "float64", **sizes)
     text = ", ".join(f"{k}={v}" for k, v in sizes.items())
     described = f"built-in generator ({text})"
-    return _Loaded(ex.model, ex.inputs, ex.layer, ex64.model, ex64.inputs, described)
+    return _Loaded(
+        ex.model, ex.inputs, ex.layer, ex64.model, ex64.inputs, described, sizes
+    )
 
 
 def _reference(
@@ -200,12 +246,15 @@ def _candidates(args: argparse.Namespace) -> tuple[str, list[Any] | None]:
 def run(args: argparse.Namespace) -> int:
     """Measure, print the table; 1 if a strategy disagrees or all failed."""
     _check_args(args)
+    if not runtime.tensorflow_started():
+        # the parent's reference leaves a GPU's memory to the children
+        os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     if not args.verbose:
         runtime.start_tensorflow_quietly()
     import tensorflow as tf
     from tqdm import tqdm
 
-    from jacobkit.bench import measure
+    from jacobkit.bench import measure, processes
     from jacobkit.problem import Problem
 
     device, candidates = _candidates(args)
@@ -221,13 +270,19 @@ def run(args: argparse.Namespace) -> int:
             )
         except (ValueError, TypeError) as err:
             raise UsageError(str(err)) from err
-        reference, ref_name = _reference(problem, loaded, args)
+    # on the CPU, the fork server imports TensorFlow while the reference runs
+    with processes.open_pool(device, quiet=not args.verbose) as pool:
+        with tf.device(device):
+            reference, ref_name = _reference(problem, loaded, args)
+        task = _task(args, device, loaded, reference, pool.scratch)
         if candidates is None:
             candidates = [*measure.default_strategies(problem.num_rows), "auto"]
         bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
         measurements: list = []
         try:
-            _measure_all(bar, problem, reference, args, device, measurements)
+            for strategy in bar:
+                bar.set_postfix_str("auto" if strategy == "auto" else strategy.label)
+                measurements.append(_measure_one(pool, task, strategy, args.time_limit))
         except KeyboardInterrupt:  # Ctrl-C: the rows measured so far
             bar.close()
             _print_table(loaded, problem, args, device, ref_name, measurements)
@@ -239,27 +294,49 @@ def run(args: argparse.Namespace) -> int:
     return _print_table(loaded, problem, args, device, ref_name, measurements)
 
 
-def _measure_all(bar, problem, reference, args, device, measurements: list) -> None:
-    """Measure each strategy of ``bar`` in turn, appending to
-    ``measurements`` (so an interrupted run keeps the rows it has)."""
-    from jacobkit.bench import measure
+def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
+    """What each strategy's child gets (:func:`jacobkit.bench.child.main`):
+    the problem to build again (the saved model and inputs by their paths, or
+    the generator by its sizes) and ``reference``, saved to ``scratch``."""
+    import numpy as np
 
-    for strategy in bar:
-        if strategy == "auto":
-            bar.set_postfix_str("auto")
-            measured = measure.measure_auto(
-                problem,
-                reference,
-                repeats=args.repeats,
-                device=device,
-                memory_budget=args.memory_budget,
-            )
-        else:
-            bar.set_postfix_str(strategy.label)
-            measured = measure.measure(
-                problem, strategy, reference, repeats=args.repeats, device=device
-            )
-        measurements.append(measured)
+    reference_path = os.path.join(scratch, "reference.npz")
+    np.savez(reference_path, *[np.asarray(r) for r in reference])
+    task: dict[str, Any] = {
+        "kind": "measure",
+        "device": device,
+        "outputs": args.outputs,
+        "features": args.features,
+        "repeats": args.repeats,
+        "memory_budget": args.memory_budget,
+        "reference_path": reference_path,
+    }
+    if args.model:
+        return {
+            **task,
+            "model_path": os.path.abspath(args.model),
+            "inputs_path": os.path.abspath(args.inputs),
+            "layer": args.layer,
+        }
+    return {**task, "builder": "generator", "sizes": loaded.sizes, "layer": None}
+
+
+def _measure_one(pool, task: dict[str, Any], strategy, time_limit) -> Any:
+    """``strategy`` (or ``"auto"``) measured in a child of ``pool``: its
+    :class:`~jacobkit.bench.measure.Measurement`, or a failed one saying why
+    there is none (the time limit, a crash)."""
+    from jacobkit import strategies
+    from jacobkit.bench.measure import Measurement
+
+    if strategy == "auto":
+        base, spec = Measurement("auto", "auto", None), None
+    else:
+        base = Measurement(strategy.label, strategy.name, strategy.chunk_size)
+        spec = strategies.to_spec(strategy)
+    answer = pool.run({**task, "strategy": base.name, "spec": spec}, time_limit)
+    if "ran" not in answer:  # no measurement came back
+        return Measurement(**{**base.as_dict(), "error": answer["error"]})
+    return Measurement.from_dict({**answer, "strategy": answer["ran"]})
 
 
 def _print_table(loaded, problem, args, device, ref_name, measurements) -> int:
@@ -273,6 +350,8 @@ def _print_table(loaded, problem, args, device, ref_name, measurements) -> int:
         f"rows {problem.rows_shape} ({args.outputs})"
     )
     print(f"device: {device}; TensorFlow {tf.__version__}; reference: {ref_name}")
+    limited = "no time limit" if args.time_limit is None else f"{args.time_limit:g} s"
+    print(f"each strategy in a fresh process ({limited})")
     print(measure.format_table(measurements))
     failed = [m for m in measurements if m.error]
     loop_diff = max(
