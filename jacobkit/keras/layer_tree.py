@@ -19,9 +19,12 @@ Nothing here calls a model or changes a layer.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import tensorflow as tf
 
 from jacobkit.keras import compat
 
@@ -355,3 +358,27 @@ def error_summary(err: BaseException) -> str:
         if line and not line.startswith(_NOISE) and not line.startswith(("•", "File ")):
             return line if line.endswith((".", "!", "?")) else line + "."
     return type(err).__name__ + "."
+
+
+def output_bytes(model: Any, batch: int) -> int | None:
+    """Bytes of the outputs of every layer inside ``model`` (nested models'
+    layers included, the models themselves not) for a call on ``batch``
+    examples: what an eager Keras call holds at its peak, since a
+    functional model keeps each layer's output until the call returns.
+    ``None`` where a layer's output shape is not known (a subclassed model,
+    a layer used twice, a dimension other than the batch unknown)."""
+    total = 0
+    for layer, path in walk(model):
+        if not path or children(layer):
+            continue  # the model itself, a nested model: its layers count
+        try:
+            outputs = layer.output
+        except (AttributeError, ValueError):
+            return None
+        for out in tf.nest.flatten(outputs):
+            dims = tuple(out.shape)[1:]
+            if any(d is None for d in dims):
+                return None
+            size = tf.as_dtype(out.dtype).size
+            total += batch * size * math.prod(int(d) for d in dims)
+    return total

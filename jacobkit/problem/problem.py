@@ -128,7 +128,13 @@ class Problem:
         outputs_shape, spec = inspection.outputs_shape, inspection.rows
         self.has_loops = inspection.has_loops
         self.activation_bytes = inspection.activation_bytes
-        self.forward_bytes = inspection.forward_bytes
+        # an eager Keras call holds its layers' outputs; the traced pass's
+        # every floating tensor where they are not known (about 2x more on
+        # EfficientNetB0, whose activations are several ops each)
+        layer_outputs = None
+        if outputs_shape is not None and outputs_shape[0] is not None:
+            layer_outputs = layer_tree.output_bytes(self.model, int(outputs_shape[0]))
+        self.forward_bytes = layer_outputs or inspection.forward_bytes
         self.convolutions = inspection.convolutions
         self.rows_shape: tuple[int, ...] = tuple(spec.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))

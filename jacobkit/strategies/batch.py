@@ -33,7 +33,7 @@ from jacobkit.layers.base import Tapped
 from jacobkit.problem import Problem
 from jacobkit.problem.targets import Projection
 from jacobkit.strategies import _precision as precision
-from jacobkit.strategies import _structure as structure
+from jacobkit.strategies import _seeds as seeding
 from jacobkit.strategies.base import ZERO, Strategy, map_chunks
 
 _SUPPORTED = (
@@ -156,17 +156,17 @@ class Batch(Strategy):
         # ops alone run in a while loop inside the vectorized pass (as
         # tape.jacobian does), the rest stays vectorized
         fallback = problem.depthwise_layers(after_only=True) is not None
-        head = _seed_head(problem)
+        head = seeding.seed_head(problem)
 
         def compute(inputs: Any) -> Any:
-            seeds: _OneHotRows | _HeadRows
+            seeds: seeding.OneHotRows | seeding.HeadRows
             if head is None:
                 forward = _tapped_forward(problem, inputs)
-                seeds = _OneHotRows(int(forward.rows.shape[1]))
+                seeds = seeding.OneHotRows(int(forward.rows.shape[1]))
             else:
                 # the rows of the head's input, seeded with the head's kernel
                 forward = _tapped_forward(head.sub_problem, inputs)
-                seeds = _HeadRows(tf.transpose(head.kernel()))
+                seeds = seeding.HeadRows(tf.transpose(head.kernel()))
             zs = [tap.z for tap in forward.taps]
             batch, rows = int(forward.rows.shape[0]), seeds.count
 
@@ -228,66 +228,6 @@ def rows_per_chunk(rows: int, zs: list[tf.Tensor]) -> int:
     most = min(rows, max(ROWS_AT_ONCE, CHUNK_BYTES // per_row))
     chunks = -(-rows // most)
     return int(-(-rows // chunks))
-
-
-@dataclass(frozen=True)
-class _OneHotRows:
-    """The ``count`` rows of the forward pass's per-example rows ``P``,
-    ``(B, count)``, each selected by a one-hot cotangent."""
-
-    count: int
-
-    def of(self, start: Any, count: Any, batch: int, dtype: Any) -> Any:
-        """``(count, B, K)`` cotangents selecting rows ``start..start+count-1``
-        of every example: the gradient of ``sum_b P[b, k]`` at ``z[b]`` is
-        ``d P[b, k] / d z[b]`` when examples do not mix."""
-        one_hot = tf.one_hot(tf.range(start, start + count), self.count, dtype=dtype)
-        return tf.broadcast_to(one_hot[:, None, :], (count, batch, self.count))
-
-
-@dataclass(frozen=True)
-class _HeadRows:
-    """The model's rows through its linear head ``Y = h @ W + c``, from a
-    forward pass whose per-example rows are those of ``h``, ``(B, D)``: row
-    ``k`` is ``h @ W[:, k] + c[k]``, so its cotangent at ``h`` is column ``k``
-    of ``W`` for every example (exact: the head is linear and not a target).
-    This skips the head's backward from one-hot rows: a ``(K*B, K) @ (K, D)``
-    matmul per call (11 of 127 GFLOP on the MLP 512-1024-1024-144 at B=256).
-
-    Attributes:
-        columns: ``W`` transposed, ``(K, D)``, in the kernel's dtype.
-    """
-
-    columns: tf.Tensor
-
-    @property
-    def count(self) -> int:
-        return int(self.columns.shape[0])
-
-    def of(self, start: Any, count: Any, batch: int, dtype: Any) -> Any:
-        """``(count, B, D)``: rows ``start..start+count-1`` of ``W`` transposed
-        for every example."""
-        rows = tf.cast(self.columns[start : start + count], dtype)
-        return tf.broadcast_to(rows[:, None, :], (count, batch, self.columns.shape[1]))
-
-
-def _seed_head(problem: Problem) -> structure.LinearHead | None:
-    """The model's linear head, where ``batch`` seeds its backward pass at
-    the head's input (:class:`_HeadRows`): every row (not a segment of
-    them) summing each example's features (``"features"``,
-    ``"per_example"``) of a model that certainly ends in a stock linear
-    ``Dense``; else ``None``."""
-    mode = problem.rows_spec.mode
-    if mode not in ("features", "per_example"):
-        return None
-    try:
-        head = structure.find_head(problem)
-    except structure.NotApplicable:
-        return None
-    # every row of the head, not a segment of them (auto's row ranges)
-    columns = int(head.kernel().shape[1])
-    whole = columns if mode == "features" else columns * (problem.batch_size or 0)
-    return head if problem.num_rows == whole else None
 
 
 @dataclass(frozen=True)
