@@ -76,3 +76,31 @@ def test_grouped_convolution_is_refused():
         f"jacobian(strategy='batch'): layer {layer.name!r} is not supported: "
         "groups=2 (only groups=1). Use strategy='chunked' or 'jacobian'."
     )
+
+
+def test_conv_under_a_narrower_linear_head_starts_on_the_shortcut():
+    """Per-example rows of a convolution under a linear head on D=6 < F=8
+    channels: auto starts on the structured shortcut with batch inside (its
+    backward passes shrink from F rows to D), and agrees with float64
+    (assert_close's derived tolerance; measured ~3e-7 relative)."""
+    from jacobkit.testing import examples
+
+    sizes = {
+        "batch": 3,
+        "sequence": 12,
+        "channels": 4,
+        "filters": 5,
+        "filters3": 6,
+        "features": 8,
+    }
+    ex = examples.build("generator", **sizes)
+    wide = examples.build("generator", "float64", **sizes)
+    result = jk.jacobian(ex.model, ex.inputs, "conv1", outputs="per_example")
+    assert result.strategy_config.label == "structured(batch)"
+    expected = testing.reference_jacobian(
+        wide.model,
+        wide.inputs,
+        wide.model.get_layer("conv1").trainable_weights,
+        outputs="per_example",
+    )
+    testing.assert_close(result, expected)
