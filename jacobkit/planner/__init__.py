@@ -85,7 +85,8 @@ def session_for(
     sessions = per_model(_SESSIONS, problem.model)
     if key in sessions:  # a repeated call: nothing to plan (nor to fingerprint)
         return sessions[key]
-    name = disk.fingerprint(problem, device) if cache else None
+    on = cache and disk.directory() is not None
+    name = disk.fingerprint(problem, device) if on else None
     budget = memory.parse_budget(memory_budget, device=device)
     result_bytes = probes.result_bytes(problem)
     if result_bytes > budget * policy.safety:

@@ -42,7 +42,12 @@ class Chunked(Strategy):
     #: measured first call minus steady call, relative to ``while``'s: 1.4x
     #: on both the MLP and the wide generator (2-core CPU)
     trace_weight = 1.5
-    result_copies = 1
+    #: it writes each chunk in place, but a chunk's pfor intermediates take
+    #: about another result: on the MLP 512-1024-1024-144 (a 289 MiB
+    #: result) chunked(36) peaked at 666-771 MiB and chunked(144) at 689 MiB
+    #: (2.3-2.7x the result); predicted at one copy, chunked(36) was tried
+    #: by auto and set the process's high-water mark over its bound
+    result_copies = 2
 
     @classmethod
     def for_auto(cls, num_rows: int) -> Chunked:
