@@ -70,6 +70,11 @@ def is_keras_layer(obj: Any) -> bool:
     return any(isinstance(obj, module.layers.Layer) for module in keras_modules())
 
 
+def is_model(obj: Any) -> bool:
+    """True for a Keras 3 or ``tf_keras`` model (a layer of layers)."""
+    return any(isinstance(obj, module.Model) for module in keras_modules())
+
+
 def is_layer(obj: Any) -> bool:
     """True for a Keras layer or any other ``tf.Module``."""
     return is_keras_layer(obj) or isinstance(obj, tf.Module)

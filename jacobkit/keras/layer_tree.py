@@ -361,20 +361,23 @@ def error_summary(err: BaseException) -> str:
 
 
 def output_bytes(model: Any, batch: int) -> int | None:
-    """Bytes of the outputs of every layer inside ``model`` (nested models'
-    layers included, the models themselves not) for a call on ``batch``
-    examples: what an eager Keras call holds at its peak, since a
-    functional model keeps each layer's output until the call returns.
-    ``None`` where a layer's output shape is not known (a subclassed model,
-    a layer used twice, a dimension other than the batch unknown)."""
+    """Bytes of the outputs of the layers of ``model``'s functional graph
+    (nested models' layers included, the models themselves not) for a call
+    on ``batch`` examples: what an eager Keras call holds at its peak, since
+    a functional model keeps each node's output until the call returns. A
+    layer with no node of its own (called from another layer's Python, as
+    keras_hub's transformer blocks call theirs) holds its output only while
+    that layer runs, and is not counted. ``None`` where a node's shape is
+    not known beyond its batch (a model built for any sequence length); 0
+    where no layer has a node (a subclassed model)."""
     total = 0
     for layer, path in walk(model):
-        if not path or children(layer):
+        if not path or compat.is_model(layer):
             continue  # the model itself, a nested model: its layers count
         try:
             outputs = layer.output
         except (AttributeError, ValueError):
-            return None
+            continue
         for out in tf.nest.flatten(outputs):
             dims = tuple(out.shape)[1:]
             if any(d is None for d in dims):

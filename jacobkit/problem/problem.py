@@ -130,7 +130,8 @@ class Problem:
         self.activation_bytes = inspection.activation_bytes
         # an eager Keras call holds its layers' outputs; the traced pass's
         # every floating tensor where they are not known (about 2x more on
-        # EfficientNetB0, whose activations are several ops each)
+        # EfficientNetB0, whose activations are several ops each; 8x on a
+        # keras_hub BERT, built for any sequence length)
         layer_outputs = None
         if outputs_shape is not None and outputs_shape[0] is not None:
             layer_outputs = layer_tree.output_bytes(self.model, int(outputs_shape[0]))
