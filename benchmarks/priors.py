@@ -23,27 +23,26 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROBLEMS = {
-    "frozen MobileNetV2 head": ("frozen_mobilenet", {"batch": 16, "size": 96}),
-    "frozen EfficientNetB0 head": ("frozen_efficientnet", {"batch": 16, "size": 96}),
-    "frozen ResNet50 head": ("frozen_resnet", {"batch": 16, "size": 96}),
-    "generator conv1 (B=64, T=128)": (
-        "generator",
-        {
-            "batch": 64,
-            "sequence": 128,
-            "channels": 16,
-            "filters": 64,
-            "filters2": 128,
-            "filters3": 128,
-            "features": 144,
-        },
-    ),
-    "MLP hidden1 (B=256)": (
-        "mlp",
-        {"batch": 256, "inputs": 512, "hidden": 1024, "features": 144},
-    ),
-}
+
+def _problems() -> dict[str, tuple[str, dict[str, int]]]:
+    """label -> (builder, sizes): the frozen backbones, then the auto
+    suite's generator and MLP at its sizes."""
+    from jacobkit.bench.problems import auto_suite
+
+    found = {
+        "frozen MobileNetV2 head": ("frozen_mobilenet", {"batch": 16, "size": 96}),
+        "frozen EfficientNetB0 head": (
+            "frozen_efficientnet",
+            {"batch": 16, "size": 96},
+        ),
+        "frozen ResNet50 head": ("frozen_resnet", {"batch": 16, "size": 96}),
+    }
+    for problem in auto_suite():
+        if problem.builder in ("generator", "mlp"):
+            found[problem.id] = (problem.builder, dict(problem.sizes))
+    return found
+
+
 #: the budget tried: this times the measured first-call peak
 BUDGET_OVER_PEAK = 1.25
 
@@ -55,7 +54,7 @@ def child(label: str, out: Path) -> None:
     from jacobkit import memory
     from jacobkit.testing import examples
 
-    builder, sizes = PROBLEMS[label]
+    builder, sizes = _problems()[label]
     ex = examples.build(builder, **sizes)
     prior = jk.plan(ex.model, ex.inputs, ex.layer)
     with memory.PeakMemory("CPU:0") as peak:
@@ -130,7 +129,7 @@ def main() -> None:
         parser.error("--out is required")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for i, label in enumerate(PROBLEMS):
+        for i, label in enumerate(_problems()):
             path = Path(scratch) / f"{i}.json"
             command = [
                 sys.executable,

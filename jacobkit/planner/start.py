@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from jacobkit import memory, strategies
+from jacobkit.keras import compat
 from jacobkit.planner import estimates as est
 from jacobkit.planner import probes, selection, shortcuts
 from jacobkit.planner.footprint import Footprint
@@ -16,6 +17,7 @@ from jacobkit.planner.rows import segment_size
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.problem import Problem
 from jacobkit.strategies import Strategy
+from jacobkit.strategies import _precision as precision
 
 #: where few rows start: the eager loop traces nothing (Policy.eager_rows)
 EAGER: Strategy = strategies.Loop()
@@ -103,7 +105,12 @@ def start(
     found, rejected, shown = _with_shortcut(
         problem, footprint, found, rejected, shortcut, fitting, structure, closed_form
     )
-    if found and num_rows <= policy.eager_rows and footprint.fits(EAGER):
+    if (
+        found
+        and num_rows <= policy.eager_rows
+        and footprint.fits(EAGER)
+        and not _half_precision(problem)
+    ):
         # few rows: the first answer with no tracing, the traced candidates
         # tried once calls repeat (Policy.eager_rows)
         rejected = [r for r in rejected if r.label != EAGER.name]
@@ -203,6 +210,20 @@ def _closed_form_rows(problem: Problem) -> bool:
         problem.rows_spec.decomposes_per_example
         and problem.tensor_targets is None
         and problem.layer_rule is not None
+    )
+
+
+def _half_precision(problem: Problem) -> bool:
+    """Whether a layer of the model computes in float16 or bfloat16: there,
+    eager kernels may be far less accurate than compiled ones (this CPU's
+    eager bfloat16 convolutions put the loop 0.3-0.4 from float64 on the
+    cnn2d example, where compiled ones stay within 0.02), so no eager
+    start."""
+    if precision.gradient_dtype(problem).size < 4:
+        return True
+    return any(
+        compat.compute_dtype(layer) in ("float16", "bfloat16")
+        for layer in compat.flatten_layers(problem.model)
     )
 
 

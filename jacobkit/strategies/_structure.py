@@ -162,11 +162,21 @@ def find(problem: Problem) -> Structure:
         NotApplicable: neither applies, or it is not certain; the message
             gives each reason.
     """
-    cache = per_model(_FOUND, problem.model)
+    return _cached(_FOUND, problem, _find)
+
+
+def _cached(
+    store: weakref.WeakKeyDictionary[Any, dict[Any, Any]],
+    problem: Problem,
+    finder: Callable[[Problem], Structure],
+) -> Structure:
+    """``finder(problem)`` cached in ``store`` per model and problem, or the
+    reason it raised :class:`NotApplicable` (raised again)."""
+    cache = per_model(store, problem.model)
     key = problem.key
     if key not in cache:
         try:
-            found = _find(problem)
+            found = finder(problem)
             if isinstance(found, LinearHead):
                 # the cache outlives the call: no input values in it (use
                 # ``found.sub_problem.with_inputs(problem.inputs)``)
@@ -351,29 +361,22 @@ def find_head(problem: Problem) -> LinearHead:
         NotApplicable: the model does not end in a linear head, or not
             certainly.
     """
-    cache = per_model(_HEADS, problem.model)
-    key = problem.key
-    if key not in cache:
-        # a detached problem (a strategy's build) holds specs: zeros of
-        # their shapes serve (the head's sub-problem keeps no values)
-        problem = problem.with_inputs(
-            tf.nest.map_structure(
-                lambda t: (
-                    tf.zeros(t.shape, t.dtype) if isinstance(t, tf.TensorSpec) else t
-                ),
-                problem.inputs,
-            )
+    found = _cached(_HEADS, problem, _any_head)
+    assert isinstance(found, LinearHead)
+    return found
+
+
+def _any_head(problem: Problem) -> LinearHead:
+    """The linear head of any width (:func:`find_head`). A detached problem
+    (a strategy's build) holds specs: zeros of their shapes serve (the
+    head's sub-problem keeps no values)."""
+    problem = problem.with_inputs(
+        tf.nest.map_structure(
+            lambda t: tf.zeros(t.shape, t.dtype) if isinstance(t, tf.TensorSpec) else t,
+            problem.inputs,
         )
-        try:
-            found = _linear_head(problem, _graph(problem), narrower=False)
-            cache[key] = replace(found, sub_problem=found.sub_problem.detached())
-        except NotApplicable as err:
-            cache[key] = _Reason(str(err))
-    found = cache[key]
-    if isinstance(found, _Reason):
-        raise NotApplicable(found.text)
-    head: LinearHead = found
-    return head
+    )
+    return _linear_head(problem, _graph(problem), narrower=False)
 
 
 def _linear_head(
