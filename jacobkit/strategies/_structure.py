@@ -379,6 +379,17 @@ def _any_head(problem: Problem) -> LinearHead:
     return _linear_head(problem, _graph(problem), narrower=False)
 
 
+def _known_head(problem: Problem) -> LinearHead | None:
+    """The linear head :func:`find` or :func:`find_head` already found for
+    ``problem`` (the same head and sub-model, whichever asked first), so
+    that its sub-problem, a traced pass of the sub-model, is built once."""
+    for store in (_FOUND, _HEADS):
+        known = per_model(store, problem.model).get(problem.key)
+        if isinstance(known, LinearHead):
+            return known
+    return None
+
+
 def _linear_head(
     problem: Problem, graph: _Graph, *, narrower: bool = True
 ) -> LinearHead:
@@ -411,6 +422,9 @@ def _linear_head(
             f"linear head: {head.name!r} has {width} inputs for {rows_width} "
             "features, no fewer"
         )
+    known = _known_head(problem)
+    if known is not None:
+        return known
     sub_model = keras_graph.input_model(keras, problem.model, h)
     sub_problem = Problem(
         sub_model,
