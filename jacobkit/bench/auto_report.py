@@ -3,7 +3,7 @@ problems flagged ``auto_targets``, and the targets it is held to."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jacobkit.bench import stats
@@ -49,17 +49,13 @@ def auto_table(results: dict[str, Any]) -> str:
         "| growth <= 2 x peak + 256 MiB | warm cache first call / its own |",
         "|---|---|---:|---:|---:|---:|---|---:|",
     ]
-    grouped = rows_by_problem(results)
-    for problem in results["problems"]:
-        if not problem.get("auto_targets"):
-            continue
-        rows = [r for r in grouped[problem["problem"]] if r.get("ok")]
+    for name, rows, any_ran in _auto_problems(results):
         fixed = [r for r in rows if r["name"] != "auto"]
         labelled = by_label(rows)
         auto, warm = labelled.get("auto"), labelled.get("auto, warm cache")
         if auto is None or not fixed:
-            what = "failed" if grouped[problem["problem"]] else "not run"
-            lines.append(f"| {problem['problem']} | {what} | | | | | | |")
+            what = "failed" if any_ran else "not run"
+            lines.append(f"| {name} | {what} | | | | | | |")
             continue
         ran = (auto.get("ran") or "").removeprefix("auto: ")
         own = chosen_fixed(fixed, ran)
@@ -73,7 +69,7 @@ def auto_table(results: dict[str, Any]) -> str:
         if warm is not None:
             warm_ratio += first_paired_text(warm, AUTO_LIMITS["warm"])
         lines.append(
-            f"| {problem['problem']} | {ran} "
+            f"| {name} | {ran} "
             f"| {_ratio(auto, fixed, 'first_call_s', AUTO_LIMITS['first call'])}"
             f"{first_paired_text(auto, AUTO_LIMITS['first call'])} "
             f"| {_ratio(auto, fixed, 'first_3_calls_s', AUTO_LIMITS['first 3 calls'])} "
@@ -173,22 +169,28 @@ def overhead_table(results: dict[str, Any]) -> str:
         "| memory prior: predicted / measured peak |",
         "|---|---|---:|---|",
     ]
-    grouped = rows_by_problem(results)
-    for problem in results["problems"]:
-        if not problem.get("auto_targets"):
-            continue
-        auto = by_label([r for r in grouped[problem["problem"]] if r.get("ok")]).get(
-            "auto"
-        )
+    for name, rows, _ in _auto_problems(results):
+        auto = by_label(rows).get("auto")
         if auto is None:
-            lines.append(f"| {problem['problem']} | not run | | |")
+            lines.append(f"| {name} | not run | | |")
             continue
         ran = (auto.get("ran") or "").removeprefix("auto: ")
         lines.append(
-            f"| {problem['problem']} | {ran} | {_overhead_text(auto)} "
-            f"| {_prior_text(auto)} |"
+            f"| {name} | {ran} | {_overhead_text(auto)} | {_prior_text(auto)} |"
         )
     return "\n".join(lines)
+
+
+def _auto_problems(
+    results: dict[str, Any],
+) -> Iterator[tuple[str, list[dict[str, Any]], bool]]:
+    """Each problem flagged ``auto_targets``: its name, its rows that ran
+    without error, and whether any row ran at all."""
+    grouped = rows_by_problem(results)
+    for problem in results["problems"]:
+        if problem.get("auto_targets"):
+            rows = grouped[problem["problem"]]
+            yield problem["problem"], [r for r in rows if r.get("ok")], bool(rows)
 
 
 def _overhead_text(row: dict) -> str:

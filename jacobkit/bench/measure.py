@@ -38,13 +38,6 @@ class PeakPrediction:
     predicted_bytes: int | None
     measured_bytes: int | None
 
-    @property
-    def ratio(self) -> float | None:
-        """Predicted over measured (``None`` if either is missing)."""
-        if not self.predicted_bytes or not self.measured_bytes:
-            return None
-        return self.predicted_bytes / self.measured_bytes
-
 
 @dataclass(frozen=True)
 class Measurement:
@@ -367,9 +360,7 @@ _FAILURES = (tf.errors.OpError, ValueError, TypeError, MemoryError)
 def _failed(base: Measurement, err: Exception) -> Measurement:
     """``base`` with ``error="ExceptionName: first line of the message"``."""
     message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return Measurement(
-        **{**base.as_dict(), "error": f"{type(err).__name__}: {message}"[:300]}
-    )
+    return replace(base, error=f"{type(err).__name__}: {message}"[:300])
 
 
 def _steady_peak(call: Callable[[], Any], device) -> int | None:

@@ -285,17 +285,17 @@ def auto_suite() -> list[BenchProblem]:
     ]
 
 
-def _frozen_head(builder: str, name: str, **sizes: int) -> BenchProblem:
+def _frozen_head(builder: str, name: str, layer: str, **sizes: int) -> BenchProblem:
     """A users' model with a frozen backbone (issue 20): its 3-class head
-    is the target, 3 rows, where tracing is most of a first call. ``loop``
-    runs (the answer with no tracing); ``forward`` does not (a pass per
-    head parameter)."""
+    ``layer`` is the target, 3 rows, where tracing is most of a first call.
+    ``loop`` runs (the answer with no tracing); ``forward`` does not (a pass
+    per head parameter)."""
     size = f"-{sizes['size']}px" if "size" in sizes else f"-T{sizes['sequence']}"
     return BenchProblem(
         id=f"{name}-head-C{sizes['classes']}-B{sizes['batch']}{size}",
         builder=builder,
         sizes=sizes,
-        layer="logits" if builder == "bert_classifier" else "head",
+        layer=layer,
         reference="float32-loop",
         headline=True,
         auto_targets=True,
@@ -308,10 +308,18 @@ def frozen_heads() -> list[BenchProblem]:
     a keras_hub BERT classifier (2 layers of width 128, 64 tokens), each
     with a 3-class head."""
     return [
-        _frozen_head("frozen_mobilenet", "mobilenet_v2", batch=16, size=96, classes=3),
-        _frozen_head("frozen_resnet", "resnet50", batch=16, size=96, classes=3),
         _frozen_head(
-            "bert_classifier", "bert", batch=16, sequence=64, classes=3, hidden=128
+            "frozen_mobilenet", "mobilenet_v2", "head", batch=16, size=96, classes=3
+        ),
+        _frozen_head("frozen_resnet", "resnet50", "head", batch=16, size=96, classes=3),
+        _frozen_head(
+            "bert_classifier",
+            "bert",
+            "logits",
+            batch=16,
+            sequence=64,
+            classes=3,
+            hidden=128,
         ),
     ]
 

@@ -17,6 +17,7 @@ process) and its row says so; the others still run and the table prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -335,7 +336,7 @@ def _measure_one(pool, task: dict[str, Any], strategy, time_limit) -> Any:
         spec = strategies.to_spec(strategy)
     answer = pool.run({**task, "strategy": base.name, "spec": spec}, time_limit)
     if "ran" not in answer:  # no measurement came back
-        return Measurement(**{**base.as_dict(), "error": answer["error"]})
+        return dataclasses.replace(base, error=answer["error"])
     return Measurement.from_dict({**answer, "strategy": answer["ran"]})
 
 

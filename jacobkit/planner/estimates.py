@@ -83,7 +83,7 @@ def predicted_trace_s(
     strategy: Strategy,
     known: Estimate | None,
     reference: Estimate | None,
-    num_rows: int = 1,
+    num_rows: int,
 ) -> float | None:
     """Tracing time of ``strategy``: measured if it was traced before (in this
     process or one that wrote the disk cache), else scaled from a measured

@@ -50,8 +50,10 @@ class Problem:
         reduce: ``None`` (Jacobians) or ``"norm"`` (each row's L2 norm).
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
-        forward_bytes: bytes of every floating tensor the forward pass
-            makes (what an eager pass holds at its peak).
+        forward_bytes: what an eager forward pass holds at its peak: the
+            outputs of the layers of the model's functional graph
+            (:func:`jacobkit.keras.layer_tree.output_bytes`), else every
+            floating tensor of the traced pass.
         convolutions: the convolution kinds its backward pass runs
             (``"conv2d"``, ...; their CPU kernels' scratch space and accuracy
             depend on the CPU).

@@ -1,10 +1,7 @@
-"""Frozen backbones users bring: keras.applications MobileNetV2 and
-EfficientNetB0, and a keras_hub BERT classifier, each with a small head,
-built with random weights (``weights=None``, no preset) so that nothing is
-downloaded.
-
-The frozen ResNet50 of the users' second case is
-:func:`jacobkit.testing.example_kinds.frozen_resnet`.
+"""Frozen backbones users bring: keras.applications ResNet50 (the users'
+second case), MobileNetV2 and EfficientNetB0, and a keras_hub BERT
+classifier, each with a small head, built with random weights
+(``weights=None``, no preset) so that nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -16,7 +13,44 @@ import numpy as np
 
 from jacobkit.testing.example import Example, keras_module, rng_inputs
 
-__all__ = ["bert_classifier", "frozen_efficientnet", "frozen_mobilenet"]
+__all__ = [
+    "bert_classifier",
+    "frozen_efficientnet",
+    "frozen_mobilenet",
+    "frozen_resnet",
+]
+
+
+def frozen_resnet(
+    dtype: str = "float32",
+    seed: int = 0,
+    *,
+    batch: int = 2,
+    size: int = 32,
+    classes: int = 3,
+) -> Example:
+    """The users' second case: a frozen ResNet50 backbone (``weights=None``,
+    no download) with a pooling + Dropout + Dense(classes, softmax) head.
+    Target: ``"head"``."""
+    keras = keras_module()
+    layers = keras.layers
+
+    def head(h: Any) -> Any:
+        h = layers.GlobalAveragePooling2D(dtype=dtype)(h)
+        h = layers.Dropout(0.2, name="dropout", dtype=dtype)(h)
+        return layers.Dense(classes, activation="softmax", name="head", dtype=dtype)(h)
+
+    return _frozen(
+        "frozen_resnet",
+        lambda shape: keras.applications.ResNet50(
+            weights=None, include_top=False, input_shape=shape
+        ),
+        "ResNet50",
+        dtype,
+        seed,
+        {"batch": batch, "size": size, "classes": classes},
+        head=head,
+    )
 
 
 def frozen_mobilenet(
@@ -78,19 +112,21 @@ def _frozen(
     dtype: str,
     seed: int,
     sizes: dict[str, int],
+    *,
+    head: Callable[[Any], Any] | None = None,
 ) -> Example:
     """``backbone_of(input_shape)``, frozen and called with
-    ``training=False``, under a linear ``Dense(classes)`` head named
-    ``"head"``."""
+    ``training=False``, under ``head`` (default: a linear ``Dense(classes)``
+    named ``"head"``, the target)."""
     keras = keras_module()
     keras.utils.set_random_seed(seed)  # before building: same weights every time
     shape = (sizes["size"], sizes["size"], 3)
     backbone = backbone_of(shape)
     backbone.trainable = False
     x = keras.Input(shape, dtype=dtype)
-    y = keras.layers.Dense(sizes["classes"], name="head", dtype=dtype)(
-        backbone(x, training=False)
-    )
+    if head is None:
+        head = keras.layers.Dense(sizes["classes"], name="head", dtype=dtype)
+    y = head(backbone(x, training=False))
     model = keras.Model(x, y, name=name)
     (inputs,) = rng_inputs(seed, dtype, (sizes["batch"], *shape))
     return Example(name, model, inputs, "head", f"frozen {title} + Dense head", sizes)

@@ -1,6 +1,6 @@
 """Example models of every other kind jacobkit accepts: several inputs, a
-subclassed model, ``tf_keras``, a layer called twice, a plain ``tf.Module``,
-a frozen ResNet50 backbone."""
+subclassed model, ``tf_keras``, a layer called twice, a plain ``tf.Module``
+(frozen backbones: :mod:`jacobkit.testing.example_backbones`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from jacobkit.testing.example import (
 
 __all__ = [
     "Affine",
-    "frozen_resnet",
     "multi_input",
     "shared_layer",
     "subclassed",
@@ -140,39 +139,4 @@ def tf_module(dtype: str = "float32", seed: int = 0, *, batch: int = 3) -> Examp
     (x,) = rng_inputs(seed, dtype, (batch, 4))
     return Example(
         "tf_module", module, x, [module.w, module.b], "tf.Module", {"batch": batch}
-    )
-
-
-def frozen_resnet(
-    dtype: str = "float32",
-    seed: int = 0,
-    *,
-    batch: int = 2,
-    size: int = 32,
-    classes: int = 3,
-) -> Example:
-    """The users' second case: a frozen ResNet50 backbone (``weights=None``,
-    no download) with a pooling + Dropout + Dense(classes, softmax) head.
-    Target: ``"head"``."""
-    keras = keras_module()
-    layers = keras.layers
-    keras.utils.set_random_seed(seed)  # before building: same weights every time
-    backbone = keras.applications.ResNet50(
-        weights=None, include_top=False, input_shape=(size, size, 3)
-    )
-    backbone.trainable = False
-    x = keras.Input((size, size, 3), dtype=dtype)
-    h = backbone(x, training=False)
-    h = layers.GlobalAveragePooling2D(dtype=dtype)(h)
-    h = layers.Dropout(0.2, name="dropout", dtype=dtype)(h)
-    y = layers.Dense(classes, activation="softmax", name="head", dtype=dtype)(h)
-    model = keras.Model(x, y, name="frozen_resnet")
-    (inputs,) = rng_inputs(seed, dtype, (batch, size, size, 3))
-    return Example(
-        "frozen_resnet",
-        model,
-        inputs,
-        "head",
-        "frozen ResNet50 + Dense head",
-        {"batch": batch, "size": size, "classes": classes},
     )

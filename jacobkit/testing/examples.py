@@ -19,10 +19,10 @@ from jacobkit.testing.example_backbones import (
     bert_classifier,
     frozen_efficientnet,
     frozen_mobilenet,
+    frozen_resnet,
 )
 from jacobkit.testing.example_kinds import (
     Affine,
-    frozen_resnet,
     multi_input,
     shared_layer,
     subclassed,
