@@ -196,7 +196,7 @@ def test_plan_before_any_call_runs_nothing(generator):
     assert {"chunked", "while", "batch", "jacobian", "loop", "forward"} <= kinds
 
 
-@pytest.mark.parametrize("budget", ["12MiB", "1GiB"])
+@pytest.mark.parametrize("budget", ["4MiB", "12MiB", "1GiB"])
 def test_measured_peak_stays_within_budget(generator, eager_trials, budget):
     ex = generator
     limit = memory.parse_budget(budget)
@@ -226,14 +226,17 @@ def test_the_first_call_stays_within_budget_where_kernels_take_scratch(
 
 
 def test_tighter_budget_holds_fewer_rows_at_once(generator):
+    """A row in flight of ``while`` is predicted at its cotangents (0.4 MiB
+    here) over the kept forward pass (0.7 MiB): ``while(10)`` 4.9 MiB,
+    ``while(5)`` 3.1 MiB, measured 2.2 and 1.6 MiB."""
     ex = generator
     with unless_kernels_exceed_the_budget():
-        small = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="12MiB")
+        small = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="4MiB")
     large = jk.plan(ex.model, ex.inputs, ex.layer, memory_budget="1GiB")
     assert large.strategy == While(10)
     assert small.strategy.name == "while"
     assert small.strategy.parallel_iterations < 10, small.summary()
-    assert small.predicted_peak_bytes <= 12 * 2**20 * planner.Policy().safety
+    assert small.predicted_peak_bytes <= 4 * 2**20 * planner.Policy().safety
 
 
 def test_budget_below_result_is_refused_before_allocating(generator):
@@ -430,12 +433,15 @@ def _frozen_backbone_head():
 
 def test_frozen_backbone_is_not_counted_in_the_head_prior():
     # the head's backward pass never differentiates the frozen convs: its
-    # predicted peak is far below that of a target under all of them
+    # predicted peak is far below that of a target under all of them (traced
+    # starts: an eager one holds every layer's output for either target)
     model, x = _frozen_backbone_head()
-    head = jk.plan(model, x, "head", cache=False).predicted_peak_bytes
-    conv = jk.plan(model, x, "conv0", cache=False).predicted_peak_bytes
+    with planner.use_policy(eager_rows=0):
+        head = jk.plan(model, x, "head", cache=False).predicted_peak_bytes
+        conv = jk.plan(model, x, "conv0", cache=False).predicted_peak_bytes
     assert head is not None and conv is not None
-    assert head * 4 < conv
+    # predicted 3.0 and 16.0 MiB; measured 3.0 and 9.9 MiB (TF 2.21, CPU)
+    assert head * 3 < conv
 
 
 def test_few_rows_start_eager_then_trace_as_calls_repeat():

@@ -150,11 +150,13 @@ def _memory_prior(problem: Problem, row_bytes: int, device: str | None) -> Memor
     and the scratch space its convolution gradients' kernels take on this
     machine, measured where ``device`` reports its peak (else none)."""
     eager = problem.forward_bytes
+    sequential = problem.sequential_memory
     if device is None or not problem.convolutions:
-        return MemoryPrior(row_bytes, eager_bytes=eager)
+        return MemoryPrior(row_bytes, sequential, eager_bytes=eager)
     dtype = precision.gradient_dtype(problem)
     return MemoryPrior(
         row_bytes,
+        sequential,
         scratch.scratch_bytes(problem.convolutions, dtype, device),
         scratch.inter_op_threads(),
         eager_bytes=eager,

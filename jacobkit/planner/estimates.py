@@ -64,8 +64,11 @@ def estimate(
 def predicted_peak(
     strategy: Strategy, segment_rows: int, prior: MemoryPrior, result_bytes: int
 ) -> int:
-    """Peak memory before ``strategy`` ran: the forward pass kept by the tape,
-    one forward pass's activations per row alive at once, the gradient
+    """Peak memory before ``strategy`` ran: the forward pass kept by the tape
+    and one forward pass's activations per row alive at once (where rows run
+    one after another, :meth:`~jacobkit.strategies.Strategy.sequential_rows`:
+    the tensors the backward pass reads and each row's cotangents,
+    :class:`~jacobkit.problem.inspect.SequentialMemory`), the gradient
     kernels' scratch space per backward pass in flight
     (:mod:`jacobkit.planner.scratch`), the segment's Jacobians (twice, where
     they are stacked into the result:
@@ -76,7 +79,11 @@ def predicted_peak(
     scratch = prior.scratch_in_flight(strategy.passes_in_flight(segment_rows))
     eager = 0 if strategy.compiled else prior.eager_bytes
     results = strategy.result_copies * result_bytes
-    return int((1 + at_once) * prior.row_bytes + scratch + results + eager)
+    if strategy.sequential_rows() and prior.sequential is not None:
+        rows = prior.sequential.peak(at_once)
+    else:
+        rows = (1 + at_once) * prior.row_bytes
+    return int(rows + scratch + results + eager)
 
 
 def predicted_trace_s(

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from jacobkit import memory
+from jacobkit.problem.inspect import SequentialMemory
 
 #: measured runs of a probe (the largest counts)
 _RUNS = 3
@@ -55,7 +56,11 @@ class MemoryPrior:
 
     Attributes:
         row_bytes: the forward pass's activations: what one row's backward
-            pass keeps, per row alive at once.
+            pass keeps, per row alive at once in a vectorized pass (pfor,
+            ``batch``).
+        sequential: what a row's backward pass holds where rows run one
+            after another over one kept forward pass (``loop``, ``while``);
+            ``None``: unknown, ``row_bytes`` per row is used instead.
         scratch_bytes: the gradient kernels' work space of one backward pass
             (:func:`scratch_bytes`; 0 where none was measured).
         threads: backward passes that can run at once (TensorFlow's inter-op
@@ -66,6 +71,7 @@ class MemoryPrior:
     """
 
     row_bytes: int
+    sequential: SequentialMemory | None = None
     scratch_bytes: int = 0
     threads: int = 1
     eager_bytes: int = 0

@@ -159,7 +159,7 @@ def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
         est.predicted_peak(s, 1, prior, footprint.segment_result_bytes)
         for s in _smallest_configurations()
     )
-    source = "from the forward pass's activations"
+    source = "from the traced pass's tensors"
     if prior.scratch_bytes:
         source += (
             f" and {_fmt(prior.scratch_bytes)} of work space that this "

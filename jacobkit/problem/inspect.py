@@ -33,6 +33,62 @@ CONVOLUTION_GRADIENTS = {
 _LOOPS = ("While", "StatelessWhile")
 #: op types whose outputs are not activations
 _NOT_ACTIVATIONS = {"Const", "Placeholder", "ReadVariableOp", "Identity", "NoOp"}
+#: the forward pass's peak beyond what the tape keeps, in largest tensors
+#: (measured 2.0-2.6 on frozen keras.applications backbones and a Conv2D
+#: stack: :class:`SequentialMemory`)
+WORKING_COPIES = 3
+#: what a row in flight of a sequential strategy holds, in largest backward
+#: tensors (measured 2.4-3.8: :class:`SequentialMemory`)
+COTANGENT_COPIES = 4
+
+
+@dataclass(frozen=True)
+class SequentialMemory:
+    """What a row's backward pass holds where rows run one after another over
+    the one forward pass the tape kept (``loop``, ``while``), from the traced
+    graph's shapes.
+
+    NOTE (why not a forward pass per row, and the factors). Counting a whole
+    forward pass's activations per row in flight put the 144-feature
+    generator (B=64, T=128, Conv1D 64/128/128) at 131 MiB for ``while(1)``,
+    whose call measures 22 MiB: a row's backward pass holds its cotangents,
+    a layer or two at a time, over what the tape kept once. Measured (TF
+    2.21, CPU, oneDNN on; second call of ``while(1)`` and ``while(2)``, less
+    the kept tensors and the result twice):
+
+    ====================================  ==========================  ================
+    problem                               forward peak / largest      a 2nd row /
+                                          forward tensor              largest backward
+    ====================================  ==========================  ================
+    frozen MobileNetV2 head (96 px, 16)   2.0                         0
+    frozen EfficientNetB0 head            2.3                         0
+    frozen ResNet50 head                  2.6                         0
+    cnn2d (16 x 64 x 32, 16 filters)      2.3                         3.5
+    generator (B=64, T=128, 64/128/128)   ~1                          2.4-3.8
+    ====================================  ==========================  ================
+
+    hence :data:`WORKING_COPIES` and :data:`COTANGENT_COPIES`: an op's
+    input, its output and a copy the kernel makes (oneDNN's reorders), and a
+    row's chain of cotangents with its gradient ops' outputs.
+
+    Attributes:
+        kept: the forward pass's floating tensors that the backward pass
+            reads (kept by the tape for every row).
+        working: the forward pass's largest floating tensor, times
+            :data:`WORKING_COPIES`: its own peak beyond what is kept.
+        cotangents: the backward pass's largest floating tensor, times
+            :data:`COTANGENT_COPIES`: what one row in flight holds beyond
+            what is kept.
+    """
+
+    kept: int
+    working: int
+    cotangents: int
+
+    def peak(self, rows_in_flight: int) -> int:
+        """The forward pass kept, plus the larger of its working set and
+        ``rows_in_flight`` rows' cotangents (they are not alive at once)."""
+        return self.kept + max(self.working, rows_in_flight * self.cotangents)
 
 
 @dataclass(frozen=True)
@@ -48,6 +104,9 @@ class Inspection:
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
         gradient_op_types: the op types of the backward pass.
+        sequential_memory: what a row's backward pass holds where rows run one after
+            another (:class:`SequentialMemory`), ``None`` where a ``tf.while_loop``
+            hides the tensors (a recurrent layer's are in its loop's body).
         forward_bytes: bytes of every floating tensor the forward pass
             makes, upstream of the targets too: what an eager forward pass
             of a Keras model holds at its peak (it keeps them until the
@@ -62,6 +121,7 @@ class Inspection:
     activation_bytes: int
     gradient_op_types: frozenset[str]
     forward_bytes: int = 0
+    sequential_memory: SequentialMemory | None = None
 
     @property
     def convolutions(self) -> frozenset[str]:
@@ -141,16 +201,19 @@ def trace(problem: Traceable) -> Inspection:
         )
     operations = graph.get_operations()
     forward_ops = found.get("forward_ops", 0)
+    has_loops = any(op.type in _LOOPS for op in operations)
+    forward, backward = operations[:forward_ops], operations[forward_ops:]
     return Inspection(
         outputs_shape=outputs.shape if isinstance(outputs, tf.Tensor) else None,
         rows=tf.TensorSpec(rows.shape, rows.dtype),
         connected=tuple(found["connected"]),
-        has_loops=any(op.type in _LOOPS for op in operations),
+        has_loops=has_loops,
         activation_bytes=_backward_bytes(
             operations[:forward_ops], _target_reads(graph, problem.targets)
         ),
         gradient_op_types=frozenset(op.type for op in operations[forward_ops:]),
         forward_bytes=_float_bytes(operations[:forward_ops]),
+        sequential_memory=None if has_loops else _sequential(forward, backward),
     )
 
 
@@ -233,14 +296,52 @@ def _backward_bytes(operations: Sequence[Any], reads: Sequence[Any]) -> int:
     return _float_bytes(below) + max(above, default=0)
 
 
+def _sequential(forward: Sequence[Any], backward: Sequence[Any]) -> SequentialMemory:
+    """:class:`SequentialMemory` of a traced pass: its ``forward`` then
+    ``backward`` operations. A forward tensor read through identities counts
+    as itself."""
+    inside = {id(op) for op in forward}
+    kept: dict[str, int] = {}
+    for op in backward:
+        for tensor in op.inputs:
+            while tensor.op.type == "Identity" and id(tensor.op) in inside:
+                tensor = tensor.op.inputs[0]
+            if id(tensor.op) in inside and tensor.op.type not in _NOT_ACTIVATIONS:
+                kept[tensor.name] = _tensor_bytes(tensor)
+    return SequentialMemory(
+        kept=sum(kept.values()),
+        working=WORKING_COPIES * _largest(forward),
+        cotangents=COTANGENT_COPIES * _largest(backward),
+    )
+
+
+def _largest(operations: Sequence[Any]) -> int:
+    """The largest fully-shaped floating output of ``operations`` (less
+    constants, inputs, variable reads and identities)."""
+    return max(
+        (
+            _tensor_bytes(out)
+            for op in operations
+            if op.type not in _NOT_ACTIVATIONS
+            for out in op.outputs
+        ),
+        default=0,
+    )
+
+
+def _tensor_bytes(tensor: Any) -> int:
+    """Bytes of a fully-shaped floating tensor (0 for any other)."""
+    if tensor.dtype.is_floating and tensor.shape.is_fully_defined():
+        return int(tensor.shape.num_elements() * tensor.dtype.size)
+    return 0
+
+
 def _float_bytes(operations: Sequence[Any]) -> int:
     """Bytes of the fully-shaped floating outputs of ``operations`` (less
     constants, inputs, variable reads and identities)."""
-    total = 0
-    for op in operations:
-        if op.type in _NOT_ACTIVATIONS:
-            continue
-        for out in op.outputs:
-            if out.dtype.is_floating and out.shape.is_fully_defined():
-                total += out.shape.num_elements() * out.dtype.size
-    return total
+    return sum(
+        _tensor_bytes(out)
+        for op in operations
+        if op.type not in _NOT_ACTIVATIONS
+        for out in op.outputs
+    )

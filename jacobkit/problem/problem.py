@@ -50,6 +50,9 @@ class Problem:
         reduce: ``None`` (Jacobians) or ``"norm"`` (each row's L2 norm).
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
+        sequential_memory: what a row's backward pass holds where rows run
+            one after another (:class:`~jacobkit.problem.inspect.SequentialMemory`;
+            ``None`` where a ``tf.while_loop`` hides the tensors).
         forward_bytes: what an eager forward pass holds at its peak: the
             outputs of the layers of the model's functional graph
             (:func:`jacobkit.keras.layer_tree.output_bytes`), else every
@@ -130,6 +133,7 @@ class Problem:
         outputs_shape, spec = inspection.outputs_shape, inspection.rows
         self.has_loops = inspection.has_loops
         self.activation_bytes = inspection.activation_bytes
+        self.sequential_memory = inspection.sequential_memory
         # an eager Keras call holds its layers' outputs; the traced pass's
         # every floating tensor where they are not known (about 2x more on
         # EfficientNetB0, whose activations are several ops each; 8x on a

@@ -71,6 +71,13 @@ class Strategy(abc.ABC):
         activations)."""
         return num_rows
 
+    def sequential_rows(self) -> bool:
+        """Whether rows run one after another, each its own backward pass
+        over the one forward pass the tape kept (``loop``, ``while``): a row
+        alive then holds its cotangents, not a forward pass's activations
+        (``auto``'s memory prior)."""
+        return False
+
     def passes_in_flight(self, num_rows: int) -> int:
         """Separate backward passes running at once on ``num_rows`` rows, each
         with its own kernels' scratch space (``auto``'s memory prior, see

@@ -29,6 +29,9 @@ class Loop(Strategy):
     def rows_at_once(self, num_rows: int) -> int:
         return 1
 
+    def sequential_rows(self) -> bool:
+        return True
+
     def build(self, problem: Problem) -> Callable[[Any], Any]:
         targets = problem.targets
 

@@ -122,6 +122,10 @@ class Structured(Strategy):
         all)."""
         return self.resolved_inner().rows_at_once(num_rows)
 
+    def sequential_rows(self) -> bool:
+        """The inner strategy's."""
+        return self.resolved_inner().sequential_rows()
+
     def passes_in_flight(self, num_rows: int) -> int:
         """The inner strategy's."""
         return self.resolved_inner().passes_in_flight(num_rows)

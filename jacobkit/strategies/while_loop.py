@@ -44,6 +44,9 @@ class While(Strategy):
     def rows_at_once(self, num_rows: int) -> int:
         return min(self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS, num_rows)
 
+    def sequential_rows(self) -> bool:
+        return True
+
     def passes_in_flight(self, num_rows: int) -> int:
         """Each iteration in flight runs its own row's backward pass."""
         return self.rows_at_once(num_rows)
