@@ -144,7 +144,7 @@ def _prior_table(raw: dict) -> list[str]:
     ]
     for budget in raw["budgets"]:
         peak = raw["alone"][f"auto@{budget}"]
-        if "error" in peak or peak.get("prior_peak") is None:
+        if "error" in peak or "refused" in peak or peak.get("prior_peak") is None:
             continue
         ratio = peak["first_peak"] / peak["prior_peak"]
         lines.append(
@@ -171,6 +171,12 @@ def render_budgets(raw: dict) -> tuple[list[dict], str]:
         label = f"auto@{budget}"
         limit = parse_budget(budget)
         peak, time = alone[label], timed[label]
+        if "refused" in peak:  # nothing ran: nothing over the budget
+            lines.append(
+                f"| {budget} | refused: {peak['refused']} | | | | | | | | | | |"
+            )
+            verdicts.append({"budget": budget, "within": True, "refused": True})
+            continue
         if "error" in peak or "error" in time:
             why = peak.get("error") or time.get("error")
             lines.append(f"| {budget} | failed: {why} | | | | | | | | | | |")
@@ -227,7 +233,7 @@ def render_budgets(raw: dict) -> tuple[list[dict], str]:
             )
     lines += ["", "What auto planned (fresh processes):", ""]
     for budget in raw["budgets"]:
-        if "error" not in alone[f"auto@{budget}"]:
+        if not {"error", "refused"} & set(alone[f"auto@{budget}"]):
             lines += [f"{budget}:", "```", alone[f"auto@{budget}"]["plan"], "```"]
     return verdicts, "\n".join(lines)
 

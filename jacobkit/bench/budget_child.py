@@ -2,7 +2,9 @@
 labels (fixed strategies and ``auto@budget``), in one fresh process.
 
 For each label: what ``auto`` predicts before its first call (``jk.plan``:
-the strategy and the memory prior's peak), the peak memory of the first
+the strategy and the memory prior's peak; ``{"refused": message}`` where it
+refuses the budget, and nothing more is run of that label), the peak memory
+of the first
 call, of every call until ``auto`` settles (at most :data:`jacobkit.SETTLE_CALLS`), then
 ``rounds`` interleaved timing rounds (each calls every label once, so that a
 load change on a shared machine hits every label alike), then one steady
@@ -81,8 +83,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     calls = callers(spec)
     found: dict[str, Any] = {}
-    for label, caller in calls.items():
-        prior = caller.plan() if caller.plan is not None else None
+    for label, caller in list(calls.items()):
+        try:
+            prior = caller.plan() if caller.plan is not None else None
+        except ValueError as err:  # a budget refused before anything ran
+            found[label] = {"refused": str(err).splitlines()[0]}
+            del calls[label]
+            continue
         call = caller.call
         with memory.PeakMemory() as first:
             result = call()
