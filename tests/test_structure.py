@@ -340,7 +340,8 @@ def test_a_tight_budget_runs_the_shortcut_with_fewer_rows_at_once(segments):
     generous = jk.plan(ex.model, ex.inputs, "conv1")
     assert generous.strategy.name == "structured"
     assert generous.strategy.resolved_inner().name == "while"
-    budget = "56MiB"
+    # predicted: while(10) 40 MiB, while(2) 22 MiB (measured 8 and 4.5 MiB)
+    budget = "32MiB"
     with unless_kernels_exceed_the_budget():
         tight = jk.plan(ex.model, ex.inputs, "conv1", memory_budget=budget)
     assert tight.strategy.name == "structured" and tight.structure is not None

@@ -146,20 +146,20 @@ def _structured(problem: Problem) -> tuple[Strategy | None, str]:
 
 
 def _memory_prior(problem: Problem, row_bytes: int, device: str | None) -> MemoryPrior:
-    """The memory prior of ``problem``: ``row_bytes`` per row alive at once,
-    and the scratch space its convolution gradients' kernels take on this
-    machine, measured where ``device`` reports its peak (else none)."""
-    eager = problem.forward_bytes
-    sequential = problem.sequential_memory
-    if device is None or not problem.convolutions:
-        return MemoryPrior(row_bytes, sequential, eager_bytes=eager)
-    dtype = precision.gradient_dtype(problem)
+    """The memory prior of ``problem``: ``row_bytes`` per row alive at once
+    in a vectorized pass, its sequential rows' figures, and the scratch space
+    its convolution gradients' kernels take on this machine, measured where
+    ``device`` reports its peak (else none)."""
+    measured = 0
+    if device is not None and problem.convolutions:
+        dtype = precision.gradient_dtype(problem)
+        measured = scratch.scratch_bytes(problem.convolutions, dtype, device)
     return MemoryPrior(
         row_bytes,
-        sequential,
-        scratch.scratch_bytes(problem.convolutions, dtype, device),
+        problem.sequential_memory,
+        measured,
         scratch.inter_op_threads(),
-        eager_bytes=eager,
+        eager_bytes=problem.forward_bytes,
     )
 
 

@@ -79,9 +79,8 @@ def predicted_peak(
     scratch = prior.scratch_in_flight(strategy.passes_in_flight(segment_rows))
     eager = 0 if strategy.compiled else prior.eager_bytes
     results = strategy.result_copies * result_bytes
-    if strategy.sequential_rows() and prior.sequential is not None:
-        rows = prior.sequential.peak(at_once)
-    else:
+    rows = prior.sequential_peak(at_once) if strategy.sequential_rows() else None
+    if rows is None:
         rows = (1 + at_once) * prior.row_bytes
     return int(rows + scratch + results + eager)
 
