@@ -67,8 +67,8 @@ def predicted_peak(
     """Peak memory before ``strategy`` ran: the forward pass kept by the tape
     and one forward pass's activations per row alive at once (where rows run
     one after another, :meth:`~jacobkit.strategies.Strategy.sequential_rows`:
-    the tensors the backward pass reads and each row's cotangents,
-    :class:`~jacobkit.problem.inspect.SequentialMemory`), the gradient
+    the traced pass's tensors alive at its peak and each further row's own,
+    :class:`~jacobkit.problem.liveness.SequentialMemory`), the gradient
     kernels' scratch space per backward pass in flight
     (:mod:`jacobkit.planner.scratch`), the segment's Jacobians (twice, where
     they are stacked into the result:

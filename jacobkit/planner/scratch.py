@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from jacobkit import memory
-from jacobkit.problem.inspect import SequentialMemory
+from jacobkit.problem.liveness import SequentialMemory
 
 #: rows of a ``while`` loop holding their cotangents at once, per inter-op
 #: thread. Measured on 2 threads (TF 2.21, CPU), the 144-feature generator

@@ -16,8 +16,10 @@ from typing import Any, NoReturn, Protocol
 
 import tensorflow as tf
 
+from jacobkit.problem import liveness
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.cache import per_model
+from jacobkit.problem.liveness import SequentialMemory
 from jacobkit.problem.rows import Rows
 
 #: gradient op types -> the kind of convolution they differentiate
@@ -32,63 +34,7 @@ CONVOLUTION_GRADIENTS = {
 #: op types of a ``tf.while_loop`` (recurrent layers run one over time)
 _LOOPS = ("While", "StatelessWhile")
 #: op types whose outputs are not activations
-_NOT_ACTIVATIONS = {"Const", "Placeholder", "ReadVariableOp", "Identity", "NoOp"}
-#: the forward pass's peak beyond what the tape keeps, in largest tensors
-#: (measured 2.0-2.6 on frozen keras.applications backbones and a Conv2D
-#: stack: :class:`SequentialMemory`)
-WORKING_COPIES = 3
-#: what a row in flight of a sequential strategy holds, in largest backward
-#: tensors (measured 2.4-3.8: :class:`SequentialMemory`)
-COTANGENT_COPIES = 4
-
-
-@dataclass(frozen=True)
-class SequentialMemory:
-    """What a row's backward pass holds where rows run one after another over
-    the one forward pass the tape kept (``loop``, ``while``), from the traced
-    graph's shapes.
-
-    NOTE (why not a forward pass per row, and the factors). Counting a whole
-    forward pass's activations per row in flight put the 144-feature
-    generator (B=64, T=128, Conv1D 64/128/128) at 131 MiB for ``while(1)``,
-    whose call measures 22 MiB: a row's backward pass holds its cotangents,
-    a layer or two at a time, over what the tape kept once. Measured (TF
-    2.21, CPU, oneDNN on; second call of ``while(1)`` and ``while(2)``, less
-    the kept tensors and the result twice):
-
-    ====================================  ==========================  ================
-    problem                               forward peak / largest      a 2nd row /
-                                          forward tensor              largest backward
-    ====================================  ==========================  ================
-    frozen MobileNetV2 head (96 px, 16)   2.0                         0
-    frozen EfficientNetB0 head            2.3                         0
-    frozen ResNet50 head                  2.6                         0
-    cnn2d (16 x 64 x 32, 16 filters)      2.3                         3.5
-    generator (B=64, T=128, 64/128/128)   ~1                          2.4-3.8
-    ====================================  ==========================  ================
-
-    hence :data:`WORKING_COPIES` and :data:`COTANGENT_COPIES`: an op's
-    input, its output and a copy the kernel makes (oneDNN's reorders), and a
-    row's chain of cotangents with its gradient ops' outputs.
-
-    Attributes:
-        kept: the forward pass's floating tensors that the backward pass
-            reads (kept by the tape for every row).
-        working: the forward pass's largest floating tensor, times
-            :data:`WORKING_COPIES`: its own peak beyond what is kept.
-        cotangents: the backward pass's largest floating tensor, times
-            :data:`COTANGENT_COPIES`: what one row in flight holds beyond
-            what is kept.
-    """
-
-    kept: int
-    working: int
-    cotangents: int
-
-    def peak(self, rows_in_flight: int) -> int:
-        """The forward pass kept, plus the larger of its working set and
-        ``rows_in_flight`` rows' cotangents (they are not alive at once)."""
-        return self.kept + max(self.working, rows_in_flight * self.cotangents)
+_NOT_ACTIVATIONS = liveness.NOT_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -202,7 +148,6 @@ def trace(problem: Traceable) -> Inspection:
     operations = graph.get_operations()
     forward_ops = found.get("forward_ops", 0)
     has_loops = any(op.type in _LOOPS for op in operations)
-    forward, backward = operations[:forward_ops], operations[forward_ops:]
     return Inspection(
         outputs_shape=outputs.shape if isinstance(outputs, tf.Tensor) else None,
         rows=tf.TensorSpec(rows.shape, rows.dtype),
@@ -213,7 +158,9 @@ def trace(problem: Traceable) -> Inspection:
         ),
         gradient_op_types=frozenset(op.type for op in operations[forward_ops:]),
         forward_bytes=_float_bytes(operations[:forward_ops]),
-        sequential_memory=None if has_loops else _sequential(forward, backward),
+        sequential_memory=(
+            None if has_loops else liveness.walk(operations, forward_ops)
+        ),
     )
 
 
@@ -296,51 +243,11 @@ def _backward_bytes(operations: Sequence[Any], reads: Sequence[Any]) -> int:
     return _float_bytes(below) + max(above, default=0)
 
 
-def _sequential(forward: Sequence[Any], backward: Sequence[Any]) -> SequentialMemory:
-    """:class:`SequentialMemory` of a traced pass: its ``forward`` then
-    ``backward`` operations. A forward tensor read through identities counts
-    as itself."""
-    inside = {id(op) for op in forward}
-    kept: dict[str, int] = {}
-    for op in backward:
-        for tensor in op.inputs:
-            while tensor.op.type == "Identity" and id(tensor.op) in inside:
-                tensor = tensor.op.inputs[0]
-            if id(tensor.op) in inside and tensor.op.type not in _NOT_ACTIVATIONS:
-                kept[tensor.name] = _tensor_bytes(tensor)
-    return SequentialMemory(
-        kept=sum(kept.values()),
-        working=WORKING_COPIES * _largest(forward),
-        cotangents=COTANGENT_COPIES * _largest(backward),
-    )
-
-
-def _largest(operations: Sequence[Any]) -> int:
-    """The largest fully-shaped floating output of ``operations`` (less
-    constants, inputs, variable reads and identities)."""
-    return max(
-        (
-            _tensor_bytes(out)
-            for op in operations
-            if op.type not in _NOT_ACTIVATIONS
-            for out in op.outputs
-        ),
-        default=0,
-    )
-
-
-def _tensor_bytes(tensor: Any) -> int:
-    """Bytes of a fully-shaped floating tensor (0 for any other)."""
-    if tensor.dtype.is_floating and tensor.shape.is_fully_defined():
-        return int(tensor.shape.num_elements() * tensor.dtype.size)
-    return 0
-
-
 def _float_bytes(operations: Sequence[Any]) -> int:
     """Bytes of the fully-shaped floating outputs of ``operations`` (less
     constants, inputs, variable reads and identities)."""
     return sum(
-        _tensor_bytes(out)
+        liveness.tensor_bytes(out)
         for op in operations
         if op.type not in _NOT_ACTIVATIONS
         for out in op.outputs

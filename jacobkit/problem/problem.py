@@ -51,7 +51,7 @@ class Problem:
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
         sequential_memory: what a row's backward pass holds where rows run
-            one after another (:class:`~jacobkit.problem.inspect.SequentialMemory`;
+            one after another (:class:`~jacobkit.problem.liveness.SequentialMemory`;
             ``None`` where a ``tf.while_loop`` hides the tensors).
         forward_bytes: what an eager forward pass holds at its peak: the
             outputs of the layers of the model's functional graph

@@ -1,0 +1,115 @@
+"""What a sequential row holds: the traced pass's tensors, alive from the op
+that makes them to the last op that reads them.
+
+``loop`` and ``while`` run one row's backward pass after another over the
+one forward pass the tape kept. Their peak is read off the traced forward
+and one-row backward pass by walking its ops in order (the order they were
+traced in is one TensorFlow may run them in) and adding up the floating
+tensors alive at each op: the forward tensors the backward pass reads stay
+alive until it reads them, the others until their last forward reader.
+
+NOTE (why, and the margins). Counting a whole forward pass's activations per
+row in flight put the 144-feature generator (B=64, T=128, Conv1D
+64/128/128) at 131 MiB for ``while(1)``, whose call measures 17 MiB beyond
+its result: a row's backward pass holds its cotangents, a layer or two at a
+time, over what the tape kept once. What the walk does not see: a copy a
+kernel makes of its input (oneDNN reorders a 3-channel image into a
+16-channel block: 1 MiB beside a 0.2 MiB input), and ops of two branches or
+two rows run at once. Measured (TF 2.21, CPU, oneDNN on; the second call of
+``while(1)`` and ``while(2)``, less the result twice) against the walked
+peak plus the largest tensor, and a second row against its walked tensors:
+
+======================================  =============  ============  ===========
+problem                                 walked peak +  measured /    a 2nd row:
+                                        largest        that          measured /
+                                                                     walked
+======================================  =============  ============  ===========
+4 frozen Conv2D (16 x 32 x 32 x 16)     3.0 MiB        0.99          --
+frozen MobileNetV2 head (16 x 96 px)    41.6 MiB       0.69          --
+frozen EfficientNetB0 head              54.6 MiB       0.59-0.63     --
+frozen ResNet50 head                    36.8 MiB       0.66-0.69     --
+keras_hub BERT head (16 x 64, 128)      10.5 MiB       0.62-0.68     --
+cnn2d (16 x 64 x 32, 16 filters)        8.6 MiB        0.89          1.75
+generator (B=64, T=128, 64/128/128)     30.4 MiB       0.54-0.58     1.2-1.9
+======================================  =============  ============  ===========
+
+hence :data:`FIRST_ROW_MARGIN` and :data:`ROW_MARGIN`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: op types whose outputs are not activations (an identity is its input)
+NOT_ACTIVATIONS = {"Const", "Placeholder", "ReadVariableOp", "Identity", "NoOp"}
+#: the walked peak of the forward and first row plus the largest tensor,
+#: times this (measured up to 0.99x that: the module's NOTE)
+FIRST_ROW_MARGIN = 1.25
+#: one more row in flight: the walked peak of a row's own backward tensors,
+#: times this (measured up to 1.9x the walk: the module's NOTE)
+ROW_MARGIN = 2.0
+
+
+@dataclass(frozen=True)
+class SequentialMemory:
+    """What rows run one after another (``loop``, ``while``) hold, from the
+    traced pass's shapes (:func:`walk`).
+
+    Attributes:
+        first_row: the forward pass and one row's backward pass, at their
+            peak: the walked peak plus the largest tensor (a kernel's copy),
+            times :data:`FIRST_ROW_MARGIN`.
+        per_row: each further row in flight: the walked peak of a row's
+            own backward tensors times :data:`ROW_MARGIN`.
+    """
+
+    first_row: int
+    per_row: int
+
+    def peak(self, rows_in_flight: int) -> int:
+        """With ``rows_in_flight`` rows' backward passes alive at once."""
+        return self.first_row + max(rows_in_flight - 1, 0) * self.per_row
+
+
+def walk(operations: Sequence[Any], forward_ops: int) -> SequentialMemory:
+    """:class:`SequentialMemory` of a traced pass: ``operations`` in the
+    order they were traced, the first ``forward_ops`` of them the forward
+    pass, the rest one row's backward pass."""
+    last_read: dict[str, int] = {}
+    for i, op in enumerate(operations):
+        for tensor in op.inputs:
+            name = _source(tensor).name
+            last_read[name] = max(last_read.get(name, -1), i)
+    alive: dict[str, tuple[int, bool]] = {}  # name -> (bytes, made backward)
+    peak = row_peak = largest = 0
+    for i, op in enumerate(operations):
+        if op.type not in NOT_ACTIVATIONS:
+            for tensor in op.outputs:
+                size = tensor_bytes(tensor)
+                largest = max(largest, size)
+                if size and tensor.name in last_read:
+                    alive[tensor.name] = (size, i >= forward_ops)
+        peak = max(peak, sum(size for size, _ in alive.values()))
+        row_peak = max(row_peak, sum(size for size, row in alive.values() if row))
+        for name in [n for n in alive if last_read[n] <= i]:
+            del alive[name]
+    return SequentialMemory(
+        first_row=int(FIRST_ROW_MARGIN * (peak + largest)),
+        per_row=int(ROW_MARGIN * row_peak),
+    )
+
+
+def _source(tensor: Any) -> Any:
+    """The tensor an identity chain reads."""
+    while tensor.op.type == "Identity" and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def tensor_bytes(tensor: Any) -> int:
+    """Bytes of a fully-shaped floating tensor (0 for any other)."""
+    if tensor.dtype.is_floating and tensor.shape.is_fully_defined():
+        return int(tensor.shape.num_elements() * tensor.dtype.size)
+    return 0
