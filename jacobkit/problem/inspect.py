@@ -33,8 +33,6 @@ CONVOLUTION_GRADIENTS = {
 }
 #: op types of a ``tf.while_loop`` (recurrent layers run one over time)
 _LOOPS = ("While", "StatelessWhile")
-#: op types whose outputs are not activations
-_NOT_ACTIVATIONS = liveness.NOT_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -249,6 +247,6 @@ def _float_bytes(operations: Sequence[Any]) -> int:
     return sum(
         liveness.tensor_bytes(out)
         for op in operations
-        if op.type not in _NOT_ACTIVATIONS
+        if op.type not in liveness.NOT_ACTIVATIONS
         for out in op.outputs
     )

@@ -38,6 +38,7 @@ hence :data:`FIRST_ROW_MARGIN` and :data:`ROW_MARGIN`.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,19 +83,21 @@ def walk(operations: Sequence[Any], forward_ops: int) -> SequentialMemory:
         for tensor in op.inputs:
             name = _source(tensor).name
             last_read[name] = max(last_read.get(name, -1), i)
-    alive: dict[str, tuple[int, bool]] = {}  # name -> (bytes, made backward)
-    peak = row_peak = largest = 0
+    # running totals, each tensor taken off after its last reader: one pass
+    ending: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    alive = row_alive = peak = row_peak = largest = 0
     for i, op in enumerate(operations):
         if op.type not in NOT_ACTIVATIONS:
             for tensor in op.outputs:
                 size = tensor_bytes(tensor)
                 largest = max(largest, size)
                 if size and tensor.name in last_read:
-                    alive[tensor.name] = (size, i >= forward_ops)
-        peak = max(peak, sum(size for size, _ in alive.values()))
-        row_peak = max(row_peak, sum(size for size, row in alive.values() if row))
-        for name in [n for n in alive if last_read[n] <= i]:
-            del alive[name]
+                    row_size = size if i >= forward_ops else 0
+                    alive, row_alive = alive + size, row_alive + row_size
+                    ending[max(last_read[tensor.name], i)].append((size, row_size))
+        peak, row_peak = max(peak, alive), max(row_peak, row_alive)
+        for size, row_size in ending.pop(i, ()):
+            alive, row_alive = alive - size, row_alive - row_size
     return SequentialMemory(
         first_row=int(FIRST_ROW_MARGIN * (peak + largest)),
         per_row=int(ROW_MARGIN * row_peak),

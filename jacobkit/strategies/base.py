@@ -68,7 +68,8 @@ class Strategy(abc.ABC):
     def rows_at_once(self, num_rows: int) -> int:
         """Rows whose backward passes are alive at once on ``num_rows`` rows
         (``auto``'s memory prior: each holds about one forward pass's
-        activations)."""
+        activations in a vectorized pass, its own cotangents where rows run
+        one after another, :meth:`sequential_rows`)."""
         return num_rows
 
     def sequential_rows(self) -> bool:
