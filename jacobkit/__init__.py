@@ -31,7 +31,7 @@ _PUBLIC = {
     "JacobianResult": "jacobkit.result",
     "Output": "jacobkit.problem.tensor_targets",
     "Plan": "jacobkit.planner",
-    "PrecisionWarning": "jacobkit.strategies._precision",
+    "PrecisionWarning": "jacobkit.strategies.precision",
     "Stats": "jacobkit.result",
     "VerificationError": "jacobkit.verification",
     "jacobian": "jacobkit.api",
@@ -71,7 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.planner import Plan
     from jacobkit.problem.tensor_targets import Inputs, Output
     from jacobkit.result import JacobianResult, Stats
-    from jacobkit.strategies._precision import PrecisionWarning
+    from jacobkit.strategies.precision import PrecisionWarning
     from jacobkit.verification import VerificationError, verify
 
 

@@ -5,7 +5,7 @@ Each strategy either stays within 2x of the plain loop's own error (the
 accuracy users get from a tape loop at that precision: eager for ``loop``,
 compiled one row at a time for the others) and within the measured
 :data:`jacobkit.testing.TOLERANCE` of the policy, or refuses with jacobkit's
-message (see :mod:`jacobkit.strategies._precision`). Where this CPU's
+message (see :mod:`jacobkit.strategies.precision`). Where this CPU's
 kernels put that loop itself more than
 ``jacobkit.testing.FAR_OFF`` from float64 (bfloat16
 convolutions without oneDNN), the floor is an expected failure that names

@@ -58,8 +58,7 @@ from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.planner.session import Session
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
-from jacobkit.strategies import Strategy
-from jacobkit.strategies import _precision as precision
+from jacobkit.strategies import Strategy, precision
 from jacobkit.strategies.structured import NoShortcut
 
 #: model -> {((problem key, input shapes, budget as given, device, policy),
@@ -131,7 +130,7 @@ def session_for(
 
 def _structured(problem: Problem) -> tuple[Strategy | None, str]:
     """``(Structured(), what it found)`` where an exact structural shortcut
-    applies to ``problem`` (:mod:`jacobkit.strategies._structure`), else
+    applies to ``problem`` (:mod:`jacobkit.problem.structure`), else
     ``(None, why not)``: the refusal's
     :attr:`~jacobkit.strategies.structured.NoShortcut.reason`, or the inner
     strategy's own refusal."""

@@ -133,7 +133,7 @@ class Plan:
             it) or ``"disk cache"`` (loaded, nothing re-measured to choose).
         calls: ``jacobian`` calls this process made with this plan.
         structure: the exact structural shortcut :attr:`strategy` uses (see
-            :mod:`jacobkit.strategies._structure`), or ``None``.
+            :mod:`jacobkit.problem.structure`), or ``None``.
     """
 
     strategy: Strategy

@@ -1,5 +1,5 @@
 """``auto``'s candidates where an exact structural shortcut applies
-(:mod:`jacobkit.strategies._structure`), beside the ``batch`` strategy's closed form.
+(:mod:`jacobkit.problem.structure`), beside the ``batch`` strategy's closed form.
 
 Measured (2-core CPU, steady calls, after the combine became one matmul):
 
@@ -28,9 +28,8 @@ from collections.abc import Callable
 
 from jacobkit import strategies
 from jacobkit.planner.plan import Rejection
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, structure
 from jacobkit.strategies import Strategy
-from jacobkit.strategies import _structure as structure
 
 #: the name the shortcut's rejections are filed under
 NAME = "structured"

@@ -16,8 +16,7 @@ from jacobkit.planner.policy import Policy
 from jacobkit.planner.rows import segment_size
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.problem import Problem
-from jacobkit.strategies import Strategy
-from jacobkit.strategies import _precision as precision
+from jacobkit.strategies import Strategy, precision
 
 #: where few rows start: the eager loop traces nothing (Policy.eager_rows)
 EAGER: Strategy = strategies.Loop()

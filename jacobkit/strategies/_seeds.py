@@ -9,8 +9,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem
-from jacobkit.strategies import _structure as structure
+from jacobkit.problem import Problem, structure
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from jacobkit.problem import Problem, per_model
 from jacobkit.result import Stats
-from jacobkit.strategies import _precision as precision
+from jacobkit.strategies import precision
 
 #: model -> {(problem key, strategy key): compiled computation}
 _COMPILED: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()

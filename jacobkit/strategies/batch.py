@@ -32,8 +32,8 @@ from jacobkit.layers import LayerRule
 from jacobkit.layers.base import Tapped
 from jacobkit.problem import Problem
 from jacobkit.problem.targets import Projection
-from jacobkit.strategies import _precision as precision
 from jacobkit.strategies import _seeds as seeding
+from jacobkit.strategies import precision
 from jacobkit.strategies.base import ZERO, Strategy, map_chunks
 
 _SUPPORTED = (

@@ -9,7 +9,7 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem
-from jacobkit.strategies import _precision as precision
+from jacobkit.strategies import precision
 from jacobkit.strategies.base import ZERO, Strategy
 
 

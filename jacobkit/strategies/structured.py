@@ -5,7 +5,7 @@ of the head's input are computed with ``inner`` and combined with the head's
 kernel; where the target's output channels reach the output features one to
 one through elementwise layers, one backward pass gives every row (row
 colouring). Why both are exact, and when they are recognised:
-:mod:`jacobkit.strategies._structure`. Elsewhere :meth:`Structured.check` refuses.
+:mod:`jacobkit.problem.structure`. Elsewhere :meth:`Structured.check` refuses.
 
 The first call for a model checks its result with :func:`jacobkit.verify`;
 if the check fails, it warns and runs ``inner`` on the whole problem from
@@ -22,9 +22,8 @@ from typing import Any, final
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem, per_model
+from jacobkit.problem import Problem, per_model, structure
 from jacobkit.result import Stats
-from jacobkit.strategies import _structure as structure
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
@@ -238,7 +237,7 @@ def _separable_fn(
 ) -> Callable[[Any], Any]:
     """Row colouring: one backward pass (per example for per-example rows),
     demultiplexed by output channel (see the NOTE in
-    :mod:`jacobkit.strategies._structure`)."""
+    :mod:`jacobkit.problem.structure`)."""
     targets = problem.targets
     mode = problem.rows_spec.mode
     channels = list(found.channels)

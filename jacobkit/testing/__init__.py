@@ -24,7 +24,7 @@ This package only re-exports; its modules import each other directly.
 from __future__ import annotations
 
 from jacobkit.keras.cast import cast_copy, float64_copy
-from jacobkit.strategies._precision import FAR_OFF, Bfloat16Check, bfloat16_check
+from jacobkit.strategies.precision import FAR_OFF, Bfloat16Check, bfloat16_check
 from jacobkit.testing.close import (
     BASELINE_FACTOR,
     MAX_DERIVED_TOLERANCE,

@@ -47,7 +47,7 @@ def assert_close(
       under ``mixed_float16``) does not lend its 100% error to the result.
       Measured on the nested and deep models of ``tests/test_reference.py``,
       every strategy is within 1.2x of the loop's own error (float32) or
-      refuses (float16, see :mod:`jacobkit.strategies._precision`), which
+      refuses (float16, see :mod:`jacobkit.strategies.precision`), which
       ``BASELINE_FACTOR = 2`` covers. The derived tolerance is only as tight
       as that loop: under bfloat16 on CPU the eager loop can be far off (0.33
       on a Conv2D model, see :data:`TOLERANCE`), so pass ``precision=`` with a

@@ -42,7 +42,8 @@ import tensorflow as tf
 from jacobkit.keras import compat
 from jacobkit.keras import graph as keras_graph
 from jacobkit.keras.compat import as_tf_variable
-from jacobkit.problem import Problem, per_model
+from jacobkit.problem.cache import per_model
+from jacobkit.problem.problem import Problem
 
 #: Keras activations that act on each element alone (``softmax``, ``glu`` and
 #: friends mix the last axis and are not here).
