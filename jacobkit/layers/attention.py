@@ -35,6 +35,7 @@ class MultiHeadAttentionRule(LayerRule):
     (Keras 3 or ``tf_keras``)."""
 
     kind = "multi_head_attention"
+    covers = "its four projections"
 
     def parts(self) -> tuple[LayerRule, ...]:
         return tuple(

@@ -44,6 +44,9 @@ class LayerRule:
 
     layer: Any
     kind: ClassVar[str] = ""
+    #: what of the layer the closed forms cover where it is not all of it
+    #: (for messages: ``"inference mode"``), else empty
+    covers: ClassVar[str] = ""
     #: the attributes holding the weights in the kernel and bias roles (the
     #: first present one counts: Keras 3 and tf_keras name some differently)
     kernel_attrs: ClassVar[tuple[str, ...]] = ("kernel",)

@@ -94,6 +94,7 @@ class BatchNormalizationRule(_Normalization):
     the closed form's check refuses it."""
 
     kind = "batch_normalization"
+    covers = "inference mode"
 
     def normalized(self, x: tf.Tensor) -> tf.Tensor:
         layer = self.layer

@@ -1,0 +1,79 @@
+"""The stock Keras layers jacobkit knows, by class name (Keras 3 and
+``tf_keras`` alike), and the Keras activations that act on each element
+alone. Every layer-type fact jacobkit acts on is here: a new stock layer is
+one :class:`~jacobkit.layers.registry.LayerKind` more.
+"""
+
+from __future__ import annotations
+
+from jacobkit.layers.attention import MultiHeadAttentionRule
+from jacobkit.layers.conv import Conv1DRule, Conv2DRule
+from jacobkit.layers.dense import DenseRule
+from jacobkit.layers.depthwise import DepthwiseConv2DRule
+from jacobkit.layers.einsum import EinsumDenseRule
+from jacobkit.layers.embedding import EmbeddingRule
+from jacobkit.layers.normalization import (
+    BatchNormalizationRule,
+    LayerNormalizationRule,
+)
+from jacobkit.layers.registry import LayerKind
+from jacobkit.layers.separable import SeparableConv2DRule
+
+#: the stock kinds; those with a rule in the order ``batch``'s refusal lists
+#: them (a layer's kind is found by its class, whatever the order)
+KINDS = (
+    # closed forms for the batch strategy
+    LayerKind("Dense", DenseRule, linear="matmul"),
+    LayerKind("Conv1D", Conv1DRule, linear="convolution", convolutions=("conv2d",)),
+    LayerKind("Conv2D", Conv2DRule, linear="convolution", convolutions=("conv2d",)),
+    LayerKind("DepthwiseConv2D", DepthwiseConv2DRule, convolutions=("depthwise",)),
+    LayerKind(
+        "SeparableConv2D", SeparableConv2DRule, convolutions=("depthwise", "conv2d")
+    ),
+    LayerKind("EinsumDense", EinsumDenseRule),
+    LayerKind("MultiHeadAttention", MultiHeadAttentionRule),
+    LayerKind("Embedding", EmbeddingRule),
+    LayerKind("LayerNormalization", LayerNormalizationRule),
+    LayerKind("BatchNormalization", BatchNormalizationRule),
+    # no closed form: facts only
+    LayerKind("Conv3D", linear="convolution", convolutions=("conv3d",)),
+    LayerKind("DepthwiseConv1D", convolutions=("depthwise",)),
+    LayerKind("SeparableConv1D", convolutions=("depthwise", "conv2d")),
+    LayerKind("Activation", elementwise=True),
+    LayerKind("ReLU", elementwise=True),
+    LayerKind("LeakyReLU", elementwise=True),
+    LayerKind("ELU", elementwise=True),
+    LayerKind("Identity", elementwise=True),
+    LayerKind("Dropout", inference_identity=True),
+    LayerKind("GaussianNoise", inference_identity=True),
+    LayerKind("GaussianDropout", inference_identity=True),
+    LayerKind("AlphaDropout", inference_identity=True),
+)
+
+#: Keras activations that act on each element alone (``softmax``, ``glu`` and
+#: friends mix the last axis and are not here).
+ELEMENTWISE_ACTIVATIONS = frozenset(
+    {
+        "linear",
+        "relu",
+        "relu6",
+        "elu",
+        "selu",
+        "celu",
+        "gelu",
+        "sigmoid",
+        "hard_sigmoid",
+        "log_sigmoid",
+        "tanh",
+        "hard_tanh",
+        "softplus",
+        "softsign",
+        "swish",
+        "silu",
+        "hard_silu",
+        "hard_swish",
+        "mish",
+        "exponential",
+        "leaky_relu",
+    }
+)
