@@ -9,7 +9,9 @@
 - :func:`close_names`: "did you mean" suggestions for a layer-name typo.
 - :func:`contains_layer`: whether a layer is part of a model at all.
 - :func:`recurrent_layers`: the layers that loop over time (a
-  ``tf.while_loop``), for strategies that cannot run through one.
+  ``tf.while_loop``), for strategies that cannot run through one;
+  :func:`layers_through`: the layers of a kind the caller chooses that a
+  target's values flow through.
 - :func:`input_mismatch`: the model's expected input shapes against the ones
   received, in words.
 
@@ -194,40 +196,22 @@ def recurrent_layers(model: Any, target: Any = None) -> list[Any]:
     ``target``, else those after it in the model's layer order; every one
     when ``target`` is ``None`` (a list of variables) or comes after them all.
     """
-    return _layers_through(model, target, _is_recurrent) or _all(model, _is_recurrent)
-
-
-#: layers whose gradient TensorFlow's vectorization (pfor) cannot convert
-#: without its while-loop fallback: DepthwiseConv2dNativeBackpropInput and
-#: ...BackpropFilter have no pfor rule for a batched cotangent (TF 2.21)
-_DEPTHWISE = frozenset(
-    {"DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"}
-)
-
-
-def _is_depthwise(layer: Any) -> bool:
-    return any(
-        cls.__name__ in _DEPTHWISE and cls.__module__.startswith(("keras", "tf_keras"))
-        for cls in type(layer).__mro__
+    return layers_through(model, target, _is_recurrent) or layers_through(
+        model, None, _is_recurrent
     )
 
 
-def depthwise_layers(
-    model: Any, target: Any = None, *, after_only: bool = False
-) -> list[Any]:
-    """The depthwise and separable convolutions that the gradient of
-    ``target`` passes through (chosen as :func:`recurrent_layers` does);
-    ``after_only``: those after it, not ``target`` itself."""
-    return _layers_through(model, target, _is_depthwise, after_only=after_only)
-
-
-def _layers_through(
+def layers_through(
     model: Any, target: Any, chosen: Callable[[Any], bool], *, after_only: bool = False
 ) -> list[Any]:
     """The outermost ``chosen`` layers that values of ``target`` flow
     through: the one that is or holds ``target``, else those after it in the
     model's layer order (none where it comes after them all); every one when
-    ``target`` is ``None`` (variables, tensor targets) or not in the model."""
+    ``target`` is ``None`` (variables, tensor targets) or not in the model.
+    ``after_only``: those after it, not the one that is or holds it.
+
+    ``chosen`` says which layers count (the depthwise check passes the layer
+    registry's ``jacobkit.layers.pfor_cannot_vectorize``)."""
     found: list[tuple[int, Any, tuple[str, ...]]] = []
     target_at = None
     for position, (layer, path) in enumerate(walk(model)):
@@ -242,10 +226,6 @@ def _layers_through(
             return holding
         return [layer for at, layer, _ in found if at > position]
     return [layer for _, layer, _ in found]
-
-
-def _all(model: Any, chosen: Callable[[Any], bool]) -> list[Any]:
-    return _layers_through(model, None, chosen)
 
 
 def describe(layers: Sequence[Any]) -> str:

@@ -178,7 +178,9 @@ class Problem:
         target = self.layer
         if target is None and self.tensor_targets is not None:
             target = self.tensor_targets.layer
-        found = layer_tree.depthwise_layers(self.model, target, after_only=after_only)
+        found = layer_tree.layers_through(
+            self.model, target, layers.pfor_cannot_vectorize, after_only=after_only
+        )
         return layer_tree.describe(found) if found else None
 
     # -- the target layer ---------------------------------------------------
