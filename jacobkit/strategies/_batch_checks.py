@@ -1,0 +1,148 @@
+"""What the ``batch`` strategy checks before it runs, and its refusals: a
+target layer with a closed form (what the layer registry holds,
+:func:`jacobkit.layers.with_rules`), rows that decompose per example, a layer
+that can be tapped, and, on one eager forward pass, that the layer computes
+its closed form and that examples do not mix."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from jacobkit import layers
+from jacobkit.keras.graph import TapError
+from jacobkit.problem import Problem
+from jacobkit.strategies import precision
+from jacobkit.strategies._batch_forward import Forward, tapped_forward
+from jacobkit.strategies.base import ZERO
+
+#: machine epsilon of the half-precision compute dtypes of mixed precision
+_EPSILON = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
+#: examples the checks before the first run look at: two show whether
+#: examples mix, and an eager Keras call holds every layer's output (a
+#: frozen MobileNetV2 at 96 px: 260 MiB for 16 images, against batch's 29
+#: MiB steady peak)
+CHECK_EXAMPLES = 2
+
+
+def check(problem: Problem, name: str) -> None:
+    """Refuse what strategy ``name`` (``"batch"``) cannot run (``ValueError``)."""
+    if problem.tensor_targets is not None:
+        raise ValueError(
+            "jacobian(strategy='batch'): differentiates a Dense or Conv "
+            f"layer's kernel and bias, got the tensor target(s) "
+            f"{', '.join(problem.target_names)}. Use strategy='chunked' or "
+            "'jacobian' (per-example rows of Inputs()/Output() targets cost "
+            "K rows there, not B x K)."
+        )
+    rule = problem.layer_rule
+    if rule is None:
+        what = (
+            "a list of variables"
+            if problem.layer is None
+            else f"layer {problem.layer.name!r} ({type(problem.layer).__name__})"
+        )
+        raise ValueError(
+            f"jacobian(strategy='batch'): supports {layers.with_rules()} layers, "
+            f"got {what}. Use strategy='chunked' or 'jacobian' for this target."
+        )
+    if not problem.rows_spec.decomposes_per_example:
+        raise ValueError(
+            "jacobian(strategy='batch'): needs rows that each belong to one "
+            "example or sum over examples (outputs='features', "
+            "'per_example' or 'full'); a callable outputs= may mix "
+            "examples. Use strategy='chunked'."
+        )
+    if problem.projections is None:
+        raise ValueError(
+            "jacobian(strategy='batch'): the targets must be exactly the "
+            "layer's own kernel and bias (an attention layer's: those of its "
+            "four projections)."
+        )
+    precision.refuse_float16_variables(problem, name)
+    why = rule.unsupported()
+    if why is not None:
+        raise ValueError(
+            f"jacobian(strategy='batch'): layer {problem.layer.name!r} is not "
+            f"supported: {why}. Use strategy='chunked' or 'jacobian'."
+        )
+    try:
+        problem.layer_tap  # noqa: B018 - built here to raise early
+    except TapError as err:
+        raise ValueError(
+            f"jacobian(strategy='batch'): {err}; the batch strategy needs "
+            "the layer's input and output once per forward pass. Use "
+            "strategy='chunked' or 'jacobian'."
+        ) from err
+    forward = _check_forward(problem)
+    _check_closed_form(problem, forward)
+    leak = _cross_example_leak(problem, forward)
+    if leak > 1e-6:
+        raise ValueError(
+            "jacobian(strategy='batch'): the model mixes examples across the "
+            f"batch: example 0's outputs depend on other examples' values at "
+            f"layer {problem.layer.name!r} (relative size {leak:.1e}), as "
+            "BatchNormalization with training=True does. The batch strategy "
+            "assumes independent examples; use strategy='chunked' or "
+            "'jacobian'."
+        )
+
+
+def _check_forward(problem: Problem) -> Forward:
+    """One eager forward pass that serves both checks (each took 0.13 s of a
+    2 s first call on the MLP 512-1024-1024-144), on the first
+    :data:`CHECK_EXAMPLES` examples where the model runs on fewer than its
+    batch (else on all of them)."""
+    batch = problem.batch_size
+    if batch is not None and batch > CHECK_EXAMPLES:
+        first = tf.nest.map_structure(lambda t: t[:CHECK_EXAMPLES], problem.inputs)
+        try:
+            return tapped_forward(problem, first, check=True)
+        except (ValueError, TypeError, tf.errors.OpError):
+            pass  # a model bound to its batch size: checked on all of it
+    return tapped_forward(problem, problem.inputs, check=True)
+
+
+def _check_closed_form(problem: Problem, forward: Forward) -> None:
+    """Refuse a layer whose output is not what its rule computes beside it
+    (``activation(linear(x))``, or an attention layer's projections and
+    attention), from a ``forward`` pass with ``check``."""
+    own, output = forward.own, forward.output
+    # float32 rounding of the same operations differs by < 1e-6 relative; a
+    # float16/bfloat16 layer (mixed precision) rounds its own output to a few
+    # of its epsilons, against ``z`` computed in float32
+    allowed = 1e-4 if own.dtype.size >= 4 else 16 * _EPSILON[own.dtype]
+    own = tf.cast(own, output.dtype)
+    scale = float(tf.reduce_max(tf.abs(own))) + 1e-30
+    if float(tf.reduce_max(tf.abs(output - own))) > allowed * scale:
+        raise ValueError(
+            f"jacobian(strategy='batch'): layer {problem.layer.name!r} "
+            f"({type(problem.layer).__name__}) computes more than "
+            "activation(x @ kernel + bias) (or a convolution, or attention over "
+            "its projections): its output differs from that closed form. Use "
+            "strategy='chunked' or 'jacobian'."
+        )
+
+
+def _cross_example_leak(problem: Problem, forward: Forward) -> float:
+    """How much example 0's rows depend on other examples at the layer's parts'
+    outputs (0 when examples are independent; exactly 0 up to rounding), from
+    a ``forward`` pass on the problem's inputs."""
+    per_example = forward.rows
+    batch = int(per_example.shape[0])
+    if batch < 2:
+        return 0.0
+    weights = tf.random.stateless_normal(
+        per_example.shape[1:], seed=(0, 1), dtype=per_example.dtype
+    )
+    # Select example 0 with the cotangent, not by slicing: the tape has
+    # stopped recording, so a slice of ``per_example`` taken here would have
+    # no gradient and the check would always pass.
+    only_first = tf.one_hot(0, batch, dtype=per_example.dtype)
+    firsts = forward.tape.gradient(
+        per_example,
+        [tap.z for tap in forward.taps],
+        output_gradients=only_first[:, None] * weights[None, :],
+        unconnected_gradients=ZERO,
+    )
+    total = max(float(tf.reduce_max(tf.abs(f))) for f in firsts) + 1e-30
+    return max(float(tf.reduce_max(tf.abs(f[1:]))) for f in firsts) / total

@@ -1,0 +1,101 @@
+"""The ``batch`` strategy's contractions: each linear part's kernel and bias
+Jacobians (or their norms) from its cotangents at ``z`` and its tapped
+input, by its rule's closed form (see the NOTE in
+:func:`jacobkit.layers.contract.kernel_and_bias_gradients`), placed in the
+order of the targets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import tensorflow as tf
+
+from jacobkit.problem import Problem
+from jacobkit.problem.targets import Projection
+from jacobkit.strategies._batch_forward import projections
+from jacobkit.strategies.base import map_chunks
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _no_autograph(fn: _F) -> _F:
+    """``fn`` left as written by AutoGraph (kept for tf_keras models): the
+    helpers below have no data-dependent control flow, and AutoGraph
+    miscalled a helper from inside a comprehension over ``zip``."""
+    return cast(_F, tf.autograph.experimental.do_not_convert(fn))
+
+
+@_no_autograph
+def _placed(problem: Problem, parts: list[tuple[Any, Any]]) -> list[tf.Tensor]:
+    """Each part's ``(kernel, bias)`` results (or norms) at its targets'
+    positions, each in its target's dtype (bias rows reshaped to the
+    variable's shape: a rule gives ``(R, units)``, ``EinsumDense``'s bias is
+    ``(heads, dim)``)."""
+    targets = problem.targets
+    out: list[Any] = [None] * len(targets)
+    for projection, (kernel, bias) in zip(projections(problem), parts):
+        out[projection.kernel] = tf.cast(kernel, targets[projection.kernel].dtype)
+        if projection.bias is not None:
+            target = targets[projection.bias]
+            if problem.reduce != "norm":
+                bias = tf.reshape(bias, (-1, *target.shape))
+            out[projection.bias] = tf.cast(bias, target.dtype)
+    return out
+
+
+@_no_autograph
+def _each_part(
+    problem: Problem,
+    xs: list[Any],
+    dzs: list[Any],
+    contract: Callable[[Projection, Any, Any, tuple[int, ...]], tuple[Any, Any]],
+) -> list[tf.Tensor]:
+    """``contract(part, x, dz, kernel_shape)`` of each part, placed in the
+    order of the targets (:func:`_placed`)."""
+    targets = problem.targets
+    return _placed(
+        problem,
+        [
+            contract(p, x, dz, tuple(targets[p.kernel].shape))
+            for p, x, dz in zip(projections(problem), xs, dzs)
+        ],
+    )
+
+
+def summed_rows(problem: Problem, xs: list[Any], dzs: list[Any]) -> list[tf.Tensor]:
+    """One chunk of rows summed over the batch from its row-major cotangents
+    (each ``(count, B, *z.shape[1:])``), in the order of the targets."""
+    return _each_part(
+        problem, xs, dzs, lambda p, x, dz, shape: p.rule.summed_gradients(x, dz, shape)
+    )
+
+
+def gradients(
+    problem: Problem, xs: list[Any], dzs: list[Any], *, summed: bool
+) -> list[tf.Tensor]:
+    """The kernel/bias Jacobians from the ``dzs`` in closed form (see the NOTE
+    in :func:`jacobkit.layers.contract.kernel_and_bias_gradients`): one einsum
+    per part, no per-row ``vectorized_map`` and no while-loop fallback."""
+    # under mixed precision the layer input is float16 and ``dz`` float32
+    # (``z`` is computed in the kernel's dtype): contract in float32, as the
+    # loop's gradient accumulates (``xs`` are cast to ``z``'s dtype)
+    return _each_part(
+        problem,
+        xs,
+        dzs,
+        lambda p, x, dz, shape: p.rule.gradients(x, dz, shape, summed=summed),
+    )
+
+
+def norms(
+    problem: Problem, xs: list[Any], dzs: list[Any], *, summed: bool
+) -> list[tf.Tensor]:
+    """Per-row norms of the kernel/bias Jacobians (Gram form or chunks of
+    rows, :func:`jacobkit.layers.norms.kernel_and_bias_norms`)."""
+    return _each_part(
+        problem,
+        xs,
+        dzs,
+        lambda p, x, dz, _: p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks),
+    )
