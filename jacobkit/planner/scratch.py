@@ -28,7 +28,8 @@ TensorFlow's inter-op threads; a vectorized strategy (``chunked``, pfor) runs
 one op over all its rows, so one buffer.
 
 :func:`scratch_bytes` measures it on a tiny convolution of each kind the
-problem's gradient uses (``Problem.convolutions``), in the problem's dtype,
+problem's gradient uses (``Problem.convolutions``; the kinds and their ops:
+:mod:`jacobkit.layers.convolutions`), in the problem's dtype,
 once per process; the planner adds it per backward pass in flight
 (:class:`MemoryPrior`).
 """
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from jacobkit import memory
+from jacobkit.layers import convolutions
 from jacobkit.problem.liveness import SequentialMemory
 
 #: rows of a ``while`` loop holding their cotangents at once, per inter-op
@@ -126,24 +128,21 @@ def scratch_bytes(kinds: Iterable[str], dtype: tf.DType, device: str) -> int:
     return found
 
 
-def _probe_tensors(kind: str, dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
+def _probe_tensors(
+    convolution: convolutions.Convolution, dtype: tf.DType
+) -> tuple[tf.Tensor, tf.Tensor]:
     """A small input and kernel, shaped so that TensorFlow's im2col kernels
     (where it uses them) allocate their full L3-sized buffer: many output
-    positions, a small kernel, one output channel."""
+    positions, a small kernel, one output channel (a depthwise convolution
+    reads it as its channel multiplier)."""
     generator = tf.random.Generator.from_seed(0)
-    if kind == "conv3d":
+    if convolution.spatial_axes == 3:
         x = generator.normal((2, 8, 32, 32, 2))
         k = generator.normal((3, 3, 3, 2, 1))
-    else:  # conv2d; depthwise reads the same kernel as (h, w, in, multiplier)
+    else:
         x = generator.normal((2, 64, 64, 2))
         k = generator.normal((3, 3, 2, 1))
     return tf.cast(x, dtype), tf.cast(k, dtype)
-
-
-def _convolution(kind: str, x: tf.Tensor, k: tf.Tensor) -> tf.Tensor:
-    if kind == "depthwise":
-        return tf.nn.depthwise_conv2d(x, k, (1, 1, 1, 1), "SAME")
-    return tf.nn.convolution(x, k, padding="SAME")
 
 
 def _measure(kind: str, dtype: tf.DType, device: str) -> int:
@@ -152,22 +151,29 @@ def _measure(kind: str, dtype: tf.DType, device: str) -> int:
     to run (32 or 64 MiB on the same probe without oneDNN), while one row's
     backward pass through the generator measured one buffer (33 MiB) every
     time."""
+    convolution = convolutions.convolution(kind)
     with tf.device(device):
-        x, k = _probe_tensors(kind, dtype)
+        x, k = _probe_tensors(convolution, dtype)
         try:
-            return max(_measure_one(kind, x, k, wrt, device) for wrt in (0, 1))
+            return max(_measure_one(convolution, x, k, wrt, device) for wrt in (0, 1))
         except (tf.errors.OpError, RuntimeError):
             return 0  # no such kernel for this dtype here, or no statistics
 
 
-def _measure_one(kind: str, x: tf.Tensor, k: tf.Tensor, wrt: int, device: str) -> int:
+def _measure_one(
+    convolution: convolutions.Convolution,
+    x: tf.Tensor,
+    k: tf.Tensor,
+    wrt: int,
+    device: str,
+) -> int:
     """Peak above the probe's own tensors of the gradient with respect to
     ``(x, k)[wrt]`` alone."""
 
     def gradient(x, k):
         with tf.GradientTape() as tape:
             tape.watch([x, k])
-            y = _convolution(kind, x, k)
+            y = convolution.forward(x, k)
         return y, tape.gradient(y, (x, k)[wrt])
 
     # a concrete function: traced once, never counted as a retrace

@@ -11,13 +11,12 @@ is made of.
 
 from jacobkit.problem.arguments import REDUCE_MODES, UNCONNECTED_MODES
 from jacobkit.problem.cache import per_model
-from jacobkit.problem.inspect import CONVOLUTION_GRADIENTS, Inspection
+from jacobkit.problem.inspect import Inspection
 from jacobkit.problem.problem import Problem
 from jacobkit.problem.rows import OUTPUT_MODES, Rows
 from jacobkit.problem.targets import Roles, Targets
 
 __all__ = [
-    "CONVOLUTION_GRADIENTS",
     "OUTPUT_MODES",
     "REDUCE_MODES",
     "UNCONNECTED_MODES",

@@ -16,21 +16,13 @@ from typing import Any, NoReturn, Protocol
 
 import tensorflow as tf
 
+from jacobkit.layers import convolutions
 from jacobkit.problem import liveness
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.cache import per_model
 from jacobkit.problem.liveness import SequentialMemory
 from jacobkit.problem.rows import Rows
 
-#: gradient op types -> the kind of convolution they differentiate
-CONVOLUTION_GRADIENTS = {
-    "Conv2DBackpropInput": "conv2d",
-    "Conv2DBackpropFilter": "conv2d",
-    "Conv3DBackpropInputV2": "conv3d",
-    "Conv3DBackpropFilterV2": "conv3d",
-    "DepthwiseConv2dNativeBackpropInput": "depthwise",
-    "DepthwiseConv2dNativeBackpropFilter": "depthwise",
-}
 #: op types of a ``tf.while_loop`` (recurrent layers run one over time)
 _LOOPS = ("While", "StatelessWhile")
 
@@ -69,13 +61,10 @@ class Inspection:
 
     @property
     def convolutions(self) -> frozenset[str]:
-        """The convolution kinds the backward pass runs (``"conv2d"``, ...;
-        their CPU kernels' scratch space and accuracy depend on the CPU)."""
-        return frozenset(
-            CONVOLUTION_GRADIENTS[t]
-            for t in self.gradient_op_types
-            if t in CONVOLUTION_GRADIENTS
-        )
+        """The convolution kinds the backward pass runs (``"conv2d"``, ...:
+        :mod:`jacobkit.layers.convolutions`, read from its op types; their
+        CPU kernels' scratch space and accuracy depend on the CPU)."""
+        return convolutions.of_gradient_ops(self.gradient_op_types)
 
 
 class Traceable(Protocol):
