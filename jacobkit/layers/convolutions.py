@@ -67,6 +67,10 @@ CONVOLUTIONS = (
         "conv3d",
         3,
         frozenset({"Conv3DBackpropInputV2", "Conv3DBackpropFilterV2"}),
+        # NOT TRUE (TF 2.21): pfor has no rule for Conv3DBackpropInputV2
+        # either, so chunked fails on a Conv3D at its first call instead of
+        # being refused before it. Kept as the depthwise check always had it;
+        # setting False changes what chunked and auto do (its own change).
         True,
         _convolution,
     ),
