@@ -6,6 +6,8 @@ is made of.
 - :mod:`.targets`: ``layer=`` as a layer, name or variables (:class:`Targets`);
   :mod:`.tensor_targets`: ``Inputs()`` and ``Output("layer")``.
 - :mod:`.inspect`: the one traced pass (:class:`Inspection`).
+- :mod:`.structure`: the exact shortcuts a model's structure allows
+  (:mod:`.linear_head`, :mod:`.separable_channels`).
 - :mod:`.cache`: the per-model weak cache (:func:`per_model`).
 """
 
