@@ -35,10 +35,10 @@ from jacobkit.layers import stock
 from jacobkit.layers.base import LayerRule
 from jacobkit.layers.registry import LayerKind, LayerRegistry
 
+# REGISTRY itself is not public yet: a public ``register(layer_class, rule)``
+# will add a kind with one call (``REGISTRY.add(LayerKind(cls, rule))``)
 __all__ = [
-    "REGISTRY",
     "LayerKind",
-    "LayerRegistry",
     "LayerRule",
     "elementwise_activation",
     "kind_of",
