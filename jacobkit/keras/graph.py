@@ -220,15 +220,6 @@ def single_input(layer: Any, node: Any) -> Any:
     return inputs[0]
 
 
-def stock(keras: Any, layer: Any, names: frozenset[str]) -> str | None:
-    """The class name if ``layer`` is exactly a stock Keras layer in ``names``
-    (subclasses may change ``call``, so they are not certain)."""
-    name = type(layer).__name__
-    if name in names and type(layer) is compat.layer_class(keras, name):
-        return name
-    return None
-
-
 def used_once(layer: Any) -> None:
     if len(layer._inbound_nodes) != 1:
         raise NotCertain(
