@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import threading
+import types
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
@@ -265,3 +266,15 @@ def start_tensorflow_quietly(*, runtime: bool = True) -> None:
 
         if runtime:
             tf.config.list_logical_devices()
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's call: the first
+    frame outside jacobkit, counted from the caller of :func:`warnings.warn`
+    (the function that calls this)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -8,7 +8,6 @@ Every check on the inputs that can be made before any work is made here.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -189,42 +188,6 @@ def pad(x: Any, size: int) -> Any:
         return np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], axis=0)])
 
     return tf.nest.map_structure(pad_one, x)
-
-
-def _non_finite(x: Any) -> int:
-    """How many NaN/Inf values the float arrays or tensors of ``x`` hold."""
-    count = 0
-    for a in tf.nest.flatten(x):
-        if (
-            isinstance(a, tf.Tensor)
-            and a.dtype in (tf.float16, tf.float32, tf.float64)
-            and ":CPU:" in getattr(a, "device", "")
-        ):
-            a = a.numpy()  # shares the CPU buffer; NumPy counts ~10x faster
-        if isinstance(a, tf.Tensor):
-            if a.dtype.is_floating:
-                finite = tf.math.count_nonzero(tf.math.is_finite(a))
-                count += int(tf.size(a, out_type=tf.int64) - finite)
-        elif np.asarray(a).dtype.kind == "f":
-            count += int(np.size(a) - np.count_nonzero(np.isfinite(a)))
-    return count
-
-
-def warn_non_finite(inputs: Any, batch: int | None = None, stacklevel: int = 3) -> bool:
-    """Warn once if ``inputs`` hold NaN or Inf (they reach the rows: with
-    ``outputs="features"`` every row would be NaN); whether it warned."""
-    bad = _non_finite(inputs)
-    if bad:
-        where = "the inputs hold" if batch is None else f"batch {batch} holds"
-        later = "" if batch is None else " Later batches are not reported."
-        warnings.warn(
-            f"jacobian(inputs=...): {where} {bad} NaN/Inf value(s); the "
-            "Jacobians of every row they reach are NaN (with "
-            f"outputs='features', every row).{later}",
-            RuntimeWarning,
-            stacklevel=stacklevel + 1,
-        )
-    return bool(bad)
 
 
 @dataclass(frozen=True)

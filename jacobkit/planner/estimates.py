@@ -1,4 +1,4 @@
-"""From measured segments to estimates, and the priors used before a
+"""From measured runs to estimates, and the priors used before a
 strategy ran: its peak memory and its tracing time."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def estimate(
     earlier: Estimate | None = None,
     rate_runs: int = Policy.rate_runs,
 ) -> Estimate:
-    """What ``probes`` (segments ``strategy`` computed) say of it.
+    """What ``probes`` (runs of ``strategy``) say of it.
 
     The steady rate is the median over the newest ``rate_runs`` runs
     that did not trace (seconds per row): a process's first calls are slow
@@ -62,7 +62,7 @@ def estimate(
 
 
 def predicted_peak(
-    strategy: Strategy, segment_rows: int, prior: MemoryPrior, result_bytes: int
+    strategy: Strategy, num_rows: int, prior: MemoryPrior, result_bytes: int
 ) -> int:
     """Peak memory before ``strategy`` ran: the forward pass kept by the tape
     and one forward pass's activations per row alive at once (where rows run
@@ -70,13 +70,13 @@ def predicted_peak(
     the traced pass's tensors alive at its peak and each further row's own,
     :class:`~jacobkit.problem.liveness.SequentialMemory`), the gradient
     kernels' scratch space per backward pass in flight
-    (:mod:`jacobkit.planner.scratch`), the segment's Jacobians (twice, where
+    (:mod:`jacobkit.planner.scratch`), the Jacobians (twice, where
     they are stacked into the result:
     :attr:`~jacobkit.strategies.Strategy.result_copies`), and for an eager
     strategy every activation of the forward pass (an eager Keras call holds
     them until it returns)."""
-    at_once = strategy.rows_at_once(segment_rows)
-    scratch = prior.scratch_in_flight(strategy.passes_in_flight(segment_rows))
+    at_once = strategy.rows_at_once(num_rows)
+    scratch = prior.scratch_in_flight(strategy.passes_in_flight(num_rows))
     eager = 0 if strategy.compiled else prior.eager_bytes
     results = strategy.result_copies * result_bytes
     rows = prior.sequential_peak(at_once) if strategy.sequential_rows() else None

@@ -12,7 +12,7 @@ another, and which wins.
   is predicted to peak within its ``start_peak_factor`` of it: then that
   one (:func:`starting_first`).
 - Trying another (a ski-rental rule): a candidate is tried on real calls
-  (or segments of them) once the time spent running the current strategy
+  once the time spent running the current strategy
   (tracing not counted) reaches the policy's ``rent`` times the
   candidate's predicted tracing time, and never in a process's first call.
   Whatever it could save, trying it then costs at most ``1 / rent`` more
@@ -34,11 +34,11 @@ from jacobkit.strategies import Strategy
 
 
 def candidates(
-    segment_rows: int,
+    num_rows: int,
     fits: Callable[[Strategy], bool],
     cannot_run: Callable[[Strategy], str | None] = lambda strategy: None,
 ) -> tuple[list[Strategy], list[Rejection]]:
-    """``auto``'s candidates for segments of ``segment_rows`` rows, cheapest to
+    """``auto``'s candidates for calls of ``num_rows`` rows, cheapest to
     trace first, each as large as ``fits(strategy)`` allows; and the
     registered strategies it does not consider, with the reason (among them
     those that ``cannot_run`` names a reason for)."""
@@ -46,7 +46,7 @@ def candidates(
     rejected: list[Rejection] = []
     ranked = sorted(strategies.REGISTRY.values(), key=lambda cls: cls.trace_weight)
     for cls in ranked:
-        strategy = cls.for_auto(segment_rows)
+        strategy = cls.for_auto(num_rows)
         if strategy is None:
             rejected.append(Rejection(cls.name, _NOT_AUTO.get(cls.name, "not offered")))
             continue
@@ -74,7 +74,7 @@ def starting_first(
     ``start_trace_factor`` of the cheapest and predicted to peak within its
     ``start_peak_factor`` of it, the one computing the most rows at once
     (the cheapest on a tie). Peaks are compared as configured for every one
-    of the ``num_rows`` rows, before a budget or segments made them smaller:
+    of the ``num_rows`` rows, before a budget made them smaller:
     how much memory vectorizing rows costs is a property of the problem."""
     if len(found) < 2:
         return found
@@ -110,17 +110,9 @@ def should_try(policy: Policy, spent_s: float, trace_s: float | None) -> bool:
     return spent_s >= policy.rent * trace_s
 
 
-def should_run_whole(policy: Policy, joining_s: float, trace_s: float | None) -> bool:
-    """Whether to trace the current strategy for every row at once, after
-    ``joining_s`` seconds spent joining its segments (what whole calls
-    save), given its tracing time ``trace_s``."""
-    return trace_s is not None and joining_s >= policy.whole_rent * trace_s
-
-
 def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float:
-    """The largest predicted peak (earlier segments kept included) a
-    candidate may have to be tried, given the current strategy's measured
-    peak with the same accounting (``None``: not measured). Predictions keep
+    """The largest predicted peak a candidate may have to be tried, given the
+    current strategy's measured peak (``None``: not measured). Predictions keep
     the policy's ``safety`` margin below the race's bound, as below a
     budget: on the MLP 512-1024-1024-144, chunked(72) was predicted at 1035
     MiB against a bound of 1064 MiB, measured 1101 MiB, and the try set

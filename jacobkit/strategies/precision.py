@@ -36,9 +36,6 @@ float32, which would make the refusal unneeded there (not measured yet).
 from __future__ import annotations
 
 import functools
-import os
-import sys
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +63,7 @@ def gradient_dtype(problem: Any) -> tf.DType:
     compute dtype (``float16`` under ``mixed_float16``); for a list of
     variables, the lowest compute dtype of the Keras layers that own them,
     else of the variables themselves."""
-    layer = getattr(problem, "layer", None)
-    compute = compat.compute_dtype(layer)
+    compute = compat.compute_dtype(problem.layer)
     if compute is not None:
         return tf.as_dtype(compute)
     dtypes = [t.dtype for t in problem.targets]
@@ -111,10 +107,9 @@ def refuse_float16_variables(problem: Any, name: str) -> None:
 
 
 def _what(problem: Any) -> str:
-    layer = getattr(problem, "layer", None)
-    if layer is None:
+    if problem.layer is None:
         return "the target"
-    return f"layer {layer.name!r}"
+    return f"layer {problem.layer.name!r}"
 
 
 # -- bfloat16 on this CPU -----------------------------------------------------
@@ -241,7 +236,7 @@ def warn_if_bfloat16_far_off(problem: Any, compiled: bool) -> None:
     """Warn once per process (per compiled/eager path) where ``problem``'s
     gradients run bfloat16 convolutions and :func:`bfloat16_check` finds this
     CPU's kernels more than :data:`FAR_OFF` from float64 on that path."""
-    if compiled in _WARNED or not getattr(problem, "convolutions", None):
+    if compiled in _WARNED or not problem.convolutions:
         return
     if gradient_dtype(problem) != tf.bfloat16:
         return
@@ -262,16 +257,5 @@ def warn_if_bfloat16_far_off(problem: Any, compiled: bool) -> None:
         "round every intermediate gradient to bfloat16. Use float32 or "
         "mixed_float16 for the target's layers where that matters.",
         PrecisionWarning,
-        stacklevel=_caller_level(),
+        stacklevel=runtime.caller_stacklevel(),
     )
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside jacobkit (the user's
-    call), counted from :func:`warnings.warn`'s caller."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
