@@ -7,7 +7,6 @@ import abc
 import dataclasses
 import numbers
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -15,15 +14,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.problem import Problem, per_model
+from jacobkit.problem import Problem, Slot, model_state
 from jacobkit.result import Stats
 from jacobkit.strategies import precision
 
 if TYPE_CHECKING:  # auto's plan ranks above the strategies: for types only
     from jacobkit.planner.plan import Plan
-
-#: model -> {(problem key, strategy key): compiled computation}
-_COMPILED: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 ZERO = tf.UnconnectedGradients.ZERO
@@ -169,7 +165,7 @@ class Strategy(abc.ABC):
     # -- running -------------------------------------------------------------
     def compiled_for(self, problem: Problem) -> _Compiled:
         """The cached compiled computation for ``problem`` (built if new)."""
-        compiled = per_model(_COMPILED, problem.model)
+        compiled = model_state(problem.model, Slot.COMPILED)
         key = (problem.key, self.key)
         if key not in compiled:
             if problem.reduce is not None and not self.supports_norm:

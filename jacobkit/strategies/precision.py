@@ -35,7 +35,6 @@ float32, which would make the refusal unneeded there (not measured yet).
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -148,13 +147,16 @@ class Bfloat16Check:
     cpu: str
 
 
-@functools.cache
 def bfloat16_check() -> Bfloat16Check:
     """Measure this CPU's bfloat16 convolution gradients, once per process
     (about 0.3 s): the Jacobian of ``examples.cnn2d`` (Conv2D → Conv2D →
     Dense → Dense, batch 2 of 8×7 images) with respect to its first Conv2D's
     kernel and bias, in bfloat16, against float64 on the same rounded weights
     and inputs. See :data:`MEASURED_BFLOAT16` for what it found."""
+    return runtime.measured_once("bfloat16 check", _measure_bfloat16)
+
+
+def _measure_bfloat16() -> Bfloat16Check:
     inputs, weights = _cnn2d_values()
 
     def as_dtype(dtype: tf.DType) -> tuple[tf.Tensor, list[tf.Tensor]]:
@@ -229,21 +231,15 @@ def _worst(actual: list[tf.Tensor], expected: list[tf.Tensor]) -> float:
     return worst
 
 
-_WARNED: set[bool] = set()
-
-
 def warn_if_bfloat16_far_off(problem: Any, compiled: bool) -> None:
     """Warn once per process (per compiled/eager path) where ``problem``'s
     gradients run bfloat16 convolutions and :func:`bfloat16_check` finds this
     CPU's kernels more than :data:`FAR_OFF` from float64 on that path."""
-    if compiled in _WARNED or not problem.convolutions:
-        return
-    if gradient_dtype(problem) != tf.bfloat16:
+    if not problem.convolutions or gradient_dtype(problem) != tf.bfloat16:
         return
     check = bfloat16_check()
     error = check.compiled if compiled else check.eager
-    _WARNED.add(compiled)
-    if error <= FAR_OFF:
+    if error <= FAR_OFF or not runtime.first_notice(("bfloat16 far off", compiled)):
         return
     path = (
         "every strategy but 'loop'"
