@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jacobkit import strategies
+from jacobkit import memory, strategies
 from jacobkit.planner.plan import Estimate, Rejection
 from jacobkit.planner.policy import Policy
 from jacobkit.strategies import Strategy
@@ -124,6 +124,24 @@ def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float
         policy.safety
         * (policy.race_peak_factor * current_peak + policy.race_slack_bytes),
     )
+
+
+def too_big_to_try(
+    policy: Policy, candidate: Strategy, predicted: int, room: float
+) -> Rejection:
+    """Why ``candidate`` (predicted to peak at ``predicted`` bytes even at its
+    smallest) is not tried: over the ``room`` a try may take
+    (:func:`race_room`)."""
+    return Rejection(
+        candidate,
+        f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
+        f"({policy.safety:.0%} of {policy.race_peak_factor:g} x the current "
+        f"peak + {_fmt(policy.race_slack_bytes)}, within the budget)",
+    )
+
+
+def _fmt(n: float) -> str:
+    return memory.format_bytes(int(n))
 
 
 def winner(policy: Policy, a: Estimate, b: Estimate) -> Estimate:

@@ -23,16 +23,15 @@ is :mod:`jacobkit.planner.cache` (:meth:`restore`, :meth:`cache_entry`).
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import tensorflow as tf
 
-from jacobkit import memory, runtime
+from jacobkit import runtime
 from jacobkit.planner import cache as disk
-from jacobkit.planner import estimates as est
-from jacobkit.planner import selection, trials
+from jacobkit.planner import trials
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.footprint import Footprint
+from jacobkit.planner.measured import Measurements
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
@@ -80,13 +79,10 @@ class Session:
         self._footprint: Footprint = begun.footprint
         self._num_rows = problem.num_rows
         self._budget_bytes = budget_bytes
-        self._allowed_bytes = allowed_bytes
         self._device = device
-        self._prior = prior
         self._structure = begun.structure
         self._cache_name = cache_name
-        self._probes: list[Probe] = []
-        self._known: dict[Strategy, Estimate] = {}
+        self._measured = Measurements(policy, begun.footprint)
         self._rejected: list[Rejection] = list(begun.rejected)
         self._current = begun.candidates[0]
         self._pending: list[Strategy] = list(begun.candidates[1:])
@@ -107,34 +103,14 @@ class Session:
         return self._current
 
     @property
-    def trying(self) -> Strategy | None:
-        """The candidate being tried, if any."""
-        return self._trying
-
-    @property
-    def calls(self) -> int:
-        """Calls begun in this process (1 during the first)."""
-        return self._calls
-
-    @property
     def device(self) -> str | None:
         """Where peaks are measured (``None``: not measured)."""
         return self._device
 
     @property
-    def allowed_bytes(self) -> float:
-        """What a run may peak at: the budget times the safety margin."""
-        return self._allowed_bytes
-
-    @property
     def structure(self) -> str | None:
         """What the exact shortcut found, where it is the one candidate."""
         return self._structure
-
-    @property
-    def dirty(self) -> bool:
-        """Whether something worth writing to the disk cache changed."""
-        return self._dirty
 
     # -- memory --------------------------------------------------------------
     def fits(self, strategy: Strategy, room: float | None = None) -> bool:
@@ -147,17 +123,10 @@ class Session:
     # -- knowledge -------------------------------------------------------------
     def estimate(self, strategy: Strategy) -> Estimate | None:
         """What is known of ``strategy`` (``None`` if nothing)."""
-        earlier = self._known.get(strategy)
-        if not any(p.strategy == strategy for p in self._probes):
-            return earlier
-        found = est.estimate(strategy, self._probes, earlier, self._policy.rate_runs)
-        peak = self._footprint.predicted_peak(strategy)
-        return replace(found, predicted_peak_bytes=peak)
+        return self._measured.estimate(strategy)
 
     def plan(self) -> Plan:
         """The current state as a frozen :class:`Plan`."""
-        ran = {p.strategy for p in self._probes} | set(self._known)
-        estimates = tuple(e for s in ran if (e := self.estimate(s)) is not None)
         current = self.estimate(self._current)
         peak = current.peak if current is not None else None
         if peak is None:
@@ -169,7 +138,7 @@ class Session:
             num_rows=self._num_rows,
             predicted_time_s=current.seconds(self._num_rows) if current else None,
             predicted_peak_bytes=peak,
-            estimates=tuple(sorted(estimates, key=lambda e: e.strategy.label)),
+            estimates=self._measured.estimates(),
             pending=tuple(([self._trying] if self._trying else []) + self._pending),
             rejected=tuple(self._rejected),
             switches=tuple(self._switches),
@@ -189,45 +158,45 @@ class Session:
         """The strategy of the call's run: a candidate while it is tried,
         else the current one (a candidate starts its try where it is due)."""
         if self._trying is not None:
-            timed = [p for p in self._probes if p.strategy == self._trying]
-            if sum(not p.traced for p in timed) < self._policy.trial_runs:
+            if self._measured.timed_runs(self._trying) < self._policy.trial_runs:
                 return self._trying  # its tracing run is not its speed
             self._finish_trial()
-        due = self._due_candidate()
-        if due is None:
+        current = self.estimate(self._current)
+        if self._calls <= 1 or current is None or current.seconds_per_row is None:
+            return self._current  # never in the first call; no rate to beat yet
+        due = trials.next_try(
+            self._policy,
+            tuple(self._pending),
+            current,
+            self._spent_s,
+            lambda s: self._measured.earlier(s),
+            self._footprint.predicted_peak,
+            lambda s, room: self.fits(s, room),
+            (self._footprint.allowed_bytes, self._num_rows),
+        )
+        if due.too_big:
+            del self._pending[: len(due.too_big)]
+            self._rejected.extend(due.too_big)
+            self._dirty = True
+        if due.candidate is None:
             return self._current
-        candidate, trace_s = due
         self._pending.pop(0)
-        self._trying = candidate
+        self._trying = due.candidate
         self._switches.append(
-            Switch(
-                self._calls,
-                0,
-                self._current,
-                candidate,
-                f"trying it: {self._spent_s:.2f} s spent running "
-                f"{self._current.label} >= {self._policy.rent:g} x its predicted "
-                f"trace {trace_s:.2f} s",
-            )
+            Switch(self._calls, 0, self._current, due.candidate, due.reason)
         )
         self._spent_s = 0.0
-        return candidate
+        return due.candidate
 
     def record(self, probe: Probe) -> None:
         """Keep what a run measured (the newest runs of each strategy)."""
+        first_rate = not probe.traced and not self._measured.timed_runs(probe.strategy)
+        self._measured.add(probe)
         if probe.traced:
             self._dirty = True
-        self._probes.append(probe)
-        mine = [p for p in self._probes if p.strategy == probe.strategy]
-        if len(mine) > self._policy.kept_probes:  # keep the traced one, the newest
-            old = next(p for p in mine if not p.traced)
-            self._probes.remove(old)
         if probe.strategy == self._current and not probe.traced:
             self._spent_s += probe.seconds
-            if not any(
-                p.strategy == probe.strategy and not p.traced for p in self._probes[:-1]
-            ):
-                self._dirty = True  # its first rate
+            self._dirty = self._dirty or first_rate
 
     def end_call(self, runs: tuple[Probe, ...]) -> None:
         """The call is done: ``runs`` are what it ran (the last computed it)."""
@@ -237,7 +206,10 @@ class Session:
 
     def over_budget(self, probe: Probe) -> bool:
         """Whether a run measured above what the budget allows."""
-        return probe.peak_bytes is not None and probe.peak_bytes > self._allowed_bytes
+        return (
+            probe.peak_bytes is not None
+            and probe.peak_bytes > self._footprint.allowed_bytes
+        )
 
     def back_off(self, strategy: Strategy, what: str) -> None:
         """``strategy`` needs less at once (``what`` happened): its
@@ -273,7 +245,7 @@ class Session:
             )
         self._switches.append(Switch(self._calls, 0, strategy, smaller, what))
         self._rejected.append(Rejection(strategy, what))
-        self._set_current(smaller)
+        self._current = smaller
 
     def drop(self, strategy: Strategy, err: Exception) -> bool:
         """A run of ``strategy`` raised ``err`` (not out of memory): whether it
@@ -286,8 +258,8 @@ class Session:
             # dropped; the current strategy computes the rows
             self._drop_trial(strategy, why)
             return True
-        if self._pending and not any(p.strategy == strategy for p in self._probes):
-            self._set_current(self._pending.pop(0))
+        if self._pending and not self._measured.ran(strategy):
+            self._current = self._pending.pop(0)
             self._reject(strategy, why)
             return True
         return False
@@ -300,7 +272,7 @@ class Session:
             current=self._current,
             pending=plan.pending,
             segment_rows=self._num_rows,
-            row_bytes=self._prior.row_bytes,
+            row_bytes=self._footprint.prior.row_bytes,
             spent_s=self._spent_s,
             estimates=plan.estimates,
             rejected=plan.rejected,
@@ -314,12 +286,12 @@ class Session:
         if entry.segment_rows != self._num_rows:
             self._dirty = True
             return False
-        self._known = {e.strategy: e for e in entry.estimates}
+        self._measured.know(entry.estimates)
         if not self.fits(entry.current):
-            self._known = {}
+            self._measured.know(())
             self._dirty = True
             return False
-        self._set_current(entry.current)
+        self._current = entry.current
         self._pending = [s for s in entry.pending if self.fits(s)]
         self._rejected = list(entry.rejected)
         self._spent_s = entry.spent_s
@@ -334,9 +306,6 @@ class Session:
             self._dirty = False
 
     # -- inside ----------------------------------------------------------------
-    def _set_current(self, strategy: Strategy) -> None:
-        self._current = strategy
-
     def _reject(self, strategy: Strategy, why: str) -> None:
         self._rejected.append(Rejection(strategy, why.splitlines()[0][:160]))
         self._dirty = True
@@ -353,7 +322,7 @@ class Session:
         assert current is not None and found is not None, "both have run"
         verdict = trials.judge(
             self._policy,
-            self._probes,
+            self._measured.probes,
             self._current,
             trying,
             (current, found),
@@ -364,51 +333,4 @@ class Session:
         self._switches.append(verdict.switch)
         self._rejected.append(verdict.rejection)
         if verdict.won:
-            self._set_current(trying)
-
-    def _due_candidate(self) -> tuple[Strategy, float] | None:
-        """The next candidate to try now (made smaller until it fits the room
-        a try may take) and its predicted tracing time; ``None`` in a
-        process's first call, before the current rate is known, or while the
-        time spent running the current strategy is below the policy's
-        ``rent`` times that tracing time. Candidates that cannot fit are
-        rejected on the way."""
-        current = self.estimate(self._current)
-        if self._calls <= 1 or current is None or current.seconds_per_row is None:
-            return None
-        while self._pending:
-            candidate = self._pending[0]
-            room = selection.race_room(
-                self._policy, current.peak_bytes, self._allowed_bytes
-            )
-            smaller: Strategy | None = candidate
-            while smaller is not None and not self.fits(smaller, room):
-                smaller = smaller.smaller()
-            if smaller is None:
-                self._pending.pop(0)
-                predicted = self._footprint.predicted_peak(candidate)
-                slack = self._policy.race_slack_bytes
-                self._rejected.append(
-                    Rejection(
-                        candidate,
-                        f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
-                        f"({self._policy.safety:.0%} of "
-                        f"{self._policy.race_peak_factor:g} x the current peak + "
-                        f"{_fmt(slack)}, within the budget)",
-                    )
-                )
-                self._dirty = True
-                continue
-            trace_s = est.predicted_trace_s(
-                smaller, self._known.get(smaller), current, self._num_rows
-            )
-            if not selection.should_try(self._policy, self._spent_s, trace_s):
-                return None
-            assert trace_s is not None, "should_try refuses an unknown time"
-            self._pending[0] = smaller
-            return smaller, trace_s
-        return None
-
-
-def _fmt(n: float) -> str:
-    return memory.format_bytes(int(n))
+            self._current = trying
