@@ -13,7 +13,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import engine, planner, runtime, strategies
-from jacobkit.batches import collect, source
+from jacobkit.batches import collect
 from jacobkit.problem import Call, arguments
 from jacobkit.result import JacobianResult
 
@@ -129,7 +129,7 @@ def jacobian(
         progress=progress,
         distribute=distribute,
     )
-    if out is not None or distribute is not None or source.is_batches(inputs):
+    if out is not None or distribute is not None or arguments.is_batches(inputs):
         with runtime.tensorflow_warnings():
             return collect.jacobian_batches(call, inputs)
     with engine.device_scope(device), runtime.tensorflow_warnings():

@@ -8,12 +8,14 @@ Every check on the inputs that can be made before any work is made here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from jacobkit.problem import arguments
 
 
 class batches:  # noqa: N801 - reads as a function: jk.data.batches(x, 64)
@@ -53,17 +55,6 @@ class batches:  # noqa: N801 - reads as a function: jk.data.batches(x, 64)
             yield tf.nest.map_structure(
                 lambda a, window=window: np.asarray(a[window]), self.x
             )
-
-
-def is_batches(inputs: Any) -> bool:
-    """Whether ``inputs`` is a dataset or iterable of batches (not the arrays
-    of one batch: a list, tuple or dict is a multi-input model's inputs)."""
-    if isinstance(inputs, tf.data.Dataset):
-        return True
-    # a tf.Variable is iterable too, but it is one batch (USERS.md case 4)
-    return isinstance(inputs, Iterable) and not isinstance(
-        inputs, (list, tuple, dict, np.ndarray, tf.Tensor, tf.Variable, str, bytes)
-    )
 
 
 def _features_of(element: Any) -> Any:
@@ -203,7 +194,7 @@ def open_source(inputs: Any, steps: int | None, replicas: int | None) -> Source:
     """The batches of ``inputs``: a dataset's or iterable's (at most ``steps``),
     or one batch of arrays, split into one batch per replica when there are
     ``replicas`` (``distribute=``)."""
-    if is_batches(inputs):
+    if arguments.is_batches(inputs):
         return Source(count_batches(inputs, steps), iterate(inputs, steps))
     arrays = tf.nest.map_structure(np.asarray, inputs)
     if replicas is None:

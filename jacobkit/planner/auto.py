@@ -58,7 +58,8 @@ class Auto:
 
     def __post_init__(self) -> None:
         # a bad budget or device is refused now, before any model is traced
-        memory.parse_budget(self.memory_budget, free=1 << 40)
+        if self.memory_budget is not None:
+            memory.parse_budget(self.memory_budget, free=1 << 40)
         if self.device is not None:
             try:
                 memory.normalize_device(self.device)

@@ -17,6 +17,8 @@ another, and which wins.
   candidate's predicted tracing time, and never in a process's first call.
   Whatever it could save, trying it then costs at most ``1 / rent`` more
   than never trying it, and nothing when the calls stop early.
+- Which try is next (:func:`next_try`): the first pending candidate that
+  fits the room a try may take, made smaller until it does.
 - Winning: the least time per row; where rates are within the policy's
   ``noise``, the lower peak.
 
@@ -25,9 +27,11 @@ The tunables are :class:`~jacobkit.planner.policy.Policy`'s fields.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from jacobkit import memory, strategies
+from jacobkit.planner import estimates as est
 from jacobkit.planner.plan import Estimate, Rejection
 from jacobkit.planner.policy import Policy
 from jacobkit.strategies import Strategy
@@ -154,3 +158,62 @@ def winner(policy: Policy, a: Estimate, b: Estimate) -> Estimate:
     if close and a.peak is not None and b.peak is not None:
         return a if a.peak <= b.peak else b
     return fast
+
+
+@dataclass(frozen=True)
+class NextTry:
+    """Which candidate a call tries.
+
+    Attributes:
+        candidate: the candidate to try now, made small enough for the room a
+            try may take (``None``: none is due yet).
+        reason: why now, in words (the plan's switch), where ``candidate``.
+        too_big: candidates at the head of the queue dropped on the way, each
+            predicted over that room even at its smallest.
+    """
+
+    candidate: Strategy | None
+    reason: str
+    too_big: tuple[Rejection, ...]
+
+
+def next_try(
+    policy: Policy,
+    pending: Sequence[Strategy],
+    current: Estimate,
+    spent_s: float,
+    earlier: Callable[[Strategy], Estimate | None],
+    predicted_peak: Callable[[Strategy], int],
+    fits: Callable[[Strategy, float], bool],
+    limits: tuple[float, int],
+) -> NextTry:
+    """The next of the ``pending`` candidates to try, given the ``current``
+    strategy's estimate (its rate known) and the ``spent_s`` seconds spent
+    running it since the last try: the first that fits the room a try may
+    take (:func:`~jacobkit.planner.race_room`, within ``limits``:
+    the bytes the budget allows and the rows), made smaller until it fits,
+    once ``spent_s`` reaches the policy's ``rent`` times its predicted
+    tracing time (:func:`~jacobkit.planner.estimates.predicted_trace_s`,
+    from what ``earlier`` processes measured)."""
+    allowed, num_rows = limits
+    room = race_room(policy, current.peak_bytes, allowed)
+    too_big: list[Rejection] = []
+    for candidate in pending:
+        smaller: Strategy | None = candidate
+        while smaller is not None and not fits(smaller, room):
+            smaller = smaller.smaller()
+        if smaller is None:
+            too_big.append(
+                too_big_to_try(policy, candidate, predicted_peak(candidate), room)
+            )
+            continue
+        trace_s = est.predicted_trace_s(smaller, earlier(smaller), current, num_rows)
+        if not should_try(policy, spent_s, trace_s):
+            return NextTry(None, "", tuple(too_big))
+        assert trace_s is not None, "should_try refuses an unknown time"
+        reason = (
+            f"trying it: {spent_s:.2f} s spent running {current.strategy.label} "
+            f">= {policy.rent:g} x its predicted trace {trace_s:.2f} s"
+        )
+        return NextTry(smaller, reason, tuple(too_big))
+    return NextTry(None, "", tuple(too_big))

@@ -28,10 +28,10 @@ import tensorflow as tf
 
 from jacobkit import runtime
 from jacobkit.planner import cache as disk
-from jacobkit.planner import trials
+from jacobkit.planner import estimates as est
+from jacobkit.planner import selection, trials
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.footprint import Footprint
-from jacobkit.planner.measured import Measurements
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
@@ -82,7 +82,7 @@ class Session:
         self._device = device
         self._structure = begun.structure
         self._cache_name = cache_name
-        self._measured = Measurements(policy, begun.footprint)
+        self._measured = est.Measurements(policy, begun.footprint)
         self._rejected: list[Rejection] = list(begun.rejected)
         self._current = begun.candidates[0]
         self._pending: list[Strategy] = list(begun.candidates[1:])
@@ -164,7 +164,7 @@ class Session:
         current = self.estimate(self._current)
         if self._calls <= 1 or current is None or current.seconds_per_row is None:
             return self._current  # never in the first call; no rate to beat yet
-        due = trials.next_try(
+        due = selection.next_try(
             self._policy,
             tuple(self._pending),
             current,

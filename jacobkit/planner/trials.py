@@ -1,14 +1,12 @@
-"""Trying candidates: which one to try next, and when (:func:`next_try`),
-and at the end of a try which of it and the current strategy is kept, with
-the switch and rejection the plan records (:func:`judge`). Pure functions of
-what the session knows, returning typed verdicts."""
+"""Finishing a candidate's trial: which of it and the current strategy is
+kept, and the switch and rejection the plan records (:func:`judge`, a pure
+function returning a typed :class:`Verdict`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from jacobkit.planner import estimates as est
 from jacobkit.planner import selection
 from jacobkit.planner.plan import Estimate, Probe, Rejection, Switch
 from jacobkit.planner.policy import Policy
@@ -99,64 +97,3 @@ def best_rate(
         p.seconds / p.rows for p in probes if p.strategy == strategy and not p.traced
     ]
     return min(rates[-runs:], default=otherwise)
-
-
-@dataclass(frozen=True)
-class NextTry:
-    """Which candidate a call tries.
-
-    Attributes:
-        candidate: the candidate to try now, made small enough for the room a
-            try may take (``None``: none is due yet).
-        reason: why now, in words (the plan's switch), where ``candidate``.
-        too_big: candidates at the head of the queue dropped on the way, each
-            predicted over that room even at its smallest.
-    """
-
-    candidate: Strategy | None
-    reason: str
-    too_big: tuple[Rejection, ...]
-
-
-def next_try(
-    policy: Policy,
-    pending: Sequence[Strategy],
-    current: Estimate,
-    spent_s: float,
-    earlier: Callable[[Strategy], Estimate | None],
-    predicted_peak: Callable[[Strategy], int],
-    fits: Callable[[Strategy, float], bool],
-    limits: tuple[float, int],
-) -> NextTry:
-    """The next of the ``pending`` candidates to try, given the ``current``
-    strategy's estimate (its rate known) and the ``spent_s`` seconds spent
-    running it since the last try: the first that fits the room a try may
-    take (:func:`~jacobkit.planner.selection.race_room`, within ``limits``:
-    the bytes the budget allows and the rows), made smaller until it fits,
-    once ``spent_s`` reaches the policy's ``rent`` times its predicted
-    tracing time (:func:`~jacobkit.planner.estimates.predicted_trace_s`,
-    from what ``earlier`` processes measured)."""
-    allowed, num_rows = limits
-    room = selection.race_room(policy, current.peak_bytes, allowed)
-    too_big: list[Rejection] = []
-    for candidate in pending:
-        smaller: Strategy | None = candidate
-        while smaller is not None and not fits(smaller, room):
-            smaller = smaller.smaller()
-        if smaller is None:
-            too_big.append(
-                selection.too_big_to_try(
-                    policy, candidate, predicted_peak(candidate), room
-                )
-            )
-            continue
-        trace_s = est.predicted_trace_s(smaller, earlier(smaller), current, num_rows)
-        if not selection.should_try(policy, spent_s, trace_s):
-            return NextTry(None, "", tuple(too_big))
-        assert trace_s is not None, "should_try refuses an unknown time"
-        reason = (
-            f"trying it: {spent_s:.2f} s spent running {current.strategy.label} "
-            f">= {policy.rent:g} x its predicted trace {trace_s:.2f} s"
-        )
-        return NextTry(smaller, reason, tuple(too_big))
-    return NextTry(None, "", tuple(too_big))

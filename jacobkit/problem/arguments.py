@@ -5,6 +5,7 @@ a model that fails on its inputs."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -53,6 +54,17 @@ def check_reduce(reduce: Any) -> str | None:
             "rows_shape)."
         )
     return reduce
+
+
+def is_batches(inputs: Any) -> bool:
+    """Whether ``inputs`` is a dataset or iterable of batches (not the arrays
+    of one batch: a list, tuple or dict is a multi-input model's inputs)."""
+    if isinstance(inputs, tf.data.Dataset):
+        return True
+    # a tf.Variable is iterable too, but it is one batch (USERS.md case 4)
+    return isinstance(inputs, Iterable) and not isinstance(
+        inputs, (list, tuple, dict, np.ndarray, tf.Tensor, tf.Variable, str, bytes)
+    )
 
 
 def to_tensors(inputs: Any) -> Any:
