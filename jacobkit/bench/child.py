@@ -82,7 +82,7 @@ def _check_device(device: str) -> None:
     kind = device.split(":")[0]
     if not tf.config.list_physical_devices(kind):
         raise RuntimeError(
-            f"jacobkit bench --device {device}: TensorFlow sees no {kind} here "
+            f"--device {device}: TensorFlow sees no {kind} here "
             f"(visible: {[d.name for d in tf.config.list_physical_devices()]})."
         )
 

@@ -117,9 +117,10 @@ SETTLE_CALLS = 40
 def configurations(
     num_rows: int, chunk_sizes: Iterable[int] = (1, 8, 32)
 ) -> list[strategies.Strategy]:
-    """The one list of strategy configurations that ``jacobkit compare``,
-    ``jacobkit bench`` and the benchmarks measure: every registered strategy
-    with its defaults, and ``chunked`` at ``chunk_sizes`` and at every row."""
+    """The one list of strategy configurations that ``jacobkit compare``, the
+    benchmark suite and the other benchmarks measure: every registered
+    strategy with its defaults, and ``chunked`` at ``chunk_sizes`` and at
+    every row."""
     chosen = [cls() for name, cls in strategies.REGISTRY.items() if name != "chunked"]
     sizes = sorted({min(c, num_rows) for c in (*chunk_sizes, num_rows)})
     return chosen + [strategies.Chunked(c) for c in sizes]

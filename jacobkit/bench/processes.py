@@ -1,5 +1,5 @@
-"""Fresh child processes with a time limit: where ``jacobkit bench`` and
-``jacobkit compare`` run each strategy.
+"""Fresh child processes with a time limit: where ``jacobkit compare`` and
+the benchmark suite (``benchmarks/suite``) run each strategy.
 
 A task is a plain dict that :func:`jacobkit.bench.child.main` runs in a new
 process; its JSON answer comes back, or a failure row if the child passed
@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from jacobkit import runtime
-from jacobkit.bench import child, machine
+from jacobkit.bench import child
+from jacobkit.memory.free import meminfo_available
 
 #: modules the CPU fork server imports once for every child
 PRELOAD = [
@@ -134,7 +135,7 @@ def open_pool(
             output goes to their logs (TensorFlow's start-up lines) is hidden.
     """
     on_cpu = device.upper().startswith("CPU")
-    available = machine.memory_bytes("MemAvailable")
+    available = meminfo_available()
     limit_mib = None
     if on_cpu and available:
         limit_mib = int(available * memory_fraction / 1024**2)

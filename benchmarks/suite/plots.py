@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from jacobkit.bench.rows import default_labels, rows_by_problem
+from benchmarks.suite.rows import default_labels, rows_by_problem
 
 _MIB = 1024**2
 
@@ -21,8 +21,8 @@ class MatplotlibMissing(ImportError):
 
 def require_matplotlib() -> None:
     """Raise :class:`MatplotlibMissing`, saying what failed and how to install
-    it, unless matplotlib can be imported (``jacobkit bench`` checks this
-    before running a suite, not after it)."""
+    it, unless matplotlib can be imported (the suite checks this before
+    it runs, not after it)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as err:

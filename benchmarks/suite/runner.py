@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jacobkit.bench import machine, processes
-from jacobkit.bench.problems import REFERENCES, BenchProblem
+from benchmarks.suite import machine
+from benchmarks.suite.problems import REFERENCES, BenchProblem
+from jacobkit.bench import processes
 
 #: failures that make the larger points of a sweep pointless to run
 _SKIP_AFTER = ("time_limit", "out_of_memory")
@@ -155,9 +156,7 @@ def run_suite(
             settings.reference_timeout_s,
         )
         if "error" in probe:
-            raise DeviceUnavailable(
-                f"jacobkit bench: the device probe failed: {probe['error']}"
-            )
+            raise DeviceUnavailable(f"the device probe failed: {probe['error']}")
         results["device"] = probe
         stopped: dict[tuple[str, str, str], tuple[int, str]] = {}
         for problem in problems:
@@ -227,7 +226,7 @@ def run_suite(
 def write_outputs(results: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
     """Write ``results.json``, ``results.md`` and the plots for ``results``
     (also used to redraw them from a saved ``results.json``)."""
-    from jacobkit.bench import plots, report
+    from benchmarks.suite import plots, report
 
     out = Path(out_dir)
     report.write(results, out / "results.md")
@@ -273,7 +272,7 @@ def _paired_first_calls(
     auto, warm = by_label.get("auto"), by_label.get("auto, warm cache")
     if auto is None or not fixed:
         return
-    from jacobkit.bench import auto_report
+    from benchmarks.suite import auto_report
 
     spec_of = {c.label: c.spec for c in configs}
     fastest = min(fixed, key=lambda r: r["first_call_s"])

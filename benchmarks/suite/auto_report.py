@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from benchmarks.suite.rows import by_label, rows_by_problem
 from jacobkit.bench import stats
-from jacobkit.bench.rows import by_label, rows_by_problem
 from jacobkit.memory.budget import format_bytes
 
 __all__ = [
