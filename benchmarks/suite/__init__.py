@@ -9,6 +9,10 @@ child processes with a time limit).
 
 - :mod:`~benchmarks.suite.problems`: the problems and the quick and full suites;
 - :mod:`~benchmarks.suite.runner`: runs a suite, one subprocess per run;
+- :mod:`~benchmarks.suite.child`: the suite's tasks inside each subprocess
+  (on top of :mod:`jacobkit.bench.child`);
+- :mod:`~benchmarks.suite.paired`: auto against a fixed strategy, timed in
+  pairs;
 - :mod:`~benchmarks.suite.report`, :mod:`~benchmarks.suite.auto_report` and
   :mod:`~benchmarks.suite.plots`: ``results.md`` and the PNGs, from rows
   grouped by :mod:`~benchmarks.suite.rows`;

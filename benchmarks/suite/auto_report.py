@@ -130,7 +130,7 @@ def _evidence(found: stats.Ratios | stats.Speedup) -> str:
 
 
 def paired_text(row: dict) -> str:
-    """auto's paired-rounds ratio (:func:`jacobkit.bench.measure.paired_rounds`)."""
+    """auto's paired-rounds ratio (:func:`benchmarks.suite.paired.paired_rounds`)."""
     paired = row.get("paired")
     if not paired:
         return "n/a"

@@ -1,8 +1,9 @@
 """Run a suite: every (problem, strategy, chunk size) in a fresh subprocess.
 
-Per problem, one child (:mod:`jacobkit.bench.processes`) computes the
-reference Jacobians (saved to a scratch ``.npz``); then one child per strategy
-configuration measures it with :func:`jacobkit.bench.measure.measure` and
+Per problem, one child (:mod:`jacobkit.bench.processes`, running
+:mod:`benchmarks.suite.child`) computes the reference Jacobians (saved to a
+scratch ``.npz``); then one child per strategy configuration measures it with
+:func:`jacobkit.bench.measure.measure` and
 compares with that reference. A child that fails, runs out of memory or passes
 the time limit gives a row saying so; the suite goes on. Once a strategy has
 passed the time limit or run out of memory on a sweep, the larger points of
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite import machine
+from benchmarks.suite import child, machine
 from benchmarks.suite.problems import REFERENCES, BenchProblem
 from jacobkit.bench import processes
 
@@ -142,7 +143,9 @@ def run_suite(
     }
     with (
         processes.open_pool(
-            settings.device, memory_fraction=settings.memory_fraction
+            settings.device,
+            memory_fraction=settings.memory_fraction,
+            target=child.main,
         ) as pool,
         _progress(total, settings.progress) as bar,
     ):
