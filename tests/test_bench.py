@@ -153,10 +153,10 @@ def test_without_matplotlib_the_suite_says_how_to_install_it(
     import sys
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(plots.MatplotlibMissing, match=r"jacobkit\[plots\]"):
+    with pytest.raises(plots.MatplotlibMissing, match=r"\.\[bench\]"):
         plots.require_matplotlib()
     code = command.main(["--quick", "--no-progress", "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert code == 2 and "matplotlib" in err, err
-    assert 'pip install "jacobkit[plots]"' in err
+    assert 'pip install -e ".[bench]"' in err
     assert not (tmp_path / "b").exists()

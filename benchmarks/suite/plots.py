@@ -11,12 +11,13 @@ from benchmarks.suite.rows import default_labels, rows_by_problem
 _MIB = 1024**2
 
 
-#: how to get matplotlib, which jacobkit needs only for these plots
-INSTALL_HINT = 'pip install "jacobkit[plots]"'
+#: how to get matplotlib, which jacobkit needs only for these plots (from the
+#: checkout's root, where the suite runs)
+INSTALL_HINT = 'pip install -e ".[bench]"'
 
 
 class MatplotlibMissing(ImportError):
-    """matplotlib is not installed: it is an extra (``jacobkit[plots]``)."""
+    """matplotlib is not installed: it is in an extra (``bench``)."""
 
 
 def require_matplotlib() -> None:

@@ -3,6 +3,8 @@
 - :mod:`~jacobkit.bench.measure`: time, peak memory and agreement of
   strategies on one problem, and the table (also the notebooks and the
   benchmark suite);
+- :mod:`~jacobkit.bench.resident`: the process's resident memory, with
+  psutil or without;
 - :mod:`~jacobkit.bench.stats`: the bootstrap intervals and rank tests behind
   every "faster";
 - :mod:`~jacobkit.bench.disagreement`: when a strategy disagrees with the

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import psutil
 import tensorflow as tf
 
 from jacobkit import memory, strategies
 from jacobkit.bench import stats
+from jacobkit.bench.resident import resident_bytes
 from jacobkit.engine import run_auto, run_strategy
 from jacobkit.problem import Problem
 from jacobkit.testing.reference import max_relative_difference
@@ -202,7 +202,7 @@ def measure_calls(
     previous result. For auto, ``base`` is relabelled with what it ran last.
     """
     try:
-        resident = process_memory_bytes()
+        resident = resident_bytes()
         times = []
         diff = None
         for i in range(3):
@@ -231,10 +231,10 @@ def measure_calls(
         plan = result.plan if base.name == "auto" else None
         result = None
         peak = _steady_peak(call, device)
-        after = process_memory_bytes()
+        after = resident_bytes()
         for _ in range(held_calls):
             result = call()  # the previous result is alive during this call
-        held = process_memory_bytes() if held_calls else None
+        held = resident_bytes() if held_calls else None
     except _FAILURES as err:
         return _failed(base, err)
     if base.name == "auto":
@@ -264,15 +264,6 @@ def measure_calls(
         held_growth_bytes=held_growth,
         max_rel_diff=diff,
     )
-
-
-def process_memory_bytes() -> int | None:
-    """This process's resident memory (RSS), from ``psutil`` on any system
-    it supports; ``None`` where it cannot be read."""
-    try:
-        return int(psutil.Process().memory_info().rss)
-    except (psutil.Error, OSError):
-        return None
 
 
 #: what a measurement records as a failure instead of raising
