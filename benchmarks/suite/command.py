@@ -8,6 +8,7 @@ options are checked; the suite itself runs in child processes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -86,17 +87,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     # reports peak memory on CPU (see jacobkit.runtime)
     runtime.enable_bfc_cpu_allocator()
     args = parser().parse_args(argv)
-    try:
-        _check(args)
-    except UsageError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return USAGE_ERROR
-    return run(args)
+    if args.verbose:
+        quiet: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    else:  # TensorFlow's start-up lines and warnings hidden; its runs are children
+        runtime.start_tensorflow_quietly(runtime=False)
+        quiet = runtime.tensorflow_warnings(all_threads=True)
+    with quiet:
+        try:
+            _check(args)
+        except UsageError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return USAGE_ERROR
+        return run(args)
 
 
 def _check(args: argparse.Namespace) -> None:
     """What the suite would otherwise fail on late."""
-    from jacobkit import memory, runtime
+    from jacobkit import memory
 
     if args.report_only:
         saved = Path(args.out) / "results.json"
@@ -106,8 +113,6 @@ def _check(args: argparse.Namespace) -> None:
                 f"--out {args.out} first."
             )
         return
-    if not args.verbose:  # its runs are child processes
-        runtime.start_tensorflow_quietly(runtime=False)
     try:
         memory.normalize_device(args.device)
     except ValueError as err:
