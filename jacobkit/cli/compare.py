@@ -7,7 +7,7 @@ where Keras can build one. TensorFlow is imported when the command runs.
 The parent process loads the problem (a mistake in it is a usage error) and
 computes the reference once, with no time limit; it goes to each strategy as
 an ``.npz`` file. Each strategy then runs in a fresh child process
-(:mod:`jacobkit.bench.processes`, as ``jacobkit bench`` runs them) that
+(:mod:`jacobkit.bench.processes`, as the benchmark suite runs them) that
 rebuilds the problem itself: the saved model and inputs loaded from their
 paths, or the generator built from its sizes. A child that passes
 ``--time-limit`` is killed (a TensorFlow op cannot be interrupted inside a
