@@ -96,19 +96,3 @@ def target_roles(problem: Problem) -> dict[str, str]:
     return {
         role: problem.target_names[i] for role, i in problem.roles.by_name().items()
     }
-
-
-def run_strategy(problem: Problem, strategy: strategies.Strategy) -> JacobianResult:
-    """TEMPORARY: :func:`run` with a configured strategy."""
-    return run(problem, strategy)
-
-
-def run_auto(
-    problem: Problem,
-    *,
-    memory_budget: int | float | str | None = None,
-    device: str | None = None,
-    cache: bool = True,
-) -> JacobianResult:
-    """TEMPORARY: :func:`run` with ``auto``."""
-    return run(problem, planner.Auto(memory_budget, device, cache))

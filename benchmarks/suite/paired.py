@@ -12,8 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from jacobkit import strategies
-from jacobkit.engine import run_auto, run_strategy
+from jacobkit import engine, planner, strategies
 from jacobkit.problem import Problem
 
 
@@ -57,8 +56,8 @@ def paired_rounds(
     ``rounds`` alternating pairs of calls, after one untimed call of
     ``fixed`` (its tracing); the order within a pair alternates too."""
     calls = {
-        "auto": functools.partial(run_auto, problem, device=device),
-        "fixed": functools.partial(run_strategy, problem, fixed),
+        "auto": functools.partial(engine.run, problem, planner.Auto(device=device)),
+        "fixed": functools.partial(engine.run, problem, fixed),
     }
     calls["fixed"]()
     times: dict[str, list[float]] = {"auto": [], "fixed": []}
@@ -89,8 +88,5 @@ def first_call_s(
     cache ``$JACOBKIT_CACHE_DIR`` holds) on ``problem``: the first call of a
     fresh process, tracing and planning included."""
     start = time.perf_counter()
-    if strategy is None:
-        run_auto(problem, device=device)
-    else:
-        run_strategy(problem, strategy)
+    engine.run(problem, planner.Auto(device=device) if strategy is None else strategy)
     return time.perf_counter() - start

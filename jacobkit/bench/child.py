@@ -101,7 +101,7 @@ def build(task: dict[str, Any], dtype: str) -> tuple[Any, Any, Any]:
     ``.npy`` inputs at ``task["inputs_path"]``."""
     import keras
 
-    from jacobkit.problem import Problem
+    from jacobkit.problem import Call
     from jacobkit.testing import examples
 
     if task.get("model_path"):
@@ -116,9 +116,8 @@ def build(task: dict[str, Any], dtype: str) -> tuple[Any, Any, Any]:
         example = examples.build(task["builder"], dtype, **task["sizes"])
         model, inputs = example.model, example.inputs
         layer = task["layer"] or example.layer
-    problem = Problem(
-        model, inputs, layer, outputs=task["outputs"], features=task.get("features")
-    )
+    call = Call(model, layer, outputs=task["outputs"], features=task.get("features"))
+    problem = call.problem(inputs)
     return model, inputs, problem
 
 

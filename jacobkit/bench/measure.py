@@ -14,10 +14,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import memory, strategies
+from jacobkit import engine, memory, planner, strategies
 from jacobkit.bench import stats
 from jacobkit.bench.resident import resident_bytes
-from jacobkit.engine import run_auto, run_strategy
 from jacobkit.problem import Problem
 from jacobkit.testing.reference import max_relative_difference
 
@@ -148,7 +147,7 @@ def measure(
     base = Measurement(strategy.label, strategy.name, strategy.chunk_size)
     return measure_calls(
         base,
-        functools.partial(run_strategy, problem, strategy),
+        functools.partial(engine.run, problem, strategy),
         reference,
         repeats=repeats,
         device=device,
@@ -171,7 +170,7 @@ def measure_auto(
     timed. The label names what it settled on (``"auto: while(parallel=10)"``).
     """
     call = functools.partial(
-        run_auto, problem, memory_budget=memory_budget, device=device, cache=cache
+        engine.run, problem, planner.Auto(memory_budget, device, cache)
     )
     return measure_calls(
         Measurement("auto", "auto", None),
