@@ -51,14 +51,3 @@ def _cold_plan_cache(tmp_path, monkeypatch):
     """Each test starts with an empty plan cache: what one test's ``auto``
     calls learned does not change another's."""
     monkeypatch.setenv("JACOBKIT_CACHE_DIR", str(tmp_path / "jacobkit-cache"))
-
-
-@pytest.fixture
-def segments():
-    """``auto`` computing a call in about four segments of rows (its default
-    is whole calls, see ``jacobkit.planner.Policy.segments``): the segment
-    machinery, switches within a call included."""
-    from jacobkit import planner
-
-    with planner.use_policy(segments=4):
-        yield

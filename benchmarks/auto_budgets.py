@@ -5,7 +5,7 @@ and every fixed strategy/chunk size, each alone in a fresh subprocess (clean
 peak memory), and checks that the measured peak of auto's first call
 (every segment it times included), of every call until it settles, and of
 a steady call stay within the budget. The child program is
-:mod:`jacobkit.bench.budget_child`. Times come from one more process
+:mod:`benchmarks.suite.budget_child`. Times come from one more process
 that calls every label in interleaved rounds; auto's steady time should be
 within 1.25x of the fastest fixed candidate whose peak stayed within that
 budget. With no budget, auto is compared with ``tape.jacobian`` (``jacobian``
@@ -26,9 +26,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
+# the repository's root: this checkout's jacobkit, and the child's module
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from jacobkit import runtime
+from tqdm import tqdm  # noqa: E402
+
+from jacobkit import runtime  # noqa: E402
 
 #: the issue's problem: the users' generator, target = the first Conv1D
 GENERATOR = {
@@ -75,6 +79,9 @@ def _run(
         **os.environ,
         **runtime.bfc_environment(),
         "TF_CPP_MIN_LOG_LEVEL": "3",
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
     }
     spec = {
         "problem": problem,
@@ -85,7 +92,7 @@ def _run(
     }
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "jacobkit.bench.budget_child", json.dumps(spec)],
+            [sys.executable, "-m", "benchmarks.suite.budget_child", json.dumps(spec)],
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,

@@ -23,11 +23,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+# the repository's root: this checkout's jacobkit and the suite's problems
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
 
 def _problems() -> dict[str, tuple[str, dict[str, int]]]:
     """label -> (builder, sizes): the frozen backbones, then the auto
     suite's generator and MLP at its sizes."""
-    from jacobkit.bench.problems import auto_suite
+    from benchmarks.suite.problems import auto_suite
 
     found = {
         "frozen MobileNetV2 head": ("frozen_mobilenet", {"batch": 16, "size": 96}),

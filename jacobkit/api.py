@@ -1,5 +1,6 @@
-"""``jacobian()`` and ``plan()``: check the arguments, then hand one batch to
-:mod:`jacobkit.engine` or many to :mod:`jacobkit.batches`."""
+"""``jacobian()`` and ``plan()``: the arguments become one
+:class:`~jacobkit.problem.Call` (checked), then one batch goes to
+:mod:`jacobkit.engine` and many to :mod:`jacobkit.batches`."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import engine, planner, runtime, strategies
-from jacobkit.batches import collect, source
-from jacobkit.problem import Problem
+from jacobkit.batches import collect
+from jacobkit.problem import Call, arguments
 from jacobkit.result import JacobianResult
 
 
@@ -22,7 +23,7 @@ def jacobian(
     inputs: Any,
     layer: Any,
     *,
-    strategy: str | strategies.Strategy = "auto",
+    strategy: str | strategies.Strategy | planner.Auto = "auto",
     outputs: str | Callable[[Any], tf.Tensor] = "features",
     features: Sequence[int] | None = None,
     training: bool = False,
@@ -57,7 +58,8 @@ def jacobian(
             (``tf.Variable`` or ``keras.Variable``).
         strategy: ``"auto"``, a registered name (``"loop"``, ``"jacobian"``,
             ``"while"``, ``"batch"``, ``"chunked"``, ``"forward"``) or a
-            configured instance (``jacobkit.strategies.Chunked(chunk_size=8)``).
+            configured instance (``jacobkit.strategies.Chunked(chunk_size=8)``,
+            ``jacobkit.planner.Auto(memory_budget="1GiB")``).
         outputs: what a row is: ``"features"`` (row ``f`` = sum of
             ``Y[..., f]``, rows shape ``(F,)``), ``"per_example"`` (rows
             ``(B, F)``), ``"full"`` (rows ``Y.shape``) or a callable ``g(Y)``
@@ -109,58 +111,60 @@ def jacobian(
         ((3, 4, 3), (3, 3))
     """
     start = time.perf_counter()
-    chosen = _chosen(strategy, memory_budget)
-    request = collect.Request(
-        model=model,
-        layer=layer,
-        strategy=strategy,
+    engine.checked_device(device)
+    call = Call(
+        model,
+        layer,
         outputs=outputs,
         features=features,
         training=training,
         unconnected=unconnected,
-        memory_budget=memory_budget,
+        output=output,
+        reduce=reduce,
+        strategy=solver(strategy, memory_budget, device, cache),
         device=device,
         steps=steps,
         out=out,
         overwrite=overwrite,
         progress=progress,
         distribute=distribute,
-        cache=cache,
-        output=output,
-        reduce=reduce,
     )
-    if out is not None or distribute is not None or source.is_batches(inputs):
+    if out is not None or distribute is not None or arguments.is_batches(inputs):
         with runtime.tensorflow_warnings():
-            return collect.jacobian_batches(request, inputs)
-    result = _one_batch(request, inputs, chosen)
+            return collect.jacobian_batches(call, inputs)
+    with engine.device_scope(device), runtime.tensorflow_warnings():
+        problem = call.problem(inputs)
+        arguments.warn_non_finite(problem.inputs)
+        result = engine.run(problem, engine.chosen(call))
     total = time.perf_counter() - start
     return replace(result, stats=replace(result.stats, total_time_s=total))
 
 
-def _one_batch(
-    request: collect.Request, inputs: Any, chosen: strategies.Strategy | None
-) -> JacobianResult:
-    """``jacobian()`` of one batch of arrays: its problem, run by the engine."""
-    with engine.device_scope(request.device), runtime.tensorflow_warnings():
-        problem = request.problem(inputs)
-        # stacklevel counted from here: one frame below jacobian()
-        source.warn_non_finite(problem.inputs, stacklevel=4)
-        return engine.run(
-            problem,
-            chosen,
-            memory_budget=request.memory_budget,
-            device=request.device,
-            cache=request.cache,
+def solver(
+    strategy: str | strategies.Strategy | planner.Auto,
+    memory_budget: Any,
+    device: str | None,
+    cache: bool,
+) -> strategies.Strategy | planner.Auto:
+    """What computes the rows: ``"auto"`` (or an :class:`~jacobkit.planner.Auto`,
+    given the call's device and cache setting where it names none) or a
+    configured strategy. A memory budget is for ``auto`` only."""
+    if isinstance(strategy, planner.Auto):
+        if memory_budget is not None:
+            raise ValueError(
+                f"jacobian(memory_budget={memory_budget!r}, strategy={strategy!r})"
+                ": the budget is the Auto object's; pass Auto(memory_budget="
+                f"{memory_budget!r}) or drop memory_budget=."
+            )
+        return replace(
+            strategy,
+            device=strategy.device if strategy.device is not None else device,
+            cache=strategy.cache and cache,
         )
-
-
-def _chosen(
-    strategy: str | strategies.Strategy, memory_budget: Any
-) -> strategies.Strategy | None:
-    """The configured strategy (``None``: ``"auto"``); a memory budget is for
-    ``auto`` only."""
-    chosen = None if strategy == "auto" else strategies.get(strategy)
-    if chosen is not None and memory_budget is not None:
+    if isinstance(strategy, str) and strategy == "auto":
+        return planner.Auto(memory_budget, device, cache)
+    chosen = strategies.get(strategy)
+    if memory_budget is not None:
         raise ValueError(
             f"jacobian(memory_budget={memory_budget!r}, strategy={strategy!r}): "
             "a memory budget is planned for by strategy='auto' only. Drop "
@@ -194,17 +198,16 @@ def plan(
     and why, the candidates still to try, and each rejected one with the
     reason. Arguments are those of :func:`jacobian`.
     """
+    call = Call(
+        model,
+        layer,
+        outputs=outputs,
+        features=features,
+        training=training,
+        unconnected=unconnected,
+        output=output,
+    )
+    engine.checked_device(device)
+    auto = planner.Auto(memory_budget, device, cache)
     with engine.device_scope(device), runtime.tensorflow_warnings():
-        problem = Problem(
-            model,
-            inputs,
-            layer,
-            outputs=outputs,
-            features=features,
-            training=training,
-            unconnected=unconnected,
-            output=output,
-        )
-        return planner.plan_problem(
-            problem, memory_budget=memory_budget, device=device, cache=cache
-        )
+        return auto.plan(call.problem(inputs))

@@ -17,14 +17,17 @@ function needs it (never to find out whether its runtime has started).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import platform
 import sys
 import threading
-from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass
+import types
+from collections.abc import Callable, Hashable, Iterator, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------
 # the machine
@@ -64,9 +67,12 @@ class CpuKind:
         return f"{self.model} ({flags}; oneDNN {'on' if self.onednn else 'off'})"
 
 
-@functools.cache
 def cpu_kind(path: str = _CPUINFO) -> CpuKind:
     """This machine's :class:`CpuKind` (read once per process)."""
+    return measured_once(("cpu kind", path), lambda: _read_cpu_kind(path))
+
+
+def _read_cpu_kind(path: str) -> CpuKind:
     model, flags = platform.processor() or "unknown CPU", set()
     try:
         with open(path) as info:
@@ -265,3 +271,66 @@ def start_tensorflow_quietly(*, runtime: bool = True) -> None:
 
         if runtime:
             tf.config.list_logical_devices()
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's call: the first
+    frame outside jacobkit, counted from the caller of :func:`warnings.warn`
+    (the function that calls this)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+# --------------------------------------------------------------------------
+# what this process learned and said: the one process-wide state
+
+
+@dataclass
+class ProcessState:
+    """Process-wide state, in one place (facts of this machine do not change
+    while the process runs; TensorFlow's memory counters are per process).
+
+    Attributes:
+        facts: what was measured once per process, by key (this CPU's kind,
+            its bfloat16 kernels' accuracy, its convolution kernels' scratch
+            space per kind, dtype and device).
+        notices: the one-time warnings already given, by key.
+        meters: the peak-memory blocks open now
+            (:class:`jacobkit.memory.PeakMemory`), innermost last.
+    """
+
+    facts: dict[Hashable, Any] = field(default_factory=dict)
+    notices: set[Hashable] = field(default_factory=set)
+    meters: list[Any] = field(default_factory=list)
+
+
+#: the one module-level mutable state of this kind (see :class:`ProcessState`)
+PROCESS = ProcessState()
+_PROCESS_LOCK = threading.Lock()
+
+
+def measured_once(key: Hashable, measure: Callable[[], T]) -> T:
+    """``measure()``'s value for ``key``, measured the first time it is asked
+    for in this process (see :attr:`ProcessState.facts`)."""
+    with _PROCESS_LOCK:
+        if key in PROCESS.facts:
+            value: T = PROCESS.facts[key]
+            return value
+    value = measure()  # outside the lock: a measurement may take a while
+    with _PROCESS_LOCK:
+        found: T = PROCESS.facts.setdefault(key, value)
+    return found
+
+
+def first_notice(key: Hashable) -> bool:
+    """Whether the one-time notice ``key`` is given now (``True`` once per
+    process, then ``False``)."""
+    with _PROCESS_LOCK:
+        if key in PROCESS.notices:
+            return False
+        PROCESS.notices.add(key)
+        return True

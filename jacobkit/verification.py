@@ -45,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.keras import compat
-from jacobkit.problem import Problem
+from jacobkit.problem import Call, Problem
 
 #: Tolerances on a worst relative difference, keyed by purpose, then by
 #: precision (a ``tf.DType``, or a mixed-precision policy name). One table,
@@ -187,15 +187,15 @@ def verify(
         >>> jk.verify(res, model, x, "head") < 1e-4
         True
     """
-    problem = Problem(
+    call = Call(
         model,
-        inputs,
         layer,
         outputs=outputs,
         features=features,
         training=training,
         unconnected="zero",
     )
+    problem = call.problem(inputs)
     actual = (
         list(result.jacobians.values())
         if hasattr(result, "jacobians")

@@ -1,5 +1,8 @@
 """The package's shape: no import cycle (function-level imports included), no
-import against the flow, and the size limits (see ``docs/architecture.md``).
+import against the flow, no private module or name imported across packages,
+``Session`` changed only by its own methods, at most four module-level
+mutable caches or registries, and the size limits (see
+``docs/architecture.md``).
 
 Imports are read from the source with ``ast`` (nothing is imported), so a
 lazy import inside a function counts like any other; imports under
@@ -38,7 +41,7 @@ RANKS = {
     "cli": 15,
     "__main__": 16,
 }
-MAX_MODULE_LINES = 450
+MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 120
 #: modules directly in ``jacobkit/`` (``__init__`` and ``__main__`` included)
@@ -204,3 +207,235 @@ def test_sizes(name):
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             lines = node.end_lineno - node.lineno + 1
             assert lines <= MAX_FUNCTION_LINES, f"{node.name}(): {lines} lines"
+
+
+# -- private names stay in their package ----------------------------------------
+def _package_of(module: str) -> str:
+    return module if module in PACKAGES else module.rpartition(".")[0]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_imports(name: str, path: Path) -> list[str]:
+    """``name``'s imports of a private jacobkit module, or of a private name
+    of one, from another package."""
+    wrong = []
+    own = _package_of(name)
+    for node in _import_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            pairs = [(alias.name, None) for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = own.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            pairs = [
+                (f"{base}.{a.name}", None)
+                if f"{base}.{a.name}" in MODULES
+                else (base, a.name)
+                for a in node.names
+            ]
+        for module, imported in pairs:
+            if not module.startswith("jacobkit"):
+                continue
+            target = module
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if not target or _package_of(target) == own:
+                continue
+            if any(_private(part) for part in target.split(".")) or (
+                imported is not None and _private(imported)
+            ):
+                wrong.append(
+                    f"{name} imports {target}{'.' + imported if imported else ''}"
+                )
+    return wrong
+
+
+def test_the_private_import_reader(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from jacobkit.strategies import _seeds\n"
+        "from jacobkit.strategies.base import _block\n"
+        "from jacobkit.strategies import base\n"
+    )
+    assert _private_imports("jacobkit.planner.calls", source) == [
+        "jacobkit.planner.calls imports jacobkit.strategies._seeds",
+        "jacobkit.planner.calls imports jacobkit.strategies.base._block",
+    ]
+    assert _private_imports("jacobkit.strategies.batch", source) == []
+
+
+def test_no_private_module_or_name_is_imported_across_packages():
+    wrong = [w for name, path in MODULES.items() for w in _private_imports(name, path)]
+    assert wrong == []
+
+
+# -- Session changes only through its own methods ---------------------------------
+SESSION = "jacobkit.planner.session"
+
+
+def test_session_state_is_private():
+    """Every attribute a ``Session`` sets is private (others read properties)."""
+    tree = ast.parse(MODULES[SESSION].read_text())
+    (cls,) = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session"
+    ]
+    public = {
+        t.attr
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Attribute)
+        and isinstance(t.value, ast.Name)
+        and t.value.id == "self"
+        and not t.attr.startswith("_")
+    }
+    assert public == set()
+
+
+def test_no_module_but_the_session_writes_a_session():
+    """Outside ``planner/session.py`` nothing assigns to ``session.<x>`` or
+    reads its private state: a session changes through its methods only."""
+    wrong = []
+    for name, path in MODULES.items():
+        if name == SESSION:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            root = node.value
+            if not (isinstance(root, ast.Name) and "session" in root.id.lower()):
+                continue
+            if isinstance(node.ctx, ast.Store | ast.Del) or node.attr.startswith("_"):
+                wrong.append(f"{name}:{node.lineno}: {root.id}.{node.attr}")
+    assert wrong == []
+
+
+# -- module-level mutable state ---------------------------------------------------
+#: every module-level mutable cache or registry of the library, and why it is
+#: one; at most four (a new one goes into one of these)
+MODULE_STATE = {
+    "jacobkit.problem.cache._STATE": "per-model state: everything found, "
+    "compiled or learned for a model, as long as the model lives",
+    "jacobkit.runtime.PROCESS": "process-wide state: facts measured once, "
+    "one-time notices, the peak-memory blocks open",
+    "jacobkit.strategies.registry.REGISTRY": "the strategies, by name",
+    "jacobkit.layers.registry.REGISTRY": "the layer kinds and their closed forms",
+}
+MAX_MODULE_STATE = 4
+_CONTAINERS = {
+    "dict",
+    "list",
+    "set",
+    "WeakKeyDictionary",
+    "WeakValueDictionary",
+    "WeakSet",
+    "defaultdict",
+    "OrderedDict",
+    "deque",
+    "Counter",
+}
+_MUTATORS = {
+    "append",
+    "extend",
+    "insert",
+    "remove",
+    "pop",
+    "popitem",
+    "clear",
+    "add",
+    "discard",
+    "update",
+    "setdefault",
+}
+
+
+def _root(node: ast.expr) -> list[str]:
+    """``a.b[c].d`` -> ``["a", "b", "d"]`` (the names along the chain)."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        names.append(node.id)
+    return names[::-1]
+
+
+def _module_state(name: str, source: str) -> set[str]:
+    """Module-level names of ``name`` that hold mutable state: bound at the
+    top to a container (or any object) that some statement in the module
+    mutates (an item or attribute set, a mutating method called), or
+    functions cached with ``functools.cache``/``lru_cache``."""
+    tree = ast.parse(source)
+    bound: dict[str, ast.expr] = {}
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    bound[t.id] = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if node.value is not None:
+                bound[node.target.id] = node.value
+        elif isinstance(node, ast.FunctionDef):
+            for d in node.decorator_list:
+                text = ast.unparse(d)
+                if text.split("(")[0].split(".")[-1] in ("cache", "lru_cache"):
+                    found.add(f"{name}.{node.name}")
+    mutated: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for t in node.targets if not isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target] if not isinstance(node.target, ast.Name) else []
+        elif isinstance(node, ast.Delete):
+            targets = [t for t in node.targets if not isinstance(t, ast.Name)]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MUTATORS
+        ):
+            targets = [node.func.value]
+        for t in targets:
+            chain = _root(t)
+            if chain and chain[0] != "self":
+                mutated.add(chain[0])
+    for variable, value in bound.items():
+        is_container = isinstance(
+            value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp
+        ) or (
+            isinstance(value, ast.Call)
+            and ast.unparse(value.func).split(".")[-1] in _CONTAINERS
+        )
+        is_object = isinstance(value, ast.Call)
+        if variable in mutated and (is_container or is_object):
+            found.add(f"{name}.{variable}")
+    return found
+
+
+def test_the_module_state_reader():
+    source = (
+        "import functools, weakref\n"
+        "TABLE = {'a': 1}\n"
+        "_CACHE = weakref.WeakKeyDictionary()\n"
+        "_SEEN: set[str] = set()\n"
+        "STATE = Process()\n"
+        "def f(k):\n    _CACHE.setdefault(k, {})\n    _SEEN.add(k)\n"
+        "    STATE.facts[k] = 1\n"
+        "@functools.cache\ndef g():\n    return TABLE['a']\n"
+    )
+    assert _module_state("m", source) == {"m._CACHE", "m._SEEN", "m.STATE", "m.g"}
+
+
+def test_module_level_state_is_in_at_most_four_places():
+    found = set()
+    for name, path in MODULES.items():
+        found |= _module_state(name, path.read_text())
+    assert found <= set(MODULE_STATE), sorted(found - set(MODULE_STATE))
+    assert len(MODULE_STATE) <= MAX_MODULE_STATE

@@ -1,4 +1,5 @@
-"""The benchmark suite end to end: the quick suite, once, in fresh subprocesses.
+"""The benchmark suite (``benchmarks/suite``, run from a checkout) end to end:
+the quick suite, once, in fresh subprocesses.
 
 Times are never asserted (they depend on the machine); the rows, their
 agreement with the reference and the output files are.
@@ -11,7 +12,7 @@ import json
 import pytest
 
 import jacobkit as jk
-from jacobkit.bench import problems, runner
+from benchmarks.suite import command, plots, problems, runner
 
 #: agreement every successful benchmark row must reach with its reference
 #: (the strategies agree to ~2e-7 on the quick problems; see results.md)
@@ -144,19 +145,18 @@ def test_auto_is_timed_against_the_fastest_fixed_strategy_in_one_process(tmp_pat
     assert "one result held across calls: " in table
 
 
-def test_without_matplotlib_bench_says_how_to_install_it(monkeypatch, tmp_path, capsys):
-    """matplotlib is an extra: without it, jacobkit bench stops before running
+def test_without_matplotlib_the_suite_says_how_to_install_it(
+    monkeypatch, tmp_path, capsys
+):
+    """matplotlib is an extra: without it, the suite stops before running
     anything, naming what failed and the install command."""
     import sys
 
-    from jacobkit import cli
-    from jacobkit.bench import plots
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(plots.MatplotlibMissing, match=r"jacobkit\[plots\]"):
+    with pytest.raises(plots.MatplotlibMissing, match=r"\.\[bench\]"):
         plots.require_matplotlib()
-    code = cli.main(["bench", "--quick", "--no-progress", "--out", str(tmp_path / "b")])
+    code = command.main(["--quick", "--no-progress", "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert code == 2 and "matplotlib" in err, err
-    assert 'pip install "jacobkit[plots]"' in err
+    assert 'pip install -e ".[bench]"' in err
     assert not (tmp_path / "b").exists()

@@ -85,3 +85,36 @@ def _documented() -> set[str]:
 def test_every_public_name_has_a_page_in_the_api_reference(name):
     target = PUBLIC_MODULES.get(name, f"jacobkit.{name}")
     assert target in _documented(), f"no '::: {target}' in docs/api/"
+
+
+def test_psutil_is_an_extra_imported_in_one_place():
+    """psutil is optional (the ``bench`` extra): no module imports it but the
+    one that falls back without it."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if re.match(r"psutil\b", d)]
+    assert "psutil" in project["optional-dependencies"]["bench"]
+    importers = sorted(
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "jacobkit").rglob("*.py")
+        if re.search(r"^\s*(import|from) psutil\b", path.read_text(), flags=re.M)
+    )
+    assert importers == ["jacobkit/bench/resident.py"]
+
+
+def test_resident_memory_without_psutil(monkeypatch, tmp_path):
+    """jacobkit compare's process growth without psutil: the resident set
+    from /proc/self/statm on Linux; unknown (None, ``n/a`` in the table)
+    where that cannot be read either, never an error."""
+    from jacobkit.bench import resident
+
+    with_psutil = resident.resident_bytes()
+    monkeypatch.setitem(sys.modules, "psutil", None)  # `import psutil` fails
+    if sys.platform.startswith("linux"):
+        without = resident.resident_bytes()
+        assert without is not None and without > 0
+        if with_psutil is not None:  # both read the same resident set
+            assert 0.5 < without / with_psutil < 2
+    assert resident.resident_bytes(str(tmp_path / "no-such-file")) is None
+    (tmp_path / "statm").write_text("not numbers")
+    assert resident.resident_bytes(str(tmp_path / "statm")) is None

@@ -33,7 +33,7 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def eager_trials():
     """Try every candidate as soon as the current strategy's rate is known."""
-    with planner.use_policy(rent=0.0, whole_rent=0.0):
+    with planner.use_policy(rent=0.0):
         yield
 
 

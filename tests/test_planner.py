@@ -1,5 +1,5 @@
-"""``auto``: every row computed once and kept, switches between segments of
-real calls, budgets respected, out-of-memory back-off through ``smaller()``."""
+"""``auto``: every row computed once and kept, switches between real calls,
+budgets respected, out-of-memory back-off through ``smaller()``."""
 
 from __future__ import annotations
 
@@ -27,15 +27,14 @@ from tests.cases import (
     unless_kernels_exceed_the_budget,
 )
 
-# A generator big enough that segments and budgets matter (48 rows: four
-# segments of 12). Measured on CPU: while(10) segments peak near 3 MiB,
-# chunked(12) and batch near 10 MiB.
+# A generator big enough that budgets matter (48 rows). Measured on CPU:
+# while(10) peaks near 3 MiB, chunked(48) and batch near 10-20 MiB.
 SIZES = {"batch": 16, "sequence": 64, "channels": 8, "filters": 32, "features": 48}
 
 
 @pytest.fixture(autouse=True)
 def _no_structure(monkeypatch):
-    """These tests exercise segments, switches and budgets, which ``auto``
+    """These tests exercise switches and budgets, which ``auto``
     skips where an exact structural shortcut applies (this generator ends in
     a linear head on 32 < 48 channels). tests/test_structure.py covers auto
     with the shortcut."""
@@ -64,7 +63,7 @@ def generator_reference() -> list:
 def eager_trials():
     """Try every candidate, and run every row at once, as soon as the
     current strategy's rate is known."""
-    with planner.use_policy(rent=0.0, whole_rent=0.0):
+    with planner.use_policy(rent=0.0):
         yield
 
 
@@ -76,61 +75,16 @@ def _covers_every_row_once(plan: jk.Plan) -> None:
     assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), rows
 
 
-def test_first_call_in_segments_starts_cheapest_to_trace_and_keeps_every_row(
-    generator, segments
-):
+def test_settled_calls_run_every_row_at_once(generator, eager_trials):
+    """A settled plan runs its strategy on every row in one run, as the fixed
+    strategy would. The current strategy's rate takes two calls, and each of
+    the two candidates a traced call and two timed ones: the ninth call
+    judges the last try."""
     ex = generator
-    result = jk.jacobian(ex.model, ex.inputs, ex.layer)
-    plan = result.plan
-    # float32 against float64: measured max relative error ~2e-6 here;
-    # testing.assert_close's default tolerance (1e-4 relative) holds it
-    testing.assert_close(result, generator_reference())
-    assert plan.strategy.name == "while" and result.strategy == "while"
-    assert plan.segment_rows == 12 and len(plan.last_call) == 4
-    assert {p.strategy for p in plan.last_call} == {plan.strategy}
-    _covers_every_row_once(plan)
-    assert result.stats.num_rows == 48 and result.stats.traced
-    # the first segment traced, the others measured the steady rate
-    assert [p.traced for p in plan.last_call] == [True, False, False, False]
-    (measured,) = plan.estimates
-    assert measured.trace_s > 0 and measured.seconds_per_row > 0
-    assert {s.name for s in plan.pending} == {"batch", "chunked"}
-
-
-def test_candidates_are_tried_on_segments_of_real_calls(
-    generator, eager_trials, segments
-):
-    ex = generator
-    expected = generator_reference()
-    for _ in range(4):
-        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
-        testing.assert_close(result, expected)
-        _covers_every_row_once(result.plan)
-        assert result.stats.num_rows == 48
-    plan = result.plan
-    first = plan.switches[0]
-    # never in the first call (the one the user waits for): call 1 is while
-    # alone; call 2 tries the candidate cheapest to trace from its first
-    # segment, nothing computed twice
-    assert (first.call, first.row, first.old.name) == (2, 0, "while")
-    assert first.new.name == "chunked" and "trying it" in first.reason
-    assert plan.settled and plan.pending == ()
-    assert {e.strategy.name for e in plan.estimates} == {"while", "batch", "chunked"}
-    assert all(e.seconds_per_row > 0 and e.trace_s >= 0 for e in plan.estimates)
-    text = plan.summary()
-    assert text.startswith(f"auto -> {plan.strategy.label}: predicted peak")
-    assert "switched while(parallel=10) -> chunked(12): trying it" in text
-    assert re.search(r"measured chunked\(12\): [\d.]+ ms per call, trace", text)
-
-
-def test_settled_calls_run_every_row_at_once(generator, eager_trials, segments):
-    """Segments only while measuring or trying: a settled plan runs its
-    strategy on every row in one run, as the fixed strategy would."""
-    ex = generator
-    for _ in range(5):
+    for _ in range(9):
         result = jk.jacobian(ex.model, ex.inputs, ex.layer)
     plan = result.plan
-    assert plan.settled
+    assert plan.settled, str(plan)
     (whole,) = plan.last_call
     assert (whole.start, whole.rows, whole.strategy) == (0, 48, plan.strategy)
     testing.assert_close(result, generator_reference())
@@ -313,15 +267,17 @@ def chunked_only(monkeypatch):
         monkeypatch.setattr(cls, "for_auto", classmethod(lambda cls, rows: None))
 
 
-def test_out_of_memory_in_chunked_halves_the_chunk(monkeypatch, chunked_only, segments):
+def test_out_of_memory_in_chunked_halves_the_chunk(monkeypatch, chunked_only):
     ex = examples.build("generator", **SIZES)
-    sizes = inject_out_of_memory(monkeypatch, Chunked, lambda s: s.chunk_size, 3)
-    assert jk.plan(ex.model, ex.inputs, ex.layer).strategy == Chunked(12)
+    sizes = inject_out_of_memory(monkeypatch, Chunked, lambda s: s.chunk_size, 12)
+    assert jk.plan(ex.model, ex.inputs, ex.layer).strategy == Chunked(48)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = jk.jacobian(ex.model, ex.inputs, ex.layer)
-    # 12 -> 6 -> 3 on the first segment, then 3 for the other three
-    assert sizes == [12, 6, 3, 3, 3, 3] and result.chunk_size == 3
+    # 48 -> 24 -> 12, each run of every row; the next call runs 12 at once
+    assert sizes == [48, 24, 12] and result.chunk_size == 12
+    jk.jacobian(ex.model, ex.inputs, ex.layer)
+    assert sizes == [48, 24, 12, 12], "remembered what worked"
     assert len([w for w in caught if "ran out of memory" in str(w.message)]) == 1
     testing.assert_close(result, generator_reference())
 
@@ -355,10 +311,8 @@ def test_default_budget_is_a_fraction_of_free_memory(generator):
 
 
 def test_per_example_rows_of_a_dense_layer_run_whole(eager_trials):
-    """A segment of per-example rows may cut an example in two, which batch
-    (their closed-form fast path) cannot compute: auto runs such rows in whole
-    calls, and starts on batch (its closed form costs about what the summed
-    rows cost)."""
+    """Per-example rows of a Dense layer start on batch (its closed form
+    costs about what the summed rows cost), every row at once."""
     ex = examples.build("mlp")  # 4 examples x 10 features
     for call in range(4):
         result = jk.jacobian(ex.model, ex.inputs, ex.layer, outputs="per_example")
@@ -370,20 +324,6 @@ def test_per_example_rows_of_a_dense_layer_run_whole(eager_trials):
     assert plan.segment_rows == plan.num_rows == 40
     assert "batch" not in [r.label for r in plan.rejected]
     assert plan.estimate(jk.strategies.Batch()) is not None, plan
-
-
-def test_per_example_rows_in_segments(eager_trials, segments):
-    """Where batch cannot apply (a list of variables), per-example rows still
-    run in segments, and every row is computed once."""
-    ex = examples.build("mlp")  # 4 examples x 10 features: segments of 10
-    layer = ex.model.get_layer(ex.layer)
-    for _ in range(3):
-        result = jk.jacobian(
-            ex.model, ex.inputs, [layer.kernel, layer.bias], outputs="per_example"
-        )
-        testing.assert_close(result, reference("mlp", "per_example"))
-        _covers_every_row_once(result.plan)
-    assert result.plan.segment_rows == 10 and result.plan.num_rows == 40
 
 
 def test_a_slow_run_after_the_trace_does_not_make_tracing_free():
@@ -404,16 +344,17 @@ def test_a_slow_run_after_the_trace_does_not_make_tracing_free():
 
 def test_use_policy_changes_new_sessions_and_restores_the_outer_policy(generator):
     outer = planner.current_policy()
-    with planner.use_policy(segments=4) as policy:
-        assert planner.current_policy() == policy and policy.segments == 4
+    with planner.use_policy(eager_rows=100) as policy:
+        assert planner.current_policy() == policy and policy.eager_rows == 100
         with planner.use_policy(rent=0.0):
-            assert planner.current_policy().segments == 4  # nested: both apply
+            assert planner.current_policy().eager_rows == 100  # nested: both
             assert planner.current_policy().rent == 0.0
         ex = generator
-        assert jk.plan(ex.model, ex.inputs, ex.layer).segment_rows == 12
+        # 48 rows, at most 100 start on the eager loop
+        assert jk.plan(ex.model, ex.inputs, ex.layer).strategy.name == "loop"
     assert planner.current_policy() == outer == planner.Policy()
-    # sessions are kept per policy: outside the block, whole calls again
-    assert jk.plan(ex.model, ex.inputs, ex.layer).segment_rows == 48
+    # sessions are kept per policy: outside the block, a traced start again
+    assert jk.plan(ex.model, ex.inputs, ex.layer).strategy.name == "while"
 
 
 def _frozen_backbone_head():

@@ -10,7 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from jacobkit.bench import auto_report, measure, report, stats
+from benchmarks.suite import auto_report, report
+from jacobkit.bench import measure, stats
 
 
 # -- rank tests: exact p-values from counting -------------------------------------

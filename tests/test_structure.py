@@ -330,7 +330,7 @@ def test_auto_says_why_it_does_not_use_it():
     ) in str(planned)
 
 
-def test_a_tight_budget_runs_the_shortcut_with_fewer_rows_at_once(segments):
+def test_a_tight_budget_runs_the_shortcut_with_fewer_rows_at_once():
     """Under a budget its default does not fit, the shortcut runs its inner
     strategy with fewer rows in flight (``smaller()``), on every row at once,
     rather than being dropped for the usual candidates: its prior is never
@@ -393,10 +393,9 @@ def test_no_call_keeps_its_inputs_alive(strategy):
     _check_inputs_released(strategy)
 
 
-def test_auto_in_segments_keeps_no_inputs_alive(segments):
-    """The same with auto's segments of rows (their views were cached with
-    the first call's problem). No shortcut applies to the MLP, so auto runs
-    segments of rows there."""
+def test_auto_without_a_shortcut_keeps_no_inputs_alive():
+    """The same where no shortcut applies (the MLP): auto's sessions are
+    kept per model, and hold no input values."""
     _check_inputs_released("auto", "mlp")
 
 
@@ -404,7 +403,7 @@ def _check_inputs_released(strategy, name="generator"):
     sizes = (
         {"batch": 2, "features": 7, "sequence": 6, "filters": 4}
         if name == "generator"
-        else {"batch": 4, "features": 16}  # auto runs 2 segments of 8 rows
+        else {"batch": 4, "features": 16}
     )
     ex = examples.build(name, **sizes)
     inputs = tf.constant(ex.inputs)

@@ -15,6 +15,7 @@ array's batches without copying). The modules, in the order data flows:
 
 from __future__ import annotations
 
-from jacobkit.batches.source import batches, is_batches, warn_non_finite
+from jacobkit.batches.source import batches
+from jacobkit.problem.arguments import is_batches, warn_non_finite
 
 __all__ = ["batches", "is_batches", "warn_non_finite"]

@@ -29,84 +29,38 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import engine, strategies
+from jacobkit import engine
 from jacobkit.batches import distribute, runners, source
 from jacobkit.batches.fingerprint import fingerprint
 from jacobkit.batches.manifest import EMPTY_CHAIN, TargetSpec, chain, digest_batch
 from jacobkit.batches.store import Store
-from jacobkit.problem import Problem
+from jacobkit.problem import Call, Problem, arguments
 from jacobkit.result import JacobianResult, Stats
 
 
-@dataclass(frozen=True)
-class Request:
-    """The arguments of a :func:`jacobkit.jacobian` call but its ``inputs``
-    (see there): :meth:`problem` builds one batch's problem from them."""
-
-    model: Any
-    layer: Any
-    strategy: str | strategies.Strategy
-    outputs: str | Callable[[Any], tf.Tensor]
-    features: Sequence[int] | None
-    training: bool
-    unconnected: str
-    memory_budget: Any
-    device: str | None
-    steps: int | None = None
-    out: str | os.PathLike | None = None
-    overwrite: bool = False
-    progress: bool = True
-    distribute: tf.distribute.Strategy | None = None
-    cache: bool = True
-    output: int | str | None = None
-    reduce: str | None = None
-
-    @property
-    def summed(self) -> bool:
-        """Whether rows are summed over the batches (not ``"per_example"`` or
-        ``"full"``, whose rows follow each other)."""
-        outputs = self.outputs
-        return not (isinstance(outputs, str) and outputs in ("per_example", "full"))
-
-    def problem(self, x: Any) -> Problem:
-        """The problem of one batch ``x`` (arrays ``(B, ...)``)."""
-        return Problem(
-            self.model,
-            x,
-            self.layer,
-            outputs=self.outputs,
-            features=self.features,
-            training=self.training,
-            unconnected=self.unconnected,
-            output=self.output,
-            reduce=self.reduce,
-        )
-
-
-def jacobian_batches(request: Request, inputs: Any) -> JacobianResult:
+def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
     """:func:`jacobkit.jacobian` over the batches of ``inputs`` (see the module
     docstring). ``inputs`` that are one batch (arrays) are one batch here."""
-    if request.reduce is not None:
+    if call.reduce is not None:
         raise ValueError(
-            f"jacobian(reduce={request.reduce!r}): norms are computed for one "
+            f"jacobian(reduce={call.reduce!r}): norms are computed for one "
             "batch in memory only (the norm of a sum over batches is not the sum "
             "of their norms); drop out=/distribute=, or pass one batch of arrays."
         )
-    chosen = None if request.strategy == "auto" else strategies.get(request.strategy)
-    spread = request.distribute
+    spread = call.distribute
     if spread is not None:
-        distribute.check(spread, out=request.out)
+        distribute.check(spread, out=call.out)
     replicas = None if spread is None else spread.num_replicas_in_sync
-    batches = source.open_source(inputs, request.steps, replicas)
+    batches = source.open_source(inputs, call.steps, replicas)
     start = time.perf_counter()
-    with engine.device_scope(request.device):
+    with engine.device_scope(call.device):
         first = next(batches.batches, None)
         if first is None:
             raise ValueError(
@@ -114,17 +68,17 @@ def jacobian_batches(request: Request, inputs: Any) -> JacobianResult:
                 "nothing to differentiate."
             )
         source.check_batch(0, first, None)
-        problem = request.problem(first)
-        writer = _open_store(request, problem, first, batches.count)
-        collector = Collector(problem, summed=request.summed, writer=writer)
+        problem = call.problem(first)
+        writer = _open_store(call, problem, first, batches.count)
+        collector = Collector(problem, summed=call.summed, writer=writer)
         loop = _Loop(
-            runner=_runner(request, chosen, problem),
-            resume=_Resume(writer, request.out),
+            runner=_runner(call, problem),
+            resume=_Resume(writer, call.out),
             collector=collector,
             start=start,
             rate=spread is None,
         )
-        loop.run(first, batches, progress=request.progress)
+        loop.run(first, batches, progress=call.progress)
         collector.sums = loop.runner.all_sum(collector.sums)
         loop.resume.check_seen(loop.tally.batches)
     jacobians = collector.jacobians()
@@ -132,7 +86,7 @@ def jacobian_batches(request: Request, inputs: Any) -> JacobianResult:
     rows_shape = problem.rows_shape
     return JacobianResult(
         jacobians=jacobians,
-        rows_shape=rows_shape if request.summed else (tally.examples, *rows_shape[1:]),
+        rows_shape=rows_shape if call.summed else (tally.examples, *rows_shape[1:]),
         strategy=ran.strategy,
         chunk_size=ran.chunk_size,
         stats=Stats(
@@ -148,22 +102,22 @@ def jacobian_batches(request: Request, inputs: Any) -> JacobianResult:
 
 
 def _open_store(
-    request: Request, problem: Problem, first: Any, count: int | None
+    call: Call, problem: Problem, first: Any, count: int | None
 ) -> Store | None:
     """The ``out=`` directory (``None`` without ``out=``), for ``count``
     batches (``None``: unknown) like the ``first`` (arrays ``(B, ...)``)."""
-    if request.out is None:
+    if call.out is None:
         return None
-    summed = request.summed
+    summed = call.summed
     per_row = problem.rows_shape if summed else problem.rows_shape[1:]
     return Store(
-        request.out,
+        call.out,
         fingerprint=fingerprint(
             problem,
-            outputs=request.outputs,
-            strategy=request.strategy,
+            outputs=call.outputs,
+            strategy=engine.chosen(call),
             first=first,
-            steps=request.steps,
+            steps=call.steps,
         ),
         targets=[
             TargetSpec(name, per_row + tuple(t.shape), problem.output_dtype.name)
@@ -172,26 +126,16 @@ def _open_store(
         kind="sum" if summed else "rows",
         num_batches=count,
         rows_capacity=None if count is None else count * source.batch_size(first),
-        overwrite=request.overwrite,
+        overwrite=call.overwrite,
     )
 
 
-def _runner(
-    request: Request, chosen: strategies.Strategy | None, problem: Problem
-) -> runners.Runner:
+def _runner(call: Call, problem: Problem) -> runners.Runner:
     """What computes the batches: the replicas of ``distribute=``, or the
     device (``problem`` is the first batch's)."""
-    settings = runners.Settings(
-        chosen=chosen,
-        summed=request.summed,
-        training=request.training,
-        memory_budget=request.memory_budget,
-        device=request.device,
-        cache=request.cache,
-    )
-    if request.distribute is not None:
-        return runners.OnReplicas(settings, problem, request.distribute)
-    return runners.OneDevice(settings, problem, request.problem)
+    if call.distribute is not None:
+        return runners.OnReplicas(call, problem, call.distribute)
+    return runners.OneDevice(call, problem)
 
 
 class _Resume:
@@ -285,7 +229,7 @@ class _Loop:
                     bar.update(1)
                     continue
                 if not warned_non_finite:
-                    warned_non_finite = source.warn_non_finite(x, batch=k, stacklevel=5)
+                    warned_non_finite = arguments.warn_non_finite(x, batch=k)
                 self._collect(self.runner.submit(k, x, digest), bar)
             self._collect(self.runner.finish(), bar)
         finally:

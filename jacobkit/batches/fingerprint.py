@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import strategies
+from jacobkit import planner, strategies
 from jacobkit.batches.manifest import Fingerprint
 from jacobkit.keras import compat
 from jacobkit.problem import Problem
@@ -37,7 +37,7 @@ def fingerprint(
     problem: Problem,
     *,
     outputs: str | Callable[[Any], tf.Tensor],
-    strategy: str | strategies.Strategy,
+    strategy: strategies.Strategy | planner.Auto,
     first: Any,
     steps: int | None,
 ) -> Fingerprint:
@@ -61,7 +61,7 @@ def fingerprint(
             "training": problem.training,
             "unconnected": problem.unconnected,
         },
-        strategy=strategy if isinstance(strategy, str) else strategy.label,
+        strategy=_strategy_name(strategy),
         inputs={
             "structure": json.loads(
                 json.dumps(
@@ -75,3 +75,16 @@ def fingerprint(
             "steps": steps,
         },
     )
+
+
+def _strategy_name(strategy: strategies.Strategy | planner.Auto) -> str:
+    """How the manifest names the strategy: ``"auto"``, a registered name
+    where the strategy is that name's default configuration (what
+    ``strategy="while"`` gives), else its label (``"chunked(8)"``)."""
+    if isinstance(strategy, planner.Auto):
+        return strategy.name
+    try:
+        default = type(strategy)()
+    except TypeError:  # a strategy with a required option
+        return strategy.label
+    return strategy.name if default == strategy else strategy.label

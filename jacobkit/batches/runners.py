@@ -11,7 +11,7 @@ the one-device runner at once, the replicas' one group of
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from jacobkit import engine, planner, strategies
 from jacobkit.batches import distribute, source
-from jacobkit.problem import Problem
+from jacobkit.problem import Call, Problem
 from jacobkit.result import JacobianResult
 
 logger = logging.getLogger(__name__)
@@ -37,29 +37,6 @@ logger = logging.getLogger(__name__)
 #: depend on how loaded the machine was, or a resumed run would not equal an
 #: uninterrupted one bit for bit.
 PAD_LAST_BATCH = True
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What every batch is computed with: the ``chosen`` strategy (``None``:
-    ``auto``, planned with ``memory_budget``, ``device``, ``cache``), whether
-    rows are ``summed`` over the batches, and ``training``."""
-
-    chosen: strategies.Strategy | None
-    summed: bool
-    training: bool
-    memory_budget: Any
-    device: str | None
-    cache: bool
-
-    def plan(self, problem: Problem) -> planner.Plan:
-        """What ``auto`` runs next on ``problem``."""
-        return planner.plan_problem(
-            problem,
-            memory_budget=self.memory_budget,
-            device=self.device,
-            cache=self.cache,
-        )
 
 
 @dataclass(frozen=True)
@@ -95,10 +72,12 @@ class Runner(Protocol):
     def ran(self) -> Ran: ...
 
 
-def _named(chosen: strategies.Strategy | None, plan: planner.Plan | None) -> Ran:
-    """``chosen`` (or ``"auto"``) as what ran."""
-    if chosen is None:
-        return Ran("auto", None, None, plan)
+def _named(
+    chosen: strategies.Strategy | planner.Auto, plan: planner.Plan | None
+) -> Ran:
+    """``chosen`` as what ran."""
+    if isinstance(chosen, planner.Auto):
+        return Ran(chosen.name, None, None, plan)
     return Ran(chosen.name, chosen.chunk_size, chosen, plan)
 
 
@@ -107,29 +86,26 @@ class OneDevice:
 
     ``auto`` keeps one planning session, made for the ``first`` batch's
     shapes, across the batches; a smaller batch runs what ``auto`` runs next.
-    ``build(x)`` is the problem of batch ``x``.
     """
 
-    def __init__(
-        self, settings: Settings, first: Problem, build: Callable[[Any], Problem]
-    ) -> None:
-        self.settings = settings
+    def __init__(self, call: Call, first: Problem) -> None:
+        self.call = call
+        self.chosen = engine.chosen(call)
         self.first = first
         self.first_size = source.batch_size(first.inputs)
-        self.build = build
         self._last: JacobianResult | None = None
         self._plan: planner.Plan | None = None
 
     def submit(self, k: int, x: Any, digest: str) -> list[Computed]:
         n = source.batch_size(x)
         padded = (
-            not self.settings.summed
+            not self.call.summed
             and PAD_LAST_BATCH
-            and not self.settings.training
+            and not self.call.training
             and n < self.first_size
         )
-        problem = self.build(source.pad(x, self.first_size) if padded else x)
-        if problem.rows_shape != self.first.rows_shape and self.settings.summed:
+        problem = self.call.problem(source.pad(x, self.first_size) if padded else x)
+        if problem.rows_shape != self.first.rows_shape and self.call.summed:
             raise ValueError(
                 f"jacobian(outputs=...): batch {k} gives rows of shape "
                 f"{problem.rows_shape}, batch 0 gave {self.first.rows_shape}; "
@@ -153,26 +129,21 @@ class OneDevice:
         ]
 
     def _run(self, problem: Problem) -> JacobianResult:
-        settings = self.settings
-        if settings.chosen is not None:
-            return engine.run_strategy(problem, settings.chosen)
+        chosen = self.chosen
+        if not isinstance(chosen, planner.Auto):
+            return engine.run(problem, chosen)
         if source.shapes(problem.inputs) == source.shapes(self.first.inputs):
             # auto's session for this shape: it keeps planning (and learning)
             # across the batches as across calls
-            result = engine.run_auto(
-                problem,
-                memory_budget=settings.memory_budget,
-                device=settings.device,
-                cache=settings.cache,
-            )
+            result = engine.run(problem, chosen)
             self._plan = result.plan
             return result
         # a smaller batch: what auto runs next, not a new session
         if self._last is not None:
             following = self._last.strategy_config
         else:  # (the earlier batches were done by another call)
-            following = settings.plan(self.first).strategy
-        return engine.run_strategy(problem, following)
+            following = chosen.plan(self.first).strategy
+        return engine.run(problem, following)
 
     def finish(self) -> list[Computed]:
         return []
@@ -183,7 +154,7 @@ class OneDevice:
     def ran(self) -> Ran:
         last = self._last
         if last is None:
-            return _named(self.settings.chosen, self._plan)
+            return _named(self.chosen, self._plan)
         return Ran(last.strategy, last.chunk_size, last.strategy_config, self._plan)
 
 
@@ -202,11 +173,12 @@ class OnReplicas:
 
     def __init__(
         self,
-        settings: Settings,
+        call: Call,
         first: Problem,
         strategy: tf.distribute.Strategy,
     ) -> None:
-        self.settings = settings
+        self.call = call
+        self.chosen = engine.chosen(call)
         self.first = first
         self.first_size = source.batch_size(first.inputs)
         self.strategy = strategy
@@ -229,7 +201,7 @@ class OnReplicas:
         for p in pending:
             logger.debug("computing batch %d", p.index)
         results = replicas.run([p.x for p in pending])
-        first, summed = self.first, self.settings.summed
+        first, summed = self.first, self.call.summed
         return [
             Computed(
                 digest=p.digest,
@@ -243,14 +215,14 @@ class OnReplicas:
 
     def _started(self) -> distribute.Replicas:
         if self._replicas is None:
-            ran = self.settings.chosen
-            if ran is None:
-                self._plan = self.settings.plan(self.first)
+            ran = self.chosen
+            if isinstance(ran, planner.Auto):
+                self._plan = ran.plan(self.first)
                 ran = self._plan.strategy
             self._replicas = distribute.Replicas(
                 self.strategy,
                 ran.compiled_for(self.first).fn,
-                summed=self.settings.summed,
+                summed=self.call.summed,
                 batch_size=self.first_size,
             )
         return self._replicas
@@ -261,7 +233,7 @@ class OnReplicas:
         rows_shape = self.first.rows_shape
         values = []
         for f, t in zip(flat, self.first.targets, strict=True):
-            if self.settings.summed:
+            if self.call.summed:
                 values.append(np.reshape(f, rows_shape + tuple(t.shape)))
             else:
                 shape = (-1, *rows_shape[1:], *t.shape)
@@ -270,11 +242,11 @@ class OnReplicas:
 
     def all_sum(self, sums: list[np.ndarray] | None) -> list[np.ndarray] | None:
         """Every worker's sums added up (``"features"`` rows)."""
-        if self._replicas is None or not self.settings.summed:
+        if self._replicas is None or not self.call.summed:
             return sums
         rows_shape = self.first.rows_shape
         like = [np.zeros(rows_shape + tuple(t.shape)) for t in self.first.targets]
         return self._replicas.all_sum(sums, like)
 
     def ran(self) -> Ran:
-        return _named(self.settings.chosen, self._plan)
+        return _named(self.chosen, self._plan)

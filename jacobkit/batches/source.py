@@ -8,13 +8,14 @@ Every check on the inputs that can be made before any work is made here.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from jacobkit.problem import arguments
 
 
 class batches:  # noqa: N801 - reads as a function: jk.data.batches(x, 64)
@@ -54,17 +55,6 @@ class batches:  # noqa: N801 - reads as a function: jk.data.batches(x, 64)
             yield tf.nest.map_structure(
                 lambda a, window=window: np.asarray(a[window]), self.x
             )
-
-
-def is_batches(inputs: Any) -> bool:
-    """Whether ``inputs`` is a dataset or iterable of batches (not the arrays
-    of one batch: a list, tuple or dict is a multi-input model's inputs)."""
-    if isinstance(inputs, tf.data.Dataset):
-        return True
-    # a tf.Variable is iterable too, but it is one batch (USERS.md case 4)
-    return isinstance(inputs, Iterable) and not isinstance(
-        inputs, (list, tuple, dict, np.ndarray, tf.Tensor, tf.Variable, str, bytes)
-    )
 
 
 def _features_of(element: Any) -> Any:
@@ -191,42 +181,6 @@ def pad(x: Any, size: int) -> Any:
     return tf.nest.map_structure(pad_one, x)
 
 
-def _non_finite(x: Any) -> int:
-    """How many NaN/Inf values the float arrays or tensors of ``x`` hold."""
-    count = 0
-    for a in tf.nest.flatten(x):
-        if (
-            isinstance(a, tf.Tensor)
-            and a.dtype in (tf.float16, tf.float32, tf.float64)
-            and ":CPU:" in getattr(a, "device", "")
-        ):
-            a = a.numpy()  # shares the CPU buffer; NumPy counts ~10x faster
-        if isinstance(a, tf.Tensor):
-            if a.dtype.is_floating:
-                finite = tf.math.count_nonzero(tf.math.is_finite(a))
-                count += int(tf.size(a, out_type=tf.int64) - finite)
-        elif np.asarray(a).dtype.kind == "f":
-            count += int(np.size(a) - np.count_nonzero(np.isfinite(a)))
-    return count
-
-
-def warn_non_finite(inputs: Any, batch: int | None = None, stacklevel: int = 3) -> bool:
-    """Warn once if ``inputs`` hold NaN or Inf (they reach the rows: with
-    ``outputs="features"`` every row would be NaN); whether it warned."""
-    bad = _non_finite(inputs)
-    if bad:
-        where = "the inputs hold" if batch is None else f"batch {batch} holds"
-        later = "" if batch is None else " Later batches are not reported."
-        warnings.warn(
-            f"jacobian(inputs=...): {where} {bad} NaN/Inf value(s); the "
-            "Jacobians of every row they reach are NaN (with "
-            f"outputs='features', every row).{later}",
-            RuntimeWarning,
-            stacklevel=stacklevel + 1,
-        )
-    return bool(bad)
-
-
 @dataclass(frozen=True)
 class Source:
     """The batches to compute: ``count`` of them (``None``: unknown), each
@@ -240,7 +194,7 @@ def open_source(inputs: Any, steps: int | None, replicas: int | None) -> Source:
     """The batches of ``inputs``: a dataset's or iterable's (at most ``steps``),
     or one batch of arrays, split into one batch per replica when there are
     ``replicas`` (``distribute=``)."""
-    if is_batches(inputs):
+    if arguments.is_batches(inputs):
         return Source(count_batches(inputs, steps), iterate(inputs, steps))
     arrays = tf.nest.map_structure(np.asarray, inputs)
     if replicas is None:

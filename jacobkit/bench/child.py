@@ -1,17 +1,13 @@
-"""What runs inside each benchmark subprocess.
+"""What runs inside each child process of :mod:`jacobkit.bench.processes`.
 
-The runner starts a fresh process per task, so that peak memory starts clean
-and one strategy's crash or time limit cannot take the suite down. Each task
-is a plain dict; the child writes its answer as JSON to ``result_path`` (and
-the reference Jacobians to an ``.npz`` file) and exits. Four kinds:
-
-- ``probe``: the device's name and the TensorFlow and Keras versions;
-- ``reference``: the reference Jacobians of one problem;
-- ``measure``: one strategy on one problem, through
-  :func:`jacobkit.bench.measure.measure` (a benchmark problem, or the problem
-  of ``jacobkit compare``: its built-in generator or a saved model);
-- ``first_call``: the first call alone (:func:`jacobkit.bench.measure.first_call_s`),
-  for first calls paired in alternating fresh processes.
+``jacobkit compare`` starts a fresh process per strategy, so that peak memory
+starts clean and one strategy's crash or time limit cannot take the others
+down. Each task is a plain dict; the child writes its answer as JSON to
+``result_path`` and exits. One kind here, ``measure``: one strategy (or
+auto) on one problem, through :func:`jacobkit.bench.measure.measure` (the
+problem of ``jacobkit compare``: its built-in generator or a saved model, or
+a problem of the benchmark suite, which adds its own kinds of task on top of
+these: :func:`run` takes the table of kinds).
 
 Everything runs under ``tf.device(task["device"])``; peak memory is measured
 on that device.
@@ -22,8 +18,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,12 +43,23 @@ def classify_failure(error: str) -> str:
     return "error"
 
 
+#: a kind of task: the task -> its JSON answer
+Task = Callable[[dict[str, Any]], dict[str, Any]]
+
+
 def main(task: dict[str, Any], result_path: str, log_path: str) -> None:
-    """Run ``task`` and write its JSON answer to ``result_path``; TensorFlow's
-    own output goes to ``log_path``."""
+    """Run ``task`` (a kind of :data:`TASKS`): see :func:`run`."""
+    run(task, result_path, log_path, TASKS)
+
+
+def run(
+    task: dict[str, Any], result_path: str, log_path: str, tasks: Mapping[str, Task]
+) -> None:
+    """Run ``task`` by its kind in ``tasks`` and write its JSON answer to
+    ``result_path``; TensorFlow's own output goes to ``log_path``."""
     _redirect_output(log_path)
     try:
-        answer = _TASKS[task["kind"]](task)
+        answer = tasks[task["kind"]](task)
     except Exception as err:  # a failure is a result: record it, whatever it is
         traceback.print_exc()
         message = f"{type(err).__name__}: {_first_line(err)}"[:300]
@@ -76,45 +83,25 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     import tensorflow as tf
 
     kind = device.split(":")[0]
     if not tf.config.list_physical_devices(kind):
         raise RuntimeError(
-            f"jacobkit bench --device {device}: TensorFlow sees no {kind} here "
+            f"--device {device}: TensorFlow sees no {kind} here "
             f"(visible: {[d.name for d in tf.config.list_physical_devices()]})."
         )
 
 
-def _probe(task: dict[str, Any]) -> dict[str, Any]:
-    import keras
-    import tensorflow as tf
-
-    device = task["device"]
-    _check_device(device)
-    name = task.get("cpu_model") or "CPU"
-    if device.startswith("GPU"):
-        index = int(device.split(":")[1])
-        physical = tf.config.list_physical_devices("GPU")[index]
-        details = tf.config.experimental.get_device_details(physical)
-        name = details.get("device_name", physical.name)
-    return {
-        "device": device,
-        "device_name": name,
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-    }
-
-
-def _build(task: dict[str, Any], dtype: str) -> tuple[Any, Any, Any]:
+def build(task: dict[str, Any], dtype: str) -> tuple[Any, Any, Any]:
     """The model, its inputs and the Problem, built the same way in every
     child: the example ``task["builder"]`` at ``task["sizes"]``, or (``jacobkit
     compare --model``) the saved model at ``task["model_path"]`` with the
     ``.npy`` inputs at ``task["inputs_path"]``."""
     import keras
 
-    from jacobkit.problem import Problem
+    from jacobkit.problem import Call
     from jacobkit.testing import examples
 
     if task.get("model_path"):
@@ -129,51 +116,18 @@ def _build(task: dict[str, Any], dtype: str) -> tuple[Any, Any, Any]:
         example = examples.build(task["builder"], dtype, **task["sizes"])
         model, inputs = example.model, example.inputs
         layer = task["layer"] or example.layer
-    problem = Problem(
-        model, inputs, layer, outputs=task["outputs"], features=task.get("features")
-    )
+    call = Call(model, layer, outputs=task["outputs"], features=task.get("features"))
+    problem = call.problem(inputs)
     return model, inputs, problem
 
 
-def _reference(task: dict[str, Any]) -> dict[str, Any]:
-    import tensorflow as tf
-
-    from jacobkit import strategies, testing
-
-    _check_device(task["device"])
-    start = time.perf_counter()
-    with tf.device(task["device"]):
-        if task["reference"] == "float64":
-            # a float64 copy of the float32 build: a float64 build may keep
-            # float32 parts (ResNet50 takes no dtype)
-            model, inputs, problem = _build(task, "float32")
-            reference = testing.float64_reference(
-                model,
-                inputs,
-                list(problem.targets),
-                outputs=task["outputs"],
-                call_kwargs={"training": False},
-                baseline=False,
-            )
-            if not reference.description.startswith("float64"):
-                raise ValueError(f"no float64 reference: {reference.description}")
-            jacobians = list(reference)
-        elif task["reference"] == "float32-loop":
-            *_, problem = _build(task, "float32")
-            jacobians = [np.asarray(j) for j in strategies.Loop().run(problem)[0]]
-        else:
-            raise ValueError(f"unknown reference kind {task['reference']!r}")
-    np.savez(task["reference_path"], *jacobians)
-    return {"seconds": time.perf_counter() - start, "num_rows": problem.num_rows}
-
-
-def _strategy_of(task: dict[str, Any]) -> Any:
+def strategy_of(task: dict[str, Any]) -> Any:
     """The task's configured strategy, or ``None`` for auto (whose plan cache,
     empty before the cold run and its result after, is set up here; without
     ``task["plan_cache"]``, the user's), once the device is checked."""
     from jacobkit import strategies
 
-    _check_device(task["device"])
+    check_device(task["device"])
     if task["strategy"] == "auto":
         if task.get("plan_cache") is not None:
             os.environ["JACOBKIT_CACHE_DIR"] = task["plan_cache"]
@@ -181,22 +135,29 @@ def _strategy_of(task: dict[str, Any]) -> Any:
     return strategies.from_spec(task["spec"])
 
 
-def _measure(task: dict[str, Any]) -> dict[str, Any]:
+#: more of a ``measure`` task's answer, from the problem and its measurement
+#: (the benchmark suite's paired rounds), computed under the task's device
+Extra = Callable[[dict[str, Any], Any, Any], dict[str, Any]]
+
+
+def measure_task(task: dict[str, Any], extra: Extra | None = None) -> dict[str, Any]:
+    """One strategy (``task["spec"]``) or auto on the task's problem, against
+    the reference saved at ``task["reference_path"]`` if any; the answer is
+    the :class:`~jacobkit.bench.measure.Measurement`, with
+    ``extra(task, problem, measurement)`` added."""
     import tensorflow as tf
 
-    from jacobkit import strategies
     from jacobkit.bench import measure
 
-    strategy = _strategy_of(task)
-    auto = strategy is None
+    strategy = strategy_of(task)
     reference = None
     if task.get("reference_path") and os.path.exists(task["reference_path"]):
         with np.load(task["reference_path"]) as saved:
             reference = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    more: dict[str, Any] = {}
     with tf.device(task["device"]):
-        *_, problem = _build(task, "float32")
-        paired = own = None
-        if auto:
+        *_, problem = build(task, "float32")
+        if strategy is None:
             measured = measure.measure_auto(
                 problem,
                 reference,
@@ -205,23 +166,6 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
                 memory_budget=task.get("memory_budget"),
                 held_calls=task.get("held_calls", 0),
             )
-            if task.get("pair_with") and not measured.error:
-                paired = measure.paired_rounds(
-                    problem,
-                    strategies.from_spec(task["pair_with"]),
-                    rounds=task["repeats"],
-                    device=task["device"],
-                )
-                if measured.ran_spec != task["pair_with"]:
-                    # auto's per-call overhead: against what it runs, fixed
-                    own = measure.paired_rounds(
-                        problem,
-                        strategies.from_spec(measured.ran_spec),
-                        rounds=task["repeats"],
-                        device=task["device"],
-                    )
-                else:
-                    own = paired
         else:
             measured = measure.measure(
                 problem,
@@ -231,35 +175,17 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
                 device=task["device"],
                 held_calls=task.get("held_calls", 0),
             )
+        if extra is not None:
+            more = extra(task, problem, measured)
     answer = measured.as_dict()
-    # the runner's label stays the row's label; what ran (auto: what it
+    # the caller's label stays the row's label; what ran (auto: what it
     # settled on) is recorded beside it
     answer["ran"] = answer.pop("strategy")
     answer["num_rows"] = problem.num_rows
-    if paired is not None:
-        answer["paired"] = paired.as_dict()
-    if own is not None:
-        answer["overhead"] = own.as_dict()
+    answer.update(more)
     if measured.error:
         answer["failure"] = classify_failure(measured.error)
     return answer
 
 
-def _first_call(task: dict[str, Any]) -> dict[str, Any]:
-    import tensorflow as tf
-
-    from jacobkit.bench.measure import first_call_s
-
-    strategy = _strategy_of(task)
-    with tf.device(task["device"]):
-        *_, problem = _build(task, "float32")
-        seconds = first_call_s(problem, strategy, device=task["device"])
-    return {"first_call_s": seconds}
-
-
-_TASKS = {
-    "probe": _probe,
-    "reference": _reference,
-    "measure": _measure,
-    "first_call": _first_call,
-}
+TASKS: dict[str, Task] = {"measure": measure_task}

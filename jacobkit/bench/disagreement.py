@@ -1,5 +1,5 @@
 """When a strategy disagrees with the reference: one rule, used by
-``jacobkit compare`` and ``jacobkit bench``."""
+``jacobkit compare`` and the benchmark suite."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def disagreement_limit(loop_diff: float = 0.0) -> float:
     itself is far from a float64 reference).
 
     ``jacobkit compare`` passes its loop row's difference: it runs on any
-    model. ``jacobkit bench`` passes none, on purpose: its problems are fixed
+    model. The benchmark suite passes none, on purpose: its problems are fixed
     float32 models on which the floor holds, and a limit that grew with the
     loop's error would let a regression of the loop hide the others'.
     """

@@ -12,12 +12,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import psutil
 import tensorflow as tf
 
-from jacobkit import memory, strategies
+from jacobkit import engine, memory, planner, strategies
 from jacobkit.bench import stats
-from jacobkit.engine import run_auto, run_strategy
+from jacobkit.bench.resident import resident_bytes
 from jacobkit.problem import Problem
 from jacobkit.testing.reference import max_relative_difference
 
@@ -117,9 +116,10 @@ SETTLE_CALLS = 40
 def configurations(
     num_rows: int, chunk_sizes: Iterable[int] = (1, 8, 32)
 ) -> list[strategies.Strategy]:
-    """The one list of strategy configurations that ``jacobkit compare``,
-    ``jacobkit bench`` and the benchmarks measure: every registered strategy
-    with its defaults, and ``chunked`` at ``chunk_sizes`` and at every row."""
+    """The one list of strategy configurations that ``jacobkit compare``, the
+    benchmark suite and the other benchmarks measure: every registered
+    strategy with its defaults, and ``chunked`` at ``chunk_sizes`` and at
+    every row."""
     chosen = [cls() for name, cls in strategies.REGISTRY.items() if name != "chunked"]
     sizes = sorted({min(c, num_rows) for c in (*chunk_sizes, num_rows)})
     return chosen + [strategies.Chunked(c) for c in sizes]
@@ -147,29 +147,12 @@ def measure(
     base = Measurement(strategy.label, strategy.name, strategy.chunk_size)
     return measure_calls(
         base,
-        functools.partial(run_strategy, problem, strategy),
+        functools.partial(engine.run, problem, strategy),
         reference,
         repeats=repeats,
         device=device,
         held_calls=held_calls,
     )
-
-
-def first_call_s(
-    problem: Problem,
-    strategy: strategies.Strategy | None = None,
-    *,
-    device: str | None = None,
-) -> float:
-    """Seconds of one call of ``strategy`` (``None``: auto, with the plan
-    cache ``$JACOBKIT_CACHE_DIR`` holds) on ``problem``: the first call of a
-    fresh process, tracing and planning included."""
-    start = time.perf_counter()
-    if strategy is None:
-        run_auto(problem, device=device)
-    else:
-        run_strategy(problem, strategy)
-    return time.perf_counter() - start
 
 
 def measure_auto(
@@ -187,7 +170,7 @@ def measure_auto(
     timed. The label names what it settled on (``"auto: while(parallel=10)"``).
     """
     call = functools.partial(
-        run_auto, problem, memory_budget=memory_budget, device=device, cache=cache
+        engine.run, problem, planner.Auto(memory_budget, device, cache)
     )
     return measure_calls(
         Measurement("auto", "auto", None),
@@ -218,7 +201,7 @@ def measure_calls(
     previous result. For auto, ``base`` is relabelled with what it ran last.
     """
     try:
-        resident = process_memory_bytes()
+        resident = resident_bytes()
         times = []
         diff = None
         for i in range(3):
@@ -247,10 +230,10 @@ def measure_calls(
         plan = result.plan if base.name == "auto" else None
         result = None
         peak = _steady_peak(call, device)
-        after = process_memory_bytes()
+        after = resident_bytes()
         for _ in range(held_calls):
             result = call()  # the previous result is alive during this call
-        held = process_memory_bytes() if held_calls else None
+        held = resident_bytes() if held_calls else None
     except _FAILURES as err:
         return _failed(base, err)
     if base.name == "auto":
@@ -280,77 +263,6 @@ def measure_calls(
         held_growth_bytes=held_growth,
         max_rel_diff=diff,
     )
-
-
-@dataclass(frozen=True)
-class Paired:
-    """``auto`` against one fixed strategy in alternating calls of one
-    process (both already traced): a ratio free of the process-to-process
-    noise of separate measurements (up to 1.3x on 2 shared CPU cores).
-
-    Attributes:
-        strategy: the fixed strategy's label.
-        rounds: alternating pairs of calls timed.
-        auto_s: median time of auto's calls.
-        fixed_s: median time of the fixed strategy's calls.
-        ratio: ``auto_s / fixed_s`` (below 1: auto faster).
-        auto_times_s, fixed_times_s: the timed calls, pair by pair, for the
-            confidence interval and signed-rank test of
-            :mod:`jacobkit.bench.stats`.
-    """
-
-    strategy: str
-    rounds: int
-    auto_s: float
-    fixed_s: float
-    ratio: float
-    auto_times_s: tuple[float, ...] = ()
-    fixed_times_s: tuple[float, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def paired_rounds(
-    problem: Problem,
-    fixed: strategies.Strategy,
-    *,
-    rounds: int = 5,
-    device: str | None = None,
-) -> Paired:
-    """Time ``auto`` (as :func:`measure_auto` left it) and ``fixed`` in
-    ``rounds`` alternating pairs of calls, after one untimed call of
-    ``fixed`` (its tracing); the order within a pair alternates too."""
-    calls = {
-        "auto": functools.partial(run_auto, problem, device=device),
-        "fixed": functools.partial(run_strategy, problem, fixed),
-    }
-    calls["fixed"]()
-    times: dict[str, list[float]] = {"auto": [], "fixed": []}
-    for i in range(rounds):
-        for name in ("auto", "fixed") if i % 2 == 0 else ("fixed", "auto"):
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    auto_s, fixed_s = (statistics.median(times[k]) for k in ("auto", "fixed"))
-    return Paired(
-        fixed.label,
-        rounds,
-        auto_s,
-        fixed_s,
-        auto_s / fixed_s,
-        tuple(times["auto"]),
-        tuple(times["fixed"]),
-    )
-
-
-def process_memory_bytes() -> int | None:
-    """This process's resident memory (RSS), from ``psutil`` on any system
-    it supports; ``None`` where it cannot be read."""
-    try:
-        return int(psutil.Process().memory_info().rss)
-    except (psutil.Error, OSError):
-        return None
 
 
 #: what a measurement records as a failure instead of raising

@@ -1,7 +1,8 @@
-"""Fresh child processes with a time limit: where ``jacobkit bench`` and
-``jacobkit compare`` run each strategy.
+"""Fresh child processes with a time limit: where ``jacobkit compare`` and
+the benchmark suite (``benchmarks/suite``) run each strategy.
 
-A task is a plain dict that :func:`jacobkit.bench.child.main` runs in a new
+A task is a plain dict that :func:`jacobkit.bench.child.main` (or the
+benchmark suite's own ``main``, which adds kinds of task) runs in a new
 process; its JSON answer comes back, or a failure row if the child passed
 its time limit (it is killed: a TensorFlow op cannot be interrupted inside a
 process) or died without answering. Peak memory starts clean in each child,
@@ -25,12 +26,13 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from jacobkit import runtime
-from jacobkit.bench import child, machine
+from jacobkit.bench import child
+from jacobkit.memory.free import meminfo_available
 
 #: modules the CPU fork server imports once for every child
 PRELOAD = [
@@ -39,6 +41,10 @@ PRELOAD = [
     "jacobkit.bench.measure",
     "jacobkit.testing.examples",
 ]
+
+
+#: what a child process runs: ``(task, result_path, log_path)``
+Target = Callable[[dict[str, Any], str, str], None]
 
 
 def time_limit_row(timeout_s: float) -> dict[str, Any]:
@@ -55,12 +61,22 @@ class ChildPool:
     Attributes:
         scratch: a folder for the tasks' files (results, logs, references),
             removed when the pool closes.
+        target: what each process runs: ``target(task, result_path,
+            log_path)`` (:func:`jacobkit.bench.child.main` by default).
     """
 
-    def __init__(self, context: Any, scratch: Path, *, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        context: Any,
+        scratch: Path,
+        *,
+        quiet: bool = False,
+        target: Target = child.main,
+    ) -> None:
         self.context = context
         self.scratch = scratch
         self.quiet = quiet
+        self.target = target
         self._count = 0
 
     def run(self, task: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
@@ -72,7 +88,7 @@ class ChildPool:
         result_path = str(self.scratch / f"task{self._count}.json")
         log_path = str(self.scratch / f"task{self._count}.log")
         process = self.context.Process(
-            target=child.main, args=(task, result_path, log_path)
+            target=self.target, args=(task, result_path, log_path)
         )
         start = time.perf_counter()
         with _stderr_hidden(self.quiet):  # what a child prints before its log
@@ -119,7 +135,11 @@ def crash_row(exitcode: int | None, log_path: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def open_pool(
-    device: str, *, memory_fraction: float = 0.7, quiet: bool = False
+    device: str,
+    *,
+    memory_fraction: float = 0.7,
+    quiet: bool = False,
+    target: Target = child.main,
 ) -> Iterator[ChildPool]:
     """A :class:`ChildPool` with the environment every child needs.
 
@@ -132,9 +152,11 @@ def open_pool(
             instead of meeting the operating system's out-of-memory killer.
         quiet: what the children (and the fork server) print before their
             output goes to their logs (TensorFlow's start-up lines) is hidden.
+        target: what each child runs (a function of an importable module,
+            which the fork server imports too).
     """
     on_cpu = device.upper().startswith("CPU")
-    available = machine.memory_bytes("MemAvailable")
+    available = meminfo_available()
     limit_mib = None
     if on_cpu and available:
         limit_mib = int(available * memory_fraction / 1024**2)
@@ -146,11 +168,11 @@ def open_pool(
     os.environ.update(env)
     try:
         if method == "forkserver":
-            context.set_forkserver_preload(["jacobkit.bench.child", *PRELOAD])
+            context.set_forkserver_preload([target.__module__, *PRELOAD])
             with _stderr_hidden(quiet):  # its imports run while the parent works
                 multiprocessing.forkserver.ensure_running()
         with tempfile.TemporaryDirectory(prefix="jacobkit-") as scratch:
-            yield ChildPool(context, Path(scratch), quiet=quiet)
+            yield ChildPool(context, Path(scratch), quiet=quiet, target=target)
     finally:
         for key, value in saved.items():
             if value is None:

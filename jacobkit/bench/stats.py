@@ -1,6 +1,7 @@
 """The statistics behind every "faster" in the reports of ``jacobkit compare``
-and ``jacobkit bench``: a bootstrap confidence interval for the ratio of
-median times, and a rank test of whether one strategy's calls are faster.
+and of the benchmark suite (``benchmarks/suite``): a bootstrap confidence
+interval for the ratio of median times, and a rank test of whether one
+strategy's calls are faster.
 
 Times of calls on a shared machine are skewed and few (3 to 5 per strategy),
 so nothing here assumes a normal distribution:

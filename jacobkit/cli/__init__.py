@@ -1,4 +1,4 @@
-"""The command line: ``jacobkit compare``, ``jacobkit run``, ``jacobkit bench``.
+"""The command line: ``jacobkit compare`` and ``jacobkit run``.
 
 Building the parser imports no TensorFlow (``jacobkit --help`` answers at
 once); each command imports it when it runs. A user's mistake (a bad option, a
@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jacobkit import __version__, runtime
-from jacobkit.cli import bench, compare, run
+from jacobkit.cli import compare, run
 from jacobkit.cli._common import USAGE_ERROR, Parser, UsageError
 
 # Before TensorFlow starts: TF's pooled CPU allocator is the one that reports
@@ -27,7 +27,7 @@ runtime.enable_bfc_cpu_allocator()
 __all__ = ["USAGE_ERROR", "UsageError", "main"]
 
 #: subcommand name -> function adding it to the parser
-SUBCOMMANDS = {"compare": compare.add, "bench": bench.add, "run": run.add}
+SUBCOMMANDS = {"compare": compare.add, "run": run.add}
 
 
 def _parser() -> argparse.ArgumentParser:

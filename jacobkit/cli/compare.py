@@ -7,7 +7,7 @@ where Keras can build one. TensorFlow is imported when the command runs.
 The parent process loads the problem (a mistake in it is a usage error) and
 computes the reference once, with no time limit; it goes to each strategy as
 an ``.npz`` file. Each strategy then runs in a fresh child process
-(:mod:`jacobkit.bench.processes`, as ``jacobkit bench`` runs them) that
+(:mod:`jacobkit.bench.processes`, as the benchmark suite runs them) that
 rebuilds the problem itself: the saved model and inputs loaded from their
 paths, or the generator built from its sizes. A child that passes
 ``--time-limit`` is killed (a TensorFlow op cannot be interrupted inside a
@@ -195,25 +195,21 @@ def _reference(
 ) -> tuple[list[Any], str]:
     """The reference Jacobians and what they are, in words: the float64 loop
     on the float64 copy, or the float32 loop without one."""
-    from jacobkit import strategies, testing
-    from jacobkit.engine import run_strategy
+    from jacobkit import engine, strategies, testing
     from jacobkit.keras import compat
-    from jacobkit.problem import Problem
+    from jacobkit.problem import Call
 
     if loaded.model64 is None:
-        result = run_strategy(problem, strategies.Loop())
+        result = engine.run(problem, strategies.Loop())
         policy = compat.dtype_policy_name(problem.model)
         return list(result.jacobians.values()), (
             f"{policy or 'float32'} loop on the model itself (no float64 copy: "
             "Keras cannot rebuild this model from its config)"
         )
-    ref_problem = Problem(
-        loaded.model64,
-        loaded.inputs64,
-        loaded.layer,
-        outputs=args.outputs,
-        features=args.features,
+    call = Call(
+        loaded.model64, loaded.layer, outputs=args.outputs, features=args.features
     )
+    ref_problem = call.problem(loaded.inputs64)
     reference = testing.reference_jacobian(
         loaded.model64,
         loaded.inputs64,
@@ -256,19 +252,16 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from jacobkit.bench import measure, processes
-    from jacobkit.problem import Problem
+    from jacobkit.problem import Call
 
     device, candidates = _candidates(args)
     loaded = _load_problem(args)
     with tf.device(device):
         try:
-            problem = Problem(
-                loaded.model,
-                loaded.inputs,
-                loaded.layer,
-                outputs=args.outputs,
-                features=args.features,
+            call = Call(
+                loaded.model, loaded.layer, outputs=args.outputs, features=args.features
             )
+            problem = call.problem(loaded.inputs)
         except (ValueError, TypeError) as err:
             raise UsageError(str(err)) from err
     # on the CPU, the fork server imports TensorFlow while the reference runs

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +10,7 @@ import tensorflow as tf
 from jacobkit.api import jacobian
 from jacobkit.explain._gradients import as_batch
 from jacobkit.keras.graph import LayerTap, TapError
-from jacobkit.problem.cache import per_model
+from jacobkit.problem.cache import Slot, model_state
 from jacobkit.problem.targets import find_layer
 from jacobkit.problem.tensor_targets import Output
 
@@ -87,15 +86,11 @@ def grad_cam(
     return tf.reshape(up, (batch, count, height, width))
 
 
-#: model -> {(layer, training): the compiled forward pass to the layer's output}
-_FORWARD: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-
-
 def _activation(model: Any, layer: Any, x: tf.Tensor, training: bool) -> tf.Tensor:
     """``layer``'s output on ``x``, from one compiled forward pass of
     ``model`` with the layer's node tapped (the model is not changed; the
     function is traced once per model, layer and input signature)."""
-    compiled = per_model(_FORWARD, model)
+    compiled = model_state(model, Slot.CAM_FORWARD)
     key = (id(layer), training)
     if key not in compiled:
         try:

@@ -53,9 +53,6 @@ def enable_cpu_memory_stats() -> bool:
     return runtime.enable_bfc_cpu_allocator()
 
 
-_ACTIVE: list[PeakMemory] = []
-
-
 def _memory_info(device: str) -> dict[str, int]:
     return tf.config.experimental.get_memory_info(device)
 
@@ -104,10 +101,14 @@ class PeakMemory:
         self._seen_peak = 0
 
     def _enclosing(self) -> list[PeakMemory]:
-        return [m for m in _ACTIVE if m.device == self.device and m is not self]
+        return [
+            m
+            for m in runtime.PROCESS.meters
+            if m.device == self.device and m is not self
+        ]
 
     def __enter__(self) -> PeakMemory:
-        if any(m is self for m in _ACTIVE):
+        if any(m is self for m in runtime.PROCESS.meters):
             raise RuntimeError("this PeakMemory block is already active")
         if self.device.startswith("CPU"):
             enable_cpu_memory_stats()
@@ -125,13 +126,13 @@ class PeakMemory:
         self.peak_bytes = self.extra_bytes = None
         self.baseline_bytes = int(info["current"])
         self._seen_peak = int(info["peak"])
-        _ACTIVE.append(self)
+        runtime.PROCESS.meters.append(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for i, m in enumerate(_ACTIVE):
+        for i, m in enumerate(runtime.PROCESS.meters):
             if m is self:
-                del _ACTIVE[i]
+                del runtime.PROCESS.meters[i]
                 break
         peak = int(_memory_info(self.device)["peak"])
         for m in self._enclosing():

@@ -34,14 +34,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from jacobkit import runtime
 from jacobkit.keras import compat, layer_tree
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.problem import Problem
 
 #: bumped when an entry's meaning changes; older entries are stale
 FORMAT = 2
-
-_WARNED: set[str] = set()
 
 
 class CacheWarning(UserWarning):
@@ -199,7 +198,9 @@ def save(name: str, entry: CacheEntry) -> bool:
 
 
 def _warn_once(path: str, message: str) -> None:
-    if path in _WARNED:
-        return
-    _WARNED.add(path)
-    warnings.warn(f"jacobkit: {message}", CacheWarning, stacklevel=4)
+    if runtime.first_notice(("plan cache", path)):
+        warnings.warn(
+            f"jacobkit: {message}",
+            CacheWarning,
+            stacklevel=runtime.caller_stacklevel(),
+        )

@@ -1,5 +1,6 @@
-"""What the plan cache keeps of a session (:class:`CacheEntry`), as JSON,
-and a session continued from it.
+"""What the plan cache keeps of a session (:class:`CacheEntry`), as JSON
+(a session writes one with ``Session.cache_entry`` and continues from one
+with ``Session.restore``).
 
 The JSON object's keys: ``current`` and ``pending`` (strategies as
 :func:`~jacobkit.strategies.to_spec` writes them), ``segment_rows``,
@@ -14,7 +15,6 @@ from typing import Any
 
 from jacobkit import strategies
 from jacobkit.planner.plan import Estimate, Rejection
-from jacobkit.planner.session import Session
 from jacobkit.strategies import Strategy
 
 
@@ -25,8 +25,9 @@ class CacheEntry:
     Attributes:
         current: the strategy calls run.
         pending: the candidates still to try, next first.
-        segment_rows: rows per segment it was planned for (an entry for
-            other segments is planned again).
+        segment_rows: rows per run it was planned for: every row (an entry
+            written for segments of rows, by an earlier version, is planned
+            again).
         row_bytes: the measured memory prior per row (``None``: unknown or
             unusable, the forward pass's activations are used instead).
         spent_s: time spent running ``current`` since the last try.
@@ -75,37 +76,6 @@ class CacheEntry:
             estimates=tuple(estimate_from_json(e) for e in data["estimates"]),
             rejected=tuple(rejection_from_json(r) for r in data["rejected"]),
         )
-
-
-def entry_of(session: Session) -> CacheEntry:
-    """What the disk cache keeps of ``session``."""
-    plan = session.plan()
-    return CacheEntry(
-        current=session.current,
-        pending=plan.pending,
-        segment_rows=session.segment_rows,
-        row_bytes=session.prior.row_bytes,
-        spent_s=session.spent_s,
-        estimates=plan.estimates,
-        rejected=plan.rejected,
-    )
-
-
-def restore(session: Session, entry: CacheEntry) -> bool:
-    """Continue ``session`` from ``entry``; ``False`` where it does not apply
-    (other segments, or its strategy no longer fits the budget: re-planned)."""
-    if entry.segment_rows != session.segment_rows:
-        return False
-    session.known = {e.strategy: e for e in entry.estimates}
-    if not session.fits(entry.current):
-        session.known = {}
-        return False
-    session.current = entry.current
-    session.pending = [s for s in entry.pending if session.fits(s)]
-    session.rejected = list(entry.rejected)
-    session.spent_s = entry.spent_s
-    session.source = "disk cache"
-    return True
 
 
 # -- (de)serializing strategies, estimates and rejections ------------------------

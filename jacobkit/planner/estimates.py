@@ -1,15 +1,21 @@
-"""From measured segments to estimates, and the priors used before a
-strategy ran: its peak memory and its tracing time."""
+"""From measured runs to estimates (:class:`Measurements` keeps a session's
+runs), and the priors used before a strategy ran: its peak memory and its
+tracing time."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from jacobkit.planner.plan import Estimate, Probe
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.strategies import Strategy
+
+if TYPE_CHECKING:  # the footprint predicts peaks with this module
+    from jacobkit.planner.footprint import Footprint
 
 
 def estimate(
@@ -18,7 +24,7 @@ def estimate(
     earlier: Estimate | None = None,
     rate_runs: int = Policy.rate_runs,
 ) -> Estimate:
-    """What ``probes`` (segments ``strategy`` computed) say of it.
+    """What ``probes`` (runs of ``strategy``) say of it.
 
     The steady rate is the median over the newest ``rate_runs`` runs
     that did not trace (seconds per row): a process's first calls are slow
@@ -62,7 +68,7 @@ def estimate(
 
 
 def predicted_peak(
-    strategy: Strategy, segment_rows: int, prior: MemoryPrior, result_bytes: int
+    strategy: Strategy, num_rows: int, prior: MemoryPrior, result_bytes: int
 ) -> int:
     """Peak memory before ``strategy`` ran: the forward pass kept by the tape
     and one forward pass's activations per row alive at once (where rows run
@@ -70,13 +76,13 @@ def predicted_peak(
     the traced pass's tensors alive at its peak and each further row's own,
     :class:`~jacobkit.problem.liveness.SequentialMemory`), the gradient
     kernels' scratch space per backward pass in flight
-    (:mod:`jacobkit.planner.scratch`), the segment's Jacobians (twice, where
+    (:mod:`jacobkit.planner.scratch`), the Jacobians (twice, where
     they are stacked into the result:
     :attr:`~jacobkit.strategies.Strategy.result_copies`), and for an eager
     strategy every activation of the forward pass (an eager Keras call holds
     them until it returns)."""
-    at_once = strategy.rows_at_once(segment_rows)
-    scratch = prior.scratch_in_flight(strategy.passes_in_flight(segment_rows))
+    at_once = strategy.rows_at_once(num_rows)
+    scratch = prior.scratch_in_flight(strategy.passes_in_flight(num_rows))
     eager = 0 if strategy.compiled else prior.eager_bytes
     results = strategy.result_copies * result_bytes
     rows = prior.sequential_peak(at_once) if strategy.sequential_rows() else None
@@ -109,3 +115,64 @@ def predicted_trace_s(
         return None
     weight = max(reference.strategy.trace_weight, 1e-3)
     return reference.trace_s * strategy.trace_weight / weight
+
+
+class Measurements:
+    """The runs of one problem's strategies, and what they say.
+
+    Args:
+        policy: how many runs are kept and how many make a rate.
+        footprint: the predicted peaks an estimate carries beside its
+            measured one.
+    """
+
+    def __init__(self, policy: Policy, footprint: Footprint) -> None:
+        self._policy = policy
+        self._footprint = footprint
+        self._probes: list[Probe] = []
+        self._known: dict[Strategy, Estimate] = {}
+
+    @property
+    def probes(self) -> tuple[Probe, ...]:
+        """The runs kept, oldest first."""
+        return tuple(self._probes)
+
+    def ran(self, strategy: Strategy) -> bool:
+        """Whether ``strategy`` ran in this process."""
+        return any(p.strategy == strategy for p in self._probes)
+
+    def timed_runs(self, strategy: Strategy) -> int:
+        """Runs of ``strategy`` that did not trace (its rate's evidence)."""
+        return sum(p.strategy == strategy and not p.traced for p in self._probes)
+
+    def add(self, probe: Probe) -> None:
+        """Keep a run (of each strategy the traced one and the newest)."""
+        self._probes.append(probe)
+        mine = [p for p in self._probes if p.strategy == probe.strategy]
+        if len(mine) > self._policy.kept_probes:
+            old = next(p for p in mine if not p.traced)
+            self._probes.remove(old)
+
+    def know(self, estimates: tuple[Estimate, ...]) -> None:
+        """What an earlier process measured (the disk cache), until runs here
+        measure it again; ``()`` forgets it."""
+        self._known = {e.strategy: e for e in estimates}
+
+    def earlier(self, strategy: Strategy) -> Estimate | None:
+        """What an earlier process measured of ``strategy``, if anything."""
+        return self._known.get(strategy)
+
+    def estimate(self, strategy: Strategy) -> Estimate | None:
+        """What is known of ``strategy`` (``None`` if nothing)."""
+        earlier = self._known.get(strategy)
+        if not self.ran(strategy):
+            return earlier
+        found = estimate(strategy, self._probes, earlier, self._policy.rate_runs)
+        peak = self._footprint.predicted_peak(strategy)
+        return replace(found, predicted_peak_bytes=peak)
+
+    def estimates(self) -> tuple[Estimate, ...]:
+        """What is known of every strategy that ran or was known, by label."""
+        ran = {p.strategy for p in self._probes} | set(self._known)
+        found = [e for s in ran if (e := self.estimate(s)) is not None]
+        return tuple(sorted(found, key=lambda e: e.strategy.label))

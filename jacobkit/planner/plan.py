@@ -10,19 +10,19 @@ from jacobkit.strategies import Strategy
 
 @dataclass(frozen=True)
 class Probe:
-    """One segment of rows that a strategy computed for a real call.
+    """One run of a strategy over the rows of a real call.
 
     Every probe is part of an answer: ``auto`` times a strategy while it
     computes rows ``[start, start + rows)`` of a call, and keeps them.
 
     Attributes:
-        strategy: what computed the segment.
+        strategy: what computed the rows.
         call: which ``jacobian`` call of this process (1 for the first).
-        start: the segment's first row.
-        rows: rows in the segment.
+        start: the first row (0: a run computes every row).
+        rows: rows computed.
         seconds: wall time, tracing included if ``traced``.
-        traced: whether the strategy was traced (compiled) for this segment.
-        peak_bytes: peak device memory during the segment, when measured.
+        traced: whether the strategy was traced (compiled) for this run.
+        peak_bytes: peak device memory during the run, when measured.
     """
 
     strategy: Strategy
@@ -40,11 +40,11 @@ class Estimate:
 
     Attributes:
         strategy: the configured strategy.
-        seconds_per_row: steady time per row, from segments that did not
+        seconds_per_row: steady time per row, from runs that did not
             trace (``None`` until one ran).
-        trace_s: measured tracing time: the traced segment's time minus its
+        trace_s: measured tracing time: the traced run's time minus its
             rows at the steady rate (``None`` until traced and timed).
-        peak_bytes: highest peak of its segments (``None``: not measured).
+        peak_bytes: highest peak of its runs (``None``: not measured).
         predicted_peak_bytes: the peak predicted before it ran (from the
             forward pass's activations and the rows it holds at once).
     """
@@ -85,11 +85,12 @@ class Rejection:
 
 @dataclass(frozen=True)
 class Switch:
-    """``auto`` changed strategy between two segments.
+    """``auto`` changed strategy between two runs.
 
     Attributes:
         call: the call in which it switched (1 for the first call).
-        row: the first row the new strategy computed in that call.
+        row: the first row the new strategy computed in that call (0: it
+            computed every row).
         old: the strategy before.
         new: the strategy after.
         reason: why (a measured rate, a back-off, a race).
@@ -110,25 +111,22 @@ class Plan:
         strategy: what the next call runs (once :attr:`settled`, every call).
         budget_bytes: the memory budget planned for.
         result_bytes: size of the Jacobians themselves.
-        num_rows: rows of the problem (``R``).
-        segment_rows: rows per segment: a call that measures or tries a
-            candidate computes the rows in ``R / segment_rows`` equal
-            segments, each by one strategy; other calls run every row at
-            once.
+        num_rows: rows of the problem (``R``); every call computes them all
+            in one run.
         predicted_time_s: predicted steady time of a call with
             :attr:`strategy` (``None`` until it ran).
         predicted_peak_bytes: its measured (or, before it ran, predicted)
             peak memory above the baseline, result included.
         estimates: what is known of each strategy that ran.
         pending: candidates not measured yet, next first; ``auto`` tries one
-            on runs of a later call (segments, or every row at once where
-            the current strategy already runs so, the candidate then
-            configured for every row) once the time spent running the
-            current strategy exceeds :attr:`~jacobkit.planner.policy.Policy.
-            rent` times the candidate's predicted tracing time.
+            on a later call (configured for every row) once the time spent
+            running the current strategy exceeds
+            :attr:`~jacobkit.planner.policy.Policy.rent` times the
+            candidate's predicted tracing time.
         rejected: strategies not run (or raced and lost), with the reason.
         switches: every change of strategy so far, with the reason.
-        last_call: the segments of the most recent call.
+        last_call: the runs of the most recent call (the last one computed
+            its rows; those before it failed and were backed off from).
         source: ``"not run yet"``, ``"measured"`` (this process measured
             it) or ``"disk cache"`` (loaded, nothing re-measured to choose).
         calls: ``jacobian`` calls this process made with this plan.
@@ -140,7 +138,6 @@ class Plan:
     budget_bytes: int
     result_bytes: int
     num_rows: int
-    segment_rows: int
     predicted_time_s: float | None = None
     predicted_peak_bytes: int | None = None
     estimates: tuple[Estimate, ...] = ()
@@ -151,6 +148,12 @@ class Plan:
     source: str = "not run yet"
     calls: int = 0
     structure: str | None = None
+
+    @property
+    def segment_rows(self) -> int:
+        """Rows per run: every row (calls are no longer split into
+        segments; kept for code that reads it)."""
+        return self.num_rows
 
     @property
     def chunk_size(self) -> int | None:
@@ -173,7 +176,7 @@ class Plan:
             f"{memory.format_bytes(self.budget_bytes)} budget, predicted time "
             f"{_ms(self.predicted_time_s)} (result "
             f"{memory.format_bytes(self.result_bytes)}; {self.num_rows} rows, "
-            f"{self._segments()}; {self.source})"
+            f"all at once; {self.source})"
         ]
         if self.structure:
             lines.append(
@@ -200,11 +203,6 @@ class Plan:
         return "\n".join(lines)
 
     __str__ = summary
-
-    def _segments(self) -> str:
-        if self.segment_rows == self.num_rows:
-            return "all at once"
-        return f"in segments of {self.segment_rows} while measuring, else all at once"
 
 
 def _ms(seconds: float | None) -> str:

@@ -3,10 +3,10 @@
 
 The defaults are what was measured to work (each field says where);
 :func:`use_policy` changes them for the sessions started within a ``with``
-block (tests use it to run the segment machinery, or to try every
-candidate at once)::
+block (tests use it to try every candidate as soon as the current rate is
+known)::
 
-    with jacobkit.planner.use_policy(segments=4, rent=0.0):
+    with jacobkit.planner.use_policy(rent=0.0):
         jacobkit.jacobian(model, x, layer)  # a new model: a new session
 """
 
@@ -24,23 +24,9 @@ class Policy:
     """What ``auto`` plans by.
 
     Attributes:
-        segments: a call computes about this many segments (fewer where the
-            rows do not divide into equal segments). 1: every call, the
-            first included, runs one strategy on every row, and a candidate
-            is tried on whole calls. Measured (2-core CPU, MLP
-            512-1024-1024-144, B=256, a 289 MiB result) with 4 segments:
-            joining them cost about 0.5 s a call, running every row at once
-            later cost one more trace, and chunked(36) on segments ran
-            5.5-5.6 ms/row against 5.0-5.3 for chunked(72) on whole calls.
-            The segment machinery stays (tests run it with 4) for devices
-            where joining is cheap.
-        min_segment_rows: a segment has at least this many rows (shorter
-            ones time poorly).
-        trial_segments: a tried candidate's rate is the median of this many
-            segments that did not trace (one is at the mercy of a busy
-            machine).
-        kept_probes: segments kept per strategy for its estimate (the
-            newest).
+        trial_runs: a tried candidate's rate is the median of this many
+            runs that did not trace (one is at the mercy of a busy machine).
+        kept_probes: runs kept per strategy for its estimate (the newest).
         rate_runs: the steady rate is the median of this many newest runs
             that did not trace.
         rent: try a candidate once the current strategy has run this many
@@ -52,10 +38,6 @@ class Policy:
             (2-core CPU, MLP 512-1024-1024-144, B=256): with 2, calls 2-3
             traced batch and chunked and the first 3 calls took 1.6x the
             best fixed strategy's; ``while`` alone took 1.04x.
-        whole_rent: trace the current strategy for whole calls once joining
-            its segments has cost this many times its tracing time (1: the
-            ski-rental break-even; the saving is measured, not guessed, so
-            no margin is needed).
         start_trace_factor: start on a candidate computing more rows at once
             than the cheapest to trace where it traces within this factor of
             it (``chunked`` against ``while``: 1.5) and its predicted peak
@@ -99,13 +81,10 @@ class Policy:
             pass, so more rows soon cost more than one trace.
     """
 
-    segments: int = 1
-    min_segment_rows: int = 8
-    trial_segments: int = 2
+    trial_runs: int = 2
     kept_probes: int = 8
     rate_runs: int = 3
     rent: float = 5.0
-    whole_rent: float = 1.0
     start_trace_factor: float = 2.0
     start_peak_factor: float = 2.5
     noise: float = 1.15

@@ -1,37 +1,29 @@
-"""Measuring: run a strategy on one segment of a real call, and the sizes
-``auto``'s memory prior needs."""
+"""Measuring: run a strategy on a real call, and the sizes ``auto``'s memory
+prior needs."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any
 
 import tensorflow as tf
 
 from jacobkit import memory
 from jacobkit.planner.plan import Probe
-from jacobkit.planner.rows import RowRange
 from jacobkit.problem import Problem
 from jacobkit.strategies import Strategy
 
 
-def run_segment(
-    strategy: Strategy,
-    view: Problem | RowRange,
-    start: int,
-    call: int,
-    device: str | None,
+def run(
+    strategy: Strategy, problem: Problem, call: int, device: str | None
 ) -> tuple[list[tf.Tensor], Probe]:
-    """Compute rows ``[start, start + view.num_rows)`` with ``strategy``: the
-    ``(rows, *v.shape)`` Jacobians per target and the :class:`Probe`.
+    """Compute every row of ``problem`` with ``strategy``: the
+    ``(R, *v.shape)`` Jacobians per target and the :class:`Probe`.
 
     Peak memory is measured on ``device`` (``None``: not measured; see
-    :func:`peak_measurable`). Raises what the strategy raises (out-of-memory included).
+    :func:`peak_measurable`). Raises what the strategy raises (out-of-memory
+    included).
     """
-    if isinstance(view, RowRange):
-        view.select(start)
-    # a RowRange answers what strategies ask of a problem (duck-typed)
-    problem = cast(Problem, view)
     begin = time.perf_counter()
     peak = None
     if device is not None:
@@ -44,8 +36,8 @@ def run_segment(
     probe = Probe(
         strategy=strategy,
         call=call,
-        start=start,
-        rows=view.num_rows,
+        start=0,
+        rows=problem.num_rows,
         seconds=seconds,
         traced=stats.traced,
         peak_bytes=peak,
@@ -64,9 +56,9 @@ def peak_measurable(device: str) -> bool:
     return True
 
 
-def result_bytes(problem: Problem, num_rows: int | None = None) -> int:
-    """Bytes of the Jacobians of ``num_rows`` rows (default: every row)."""
-    rows = problem.num_rows if num_rows is None else num_rows
+def result_bytes(problem: Problem) -> int:
+    """Bytes of the Jacobians of every row."""
+    rows = problem.num_rows
     params = sum(t.shape.num_elements() for t in problem.targets)
     return rows * params * problem.output_dtype.size
 

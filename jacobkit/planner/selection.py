@@ -12,11 +12,13 @@ another, and which wins.
   is predicted to peak within its ``start_peak_factor`` of it: then that
   one (:func:`starting_first`).
 - Trying another (a ski-rental rule): a candidate is tried on real calls
-  (or segments of them) once the time spent running the current strategy
+  once the time spent running the current strategy
   (tracing not counted) reaches the policy's ``rent`` times the
   candidate's predicted tracing time, and never in a process's first call.
   Whatever it could save, trying it then costs at most ``1 / rent`` more
   than never trying it, and nothing when the calls stop early.
+- Which try is next (:func:`next_try`): the first pending candidate that
+  fits the room a try may take, made smaller until it does.
 - Winning: the least time per row; where rates are within the policy's
   ``noise``, the lower peak.
 
@@ -25,20 +27,22 @@ The tunables are :class:`~jacobkit.planner.policy.Policy`'s fields.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from jacobkit import strategies
+from jacobkit import memory, strategies
+from jacobkit.planner import estimates as est
 from jacobkit.planner.plan import Estimate, Rejection
 from jacobkit.planner.policy import Policy
 from jacobkit.strategies import Strategy
 
 
 def candidates(
-    segment_rows: int,
+    num_rows: int,
     fits: Callable[[Strategy], bool],
     cannot_run: Callable[[Strategy], str | None] = lambda strategy: None,
 ) -> tuple[list[Strategy], list[Rejection]]:
-    """``auto``'s candidates for segments of ``segment_rows`` rows, cheapest to
+    """``auto``'s candidates for calls of ``num_rows`` rows, cheapest to
     trace first, each as large as ``fits(strategy)`` allows; and the
     registered strategies it does not consider, with the reason (among them
     those that ``cannot_run`` names a reason for)."""
@@ -46,7 +50,7 @@ def candidates(
     rejected: list[Rejection] = []
     ranked = sorted(strategies.REGISTRY.values(), key=lambda cls: cls.trace_weight)
     for cls in ranked:
-        strategy = cls.for_auto(segment_rows)
+        strategy = cls.for_auto(num_rows)
         if strategy is None:
             rejected.append(Rejection(cls.name, _NOT_AUTO.get(cls.name, "not offered")))
             continue
@@ -74,7 +78,7 @@ def starting_first(
     ``start_trace_factor`` of the cheapest and predicted to peak within its
     ``start_peak_factor`` of it, the one computing the most rows at once
     (the cheapest on a tie). Peaks are compared as configured for every one
-    of the ``num_rows`` rows, before a budget or segments made them smaller:
+    of the ``num_rows`` rows, before a budget made them smaller:
     how much memory vectorizing rows costs is a property of the problem."""
     if len(found) < 2:
         return found
@@ -110,17 +114,9 @@ def should_try(policy: Policy, spent_s: float, trace_s: float | None) -> bool:
     return spent_s >= policy.rent * trace_s
 
 
-def should_run_whole(policy: Policy, joining_s: float, trace_s: float | None) -> bool:
-    """Whether to trace the current strategy for every row at once, after
-    ``joining_s`` seconds spent joining its segments (what whole calls
-    save), given its tracing time ``trace_s``."""
-    return trace_s is not None and joining_s >= policy.whole_rent * trace_s
-
-
 def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float:
-    """The largest predicted peak (earlier segments kept included) a
-    candidate may have to be tried, given the current strategy's measured
-    peak with the same accounting (``None``: not measured). Predictions keep
+    """The largest predicted peak a candidate may have to be tried, given the
+    current strategy's measured peak (``None``: not measured). Predictions keep
     the policy's ``safety`` margin below the race's bound, as below a
     budget: on the MLP 512-1024-1024-144, chunked(72) was predicted at 1035
     MiB against a bound of 1064 MiB, measured 1101 MiB, and the try set
@@ -134,6 +130,24 @@ def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float
     )
 
 
+def too_big_to_try(
+    policy: Policy, candidate: Strategy, predicted: int, room: float
+) -> Rejection:
+    """Why ``candidate`` (predicted to peak at ``predicted`` bytes even at its
+    smallest) is not tried: over the ``room`` a try may take
+    (:func:`race_room`)."""
+    return Rejection(
+        candidate,
+        f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
+        f"({policy.safety:.0%} of {policy.race_peak_factor:g} x the current "
+        f"peak + {_fmt(policy.race_slack_bytes)}, within the budget)",
+    )
+
+
+def _fmt(n: float) -> str:
+    return memory.format_bytes(int(n))
+
+
 def winner(policy: Policy, a: Estimate, b: Estimate) -> Estimate:
     """The faster of two measured estimates; within the policy's ``noise``,
     the one with the lower peak (``a`` on a tie)."""
@@ -144,3 +158,62 @@ def winner(policy: Policy, a: Estimate, b: Estimate) -> Estimate:
     if close and a.peak is not None and b.peak is not None:
         return a if a.peak <= b.peak else b
     return fast
+
+
+@dataclass(frozen=True)
+class NextTry:
+    """Which candidate a call tries.
+
+    Attributes:
+        candidate: the candidate to try now, made small enough for the room a
+            try may take (``None``: none is due yet).
+        reason: why now, in words (the plan's switch), where ``candidate``.
+        too_big: candidates at the head of the queue dropped on the way, each
+            predicted over that room even at its smallest.
+    """
+
+    candidate: Strategy | None
+    reason: str
+    too_big: tuple[Rejection, ...]
+
+
+def next_try(
+    policy: Policy,
+    pending: Sequence[Strategy],
+    current: Estimate,
+    spent_s: float,
+    earlier: Callable[[Strategy], Estimate | None],
+    predicted_peak: Callable[[Strategy], int],
+    fits: Callable[[Strategy, float], bool],
+    limits: tuple[float, int],
+) -> NextTry:
+    """The next of the ``pending`` candidates to try, given the ``current``
+    strategy's estimate (its rate known) and the ``spent_s`` seconds spent
+    running it since the last try: the first that fits the room a try may
+    take (:func:`~jacobkit.planner.race_room`, within ``limits``:
+    the bytes the budget allows and the rows), made smaller until it fits,
+    once ``spent_s`` reaches the policy's ``rent`` times its predicted
+    tracing time (:func:`~jacobkit.planner.estimates.predicted_trace_s`,
+    from what ``earlier`` processes measured)."""
+    allowed, num_rows = limits
+    room = race_room(policy, current.peak_bytes, allowed)
+    too_big: list[Rejection] = []
+    for candidate in pending:
+        smaller: Strategy | None = candidate
+        while smaller is not None and not fits(smaller, room):
+            smaller = smaller.smaller()
+        if smaller is None:
+            too_big.append(
+                too_big_to_try(policy, candidate, predicted_peak(candidate), room)
+            )
+            continue
+        trace_s = est.predicted_trace_s(smaller, earlier(smaller), current, num_rows)
+        if not should_try(policy, spent_s, trace_s):
+            return NextTry(None, "", tuple(too_big))
+        assert trace_s is not None, "should_try refuses an unknown time"
+        reason = (
+            f"trying it: {spent_s:.2f} s spent running {current.strategy.label} "
+            f">= {policy.rent:g} x its predicted trace {trace_s:.2f} s"
+        )
+        return NextTry(smaller, reason, tuple(too_big))
+    return NextTry(None, "", tuple(too_big))

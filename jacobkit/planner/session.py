@@ -2,32 +2,35 @@
 
 A :class:`Session` holds (per model, targets, rows, input shapes, budget,
 device and policy) the strategy it runs, the candidates still to try, what
-it measured so far, and the switches.
+it measured so far, and the switches. It changes only through its own
+methods, in the order a call takes them (:mod:`jacobkit.planner.calls`):
 
-- Before each run it picks the strategy (the current one, or a candidate
-  being tried, :mod:`jacobkit.planner.selection`); after each it records the
-  :class:`~jacobkit.planner.plan.Probe`. A settled plan runs exactly what
-  the fixed strategy would.
-- No candidate is tried in a process's first call: that is the call the
-  user waits for.
-- With the policy's ``segments`` above 1, a call that measures the current
-  strategy or tries a candidate computes its rows in equal segments, each
-  by one strategy, joined at the end; other calls run every row at once
-  (traced for every row once joining the segments has cost as much as
-  tracing).
+- :meth:`begin_call`, then :meth:`choose` the strategy of the run (the
+  current one, or a candidate being tried, :mod:`jacobkit.planner.selection`);
+- :meth:`record` what the run measured (a :class:`~jacobkit.planner.plan.Probe`),
+  or, where it failed, :meth:`back_off` (out of memory, over the budget) or
+  :meth:`drop` (a candidate, or a start, that refused);
+- :meth:`end_call`, then :meth:`persist` what was learned to the disk cache.
 
-Running a call, out-of-memory back-off included, is
-:mod:`jacobkit.planner.calls`; judging a finished trial is
-:mod:`jacobkit.planner.trials`.
+A settled plan runs exactly what the fixed strategy would. No candidate is
+tried in a process's first call: that is the call the user waits for. Every
+call runs one strategy on every row at once.
+
+Judging a finished trial is :mod:`jacobkit.planner.trials`; the disk cache
+is :mod:`jacobkit.planner.cache` (:meth:`restore`, :meth:`cache_entry`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import warnings
 
-from jacobkit import memory
+import tensorflow as tf
+
+from jacobkit import runtime
+from jacobkit.planner import cache as disk
 from jacobkit.planner import estimates as est
 from jacobkit.planner import selection, trials
+from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.footprint import Footprint
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.planner.policy import Policy
@@ -54,6 +57,7 @@ class Session:
         structure: what the shortcut found, or why none applies (the plan
             shows it).
         policy: the tunables it plans by.
+        cache_name: its entry in the disk cache (``None``: not cached).
     """
 
     def __init__(
@@ -66,248 +70,267 @@ class Session:
         shortcut: Strategy | None = None,
         structure: str = "",
         policy: Policy = Policy(),  # noqa: B008 - frozen
+        cache_name: str | None = None,
     ) -> None:
         begun = start(
             problem, budget_bytes, allowed_bytes, prior, shortcut, structure, policy
         )
-        self.policy = policy
-        self.footprint: Footprint = begun.footprint
-        self.num_rows = problem.num_rows
-        self.segment_rows = begun.footprint.segment_rows
-        self.budget_bytes = budget_bytes
-        self.allowed_bytes = allowed_bytes
-        self.device = device
-        self.prior = prior
-        self.result_bytes = begun.footprint.result_bytes
-        self.structure = begun.structure
-        self.probes: list[Probe] = []
-        self.known: dict[Strategy, Estimate] = {}
-        self.rejected: list[Rejection] = list(begun.rejected)
-        #: time spent joining segments of the current strategy (what running
-        #: every row at once would save); reset whenever it changes
-        self.joining_s = 0.0
-        self.current = begun.candidates[0]
-        self.pending: list[Strategy] = list(begun.candidates[1:])
-        self.trying: Strategy | None = None
-        #: rows per run of the candidate being tried, and of this call
-        self.trial_rows = self.segment_rows
-        self.call_rows = self.segment_rows
-        self.switches: list[Switch] = []
-        self.spent_s = 0.0
-        self.calls = 0
-        self.source = "not run yet"
-        self.last_call: tuple[Probe, ...] = ()
-        self.warned = False
+        self._policy = policy
+        self._footprint: Footprint = begun.footprint
+        self._num_rows = problem.num_rows
+        self._budget_bytes = budget_bytes
+        self._device = device
+        self._structure = begun.structure
+        self._cache_name = cache_name
+        self._measured = est.Measurements(policy, begun.footprint)
+        self._rejected: list[Rejection] = list(begun.rejected)
+        self._current = begun.candidates[0]
+        self._pending: list[Strategy] = list(begun.candidates[1:])
+        self._trying: Strategy | None = None
+        self._switches: list[Switch] = []
+        self._spent_s = 0.0
+        self._calls = 0
+        self._source = "not run yet"
+        self._last_call: tuple[Probe, ...] = ()
+        self._warned = False
         #: something worth writing to the disk cache changed
-        self.dirty = False
+        self._dirty = False
 
+    # -- what others read ----------------------------------------------------
     @property
     def current(self) -> Strategy:
         """The strategy calls run (but for a candidate being tried)."""
         return self._current
 
-    @current.setter
-    def current(self, strategy: Strategy) -> None:
-        self._current = strategy
-        self.joining_s = 0.0
+    @property
+    def device(self) -> str | None:
+        """Where peaks are measured (``None``: not measured)."""
+        return self._device
 
-    # -- memory ------------------------------------------------------------
-    def fits(
-        self, strategy: Strategy, room: float | None = None, rows: int | None = None
-    ) -> bool:
-        """Whether ``strategy``'s peak on runs of ``rows`` rows (default: a
-        segment; measured, else predicted) plus the kept segments fits
-        ``room`` (default: what the budget allows)."""
+    @property
+    def structure(self) -> str | None:
+        """What the exact shortcut found, where it is the one candidate."""
+        return self._structure
+
+    # -- memory --------------------------------------------------------------
+    def fits(self, strategy: Strategy, room: float | None = None) -> bool:
+        """Whether ``strategy``'s peak (measured, else predicted) fits ``room``
+        (default: what the budget allows)."""
         known = self.estimate(strategy)
         peak = known.peak if known is not None else None
-        return self.footprint.fits(strategy, peak, room, rows)
+        return self._footprint.fits(strategy, peak, room)
 
-    # -- knowledge ---------------------------------------------------------
+    # -- knowledge -------------------------------------------------------------
     def estimate(self, strategy: Strategy) -> Estimate | None:
         """What is known of ``strategy`` (``None`` if nothing)."""
-        earlier = self.known.get(strategy)
-        if not any(p.strategy == strategy for p in self.probes):
-            return earlier
-        found = est.estimate(strategy, self.probes, earlier, self.policy.rate_runs)
-        peak = self.footprint.predicted_peak(strategy)
-        return replace(found, predicted_peak_bytes=peak)
+        return self._measured.estimate(strategy)
 
     def plan(self) -> Plan:
         """The current state as a frozen :class:`Plan`."""
-        ran = {p.strategy for p in self.probes} | set(self.known)
-        estimates = tuple(e for s in ran if (e := self.estimate(s)) is not None)
-        current = self.estimate(self.current)
+        current = self.estimate(self._current)
         peak = current.peak if current is not None else None
         if peak is None:
-            peak = self.footprint.predicted_peak(self.current)
+            peak = self._footprint.predicted_peak(self._current)
         return Plan(
-            strategy=self.current,
-            budget_bytes=self.budget_bytes,
-            result_bytes=self.result_bytes,
-            num_rows=self.num_rows,
-            segment_rows=self.segment_rows,
-            predicted_time_s=current.seconds(self.num_rows) if current else None,
-            predicted_peak_bytes=peak + self.footprint.kept_bytes,
-            estimates=tuple(sorted(estimates, key=lambda e: e.strategy.label)),
-            pending=tuple(([self.trying] if self.trying else []) + self.pending),
-            rejected=tuple(self.rejected),
-            switches=tuple(self.switches),
-            last_call=self.last_call,
-            source=self.source,
-            calls=self.calls,
-            structure=self.structure,
+            strategy=self._current,
+            budget_bytes=self._budget_bytes,
+            result_bytes=self._footprint.result_bytes,
+            num_rows=self._num_rows,
+            predicted_time_s=current.seconds(self._num_rows) if current else None,
+            predicted_peak_bytes=peak,
+            estimates=self._measured.estimates(),
+            pending=tuple(([self._trying] if self._trying else []) + self._pending),
+            rejected=tuple(self._rejected),
+            switches=tuple(self._switches),
+            last_call=self._last_call,
+            source=self._source,
+            calls=self._calls,
+            structure=self._structure,
         )
+
+    # -- one call ------------------------------------------------------------
+    def begin_call(self) -> int:
+        """A call starts: its number (1 for the first of this process)."""
+        self._calls += 1
+        return self._calls
+
+    def choose(self) -> Strategy:
+        """The strategy of the call's run: a candidate while it is tried,
+        else the current one (a candidate starts its try where it is due)."""
+        if self._trying is not None:
+            if self._measured.timed_runs(self._trying) < self._policy.trial_runs:
+                return self._trying  # its tracing run is not its speed
+            self._finish_trial()
+        current = self.estimate(self._current)
+        if self._calls <= 1 or current is None or current.seconds_per_row is None:
+            return self._current  # never in the first call; no rate to beat yet
+        due = selection.next_try(
+            self._policy,
+            tuple(self._pending),
+            current,
+            self._spent_s,
+            lambda s: self._measured.earlier(s),
+            self._footprint.predicted_peak,
+            lambda s, room: self.fits(s, room),
+            (self._footprint.allowed_bytes, self._num_rows),
+        )
+        if due.too_big:
+            del self._pending[: len(due.too_big)]
+            self._rejected.extend(due.too_big)
+            self._dirty = True
+        if due.candidate is None:
+            return self._current
+        self._pending.pop(0)
+        self._trying = due.candidate
+        self._switches.append(
+            Switch(self._calls, 0, self._current, due.candidate, due.reason)
+        )
+        self._spent_s = 0.0
+        return due.candidate
 
     def record(self, probe: Probe) -> None:
         """Keep what a run measured (the newest runs of each strategy)."""
+        first_rate = not probe.traced and not self._measured.timed_runs(probe.strategy)
+        self._measured.add(probe)
         if probe.traced:
-            self.dirty = True
-        self.probes.append(probe)
-        mine = [p for p in self.probes if p.strategy == probe.strategy]
-        if len(mine) > self.policy.kept_probes:  # keep the traced one, the newest
-            old = next(p for p in mine if not p.traced)
-            self.probes.remove(old)
-        if probe.strategy == self.current and not probe.traced:
-            self.spent_s += probe.seconds
-            if not any(
-                p.strategy == probe.strategy and not p.traced for p in self.probes[:-1]
-            ):
-                self.dirty = True  # its first rate
+            self._dirty = True
+        if probe.strategy == self._current and not probe.traced:
+            self._spent_s += probe.seconds
+            self._dirty = self._dirty or first_rate
 
-    # -- choosing ------------------------------------------------------------
-    def choose(self, row: int) -> Strategy:
-        """The strategy for the segment starting at ``row``."""
-        if self.trying is not None:
-            timed = [p for p in self.probes if p.strategy == self.trying]
-            if sum(not p.traced for p in timed) < self.policy.trial_segments:
-                return self.trying  # its tracing segment is not its speed
-            self._finish_trial(row)
-        due = self._due_candidate(self.call_rows)
-        if due is None:
-            return self.current
-        candidate, trace_s = due
-        self.pending.pop(0)
-        self.trying = candidate
-        self.trial_rows = self.call_rows
-        self.switches.append(
-            Switch(
-                self.calls,
-                row,
-                self.current,
-                candidate,
-                f"trying it: {self.spent_s:.2f} s spent running "
-                f"{self.current.label} >= {self.policy.rent:g} x its predicted "
-                f"trace {trace_s:.2f} s",
-            )
+    def end_call(self, runs: tuple[Probe, ...]) -> None:
+        """The call is done: ``runs`` are what it ran (the last computed it)."""
+        self._last_call = runs
+        if self._source == "not run yet":
+            self._source = "measured"
+
+    def over_budget(self, probe: Probe) -> bool:
+        """Whether a run measured above what the budget allows."""
+        return (
+            probe.peak_bytes is not None
+            and probe.peak_bytes > self._footprint.allowed_bytes
         )
-        self.spent_s = 0.0
-        return candidate
 
-    def _finish_trial(self, row: int) -> None:
+    def back_off(self, strategy: Strategy, what: str) -> None:
+        """``strategy`` needs less at once (``what`` happened): its
+        :meth:`~jacobkit.strategies.Strategy.smaller` from now on, or, for a
+        candidate at its smallest, the current strategy. Warned once.
+
+        Raises:
+            tf.errors.ResourceExhaustedError: the current strategy already
+                runs one row at a time.
+        """
+        smaller = strategy.smaller()
+        if not self._warned:
+            after = smaller.label if smaller is not None else self._current.label
+            warnings.warn(
+                f"jacobkit: {strategy.label} {what}; retrying with less at once "
+                f"({after}).",
+                ResourceWarning,
+                stacklevel=runtime.caller_stacklevel(),
+            )
+            self._warned = True
+        self._dirty = True
+        if strategy == self._trying:
+            if smaller is None:
+                self._drop_trial(strategy, f"{what} at its smallest")
+            else:
+                self._trying = smaller
+            return
+        if smaller is None:
+            raise tf.errors.ResourceExhaustedError(
+                None,
+                None,
+                f"jacobkit: {strategy.label} {what} computing one row at a time",
+            )
+        self._switches.append(Switch(self._calls, 0, strategy, smaller, what))
+        self._rejected.append(Rejection(strategy, what))
+        self._current = smaller
+
+    def drop(self, strategy: Strategy, err: Exception) -> bool:
+        """A run of ``strategy`` raised ``err`` (not out of memory): whether it
+        was dropped (a candidate being tried, or the starting strategy that
+        has computed nothing yet: the next candidate starts instead); else the
+        error is the caller's to raise."""
+        why = f"{type(err).__name__}: {err}"
+        if strategy == self._trying:
+            # a candidate that refuses (its check) or fails on this problem is
+            # dropped; the current strategy computes the rows
+            self._drop_trial(strategy, why)
+            return True
+        if self._pending and not self._measured.ran(strategy):
+            self._current = self._pending.pop(0)
+            self._reject(strategy, why)
+            return True
+        return False
+
+    # -- the disk cache --------------------------------------------------------
+    def cache_entry(self) -> CacheEntry:
+        """What the disk cache keeps of this session."""
+        plan = self.plan()
+        return CacheEntry(
+            current=self._current,
+            pending=plan.pending,
+            segment_rows=self._num_rows,
+            row_bytes=self._footprint.prior.row_bytes,
+            spent_s=self._spent_s,
+            estimates=plan.estimates,
+            rejected=plan.rejected,
+        )
+
+    def restore(self, entry: CacheEntry) -> bool:
+        """Continue from ``entry``; ``False`` where it does not apply (written
+        for other rows, or its strategy no longer fits the budget): then
+        nothing changed, the session plans afresh and rewrites the entry after
+        its first call."""
+        if entry.segment_rows != self._num_rows:
+            self._dirty = True
+            return False
+        self._measured.know(entry.estimates)
+        if not self.fits(entry.current):
+            self._measured.know(())
+            self._dirty = True
+            return False
+        self._current = entry.current
+        self._pending = [s for s in entry.pending if self.fits(s)]
+        self._rejected = list(entry.rejected)
+        self._spent_s = entry.spent_s
+        self._source = "disk cache"
+        return True
+
+    def persist(self) -> None:
+        """Write what was learned to the disk cache (where it is on and
+        something changed)."""
+        if self._cache_name is not None and self._dirty:
+            disk.save(self._cache_name, self.cache_entry())
+            self._dirty = False
+
+    # -- inside ----------------------------------------------------------------
+    def _reject(self, strategy: Strategy, why: str) -> None:
+        self._rejected.append(Rejection(strategy, why.splitlines()[0][:160]))
+        self._dirty = True
+
+    def _drop_trial(self, strategy: Strategy, why: str) -> None:
+        self._trying = None
+        self._reject(strategy, why)
+
+    def _finish_trial(self) -> None:
         """Keep the faster of the candidate tried and the current strategy."""
-        trying = self.trying
+        trying = self._trying
         assert trying is not None, "a trial is under way"
-        current, found = self.estimate(self.current), self.estimate(trying)
+        current, found = self.estimate(self._current), self.estimate(trying)
         assert current is not None and found is not None, "both have run"
         verdict = trials.judge(
-            self.policy,
-            self.probes,
-            self.current,
+            self._policy,
+            self._measured.probes,
+            self._current,
             trying,
             (current, found),
-            (self.calls, row),
+            (self._calls, 0),
         )
-        self.trying = None
-        self.dirty = True
-        self.switches.append(verdict.switch)
-        self.rejected.append(verdict.rejection)
+        self._trying = None
+        self._dirty = True
+        self._switches.append(verdict.switch)
+        self._rejected.append(verdict.rejection)
         if verdict.won:
-            self.current = trying
-
-    def _due_candidate(self, rows: int) -> tuple[Strategy, float] | None:
-        """The next candidate to try now on runs of ``rows`` rows (configured
-        for them, and made smaller until it fits the room a try may take)
-        and its predicted tracing time; ``None`` in a process's first call,
-        before the current rate is known, or while the time spent running
-        the current strategy is below the policy's ``rent`` times that
-        tracing time. Candidates that cannot fit are rejected on the way."""
-        current = self.estimate(self.current)
-        if self.calls <= 1 or current is None or current.seconds_per_row is None:
-            return None
-        while self.pending:
-            candidate = self.pending[0]
-            peak = current.peak_bytes
-            room = selection.race_room(
-                self.policy,
-                None if peak is None else peak + self.footprint.kept_during(rows),
-                self.allowed_bytes,
-            )
-            smaller: Strategy | None = candidate
-            if rows == self.num_rows and rows != self.segment_rows:
-                # tried on whole calls: as many rows at once as whole calls
-                # allow (a vectorized chunk of every row, where it fits)
-                smaller = type(candidate).for_auto(rows) or candidate
-            while smaller is not None and not self.fits(smaller, room, rows):
-                smaller = smaller.smaller()
-            if smaller is None:
-                self.pending.pop(0)
-                predicted = self.footprint.predicted_peak(candidate)
-                slack = self.policy.race_slack_bytes
-                self.rejected.append(
-                    Rejection(
-                        candidate,
-                        f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
-                        f"({self.policy.safety:.0%} of "
-                        f"{self.policy.race_peak_factor:g} x the current peak + "
-                        f"{_fmt(slack)}, within the budget)",
-                    )
-                )
-                self.dirty = True
-                continue
-            trace_s = est.predicted_trace_s(
-                smaller, self.known.get(smaller), current, self.num_rows
-            )
-            if not selection.should_try(self.policy, self.spent_s, trace_s):
-                return None
-            assert trace_s is not None, "should_try refuses an unknown time"
-            self.pending[0] = smaller
-            return smaller, trace_s
-        return None
-
-    def next_call_rows(self) -> int:
-        """Rows per run in the next call. Segments while the call measures
-        the current strategy's rate or tries a candidate. Otherwise every
-        row at once, which needs the strategy traced for every row: free
-        where it has not been traced in this process yet (a first call from
-        the disk cache traces once either way). Else the new trace is paid
-        once the time segments cost beyond one run (joining them: measured
-        per call) adds up to that tracing time (ski rental), or once the
-        time spent running the strategy reaches the policy's ``rent`` times
-        it, like a candidate's try."""
-        if self.trying is not None:
-            return self.trial_rows
-        ran = [p for p in self.probes if p.strategy == self.current]
-        whole = self.segment_rows == self.num_rows or any(
-            p.rows == self.num_rows for p in ran
-        )
-        rows = self.num_rows if whole else self.segment_rows
-        if self._due_candidate(rows) is not None:
-            return rows  # a try, on runs like the current strategy's
-        current = self.estimate(self.current)
-        if current is None or current.seconds_per_row is None:
-            return self.segment_rows
-        if whole or not ran:
-            return self.num_rows
-        if selection.should_run_whole(self.policy, self.joining_s, current.trace_s):
-            return self.num_rows
-        if selection.should_try(self.policy, self.spent_s, current.trace_s):
-            # whole calls as a try of their own: then later candidates are
-            # tried on whole calls too, configured for every row (on the MLP
-            # 512-1024-1024-144, chunked(72) on whole calls ran 5.0-5.3
-            # ms/row, chunked(36) on segments 5.5-5.6)
-            return self.num_rows
-        return self.segment_rows
-
-
-def _fmt(n: float) -> str:
-    return memory.format_bytes(int(n))
+            self._current = trying

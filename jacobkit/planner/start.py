@@ -1,6 +1,6 @@
-"""Where a session starts: its segments of rows, its candidates (the first
-one runs first), the registered strategies it leaves out and why, and the
-refusal where not even one row at a time fits the budget."""
+"""Where a session starts: its candidates (the first one runs first), the
+registered strategies it leaves out and why, and the refusal where not even
+one row at a time fits the budget."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from jacobkit.planner import probes, selection, shortcuts
 from jacobkit.planner.footprint import Footprint
 from jacobkit.planner.plan import Rejection
 from jacobkit.planner.policy import Policy
-from jacobkit.planner.rows import segment_size
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.problem import Problem
 from jacobkit.strategies import Strategy, precision
@@ -27,7 +26,7 @@ class Start:
     """A session's starting point.
 
     Attributes:
-        footprint: its memory accounting (segments of rows included).
+        footprint: its memory accounting.
         candidates: the strategies it may run, the first one first.
         rejected: the strategies it does not consider, with the reason.
         structure: what the exact structural shortcut found, where it is a
@@ -54,10 +53,6 @@ def start(
     ``ValueError`` where no candidate fits ``allowed_bytes``."""
     num_rows = problem.num_rows
     result_bytes = probes.result_bytes(problem)
-    target = max(policy.min_segment_rows, num_rows // policy.segments)
-    size = segment_size(num_rows, target)
-    if size < num_rows and 2 * result_bytes > allowed_bytes:
-        size = num_rows  # no room to concatenate segments
     # the shortcut with as few rows of its inner strategy at once as the
     # budget needs (``None``: none fits)
     fitting = shortcut
@@ -65,24 +60,15 @@ def start(
         est.predicted_peak(fitting, num_rows, prior, result_bytes) > allowed_bytes
     ):
         fitting = fitting.smaller()
-    if fitting is not None:
-        size = num_rows  # it computes every row at once
     closed_form = _per_example_fast_path(problem)
-    if closed_form:
-        # a segment of per-example rows may cut an example in two, which
-        # the batch strategy (their closed-form fast path) cannot compute:
-        # whole calls, so that it can be tried
-        size = num_rows
     footprint = Footprint(
         num_rows=num_rows,
-        segment_rows=size,
         result_bytes=result_bytes,
-        segment_result_bytes=probes.result_bytes(problem, size),
         allowed_bytes=allowed_bytes,
         prior=prior,
     )
     found, rejected = selection.candidates(
-        size, footprint.fits, lambda s: s.cannot_run(problem)
+        num_rows, footprint.fits, lambda s: s.cannot_run(problem)
     )
     # which strategy starts is a property of the problem (what vectorizing
     # its rows costs), not of this CPU's kernels: compared without scratch
@@ -155,7 +141,7 @@ def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
     """Not even one row at a time fits: the error, with what it would need."""
     prior = footprint.prior
     smallest = min(
-        est.predicted_peak(s, 1, prior, footprint.segment_result_bytes)
+        est.predicted_peak(s, 1, prior, footprint.result_bytes)
         for s in _smallest_configurations()
     )
     source = "from the traced pass's tensors"
@@ -166,7 +152,7 @@ def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
         )
     return ValueError(
         f"jacobian(memory_budget={_fmt(budget_bytes)}): even one row at a "
-        f"time needs about {_fmt(smallest + footprint.kept_bytes)} (estimated "
+        f"time needs about {_fmt(smallest)} (estimated "
         f"{source}), more than the budget allows. Raise memory_budget, "
         "keep fewer rows with features=[...], or use a smaller batch."
     )

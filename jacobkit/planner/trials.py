@@ -1,5 +1,6 @@
 """Finishing a candidate's trial: which of it and the current strategy is
-kept, and the switch and rejection the plan records."""
+kept, and the switch and rejection the plan records (:func:`judge`, a pure
+function returning a typed :class:`Verdict`)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,26 @@
 """What is differentiated, resolved once: :class:`Problem` and the pieces it
-is made of.
+is made of; :class:`Call`, one call's arguments, which builds it.
 
 - :mod:`.rows`: ``outputs=`` and ``features=`` (:class:`Rows`);
   :mod:`.outputs`: ``output=`` of a multi-output model.
 - :mod:`.targets`: ``layer=`` as a layer, name or variables (:class:`Targets`);
   :mod:`.tensor_targets`: ``Inputs()`` and ``Output("layer")``.
 - :mod:`.inspect`: the one traced pass (:class:`Inspection`).
+- :mod:`.cache`: per-model state, in one place (:func:`model_state`).
 - :mod:`.structure`: the exact shortcuts a model's structure allows
   (:mod:`.linear_head`, :mod:`.separable_channels`).
-- :mod:`.cache`: the per-model weak cache (:func:`per_model`).
 """
 
 from jacobkit.problem.arguments import REDUCE_MODES, UNCONNECTED_MODES
-from jacobkit.problem.cache import per_model
+from jacobkit.problem.cache import Slot, model_state, per_model
+from jacobkit.problem.call import Call
 from jacobkit.problem.inspect import Inspection
 from jacobkit.problem.problem import Problem
 from jacobkit.problem.rows import OUTPUT_MODES, Rows
 from jacobkit.problem.targets import Roles, Targets
 
 __all__ = [
+    "Call",
     "OUTPUT_MODES",
     "REDUCE_MODES",
     "UNCONNECTED_MODES",
@@ -26,6 +28,8 @@ __all__ = [
     "Problem",
     "Roles",
     "Rows",
+    "Slot",
     "Targets",
+    "model_state",
     "per_model",
 ]

@@ -32,7 +32,6 @@ each input of several, the Keras input name or the dict key), and
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,14 +41,7 @@ import tensorflow as tf
 
 from jacobkit.keras import compat
 from jacobkit.keras import graph as taps
-from jacobkit.problem.cache import per_model
-
-#: model -> {(target spec, signature): (names, zero variables)}
-_DELTAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: model -> {problem key: examples found independent}
-_INDEPENDENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: model -> {(layer, input signature, training): the layer output's TensorSpec}
-_OUTPUT_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from jacobkit.problem.cache import Slot, model_state
 
 
 @dataclass(frozen=True)
@@ -160,7 +152,7 @@ class TensorTargets:
             self.names = (f"{layer.name}/output",)
             specs = [self._output_spec(inputs, layer.name)]
         key = (spec, tuple(specs), training)
-        cache = per_model(_DELTAS, model)
+        cache = model_state(model, Slot.DELTAS)
         if key not in cache:
             # float16/bfloat16 activations (mixed precision) get a float32
             # variable, cast where it is added: their Jacobians come back in
@@ -206,7 +198,7 @@ class TensorTargets:
             self._training,
             tf.nest.map_structure(lambda t: (tuple(t.shape), t.dtype.name), inputs),
         )
-        specs = per_model(_OUTPUT_SPECS, layer_tap.model)
+        specs = model_state(layer_tap.model, Slot.OUTPUT_SPECS)
         key = repr(signature)
         if key not in specs:
             specs[key] = self._trace_output_spec(inputs, name)
@@ -265,7 +257,7 @@ def check_independent(problem: Any) -> None:
     """Refuse per-example blocks when the model mixes examples (checked once
     per model and problem): example 0's rows, weighted at random, must have a
     zero gradient on every other example of each target tensor."""
-    checked = per_model(_INDEPENDENT, problem.model)
+    checked = model_state(problem.model, Slot.INDEPENDENT)
     if problem.key in checked or (problem.batch_size or 0) < 2:
         return
     variables = list(problem.targets)

@@ -12,7 +12,7 @@ by :mod:`~jacobkit.strategies.builtin`.
 
 from __future__ import annotations
 
-from jacobkit.strategies.base import Strategy
+from jacobkit.strategies.base import Solution, Strategy
 from jacobkit.strategies.builtin import (
     Batch,
     Chunked,
@@ -38,6 +38,7 @@ __all__ = [
     "Forward",
     "Jacobian",
     "Loop",
+    "Solution",
     "Strategy",
     "Structured",
     "While",

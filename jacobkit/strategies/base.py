@@ -1,4 +1,5 @@
-"""The one interface every strategy implements, and the compile cache."""
+"""The one interface every strategy implements (:class:`Strategy`), what a
+call returns (:class:`Solution`), and the compile cache."""
 
 from __future__ import annotations
 
@@ -6,22 +7,42 @@ import abc
 import dataclasses
 import numbers
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.problem import Problem, per_model
+from jacobkit.problem import Problem, Slot, model_state
 from jacobkit.result import Stats
 from jacobkit.strategies import precision
 
-#: model -> {(problem key, strategy key): compiled computation}
-_COMPILED: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+if TYPE_CHECKING:  # auto's plan ranks above the strategies: for types only
+    from jacobkit.planner.plan import Plan
 
 
 ZERO = tf.UnconnectedGradients.ZERO
+
+
+@dataclass(frozen=True)
+class Solution:
+    """One call's answer, as a strategy (or ``auto``) computed it: what
+    :mod:`jacobkit.engine` wraps into a :class:`~jacobkit.result.JacobianResult`.
+
+    Attributes:
+        jacobians: per target, the flat ``(R, *v.shape)`` Jacobians (with
+            ``reduce="norm"``: the norms, ``(R,)``).
+        stats: what the call cost.
+        strategy: what computed them (for ``auto``: what later calls run).
+        plan: ``auto``'s :class:`~jacobkit.planner.Plan`; ``None`` for a
+            configured strategy.
+    """
+
+    jacobians: tuple[tf.Tensor, ...]
+    stats: Stats
+    strategy: Strategy
+    plan: Plan | None = None
 
 
 class Strategy(abc.ABC):
@@ -59,7 +80,7 @@ class Strategy(abc.ABC):
 
     @classmethod
     def for_auto(cls, num_rows: int) -> Strategy | None:
-        """The configuration ``auto`` tries on segments of ``num_rows`` rows
+        """The configuration ``auto`` tries on calls of ``num_rows`` rows
         (it calls :meth:`smaller` until the predicted peak fits), or ``None``:
         ``auto`` never runs this strategy. A new strategy joins ``auto`` by
         returning an instance here."""
@@ -144,7 +165,7 @@ class Strategy(abc.ABC):
     # -- running -------------------------------------------------------------
     def compiled_for(self, problem: Problem) -> _Compiled:
         """The cached compiled computation for ``problem`` (built if new)."""
-        compiled = per_model(_COMPILED, problem.model)
+        compiled = model_state(problem.model, Slot.COMPILED)
         key = (problem.key, self.key)
         if key not in compiled:
             if problem.reduce is not None and not self.supports_norm:
@@ -168,6 +189,12 @@ class Strategy(abc.ABC):
         """Run on ``problem.inputs``: the ``(R, *v.shape)`` Jacobians per
         target, and what the call cost (:class:`~jacobkit.result.Stats`)."""
         return self.compiled_for(problem)(problem.inputs)
+
+    def solve(self, problem: Problem) -> Solution:
+        """:meth:`run` as a :class:`Solution` (how :mod:`jacobkit.engine`
+        runs every strategy, ``auto`` included)."""
+        jacobians, stats = self.run(problem)
+        return Solution(tuple(jacobians), stats, self)
 
 
 class _Compiled:

@@ -35,10 +35,6 @@ float32, which would make the refusal unneeded there (not measured yet).
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +62,7 @@ def gradient_dtype(problem: Any) -> tf.DType:
     compute dtype (``float16`` under ``mixed_float16``); for a list of
     variables, the lowest compute dtype of the Keras layers that own them,
     else of the variables themselves."""
-    layer = getattr(problem, "layer", None)
-    compute = compat.compute_dtype(layer)
+    compute = compat.compute_dtype(problem.layer)
     if compute is not None:
         return tf.as_dtype(compute)
     dtypes = [t.dtype for t in problem.targets]
@@ -111,10 +106,9 @@ def refuse_float16_variables(problem: Any, name: str) -> None:
 
 
 def _what(problem: Any) -> str:
-    layer = getattr(problem, "layer", None)
-    if layer is None:
+    if problem.layer is None:
         return "the target"
-    return f"layer {layer.name!r}"
+    return f"layer {problem.layer.name!r}"
 
 
 # -- bfloat16 on this CPU -----------------------------------------------------
@@ -153,13 +147,16 @@ class Bfloat16Check:
     cpu: str
 
 
-@functools.cache
 def bfloat16_check() -> Bfloat16Check:
     """Measure this CPU's bfloat16 convolution gradients, once per process
     (about 0.3 s): the Jacobian of ``examples.cnn2d`` (Conv2D → Conv2D →
     Dense → Dense, batch 2 of 8×7 images) with respect to its first Conv2D's
     kernel and bias, in bfloat16, against float64 on the same rounded weights
     and inputs. See :data:`MEASURED_BFLOAT16` for what it found."""
+    return runtime.measured_once("bfloat16 check", _measure_bfloat16)
+
+
+def _measure_bfloat16() -> Bfloat16Check:
     inputs, weights = _cnn2d_values()
 
     def as_dtype(dtype: tf.DType) -> tuple[tf.Tensor, list[tf.Tensor]]:
@@ -234,21 +231,15 @@ def _worst(actual: list[tf.Tensor], expected: list[tf.Tensor]) -> float:
     return worst
 
 
-_WARNED: set[bool] = set()
-
-
 def warn_if_bfloat16_far_off(problem: Any, compiled: bool) -> None:
     """Warn once per process (per compiled/eager path) where ``problem``'s
     gradients run bfloat16 convolutions and :func:`bfloat16_check` finds this
     CPU's kernels more than :data:`FAR_OFF` from float64 on that path."""
-    if compiled in _WARNED or not getattr(problem, "convolutions", None):
-        return
-    if gradient_dtype(problem) != tf.bfloat16:
+    if not problem.convolutions or gradient_dtype(problem) != tf.bfloat16:
         return
     check = bfloat16_check()
     error = check.compiled if compiled else check.eager
-    _WARNED.add(compiled)
-    if error <= FAR_OFF:
+    if error <= FAR_OFF or not runtime.first_notice(("bfloat16 far off", compiled)):
         return
     path = (
         "every strategy but 'loop'"
@@ -262,16 +253,5 @@ def warn_if_bfloat16_far_off(problem: Any, compiled: bool) -> None:
         "round every intermediate gradient to bfloat16. Use float32 or "
         "mixed_float16 for the target's layers where that matters.",
         PrecisionWarning,
-        stacklevel=_caller_level(),
+        stacklevel=runtime.caller_stacklevel(),
     )
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside jacobkit (the user's
-    call), counted from :func:`warnings.warn`'s caller."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level

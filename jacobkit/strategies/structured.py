@@ -15,21 +15,17 @@ then on.
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, final
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem, per_model, structure
+from jacobkit.problem import Problem, Slot, model_state, structure
 from jacobkit.result import Stats
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
-
-#: model -> {(problem key, strategy key): True (verified), False (failed)}
-_VERIFIED: weakref.WeakKeyDictionary[Any, dict[Any, bool]] = weakref.WeakKeyDictionary()
 
 
 class NoShortcut(ValueError):
@@ -192,7 +188,7 @@ class Structured(Strategy):
     def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
         """Run; on the first call for a model and problem, check the result
         with :func:`jacobkit.verify` and fall back to ``inner`` if it fails."""
-        verified = per_model(_VERIFIED, problem.model)
+        verified = model_state(problem.model, Slot.VERIFIED)
         key = (problem.key, self.key)
         if verified.get(key) is False:  # failed its check: inner from now on
             return self.resolved_inner().run(problem)

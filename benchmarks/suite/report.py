@@ -6,16 +6,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jacobkit import memory
-from jacobkit.bench import machine, stats
-from jacobkit.bench.auto_report import (
+from benchmarks.suite import machine
+from benchmarks.suite.auto_report import (
     OVERHEAD_LIMIT,
     PRIOR_LIMIT,
     auto_table,
     overhead_table,
 )
+from benchmarks.suite.rows import by_label, default_labels, rows_by_problem
+from jacobkit import memory
+from jacobkit.bench import stats
 from jacobkit.bench.disagreement import disagrees
-from jacobkit.bench.rows import by_label, default_labels, rows_by_problem
 from jacobkit.memory import format_bytes
 
 #: how failures read in a table cell

@@ -1,19 +1,48 @@
-"""``jacobkit bench``: its arguments and what it runs.
+"""``python -m benchmarks.suite``: the suite's command line.
 
-Kept free of TensorFlow imports until the command runs, so that building the
-command-line parser stays fast.
+Run from the repository's root, so that ``benchmarks`` and this checkout's
+``jacobkit`` are the ones imported. TensorFlow is imported only once the
+options are checked; the suite itself runs in child processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+
+#: how the command names itself in its messages
+PROG = "python -m benchmarks.suite"
+#: exit code for a user's mistake (argparse's own for a bad option)
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: one line, exit code 2."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's parser."""
+    found = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "Time, peak memory and agreement with a reference of every strategy "
+            "on the benchmark problems, each in a fresh subprocess; writes "
+            "results.json, results.md and PNG plots to --out."
+        ),
+    )
+    found.add_argument(
+        "-v", "--verbose", action="store_true", help="show TensorFlow's start-up logs"
+    )
+    add_arguments(found)
+    return found
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``jacobkit bench``."""
+    """The options of the suite."""
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -50,10 +79,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; the exit code (2 for a user's mistake)."""
+    from jacobkit import runtime
+
+    # the children's TensorFlow uses its pooled CPU allocator, the one that
+    # reports peak memory on CPU (see jacobkit.runtime)
+    runtime.enable_bfc_cpu_allocator()
+    args = parser().parse_args(argv)
+    if args.verbose:
+        quiet: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    else:  # TensorFlow's start-up lines and warnings hidden; its runs are children
+        runtime.start_tensorflow_quietly(runtime=False)
+        quiet = runtime.tensorflow_warnings(all_threads=True)
+    with quiet:
+        try:
+            _check(args)
+        except UsageError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return USAGE_ERROR
+        return run(args)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What the suite would otherwise fail on late."""
+    from jacobkit import memory
+
+    if args.report_only:
+        saved = Path(args.out) / "results.json"
+        if not saved.exists():
+            raise UsageError(
+                f"--report-only: {saved} does not exist; run {PROG} "
+                f"--out {args.out} first."
+            )
+        return
+    try:
+        memory.normalize_device(args.device)
+    except ValueError as err:
+        raise UsageError(f"--device {args.device}: {err}") from err
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the suite; 1 if a successful row disagrees with its reference."""
+    from benchmarks.suite import plots, problems, runner
     from jacobkit import memory
-    from jacobkit.bench import plots, problems, runner
     from jacobkit.bench.disagreement import (
         disagreement_limit,
         disagreement_line,
@@ -63,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # before the suite runs, not after it
         plots.require_matplotlib()
     except plots.MatplotlibMissing as err:
-        print(f"jacobkit bench: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     if args.report_only:
         saved = Path(args.out) / "results.json"
@@ -82,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = runner.run_suite(problems.SUITES[suite](), settings, args.out)
     except runner.DeviceUnavailable as err:
-        print(err, file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     rows = results["rows"]
     # the floor alone, without the loop's own error: see disagreement_limit

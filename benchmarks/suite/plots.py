@@ -6,23 +6,24 @@ import math
 from pathlib import Path
 from typing import Any
 
-from jacobkit.bench.rows import default_labels, rows_by_problem
+from benchmarks.suite.rows import default_labels, rows_by_problem
 
 _MIB = 1024**2
 
 
-#: how to get matplotlib, which jacobkit needs only for these plots
-INSTALL_HINT = 'pip install "jacobkit[plots]"'
+#: how to get matplotlib, which jacobkit needs only for these plots (from the
+#: checkout's root, where the suite runs)
+INSTALL_HINT = 'pip install -e ".[bench]"'
 
 
 class MatplotlibMissing(ImportError):
-    """matplotlib is not installed: it is an extra (``jacobkit[plots]``)."""
+    """matplotlib is not installed: it is in an extra (``bench``)."""
 
 
 def require_matplotlib() -> None:
     """Raise :class:`MatplotlibMissing`, saying what failed and how to install
-    it, unless matplotlib can be imported (``jacobkit bench`` checks this
-    before running a suite, not after it)."""
+    it, unless matplotlib can be imported (the suite checks this before
+    it runs, not after it)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as err:

@@ -9,10 +9,10 @@ call, of every call until ``auto`` settles (at most :data:`jacobkit.SETTLE_CALLS
 ``rounds`` interleaved timing rounds (each calls every label once, so that a
 load change on a shared machine hits every label alike), then one steady
 call's peak. Fixed labels are the labels of
-:func:`jacobkit.bench.measure.configurations` (the list ``compare`` and ``bench``
-measure); ``auto`` runs with an empty plan cache.
+:func:`jacobkit.bench.measure.configurations` (the list ``jacobkit compare`` and
+the suite measure); ``auto`` runs with an empty plan cache.
 
-    python -m jacobkit.bench.budget_child '{"problem": ..., "sizes": ...,
+    python -m benchmarks.suite.budget_child '{"problem": ..., "sizes": ...,
         "labels": [...], "rounds": 7, "chunk_sizes": [...]}'
 
 prints one line ``RESULT {json}``: ``{label: measurements}``.

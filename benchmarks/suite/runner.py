@@ -1,8 +1,9 @@
 """Run a suite: every (problem, strategy, chunk size) in a fresh subprocess.
 
-Per problem, one child (:mod:`jacobkit.bench.processes`) computes the
-reference Jacobians (saved to a scratch ``.npz``); then one child per strategy
-configuration measures it with :func:`jacobkit.bench.measure.measure` and
+Per problem, one child (:mod:`jacobkit.bench.processes`, running
+:mod:`benchmarks.suite.child`) computes the reference Jacobians (saved to a
+scratch ``.npz``); then one child per strategy configuration measures it with
+:func:`jacobkit.bench.measure.measure` and
 compares with that reference. A child that fails, runs out of memory or passes
 the time limit gives a row saying so; the suite goes on. Once a strategy has
 passed the time limit or run out of memory on a sweep, the larger points of
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jacobkit.bench import machine, processes
-from jacobkit.bench.problems import REFERENCES, BenchProblem
+from benchmarks.suite import child, machine
+from benchmarks.suite.problems import REFERENCES, BenchProblem
+from jacobkit.bench import processes
 
 #: failures that make the larger points of a sweep pointless to run
 _SKIP_AFTER = ("time_limit", "out_of_memory")
@@ -141,7 +143,9 @@ def run_suite(
     }
     with (
         processes.open_pool(
-            settings.device, memory_fraction=settings.memory_fraction
+            settings.device,
+            memory_fraction=settings.memory_fraction,
+            target=child.main,
         ) as pool,
         _progress(total, settings.progress) as bar,
     ):
@@ -155,9 +159,7 @@ def run_suite(
             settings.reference_timeout_s,
         )
         if "error" in probe:
-            raise DeviceUnavailable(
-                f"jacobkit bench: the device probe failed: {probe['error']}"
-            )
+            raise DeviceUnavailable(f"the device probe failed: {probe['error']}")
         results["device"] = probe
         stopped: dict[tuple[str, str, str], tuple[int, str]] = {}
         for problem in problems:
@@ -227,7 +229,7 @@ def run_suite(
 def write_outputs(results: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
     """Write ``results.json``, ``results.md`` and the plots for ``results``
     (also used to redraw them from a saved ``results.json``)."""
-    from jacobkit.bench import plots, report
+    from benchmarks.suite import plots, report
 
     out = Path(out_dir)
     report.write(results, out / "results.md")
@@ -273,7 +275,7 @@ def _paired_first_calls(
     auto, warm = by_label.get("auto"), by_label.get("auto, warm cache")
     if auto is None or not fixed:
         return
-    from jacobkit.bench import auto_report
+    from benchmarks.suite import auto_report
 
     spec_of = {c.label: c.spec for c in configs}
     fastest = min(fixed, key=lambda r: r["first_call_s"])

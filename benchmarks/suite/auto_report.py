@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from benchmarks.suite.rows import by_label, rows_by_problem
 from jacobkit.bench import stats
-from jacobkit.bench.rows import by_label, rows_by_problem
 from jacobkit.memory.budget import format_bytes
 
 __all__ = [
@@ -130,7 +130,7 @@ def _evidence(found: stats.Ratios | stats.Speedup) -> str:
 
 
 def paired_text(row: dict) -> str:
-    """auto's paired-rounds ratio (:func:`jacobkit.bench.measure.paired_rounds`)."""
+    """auto's paired-rounds ratio (:func:`benchmarks.suite.paired.paired_rounds`)."""
     paired = row.get("paired")
     if not paired:
         return "n/a"

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.suite.command import main
+
+sys.exit(main())

@@ -1,0 +1,142 @@
+"""``strategy="auto"`` as one object: :class:`Auto`.
+
+``Auto`` is configured like any strategy (a frozen record of its options:
+the memory budget, the device, the plan cache) and run like one
+(:meth:`Auto.solve`, by :mod:`jacobkit.engine`'s one path). It owns its
+state: the planning sessions it keeps per model (in
+:class:`~jacobkit.problem.cache.Slot` ``SESSIONS``, keyed by the problem, the
+input shapes, its own options and the policy), and the strategy it picked
+for ``reduce="norm"``. Two equal ``Auto`` objects share their sessions, so
+``strategy="auto"`` on every call plans once, as a named strategy traces
+once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, final
+
+from jacobkit import memory, strategies
+from jacobkit.planner import calls, probes
+from jacobkit.planner.opening import open_session
+from jacobkit.planner.plan import Plan
+from jacobkit.planner.policy import current_policy
+from jacobkit.planner.session import Session
+from jacobkit.problem import Problem
+from jacobkit.problem.cache import Slot, model_state
+from jacobkit.strategies import Solution, Strategy
+
+#: rows ``reduce="norm"`` holds at once where ``batch``'s closed form does
+#: not apply (``chunked``)
+NORM_CHUNK = 16
+
+
+@final
+@dataclass(frozen=True)
+class Auto:
+    """The first answer as fast as the best single strategy, then the fastest
+    strategy that fits the memory budget (see :mod:`jacobkit.planner`).
+
+    ``jacobian(..., strategy=Auto(memory_budget="1GiB"))`` is
+    ``jacobian(..., strategy="auto", memory_budget="1GiB")``.
+
+    Attributes:
+        memory_budget: bytes, a string like ``"2GiB"``, a fraction of free
+            device memory, or ``None`` (the default fraction, see
+            :data:`jacobkit.memory.DEFAULT_BUDGET_FRACTION`).
+        device: whose memory the budget is of, and where peaks are measured
+            (``None``: the CPU, or the device the call runs on).
+        cache: read and write the plan cache on disk
+            (:mod:`jacobkit.planner.cache`); ``False``: plan in memory only.
+    """
+
+    name: ClassVar[str] = "auto"
+    memory_budget: int | float | str | None = None
+    device: str | None = None
+    cache: bool = True
+
+    def __post_init__(self) -> None:
+        # a bad budget or device is refused now, before any model is traced
+        if self.memory_budget is not None:
+            memory.parse_budget(self.memory_budget, free=1 << 40)
+        if self.device is not None:
+            try:
+                memory.normalize_device(self.device)
+            except (TypeError, ValueError) as err:
+                raise ValueError(
+                    f"Auto(device={self.device!r}): not a device name; use "
+                    "'CPU:0' or 'GPU:0' (or None: the CPU, or the call's device)."
+                ) from err
+        if not isinstance(self.cache, bool):
+            raise TypeError(
+                f"Auto(cache={self.cache!r}): expected True (use the plan cache "
+                "on disk) or False (plan in memory only)."
+            )
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def solve(self, problem: Problem) -> Solution:
+        """One call: every row of ``problem`` by the strategy the session
+        picks; the solution names what later calls run and the plan.
+        ``stats.planning_time_s`` is the time spent outside the run that
+        computed the rows (the budget check, the memory prior, the cache)."""
+        if problem.reduce is not None:
+            return self.norm_strategy(problem).solve(problem)
+        start = time.perf_counter()
+        session = self._session(problem)
+        jacobians, stats = calls.run_call(session, problem)
+        session.persist()
+        planning = max(time.perf_counter() - start - stats.wall_time_s, 0.0)
+        return Solution(
+            tuple(jacobians),
+            replace(stats, planning_time_s=planning),
+            session.current,
+            session.plan(),
+        )
+
+    def plan(self, problem: Problem) -> Plan:
+        """What the next call on ``problem`` runs and what is known (nothing
+        is run: before the first call, the strategy it starts on and its
+        predicted peak, or what the disk cache holds)."""
+        return self._session(problem).plan()
+
+    def norm_strategy(self, problem: Problem) -> Strategy:
+        """For ``reduce="norm"``: ``batch``'s closed forms where it applies
+        (layer targets with a rule), else ``chunked`` holding
+        :data:`NORM_CHUNK` rows at once. Norms are not planned under a
+        budget: a budget is refused here."""
+        if self.memory_budget is not None:
+            raise ValueError(
+                f"jacobian(reduce={problem.reduce!r}, memory_budget="
+                f"{self.memory_budget!r}): norms hold one chunk of rows' "
+                "Jacobians and are not planned under a budget. Drop "
+                "memory_budget=, or pass strategy=Chunked(chunk_size=...) to "
+                "size the chunk."
+            )
+        chosen = model_state(problem.model, Slot.SESSIONS)
+        key = ("norm", problem.key)
+        if key not in chosen:
+            try:
+                strategies.Batch().check(problem)
+                chosen[key] = strategies.Batch()
+            except ValueError:
+                chosen[key] = strategies.Chunked(NORM_CHUNK)
+        strategy: Strategy = chosen[key]
+        return strategy
+
+    def _session(self, problem: Problem) -> Session:
+        """This process's session for ``problem`` under this configuration
+        and the current policy: made (or continued from the disk cache) on
+        the first call, the same one on every later call."""
+        device = memory.normalize_device(self.device)
+        policy = current_policy()
+        key = (problem.key, probes.input_shapes(problem), self, device, policy)
+        sessions: dict[Any, Session] = model_state(problem.model, Slot.SESSIONS)
+        if key not in sessions:  # a repeated call plans (and fingerprints) nothing
+            sessions[key] = open_session(
+                problem, self.memory_budget, device, policy, self.cache
+            )
+        return sessions[key]

@@ -1,0 +1,104 @@
+"""A new :class:`~jacobkit.planner.session.Session`: the budget checked
+against the result itself, the exact shortcut where one applies, the memory
+prior, and the disk cache's entry continued where it applies."""
+
+from __future__ import annotations
+
+from jacobkit import memory, strategies
+from jacobkit.planner import cache as disk
+from jacobkit.planner import probes, scratch
+from jacobkit.planner.policy import Policy
+from jacobkit.planner.scratch import MemoryPrior
+from jacobkit.planner.session import Session
+from jacobkit.problem import Problem
+from jacobkit.strategies import Strategy, precision
+from jacobkit.strategies.structured import NoShortcut
+
+
+def open_session(
+    problem: Problem,
+    memory_budget: int | float | str | None,
+    device: str,
+    policy: Policy,
+    cache: bool,
+) -> Session:
+    """The session that plans ``problem`` under ``memory_budget`` on
+    ``device`` (normalized, ``"CPU:0"``): continued from the disk cache
+    where ``cache`` and an entry apply.
+
+    Raises:
+        ValueError: the result alone does not fit the budget, or nothing fits
+            (the session's start says what one row at a time needs).
+    """
+    name = disk.fingerprint(problem, device) if cache and disk.directory() else None
+    budget = memory.parse_budget(memory_budget, device=device)
+    result_bytes = probes.result_bytes(problem)
+    if result_bytes > budget * policy.safety:
+        raise ValueError(
+            f"jacobian(memory_budget={memory.format_bytes(budget)}): the result "
+            f"alone needs {memory.format_bytes(result_bytes)} ({result_bytes} "
+            f"bytes: {problem.num_rows} rows × "
+            f"{sum(t.shape.num_elements() for t in problem.targets)} parameters × "
+            f"{problem.output_dtype.size} bytes), more than the budget allows. "
+            "Raise memory_budget, keep fewer rows with features=[...], or use a "
+            "smaller batch."
+        )
+    shortcut, structure = structured(problem)
+    entry = disk.load(name) if name is not None else None
+    row_bytes = entry.row_bytes if entry is not None else None
+    if row_bytes is None:
+        # the forward pass's activations, from the trace the problem made:
+        # an upper bound on what one row's backward pass keeps per row
+        row_bytes = problem.activation_bytes
+    measured_on = device if probes.peak_measurable(device) else None
+
+    session = Session(
+        problem,
+        budget,
+        budget * policy.safety,
+        measured_on,
+        memory_prior(problem, row_bytes, measured_on),
+        shortcut=shortcut,
+        structure=structure,
+        policy=policy,
+        cache_name=name,
+    )
+    # a shortcut that fits is the one candidate: nothing to learn or load;
+    # an entry that does not apply is planned afresh and rewritten
+    if entry is not None and session.structure is None:
+        session.restore(entry)
+    return session
+
+
+def structured(problem: Problem) -> tuple[Strategy | None, str]:
+    """``(Structured(), what it found)`` where an exact structural shortcut
+    applies to ``problem`` (:mod:`jacobkit.problem.structure`), else
+    ``(None, why not)``: the refusal's
+    :attr:`~jacobkit.strategies.structured.NoShortcut.reason`, or the inner
+    strategy's own refusal."""
+    shortcut = strategies.Structured()
+    try:
+        shortcut.check(problem)
+    except NoShortcut as err:
+        return None, err.reason
+    except ValueError as err:  # the inner strategy refuses the head's input
+        return None, str(err)
+    return shortcut, shortcut.describe(problem)
+
+
+def memory_prior(problem: Problem, row_bytes: int, device: str | None) -> MemoryPrior:
+    """The memory prior of ``problem``: ``row_bytes`` per row alive at once
+    in a vectorized pass, its sequential rows' figures, and the scratch space
+    its convolution gradients' kernels take on this machine, measured where
+    ``device`` reports its peak (else none)."""
+    measured = 0
+    if device is not None and problem.convolutions:
+        dtype = precision.gradient_dtype(problem)
+        measured = scratch.scratch_bytes(problem.convolutions, dtype, device)
+    return MemoryPrior(
+        row_bytes,
+        problem.sequential_memory,
+        measured,
+        scratch.inter_op_threads(),
+        eager_bytes=problem.forward_bytes,
+    )

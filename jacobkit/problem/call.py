@@ -1,0 +1,101 @@
+"""One ``jacobian()`` call's arguments but its inputs: :class:`Call`.
+
+:mod:`jacobkit.api` builds it once from the user's arguments; every batch of a
+dataset, :func:`jacobkit.verify`, the command line and the benchmarks build
+their :class:`~jacobkit.problem.Problem` from it with :meth:`Call.problem`,
+the one place that hands the arguments on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import tensorflow as tf
+
+from jacobkit.problem import arguments, rows
+from jacobkit.problem import outputs as model_outputs
+from jacobkit.problem.problem import Problem
+
+if TYPE_CHECKING:  # the strategy ranks above the problem: named for types only
+    from jacobkit.planner.auto import Auto
+    from jacobkit.strategies.base import Strategy
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a :func:`jacobkit.jacobian` call differentiates and how (its
+    arguments but ``inputs``; see there for each). The cheap checks run when
+    it is made, before anything is traced or allocated.
+
+    Attributes:
+        model: the model (a Keras model or any callable).
+        layer: the target: a layer, a name or path, variables, or a tensor
+            target (``Inputs()``, ``Output("layer")``).
+        outputs: what a row is (``"features"``, ``"per_example"``,
+            ``"full"`` or a callable).
+        features: the kept indices of the output's last axis, or ``None``.
+        training: the model's ``training`` flag.
+        unconnected: ``"error"`` or ``"zero"`` for targets that do not
+            influence the rows.
+        output: which output of a multi-output model, or ``None``.
+        reduce: ``None`` (Jacobians) or ``"norm"``.
+        strategy: what computes the rows: a configured strategy, or
+            :class:`jacobkit.planner.Auto` (``None``: ``Auto()``).
+        device: the device the call runs on (``None``: TensorFlow's
+            placement).
+        steps: at most this many batches of a dataset.
+        out: a directory the Jacobians are written to, or ``None``.
+        overwrite: with ``out``, discard what it holds.
+        progress: show a progress bar over batches.
+        distribute: a ``tf.distribute.Strategy`` the batches are spread over.
+    """
+
+    model: Any
+    layer: Any
+    outputs: str | Callable[[Any], tf.Tensor] = "features"
+    features: Sequence[int] | None = None
+    training: bool = False
+    unconnected: str = "error"
+    output: int | str | None = None
+    reduce: str | None = None
+    strategy: Strategy | Auto | None = None
+    device: str | None = None
+    steps: int | None = None
+    out: str | os.PathLike[str] | None = None
+    overwrite: bool = False
+    progress: bool = True
+    distribute: tf.distribute.Strategy | None = None
+
+    def __post_init__(self) -> None:
+        arguments.check_model(self.model)
+        rows.check_mode(self.outputs)
+        rows.check_features(self.features)
+        arguments.check_unconnected(self.unconnected)
+        arguments.check_training(self.training)
+        arguments.check_reduce(self.reduce)
+        model_outputs.check_output_type(self.output)
+
+    @property
+    def summed(self) -> bool:
+        """Whether rows are summed over the batches of a dataset (not
+        ``"per_example"`` or ``"full"``, whose rows follow each other)."""
+        outputs = self.outputs
+        return not (isinstance(outputs, str) and outputs in ("per_example", "full"))
+
+    def problem(self, inputs: Any) -> Problem:
+        """The :class:`~jacobkit.problem.Problem` of one batch ``inputs``
+        (arrays ``(B, ...)``, or the structure a multi-input model takes)."""
+        return Problem(
+            self.model,
+            inputs,
+            self.layer,
+            outputs=self.outputs,
+            features=self.features,
+            training=self.training,
+            unconnected=self.unconnected,
+            output=self.output,
+            reduce=self.reduce,
+        )
