@@ -324,7 +324,7 @@ MODULE_STATE = {
     "jacobkit.runtime.PROCESS": "process-wide state: facts measured once, "
     "one-time notices, the peak-memory blocks open",
     "jacobkit.strategies.registry.REGISTRY": "the strategies, by name",
-    "jacobkit.layers.registry.REGISTRY": "the layer kinds and their closed forms",
+    "jacobkit.layers.REGISTRY": "the layer kinds: their facts and closed forms",
 }
 MAX_MODULE_STATE = 4
 _CONTAINERS = {
@@ -368,9 +368,10 @@ def _root(node: ast.expr) -> list[str]:
 
 def _module_state(name: str, source: str) -> set[str]:
     """Module-level names of ``name`` that hold mutable state: bound at the
-    top to a container (or any object) that some statement in the module
-    mutates (an item or attribute set, a mutating method called), or
-    functions cached with ``functools.cache``/``lru_cache``."""
+    top to an empty container (``dict()``, ``WeakKeyDictionary()``, ...), or
+    to a table or object that some statement in the module mutates (an item
+    or attribute set, a mutating method called); and functions cached with
+    ``functools.cache``/``lru_cache``."""
     tree = ast.parse(source)
     bound: dict[str, ast.expr] = {}
     found = set()
@@ -407,14 +408,17 @@ def _module_state(name: str, source: str) -> set[str]:
             if chain and chain[0] != "self":
                 mutated.add(chain[0])
     for variable, value in bound.items():
-        is_container = isinstance(
-            value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp
-        ) or (
+        # an empty container made at the top is made to be filled; a table
+        # written out (or any other object) counts where it is changed
+        made_empty = (
             isinstance(value, ast.Call)
             and ast.unparse(value.func).split(".")[-1] in _CONTAINERS
         )
-        is_object = isinstance(value, ast.Call)
-        if variable in mutated and (is_container or is_object):
+        changeable = isinstance(
+            value,
+            ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.Call,
+        )
+        if made_empty or (variable in mutated and changeable):
             found.add(f"{name}.{variable}")
     return found
 
@@ -424,13 +428,20 @@ def test_the_module_state_reader():
         "import functools, weakref\n"
         "TABLE = {'a': 1}\n"
         "_CACHE = weakref.WeakKeyDictionary()\n"
+        "_PASSED = weakref.WeakKeyDictionary()\n"
         "_SEEN: set[str] = set()\n"
         "STATE = Process()\n"
         "def f(k):\n    _CACHE.setdefault(k, {})\n    _SEEN.add(k)\n"
         "    STATE.facts[k] = 1\n"
-        "@functools.cache\ndef g():\n    return TABLE['a']\n"
+        "@functools.cache\ndef g():\n    return TABLE['a'], h(_PASSED)\n"
     )
-    assert _module_state("m", source) == {"m._CACHE", "m._SEEN", "m.STATE", "m.g"}
+    assert _module_state("m", source) == {
+        "m._CACHE",
+        "m._PASSED",
+        "m._SEEN",
+        "m.STATE",
+        "m.g",
+    }
 
 
 def test_module_level_state_is_in_at_most_four_places():

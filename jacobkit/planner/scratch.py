@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from jacobkit import memory
+from jacobkit import memory, runtime
 from jacobkit.layers import convolutions
 from jacobkit.problem.liveness import SequentialMemory
 
@@ -55,8 +55,6 @@ from jacobkit.problem.liveness import SequentialMemory
 ROWS_PER_THREAD = 2
 #: measured runs of a probe (the largest counts)
 _RUNS = 3
-#: (kind, dtype name, device) -> bytes, measured in this process
-_MEASURED: dict[tuple[str, str, str], int] = {}
 
 
 @dataclass(frozen=True)
@@ -122,9 +120,11 @@ def scratch_bytes(kinds: Iterable[str], dtype: tf.DType, device: str) -> int:
     found = 0
     for kind in sorted(kinds):
         key = (kind, tf.as_dtype(dtype).name, device)
-        if key not in _MEASURED:
-            _MEASURED[key] = _measure(kind, tf.as_dtype(dtype), device)
-        found = max(found, _MEASURED[key])
+        measured = runtime.measured_once(
+            ("convolution scratch", *key),
+            lambda: _measure(kind, tf.as_dtype(dtype), device),  # noqa: B023
+        )
+        found = max(found, measured)
     return found
 
 

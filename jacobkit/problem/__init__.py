@@ -12,7 +12,7 @@ is made of; :class:`Call`, one call's arguments, which builds it.
 """
 
 from jacobkit.problem.arguments import REDUCE_MODES, UNCONNECTED_MODES
-from jacobkit.problem.cache import Slot, model_state, per_model
+from jacobkit.problem.cache import Slot, model_state
 from jacobkit.problem.call import Call
 from jacobkit.problem.inspect import Inspection
 from jacobkit.problem.problem import Problem
@@ -31,5 +31,4 @@ __all__ = [
     "Slot",
     "Targets",
     "model_state",
-    "per_model",
 ]

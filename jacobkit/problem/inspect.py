@@ -9,7 +9,6 @@ model takes long (0.2 s for a small Conv1D stack), which a loop of
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
@@ -19,7 +18,7 @@ import tensorflow as tf
 from jacobkit.layers import convolutions
 from jacobkit.problem import liveness
 from jacobkit.problem import outputs as model_outputs
-from jacobkit.problem.cache import per_model
+from jacobkit.problem.cache import Slot, model_state
 from jacobkit.problem.liveness import SequentialMemory
 from jacobkit.problem.rows import Rows
 
@@ -84,10 +83,6 @@ class Traceable(Protocol):
     def raise_call_error(self, err: Exception) -> NoReturn: ...
 
 
-#: model -> {inspection key: what :func:`inspect` found}
-_INSPECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def inspect(problem: Traceable) -> Inspection:
     """The :class:`Inspection` of ``problem`` (traced once per model,
     targets, rows and input signature)."""
@@ -102,7 +97,7 @@ def inspect(problem: Traceable) -> Inspection:
         signature,
         repr(tf.nest.map_structure(lambda _: 0, problem.inputs)),
     )
-    inspected = per_model(_INSPECTED, problem.model)
+    inspected = model_state(problem.model, Slot.INSPECTED)
     if key not in inspected:
         inspected[key] = trace(problem)
     return inspected[key]

@@ -15,15 +15,13 @@ keeps what it found per model and problem.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import tensorflow as tf
 
 from jacobkit.problem import functional, linear_head, separable_channels
-from jacobkit.problem.cache import per_model
+from jacobkit.problem.cache import Slot, model_state
 from jacobkit.problem.functional import NotApplicable
 from jacobkit.problem.linear_head import LinearHead
 from jacobkit.problem.problem import Problem
@@ -41,9 +39,6 @@ __all__ = [
 
 Structure = LinearHead | SeparableChannels
 
-#: model -> {problem key: Structure, or the reason none applies}
-_FOUND: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-
 
 def find(problem: Problem) -> Structure:
     """The exact shortcut ``problem`` allows (cached per model and problem).
@@ -55,17 +50,17 @@ def find(problem: Problem) -> Structure:
         NotApplicable: neither applies, or it is not certain; the message
             gives each reason.
     """
-    return _cached(_FOUND, problem, _find)
+    return _cached(Slot.STRUCTURE, problem, _find)
 
 
 def _cached(
-    store: weakref.WeakKeyDictionary[Any, dict[Any, Any]],
+    slot: Slot,
     problem: Problem,
     finder: Callable[[Problem], Structure],
 ) -> Structure:
-    """``finder(problem)`` cached in ``store`` per model and problem, or the
+    """``finder(problem)`` cached in ``slot`` per model and problem, or the
     reason it raised :class:`NotApplicable` (raised again)."""
-    cache = per_model(store, problem.model)
+    cache = model_state(problem.model, slot)
     key = problem.key
     if key not in cache:
         try:
@@ -113,10 +108,6 @@ def _find(problem: Problem) -> Structure:
     raise NotApplicable("; ".join(reasons))
 
 
-#: model -> {problem key: LinearHead of any width, or the reason none applies}
-_HEADS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-
-
 def find_head(problem: Problem) -> LinearHead:
     """The model's linear head whatever its width (cached per model and
     problem): ``batch`` seeds its backward pass at the head's input with the
@@ -128,7 +119,7 @@ def find_head(problem: Problem) -> LinearHead:
         NotApplicable: the model does not end in a linear head, or not
             certainly.
     """
-    found = _cached(_HEADS, problem, _any_head)
+    found = _cached(Slot.HEADS, problem, _any_head)
     assert isinstance(found, LinearHead)
     return found
 
@@ -155,8 +146,8 @@ def _known_head(problem: Problem) -> LinearHead | None:
     """The linear head :func:`find` or :func:`find_head` already found for
     ``problem`` (the same head and sub-model, whichever asked first), so
     that its sub-problem, a traced pass of the sub-model, is built once."""
-    for store in (_FOUND, _HEADS):
-        known = per_model(store, problem.model).get(problem.key)
+    for slot in (Slot.STRUCTURE, Slot.HEADS):
+        known = model_state(problem.model, slot).get(problem.key)
         if isinstance(known, LinearHead):
             return known
     return None
