@@ -43,6 +43,7 @@ _MODULES = {
     "data": "jacobkit.batches",
     "explain": "jacobkit.explain",
     "memory": "jacobkit.memory",
+    "planner": "jacobkit.planner",
     "strategies": "jacobkit.strategies",
 }
 
@@ -60,13 +61,14 @@ __all__ = [
     "jacobian",
     "memory",
     "plan",
+    "planner",
     "strategies",
     "verify",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import batches as data
-    from jacobkit import explain, memory, strategies
+    from jacobkit import explain, memory, planner, strategies
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.problem.tensor_targets import Inputs, Output

@@ -20,6 +20,7 @@ PUBLIC_MODULES = {
     "data": "jacobkit.batches",
     "explain": "jacobkit.explain",
     "memory": "jacobkit.memory",
+    "planner": "jacobkit.planner.Auto",
     "strategies": "jacobkit.strategies",
     "testing": "jacobkit.testing",
 }
