@@ -87,15 +87,11 @@ class Auto:
             return self.norm_strategy(problem).solve(problem)
         start = time.perf_counter()
         session = self._session(problem)
-        jacobians, stats = calls.run_call(session, problem)
+        solved = calls.run_call(session, problem)
         session.persist()
+        stats = solved.stats
         planning = max(time.perf_counter() - start - stats.wall_time_s, 0.0)
-        return Solution(
-            tuple(jacobians),
-            replace(stats, planning_time_s=planning),
-            session.current,
-            session.plan(),
-        )
+        return replace(solved, stats=replace(stats, planning_time_s=planning))
 
     def plan(self, problem: Problem) -> Plan:
         """What the next call on ``problem`` runs and what is known (nothing

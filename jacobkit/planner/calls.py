@@ -21,17 +21,19 @@ from jacobkit.planner.plan import Probe
 from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
 from jacobkit.result import Stats
+from jacobkit.strategies import Solution
 
 
-def run_call(session: Session, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
-    """One call of ``session`` on ``problem``: the Jacobians and their Stats."""
+def run_call(session: Session, problem: Problem) -> Solution:
+    """One call of ``session`` on ``problem``: the Jacobians, their Stats, the
+    strategy later calls run and the plan."""
     call = session.begin_call()
     begin = time.perf_counter()
     runs: list[Probe] = []
     while True:
         strategy = session.choose()
         try:
-            jacobians, probe = probes.run(strategy, problem, call, session.device)
+            ran = probes.run(strategy, problem, call, session.device)
         except tf.errors.ResourceExhaustedError:
             session.back_off(strategy, "ran out of memory")
             continue
@@ -39,12 +41,13 @@ def run_call(session: Session, problem: Problem) -> tuple[list[tf.Tensor], Stats
             if not session.drop(strategy, err):
                 raise
             continue
-        session.record(probe)
-        runs.append(probe)
-        if session.over_budget(probe) and strategy.smaller() is not None:
+        session.record(ran.probe)
+        runs.append(ran.probe)
+        if session.over_budget(ran.probe) and strategy.smaller() is not None:
             session.back_off(strategy, "went over the budget")
         break
     session.end_call(tuple(runs))
+    probe = ran.probe
     known = session.estimate(probe.strategy) if probe.traced else None
     stats = Stats(
         wall_time_s=time.perf_counter() - begin,
@@ -53,4 +56,4 @@ def run_call(session: Session, problem: Problem) -> tuple[list[tf.Tensor], Stats
         peak_bytes=probe.peak_bytes,
         num_rows=probe.rows,
     )
-    return jacobians, stats
+    return Solution(ran.jacobians, stats, session.current, session.plan())

@@ -4,6 +4,7 @@ prior needs."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
@@ -14,11 +15,18 @@ from jacobkit.problem import Problem
 from jacobkit.strategies import Strategy
 
 
-def run(
-    strategy: Strategy, problem: Problem, call: int, device: str | None
-) -> tuple[list[tf.Tensor], Probe]:
-    """Compute every row of ``problem`` with ``strategy``: the
-    ``(R, *v.shape)`` Jacobians per target and the :class:`Probe`.
+@dataclass(frozen=True)
+class Ran:
+    """One run: every row's ``(R, *v.shape)`` Jacobians per target, and what
+    the run measured."""
+
+    jacobians: tuple[tf.Tensor, ...]
+    probe: Probe
+
+
+def run(strategy: Strategy, problem: Problem, call: int, device: str | None) -> Ran:
+    """Compute every row of ``problem`` with ``strategy``: the Jacobians and
+    the :class:`Probe`.
 
     Peak memory is measured on ``device`` (``None``: not measured; see
     :func:`peak_measurable`). Raises what the strategy raises (out-of-memory
@@ -42,7 +50,7 @@ def run(
         traced=stats.traced,
         peak_bytes=peak,
     )
-    return jacobians, probe
+    return Ran(tuple(jacobians), probe)
 
 
 def peak_measurable(device: str) -> bool:

@@ -23,6 +23,7 @@ from jacobkit.keras import compat
 from jacobkit.keras import graph as keras_graph
 from jacobkit.keras.compat import as_tf_variable
 from jacobkit.problem import functional
+from jacobkit.problem.call import Call
 from jacobkit.problem.functional import Graph, NotApplicable
 from jacobkit.problem.problem import Problem
 
@@ -110,14 +111,13 @@ def find(
     if known is not None:
         return known
     sub_model = keras_graph.input_model(keras, problem.model, h)
-    sub_problem = Problem(
+    sub_problem = Call(
         sub_model,
-        problem.inputs,
         problem.layer if problem.layer is not None else list(problem.targets),
         outputs=problem.rows_spec.mode,
         training=problem.training,
         unconnected="zero",
-    )
+    ).problem(problem.inputs)
     columns = (
         None if problem.rows_spec.features is None else functional.channels(problem)
     )
