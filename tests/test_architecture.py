@@ -266,7 +266,7 @@ def test_the_private_import_reader(tmp_path):
         "jacobkit.planner.calls imports jacobkit.strategies._seeds",
         "jacobkit.planner.calls imports jacobkit.strategies.base._block",
     ]
-    assert _private_imports("jacobkit.strategies.batch", source) == []
+    assert _private_imports("jacobkit.strategies.chunked", source) == []
 
 
 def test_no_private_module_or_name_is_imported_across_packages():
@@ -450,3 +450,20 @@ def test_module_level_state_is_in_at_most_four_places():
         found |= _module_state(name, path.read_text())
     assert found <= set(MODULE_STATE), sorted(found - set(MODULE_STATE))
     assert len(MODULE_STATE) <= MAX_MODULE_STATE
+
+
+# -- how far one call reaches -------------------------------------------------------
+#: modules a steady default call entered before the second design step
+#: (``benchmarks/call_walk.py`` on the code before it: 34)
+MODULES_OF_A_STEADY_CALL = 34
+
+
+def test_a_steady_default_call_enters_fewer_modules_than_before():
+    """One steady ``auto`` call on the generator (``benchmarks/call_walk.py``):
+    33 modules, 10 deep, when this was written; it must stay below the 34 of
+    the code before the design step."""
+    from benchmarks.call_walk import steady_default_call
+
+    found = steady_default_call()
+    assert len(found.modules) < MODULES_OF_A_STEADY_CALL, sorted(found.modules)
+    assert "jacobkit.batches.collect" not in found.modules  # one array: no batches

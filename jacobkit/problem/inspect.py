@@ -38,7 +38,10 @@ class Inspection:
         has_loops: whether the computation runs a ``tf.while_loop``.
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
-        gradient_op_types: the op types of the backward pass.
+        convolutions: the convolution kinds the backward pass runs
+            (``"conv2d"``, ...: :mod:`jacobkit.layers.convolutions`, read from
+            its op types; their CPU kernels' scratch space and accuracy depend
+            on the CPU).
         sequential_memory: what a row's backward pass holds where rows run one after
             another (:class:`SequentialMemory`), ``None`` where a ``tf.while_loop``
             hides the tensors (a recurrent layer's are in its loop's body).
@@ -54,16 +57,9 @@ class Inspection:
     connected: tuple[bool, ...]
     has_loops: bool
     activation_bytes: int
-    gradient_op_types: frozenset[str]
+    convolutions: frozenset[str]
     forward_bytes: int = 0
     sequential_memory: SequentialMemory | None = None
-
-    @property
-    def convolutions(self) -> frozenset[str]:
-        """The convolution kinds the backward pass runs (``"conv2d"``, ...:
-        :mod:`jacobkit.layers.convolutions`, read from its op types; their
-        CPU kernels' scratch space and accuracy depend on the CPU)."""
-        return convolutions.of_gradient_ops(self.gradient_op_types)
 
 
 class Traceable(Protocol):
@@ -138,7 +134,9 @@ def trace(problem: Traceable) -> Inspection:
         activation_bytes=_backward_bytes(
             operations[:forward_ops], _target_reads(graph, problem.targets)
         ),
-        gradient_op_types=frozenset(op.type for op in operations[forward_ops:]),
+        convolutions=convolutions.of_gradient_ops(
+            op.type for op in operations[forward_ops:]
+        ),
         forward_bytes=_float_bytes(operations[:forward_ops]),
         sequential_memory=(
             None if has_loops else liveness.walk(operations, forward_ops)

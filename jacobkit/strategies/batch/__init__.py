@@ -28,10 +28,10 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem
-from jacobkit.strategies import _batch_checks, _batch_contract
-from jacobkit.strategies import _seeds as seeding
-from jacobkit.strategies._batch_forward import tapped_forward
 from jacobkit.strategies.base import ZERO, Strategy, map_chunks
+from jacobkit.strategies.batch import checks, contract
+from jacobkit.strategies.batch import seeds as seeding
+from jacobkit.strategies.batch.forward import tapped_forward
 
 
 @final
@@ -76,10 +76,10 @@ class Batch(Strategy):
         return min(num_rows, ROWS_AT_ONCE)
 
     def check(self, problem: Problem) -> None:
-        """Refuses what ``batch`` cannot run (:mod:`._batch_checks`): a
+        """Refuses what ``batch`` cannot run (:mod:`.checks`): a
         target without a closed form, rows that mix examples, a layer that
         cannot be tapped or computes more than its closed form."""
-        _batch_checks.check(problem, self.name)
+        checks.check(problem, self.name)
 
     def build(self, problem: Problem) -> Callable[[Any], Any]:
         summed = problem.rows_spec.summed_over_batch
@@ -122,7 +122,7 @@ class Batch(Strategy):
                 # each chunk's cotangents are contracted at once and written
                 # into the result: the peak is the result plus one chunk
                 return map_chunks(
-                    lambda start, count: _batch_contract.summed_rows(
+                    lambda start, count: contract.summed_rows(
                         problem, xs, cotangents(start, count)
                     ),
                     rows,
@@ -132,8 +132,8 @@ class Batch(Strategy):
             # (B, K, *z.shape[1:]), then one contraction writes the result once
             dzs = [tf.experimental.numpy.moveaxis(dz, 0, 1) for dz in dzs]
             if problem.reduce == "norm":
-                return _batch_contract.norms(problem, xs, dzs, summed=summed)
-            return _batch_contract.gradients(problem, xs, dzs, summed=summed)
+                return contract.norms(problem, xs, dzs, summed=summed)
+            return contract.gradients(problem, xs, dzs, summed=summed)
 
         return compute
 

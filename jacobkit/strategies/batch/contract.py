@@ -13,8 +13,8 @@ import tensorflow as tf
 
 from jacobkit.problem import Problem
 from jacobkit.problem.targets import Projection
-from jacobkit.strategies._batch_forward import projections
 from jacobkit.strategies.base import map_chunks
+from jacobkit.strategies.batch.forward import projections
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -12,8 +12,8 @@ from jacobkit import layers
 from jacobkit.keras.graph import TapError
 from jacobkit.problem import Problem
 from jacobkit.strategies import precision
-from jacobkit.strategies._batch_forward import Forward, tapped_forward
 from jacobkit.strategies.base import ZERO
+from jacobkit.strategies.batch.forward import Forward, tapped_forward
 
 #: machine epsilon of the half-precision compute dtypes of mixed precision
 _EPSILON = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
