@@ -42,7 +42,10 @@ def test_every_stock_kind_names_a_keras_class():
 
 def test_a_layer_gets_the_kind_of_its_nearest_registered_class():
     assert layers.kind_of(keras.layers.Dense(2)).name == "Dense"
-    assert layers.kind_of(keras.layers.LSTM(2)) is None
+    assert layers.kind_of(keras.layers.Flatten()) is None
+    # an LSTM is an RNN: it loops over time steps
+    assert layers.kind_of(keras.layers.LSTM(2)).name == "RNN"
+    assert layers.runs_a_loop(keras.layers.LSTM(2))
     # a subclass gets its base's rule, but no stock facts (it may change call)
     mine = _MyDense(2)
     assert isinstance(layers.rule_for(mine), DenseRule)

@@ -8,10 +8,9 @@
   :func:`short_path`, the shortest of those that names one layer alone.
 - :func:`close_names`: "did you mean" suggestions for a layer-name typo.
 - :func:`contains_layer`: whether a layer is part of a model at all.
-- :func:`recurrent_layers`: the layers that loop over time (a
-  ``tf.while_loop``), for strategies that cannot run through one;
-  :func:`layers_through`: the layers of a kind the caller chooses that a
-  target's values flow through.
+- :func:`layers_through`: the layers of a kind the caller chooses (a
+  predicate, such as the layer registry's "loops over time") that a target's
+  values flow through.
 - :func:`input_mismatch`: the model's expected input shapes against the ones
   received, in words.
 
@@ -30,11 +29,9 @@ import tensorflow as tf
 
 from jacobkit.keras import compat
 
+
 #: class names (anywhere in a layer's MRO) of Keras layers that run a
 #: ``tf.while_loop`` over time steps
-_RECURRENT = ("RNN", "Bidirectional")
-
-
 def children(layer: Any) -> list[Any]:
     """The layers ``layer`` holds directly (sub-models, wrapped layers, cells)."""
     return compat.flatten_layers(layer, recursive=False)
@@ -181,24 +178,6 @@ def close_names(name: str, names: Sequence[str], n: int = 3) -> list[str]:
         lowered.setdefault(candidate.lower(), candidate)
     close = difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.6)
     return [lowered[c] for c in close]
-
-
-def _is_recurrent(layer: Any) -> bool:
-    return any(
-        cls.__name__ in _RECURRENT and cls.__module__.startswith(("keras", "tf_keras"))
-        for cls in type(layer).__mro__
-    )
-
-
-def recurrent_layers(model: Any, target: Any = None) -> list[Any]:
-    """The outermost recurrent layers (LSTM, GRU, SimpleRNN, Bidirectional,
-    ...) that values of ``target`` flow through: the one that is or holds
-    ``target``, else those after it in the model's layer order; every one
-    when ``target`` is ``None`` (a list of variables) or comes after them all.
-    """
-    return layers_through(model, target, _is_recurrent) or layers_through(
-        model, None, _is_recurrent
-    )
 
 
 def layers_through(

@@ -78,6 +78,13 @@ def pfor_cannot_vectorize(layer: Any) -> bool:
     return kind is not None and not kind.pfor_vectorizes
 
 
+def runs_a_loop(layer: Any) -> bool:
+    """Whether ``layer`` loops over time steps (a recurrent layer: ``RNN``
+    and its subclasses such as ``LSTM``, ``Bidirectional``)."""
+    kind = REGISTRY.of(layer)
+    return kind is not None and kind.recurrent
+
+
 def elementwise_activation(keras: ModuleType, function: Any) -> bool:
     """Whether ``function`` is a stock activation of the Keras flavour
     ``keras`` that acts on each element alone."""

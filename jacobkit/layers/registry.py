@@ -47,6 +47,9 @@ class LayerKind:
             elementwise in training: ``Dropout``, ...).
         convolutions: the kinds of convolution its backward pass runs
             (:data:`jacobkit.layers.convolutions.KINDS`).
+        recurrent: it loops over time steps in a ``tf.while_loop`` (``RNN``
+            and its subclasses, ``Bidirectional``): what pfor and forward mode
+            see of its gradient differs.
     """
 
     layer: str | type
@@ -55,6 +58,7 @@ class LayerKind:
     elementwise: bool = False
     inference_identity: bool = False
     convolutions: tuple[str, ...] = ()
+    recurrent: bool = False
 
     @property
     def name(self) -> str:

@@ -48,6 +48,8 @@ KINDS = (
     LayerKind("GaussianNoise", inference_identity=True),
     LayerKind("GaussianDropout", inference_identity=True),
     LayerKind("AlphaDropout", inference_identity=True),
+    LayerKind("RNN", recurrent=True),
+    LayerKind("Bidirectional", recurrent=True),
 )
 
 #: Keras activations that act on each element alone (``softmax``, ``glu`` and

@@ -167,7 +167,9 @@ class Problem:
     def recurrent_layers(self) -> str | None:
         """``"layer 'lstm' (LSTM)"``: the recurrent layers (a ``tf.while_loop``
         over time) the targets' values flow through, or ``None``."""
-        found = layer_tree.recurrent_layers(self.model, self.layer)
+        found = layer_tree.layers_through(
+            self.model, self.layer, layers.runs_a_loop
+        ) or layer_tree.layers_through(self.model, None, layers.runs_a_loop)
         return layer_tree.describe(found) if found else None
 
     def depthwise_layers(self, *, after_only: bool = False) -> str | None:
