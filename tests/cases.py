@@ -79,9 +79,7 @@ OUTPUTS = {
 #: (problem, reason) pairs where the batch strategy must refuse, with the
 #: start of its message
 BATCH_REFUSES = {
-    "shared_layer": "runs 2 times per forward pass",
     "tf_module": "supports Dense, Conv1D, Conv2D",
-    "subclassed": "not from a functional graph",
 }
 
 

@@ -75,8 +75,6 @@ XFAIL: dict[tuple[str, str], str] = {}
 
 # Documented refusals: the strategy must refuse, in words, not run.
 REFUSES: dict[tuple[str, str], str] = {
-    # keras_hub's attention calls its projections from Python: no tap
-    ("batch", "transformer_query"): "subclassed model or a function",
     # pfor has no rule for the depthwise convolutions on the way
     ("chunked", "backbone_conv"): r"pfor\) has no rule for the gradient of layers",
     ("structured", "backbone_conv"): "no exact shortcut applies",
@@ -157,10 +155,9 @@ def test_forward_on_a_large_kernel_is_refused_with_the_numbers():
 
 
 # Per-example rows and norms by the default call, on a transformer
-# projection, a LayerNorm and a depthwise convolution of these models
-# (keras_hub's attention and LayerNorms are called from Python inside its
-# TransformerEncoder, so auto runs them generically; MobileNetV2's depthwise
-# convolution by batch's closed form).
+# projection, a LayerNorm and a depthwise convolution of these models, all by
+# batch's closed form (keras_hub's attention and LayerNorms are called from
+# Python inside its TransformerEncoder: found in the traced pass).
 PER_EXAMPLE = {
     "transformer_query": (
         "bert",
@@ -204,6 +201,7 @@ def test_per_example_rows_and_norms_agree_with_float64(target):
     reference = _per_example_reference(target)
     rows = jk.jacobian(model, x, layer, outputs="per_example")
     assert rows.rows_shape == (2, 3)
+    assert rows.strategy == "batch", rows.plan
     testing.assert_close(rows, reference)
     norms = jk.jacobian(model, x, layer, outputs="per_example", reduce="norm")
     for got, full in zip(norms.jacobians.values(), reference.jacobians):

@@ -28,7 +28,7 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem
-from jacobkit.strategies.base import ZERO, Strategy, map_chunks
+from jacobkit.strategies.base import Strategy, map_chunks
 from jacobkit.strategies.batch import checks, contract
 from jacobkit.strategies.batch import seeds as seeding
 from jacobkit.strategies.batch.forward import tapped_forward
@@ -106,24 +106,22 @@ class Batch(Strategy):
                 # chunk's rows k, from the batch-summed rows (examples do not
                 # mix)
                 return tf.vectorized_map(
-                    lambda ct: forward.tape.gradient(
-                        forward.rows,
-                        zs,
-                        output_gradients=ct,
-                        unconnected_gradients=ZERO,
-                    ),
+                    forward.cotangents,
                     seeds.of(start, count, batch, forward.rows.dtype),
                     fallback_to_while_loop=fallback,
                 )
 
             size = rows_per_chunk(rows, zs)
-            xs = [tf.cast(tap.inputs, tap.z.dtype) for tap in forward.taps]
+            taps = (
+                [tf.cast(tap.inputs, tap.z.dtype) for tap in forward.taps],
+                forward.parts,
+            )
             if summed and problem.reduce != "norm":
                 # each chunk's cotangents are contracted at once and written
                 # into the result: the peak is the result plus one chunk
                 return map_chunks(
                     lambda start, count: contract.summed_rows(
-                        problem, xs, cotangents(start, count)
+                        problem, taps, cotangents(start, count)
                     ),
                     rows,
                     size,
@@ -132,8 +130,8 @@ class Batch(Strategy):
             # (B, K, *z.shape[1:]), then one contraction writes the result once
             dzs = [tf.experimental.numpy.moveaxis(dz, 0, 1) for dz in dzs]
             if problem.reduce == "norm":
-                return contract.norms(problem, xs, dzs, summed=summed)
-            return contract.gradients(problem, xs, dzs, summed=summed)
+                return contract.norms(problem, taps, dzs, summed=summed)
+            return contract.gradients(problem, taps, dzs, summed=summed)
 
         return compute
 

@@ -6,13 +6,15 @@ its closed form and that examples do not mix."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import tensorflow as tf
 
 from jacobkit import layers
 from jacobkit.keras.graph import TapError
 from jacobkit.problem import Problem
 from jacobkit.strategies import precision
-from jacobkit.strategies.base import ZERO
 from jacobkit.strategies.batch.forward import Forward, tapped_forward
 
 #: machine epsilon of the half-precision compute dtypes of mixed precision
@@ -66,16 +68,15 @@ def check(problem: Problem, name: str) -> None:
             f"supported: {why}. Use strategy='chunked' or 'jacobian'."
         )
     try:
-        problem.layer_tap  # noqa: B018 - built here to raise early
+        checked = _checked_pass(problem)
     except TapError as err:
         raise ValueError(
             f"jacobian(strategy='batch'): {err}; the batch strategy needs "
-            "the layer's input and output once per forward pass. Use "
+            "the layer's input and output at each of its calls. Use "
             "strategy='chunked' or 'jacobian'."
         ) from err
-    forward = _check_forward(problem)
-    _check_closed_form(problem, forward)
-    leak = _cross_example_leak(problem, forward)
+    _check_closed_form(problem, checked)
+    leak = _cross_example_leak(checked)
     if leak > 1e-6:
         raise ValueError(
             "jacobian(strategy='batch'): the model mixes examples across the "
@@ -87,50 +88,26 @@ def check(problem: Problem, name: str) -> None:
         )
 
 
-def _check_forward(problem: Problem) -> Forward:
-    """One eager forward pass that serves both checks (each took 0.13 s of a
-    2 s first call on the MLP 512-1024-1024-144), on the first
-    :data:`CHECK_EXAMPLES` examples where the model runs on fewer than its
-    batch (else on all of them)."""
-    batch = problem.batch_size
-    if batch is not None and batch > CHECK_EXAMPLES:
-        first = tf.nest.map_structure(lambda t: t[:CHECK_EXAMPLES], problem.inputs)
-        try:
-            return tapped_forward(problem, first, check=True)
-        except (ValueError, TypeError, tf.errors.OpError):
-            pass  # a model bound to its batch size: checked on all of it
-    return tapped_forward(problem, problem.inputs, check=True)
+@dataclass(frozen=True)
+class Checked:
+    """What the checks read of one forward pass.
+
+    Attributes:
+        own: the layer's output at each call, as the layer computes it.
+        output: the same as the layer's rule computes it from the call's input.
+        firsts: the cotangent at each tap's ``z`` of example 0's rows (with
+            random weights): zero at every other example where examples do not
+            mix.
+    """
+
+    own: list[tf.Tensor]
+    output: list[tf.Tensor]
+    firsts: list[tf.Tensor]
 
 
-def _check_closed_form(problem: Problem, forward: Forward) -> None:
-    """Refuse a layer whose output is not what its rule computes beside it
-    (``activation(linear(x))``, or an attention layer's projections and
-    attention), from a ``forward`` pass with ``check``."""
-    own, output = forward.own, forward.output
-    # float32 rounding of the same operations differs by < 1e-6 relative; a
-    # float16/bfloat16 layer (mixed precision) rounds its own output to a few
-    # of its epsilons, against ``z`` computed in float32
-    allowed = 1e-4 if own.dtype.size >= 4 else 16 * _EPSILON[own.dtype]
-    own = tf.cast(own, output.dtype)
-    scale = float(tf.reduce_max(tf.abs(own))) + 1e-30
-    if float(tf.reduce_max(tf.abs(output - own))) > allowed * scale:
-        raise ValueError(
-            f"jacobian(strategy='batch'): layer {problem.layer.name!r} "
-            f"({type(problem.layer).__name__}) computes more than "
-            "activation(x @ kernel + bias) (or a convolution, or attention over "
-            "its projections): its output differs from that closed form. Use "
-            "strategy='chunked' or 'jacobian'."
-        )
-
-
-def _cross_example_leak(problem: Problem, forward: Forward) -> float:
-    """How much example 0's rows depend on other examples at the layer's parts'
-    outputs (0 when examples are independent; exactly 0 up to rounding), from
-    a ``forward`` pass on the problem's inputs."""
+def _checked(forward: Forward) -> Checked:
     per_example = forward.rows
     batch = int(per_example.shape[0])
-    if batch < 2:
-        return 0.0
     weights = tf.random.stateless_normal(
         per_example.shape[1:], seed=(0, 1), dtype=per_example.dtype
     )
@@ -138,11 +115,72 @@ def _cross_example_leak(problem: Problem, forward: Forward) -> float:
     # stopped recording, so a slice of ``per_example`` taken here would have
     # no gradient and the check would always pass.
     only_first = tf.one_hot(0, batch, dtype=per_example.dtype)
-    firsts = forward.tape.gradient(
-        per_example,
-        [tap.z for tap in forward.taps],
-        output_gradients=only_first[:, None] * weights[None, :],
-        unconnected_gradients=ZERO,
-    )
+    firsts = forward.cotangents(only_first[:, None] * weights[None, :])
+    assert forward.own is not None, "a pass for the checks records the layer's own"
+    return Checked(list(forward.own), list(forward.output), list(firsts))
+
+
+def _checked_pass(problem: Problem) -> Checked:
+    """One forward pass that serves both checks (each took 0.13 s of a 2 s
+    first call on the MLP 512-1024-1024-144), on the first
+    :data:`CHECK_EXAMPLES` examples where the model runs on fewer than its
+    batch (else on all of them): eager where the layer is a node of a
+    functional graph, traced (its calls are found in the traced pass)
+    elsewhere."""
+    try:
+        problem.layer_tap  # noqa: B018 - a node of a functional graph
+        traced = False
+    except TapError:
+        traced = True
+
+    def values(inputs: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        found = _checked(tapped_forward(problem, inputs, check=True))
+        return found.own, found.output, found.firsts
+
+    # (a tf.function returns nests of tensors: the record is made outside)
+    compute = problem.function(values) if traced else values
+
+    def run(inputs: Any) -> Checked:
+        return Checked(*(list(v) for v in compute(inputs)))
+
+    batch = problem.batch_size
+    if batch is not None and batch > CHECK_EXAMPLES:
+        first = tf.nest.map_structure(lambda t: t[:CHECK_EXAMPLES], problem.inputs)
+        try:
+            return run(first)
+        except (ValueError, TypeError, tf.errors.OpError) as err:
+            if isinstance(err, TapError):
+                raise
+            # a model bound to its batch size: checked on all of it
+    return run(problem.inputs)
+
+
+def _check_closed_form(problem: Problem, checked: Checked) -> None:
+    """Refuse a layer whose output is not what its rule computes beside it
+    (``activation(linear(x))``, or an attention layer's projections and
+    attention), at every call."""
+    for own, output in zip(checked.own, checked.output):
+        # float32 rounding of the same operations differs by < 1e-6 relative;
+        # a float16/bfloat16 layer (mixed precision) rounds its own output to
+        # a few of its epsilons, against ``z`` computed in float32
+        allowed = 1e-4 if own.dtype.size >= 4 else 16 * _EPSILON[own.dtype]
+        own = tf.cast(own, output.dtype)
+        scale = float(tf.reduce_max(tf.abs(own))) + 1e-30
+        if float(tf.reduce_max(tf.abs(output - own))) > allowed * scale:
+            raise ValueError(
+                f"jacobian(strategy='batch'): layer {problem.layer.name!r} "
+                f"({type(problem.layer).__name__}) computes more than "
+                "activation(x @ kernel + bias) (or a convolution, or attention "
+                "over its projections): its output differs from that closed "
+                "form. Use strategy='chunked' or 'jacobian'."
+            )
+
+
+def _cross_example_leak(checked: Checked) -> float:
+    """How much example 0's rows depend on other examples at the layer's parts'
+    outputs (0 when examples are independent; exactly 0 up to rounding)."""
+    firsts = [f for f in checked.firsts if f.shape[0] is not None and f.shape[0] > 1]
+    if not firsts:
+        return 0.0
     total = max(float(tf.reduce_max(tf.abs(f))) for f in firsts) + 1e-30
     return max(float(tf.reduce_max(tf.abs(f[1:]))) for f in firsts) / total

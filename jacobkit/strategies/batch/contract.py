@@ -1,8 +1,9 @@
 """The ``batch`` strategy's contractions: each linear part's kernel and bias
 Jacobians (or their norms) from its cotangents at ``z`` and its tapped
 input, by its rule's closed form (see the NOTE in
-:func:`jacobkit.layers.contract.kernel_and_bias_gradients`), placed in the
-order of the targets."""
+:func:`jacobkit.layers.contract.kernel_and_bias_gradients`), summed over the
+part's calls where the layer runs several times, placed in the order of the
+targets."""
 
 from __future__ import annotations
 
@@ -47,32 +48,44 @@ def _placed(problem: Problem, parts: list[tuple[Any, Any]]) -> list[tf.Tensor]:
 @_no_autograph
 def _each_part(
     problem: Problem,
-    xs: list[Any],
+    taps: Taps,
     dzs: list[Any],
     contract: Callable[[Projection, Any, Any, tuple[int, ...]], tuple[Any, Any]],
 ) -> list[tf.Tensor]:
-    """``contract(part, x, dz, kernel_shape)`` of each part, placed in the
-    order of the targets (:func:`_placed`)."""
+    """``contract(part, x, dz, kernel_shape)`` of each tap, summed over the
+    taps of each part (its calls), placed in the order of the targets
+    (:func:`_placed`)."""
     targets = problem.targets
-    return _placed(
-        problem,
-        [
-            contract(p, x, dz, tuple(targets[p.kernel].shape))
-            for p, x, dz in zip(projections(problem), xs, dzs)
-        ],
-    )
+    xs, parts = taps
+    done: list[Any] = []
+    for i, p in enumerate(projections(problem)):
+        shape = tuple(targets[p.kernel].shape)
+        each = [contract(p, x, dz, shape) for x, dz, j in zip(xs, dzs, parts) if j == i]
+        kernel = tf.add_n([k for k, _ in each]) if len(each) > 1 else each[0][0]
+        bias = each[0][1]
+        if bias is not None and len(each) > 1:
+            bias = tf.add_n([b for _, b in each])
+        done.append((kernel, bias))
+    return _placed(problem, done)
 
 
-def summed_rows(problem: Problem, xs: list[Any], dzs: list[Any]) -> list[tf.Tensor]:
+#: each tap's input (cast to its ``z``'s dtype) and the index of its part
+Taps = tuple[list[Any], list[int]]
+
+
+def summed_rows(problem: Problem, taps: Taps, dzs: list[Any]) -> list[tf.Tensor]:
     """One chunk of rows summed over the batch from its row-major cotangents
     (each ``(count, B, *z.shape[1:])``), in the order of the targets."""
     return _each_part(
-        problem, xs, dzs, lambda p, x, dz, shape: p.rule.summed_gradients(x, dz, shape)
+        problem,
+        taps,
+        dzs,
+        lambda p, x, dz, shape: p.rule.summed_gradients(x, dz, shape),
     )
 
 
 def gradients(
-    problem: Problem, xs: list[Any], dzs: list[Any], *, summed: bool
+    problem: Problem, taps: Taps, dzs: list[Any], *, summed: bool
 ) -> list[tf.Tensor]:
     """The kernel/bias Jacobians from the ``dzs`` in closed form (see the NOTE
     in :func:`jacobkit.layers.contract.kernel_and_bias_gradients`): one einsum
@@ -82,20 +95,26 @@ def gradients(
     # loop's gradient accumulates (``xs`` are cast to ``z``'s dtype)
     return _each_part(
         problem,
-        xs,
+        taps,
         dzs,
         lambda p, x, dz, shape: p.rule.gradients(x, dz, shape, summed=summed),
     )
 
 
 def norms(
-    problem: Problem, xs: list[Any], dzs: list[Any], *, summed: bool
+    problem: Problem, taps: Taps, dzs: list[Any], *, summed: bool
 ) -> list[tf.Tensor]:
     """Per-row norms of the kernel/bias Jacobians (Gram form or chunks of
-    rows, :func:`jacobkit.layers.norms.kernel_and_bias_norms`)."""
+    rows, :func:`jacobkit.layers.norms.kernel_and_bias_norms`). A layer
+    called several times: the norms of the summed gradients, formed per
+    chunk of rows (the norm of a sum is not a sum of norms)."""
+    _, parts = taps
+    if len(parts) > len(set(parts)):
+        by_row = gradients(problem, taps, dzs, summed=summed)
+        return [tf.norm(tf.reshape(g, (tf.shape(g)[0], -1)), axis=-1) for g in by_row]
     return _each_part(
         problem,
-        xs,
+        taps,
         dzs,
         lambda p, x, dz, _: p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks),
     )

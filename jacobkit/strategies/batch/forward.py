@@ -1,59 +1,108 @@
-"""The ``batch`` strategy's forward pass: the model's graph run with the
-target layer's node computed beside the layer by its rule
-(:meth:`jacobkit.layers.LayerRule.tapped_call`), each linear part's input
-and pre-activation output ``z`` recorded on a tape. The user's layer is
-never changed."""
+"""The ``batch`` strategy's forward pass: each linear part of the target
+layer, its input and its pre-activation output ``z``, and how a cotangent at
+the rows reaches ``z``. The user's layer is never changed. Two kinds of tap:
+
+- **A node** of a functional graph (:class:`~jacobkit.keras.graph.LayerTap`):
+  the model's graph runs with the layer's node computed beside the layer by
+  its rule (:meth:`jacobkit.layers.LayerRule.tapped_call`), so each part's
+  ``z`` is in the pass itself and a cotangent at the rows reaches it by one
+  backward pass.
+- **Calls in the traced pass** (:mod:`jacobkit.keras.calls`), wherever the
+  layer is called from Python (a subclassed model, a keras_hub block, a
+  function): the model runs as it is, inside the ``tf.function`` the strategy
+  builds; each call of the layer is found in the traced graph with its input
+  ``x`` and output ``y``. A cotangent at the rows reaches ``y`` by one backward
+  pass; the rule computes the layer beside it from ``x`` (every part's ``z``
+  and the output), and the cotangent at ``y`` is carried back to each ``z``
+  through that computation (the activation's, or the attention's, vector-
+  Jacobian product; nothing where ``y`` is ``z``). A layer called several
+  times has a tap per call; its gradient is their sum.
+
+NOTE (why summing over calls is exact). A row's gradient with respect to a
+weight used by several calls is the sum over the calls of each call's input
+contracted with the total derivative of the row with respect to that call's
+``z`` (the chain rule; backpropagation computes exactly this total derivative
+at an intermediate tensor, later calls' dependence on earlier ones
+included).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
 
+from jacobkit.keras import calls as layer_calls
+from jacobkit.keras.graph import TapError
 from jacobkit.layers import LayerRule
 from jacobkit.layers.base import Tapped
 from jacobkit.problem import Problem
 from jacobkit.problem.targets import Projection
+from jacobkit.strategies.base import ZERO
 
 
 @dataclass(frozen=True)
 class Forward:
-    """A forward pass with the target layer computed beside it.
+    """A forward pass with the target layer's parts tapped.
 
     Attributes:
-        taps: each linear part's input and pre-activation output ``z``
-            (:meth:`jacobkit.layers.LayerRule.tapped_call`), watched by
-            ``tape``.
+        taps: each tapped part's input and pre-activation output ``z``, one
+            per part and call.
+        parts: for each tap, the index of its part
+            (:meth:`~jacobkit.layers.LayerRule.parts`).
         rows: the per-example rows ``P``, ``(B, K)``.
-        tape: the persistent tape that recorded the pass.
-        output: the layer's output as computed beside it.
+        output: the layer's output as its rule computes it (one per call).
         own: the layer's output as the layer itself computes it (``None``
-            unless asked for).
+            unless asked for, or where the tap reads the layer's own).
+        tape: the persistent tape that recorded the pass.
+        ends: the tensors a cotangent at the rows is taken at (each tap's
+            ``z``, or each call's output).
+        through: ``cotangent at ends -> cotangent at each tap's z``.
     """
 
     taps: list[Tapped]
+    parts: list[int]
     rows: tf.Tensor
+    output: list[Any]
+    own: list[Any] | None
     tape: tf.GradientTape
-    output: Any
-    own: Any
+    ends: list[tf.Tensor]
+    through: Callable[[list[tf.Tensor]], list[tf.Tensor]]
+
+    def cotangents(self, seeds: tf.Tensor) -> list[tf.Tensor]:
+        """The cotangent at each tap's ``z`` of ``sum(seeds * rows)``
+        (``seeds`` of the rows' shape), one backward pass."""
+        at_ends = self.tape.gradient(
+            self.rows,
+            self.ends,
+            output_gradients=seeds,
+            unconnected_gradients=ZERO,
+        )
+        return self.through(at_ends)
 
 
 def tapped_forward(problem: Problem, inputs: Any, *, check: bool = False) -> Forward:
-    """Forward pass recording the target layer's parts' inputs and outputs.
+    """Forward pass tapping the target layer's parts (see the module
+    docstring): at its node where it has one in a functional graph, else at
+    its calls in the traced pass (which must be being traced: a
+    ``tf.function``). With ``check``, the layer's own output is recorded too.
 
-    The model's graph is run with the layer's node computed beside the layer
-    (:meth:`jacobkit.layers.LayerRule.tapped_call`, :attr:`Problem.layer_tap`);
-    the user's layer is never changed. With ``check``, the node's output as
-    the layer itself computes it is recorded too.
+    Raises:
+        TapError: the layer's calls cannot be found or read (traced taps).
     """
+    try:
+        problem.layer_tap  # noqa: B018 - the node tap, where there is one
+    except TapError:
+        return _traced_forward(problem, inputs)
+    return _node_forward(problem, inputs, check)
+
+
+def _node_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
     found: list[tuple[list[Tapped], Any, Any]] = []
     layer_rule = rule(problem)
-    targets = problem.targets
-    weights = [
-        (targets[p.kernel], None if p.bias is None else targets[p.bias])
-        for p in projections(problem)
-    ]
+    weights = _weights(problem)
 
     def watch(z: tf.Tensor) -> tf.Tensor:
         tape.watch(z)
@@ -68,7 +117,130 @@ def tapped_forward(problem: Problem, inputs: Any, *, check: bool = False) -> For
     with tape:
         per_example = problem.per_example_rows(inputs, hook=on_layer)
     taps, output, own = found[0]
-    return Forward(taps, per_example, tape, output, own)
+    return Forward(
+        taps=taps,
+        parts=list(range(len(taps))),
+        rows=per_example,
+        output=[output],
+        own=[own] if check else None,
+        tape=tape,
+        ends=[tap.z for tap in taps],
+        through=lambda at_z: at_z,
+    )
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What is looked up in the traced pass: the calls of ``layer``, each
+    computed beside by ``rule`` with the weights of parts ``parts``."""
+
+    layer: Any
+    rule: LayerRule
+    parts: tuple[int, ...]
+
+
+def _units(layer_rule: LayerRule) -> list[_Unit]:
+    """A rule whose parts are sub-layers of their own (an attention layer's
+    projections) is looked up part by part, each call of each sub-layer
+    computed by the part's rule; any other, layer by layer."""
+    parts = layer_rule.parts()
+    if len(parts) > 1 and all(p.layer is not layer_rule.layer for p in parts):
+        return [_Unit(p.layer, p, (i,)) for i, p in enumerate(parts)]
+    return [_Unit(layer_rule.layer, layer_rule, tuple(range(len(parts))))]
+
+
+def _traced_forward(problem: Problem, inputs: Any) -> Forward:
+    weights = _weights(problem)
+    tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
+    with tape:
+        tape.watch(list(problem.targets))
+        per_example = problem.per_example_rows(inputs)
+    graph = tf.compat.v1.get_default_graph()
+    beside = tf.GradientTape(persistent=True, watch_accessed_variables=False)
+    taps: list[Tapped] = []
+    parts: list[int] = []
+    outputs: list[Any] = []
+    own: list[Any] = []
+    spans: list[tuple[int, int]] = []  # each call's taps: [start, stop)
+    batch = int(per_example.shape[0])
+    for unit in _units(rule(problem)):
+        mine = [weights[i] for i in unit.parts]
+        try:
+            found = layer_calls.layer_calls(
+                graph, unit.layer, [w for pair in mine for w in pair]
+            )
+        except layer_calls.NoCall as err:
+            raise TapError(str(err)) from err
+        for call in found:
+            x = _call_input(unit.layer, call, batch)
+
+            def watch(z: tf.Tensor) -> tf.Tensor:
+                beside.watch(z)
+                return z
+
+            with beside:
+                output, call_taps = unit.rule.tapped_call((x,), {}, mine, watch)
+            spans.append((len(taps), len(taps) + len(call_taps)))
+            taps.extend(call_taps)
+            parts.extend(unit.parts)
+            outputs.append(output)
+            own.append(_call_output(unit.layer, call, output))
+
+    def through(at_outputs: list[tf.Tensor]) -> list[tf.Tensor]:
+        at_z: list[tf.Tensor] = []
+        for (start, stop), output, cotangent in zip(spans, outputs, at_outputs):
+            at_z.extend(
+                beside.gradient(
+                    output,
+                    [tap.z for tap in taps[start:stop]],
+                    output_gradients=tf.cast(cotangent, output.dtype),
+                    unconnected_gradients=ZERO,
+                )
+            )
+        return at_z
+
+    return Forward(
+        taps=taps,
+        parts=parts,
+        rows=per_example,
+        output=outputs,
+        own=own,
+        tape=tape,
+        ends=own,
+        through=through,
+    )
+
+
+def _call_input(layer: Any, call: layer_calls.LayerCall, batch: int) -> tf.Tensor:
+    """The one tensor ``call`` took in, with an example axis."""
+    candidates = [t for t in call.inputs if t.shape.rank is not None and t.shape.rank]
+    if len(candidates) != 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in candidates) or "none"
+        raise TapError(
+            f"layer {layer.name!r} is called on {len(candidates)} tensors "
+            f"({shapes}) at {call.scope!r}, not one input"
+        )
+    x = candidates[0]
+    if x.shape[0] is not None and int(x.shape[0]) != batch:
+        raise TapError(
+            f"layer {layer.name!r} is called at {call.scope!r} on a tensor of "
+            f"shape {tuple(x.shape)}, shared by every example of the batch of "
+            f"{batch}: its per-example gradients are not separable there"
+        )
+    return x
+
+
+def _call_output(layer: Any, call: layer_calls.LayerCall, output: Any) -> tf.Tensor:
+    """The tensor ``call`` gave out: the last it made of the shape its rule
+    computes."""
+    shape = tuple(output.shape)
+    found = [t for t in call.outputs if tuple(t.shape) == shape and t.dtype.is_floating]
+    if not found:
+        raise TapError(
+            f"layer {layer.name!r}'s call at {call.scope!r} gives out no tensor of "
+            f"the shape its closed form computes, {shape}"
+        )
+    return found[-1]
 
 
 def rule(problem: Problem) -> LayerRule:
@@ -83,3 +255,12 @@ def projections(problem: Problem) -> tuple[Projection, ...]:
     found = problem.projections
     assert found is not None, "checked before batch runs"
     return found
+
+
+def _weights(problem: Problem) -> list[tuple[tf.Variable, tf.Variable | None]]:
+    """``(kernel, bias)`` of each linear part, in the order of the parts."""
+    targets = problem.targets
+    return [
+        (targets[p.kernel], None if p.bias is None else targets[p.bias])
+        for p in projections(problem)
+    ]
