@@ -160,6 +160,17 @@ def layer_class(keras: ModuleType, name: str) -> type | None:
     return getattr(keras.layers, name, None)
 
 
+def imported_class(path: str) -> type | None:
+    """The class ``"package.module:Class"`` names, where that module is
+    imported already (nothing is imported here: a library's layer is only
+    met once the library is), else ``None``."""
+    module_name, _, qualname = path.partition(":")
+    found: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None) if found is not None else None
+    return found if isinstance(found, type) else None
+
+
 def compute_dtype(layer: Any) -> str | None:
     """The dtype a Keras layer computes in (``"float16"`` under
     ``mixed_float16``), or ``None`` for anything that is not a Keras layer."""

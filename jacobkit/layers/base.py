@@ -132,6 +132,14 @@ class LayerRule:
         activation = compat.activation(self.layer)
         return z if activation is None else activation(z)
 
+    def output_is_z(self) -> bool:
+        """Whether the layer's output is ``z`` itself (no activation, one
+        part): a cotangent at the output is one at ``z``."""
+        if len(self.parts()) != 1:
+            return False
+        name = compat.activation_name(compat.activation(self.layer))
+        return name in (None, "linear")
+
     def gradients(
         self,
         x: tf.Tensor,
@@ -207,10 +215,10 @@ class MaterializedNorms(LayerRule):
         kernel, bias = self.gradients(
             x, dz, tuple(self.weight("kernel").shape), summed=summed
         )
-        return _row_norm(kernel), _row_norm(bias)
+        return row_norms(kernel), row_norms(bias)
 
 
-def _row_norm(jacobians: tf.Tensor) -> tf.Tensor:
+def row_norms(jacobians: tf.Tensor) -> tf.Tensor:
     """``(R, ...)`` -> ``(R,)``: each row's L2 norm."""
     flat = tf.reshape(jacobians, (jacobians.shape[0], -1))
     return tf.norm(flat, axis=-1)

@@ -1,16 +1,23 @@
-"""``Conv1D`` and ``Conv2D`` (channels last, ``groups=1``):
-``z = conv(x, W) + c``, unfolded into patches."""
+"""``Conv1D`` and ``Conv2D`` (channels last): ``z = conv(x, W) + c``,
+unfolded into patches; a ``Conv2D`` with ``groups > 1`` by
+:mod:`jacobkit.layers.grouped`."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import tensorflow as tf
 
 from jacobkit.keras import compat
-from jacobkit.layers.base import LayerRule, UnfoldedMatmul
+from jacobkit.layers import grouped
+from jacobkit.layers.base import LayerRule, UnfoldedMatmul, row_norms
 
 
 class ConvRule(LayerRule):
     """Closed forms of a channels-last convolution (Keras 3 or ``tf_keras``)."""
+
+    #: the rule computes ``groups > 1`` (:mod:`jacobkit.layers.grouped`)
+    grouped_ok = False
 
     def unsupported(self) -> str | None:
         layer = self.layer
@@ -19,7 +26,7 @@ class ConvRule(LayerRule):
             return why
         if compat.data_format(layer, "channels_last") != "channels_last":
             return f"data_format={layer.data_format!r} (only 'channels_last')"
-        if compat.groups(layer) != 1:
+        if compat.groups(layer) != 1 and not self.grouped_ok:
             return f"groups={layer.groups} (only groups=1)"
         if layer.padding not in ("valid", "same", "causal"):
             return f"padding={layer.padding!r}"
@@ -37,13 +44,25 @@ class ConvRule(LayerRule):
         self, x: tf.Tensor, kernel: tf.Variable, bias: tf.Variable | None
     ) -> tf.Tensor:
         padded, padding = self.padded(x)
-        z = tf.nn.convolution(
-            padded,
-            kernel,
-            strides=list(self.layer.strides),
-            padding=padding,
-            dilations=list(self.layer.dilation_rate),
-        )
+        strides = list(self.layer.strides)
+        dilations = list(self.layer.dilation_rate)
+        groups = compat.groups(self.layer)
+        if groups == 1:
+            z = tf.nn.convolution(
+                padded, kernel, strides=strides, padding=padding, dilations=dilations
+            )
+        else:
+            z = grouped.convolution(
+                padded,
+                tf.convert_to_tensor(kernel),
+                groups,
+                lambda a, k: tf.nn.convolution(
+                    a, k, strides=strides, padding=padding, dilations=dilations
+                ),
+                lambda a, k: tf.nn.depthwise_conv2d(
+                    a, k, strides=[1, *strides, 1], padding=padding, dilations=dilations
+                ),
+            )
         return z if bias is None else z + bias
 
     def unfold(self, x: tf.Tensor) -> tf.Tensor:
@@ -69,7 +88,43 @@ class ConvRule(LayerRule):
 
 
 class Conv2DRule(UnfoldedMatmul, ConvRule):
+    """A ``Conv2D``; with ``groups > 1``, each group's closed form
+    (:mod:`jacobkit.layers.grouped`), and norms from the per-row gradients
+    (each the size of the small grouped kernel)."""
+
     kind = "conv2d"
+    grouped_ok = True
+
+    def gradients(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        kernel_shape: tuple[int, ...],
+        *,
+        summed: bool,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        groups = compat.groups(self.layer)
+        if groups == 1:
+            return super().gradients(x, dz, kernel_shape, summed=summed)
+        return grouped.gradients(
+            self.unfold(x), dz, kernel_shape, groups, summed=summed
+        )
+
+    def summed_gradients(
+        self, x: tf.Tensor, dz: tf.Tensor, kernel_shape: tuple[int, ...]
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        if compat.groups(self.layer) == 1:
+            return super().summed_gradients(x, dz, kernel_shape)
+        by_example = tf.experimental.numpy.moveaxis(dz, 0, 1)
+        return self.gradients(x, by_example, kernel_shape, summed=True)
+
+    def norms(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool, **kwargs: Any) -> Any:
+        if compat.groups(self.layer) == 1:
+            return super().norms(x, dz, summed=summed, **kwargs)
+        kernel, bias = self.gradients(
+            x, dz, tuple(self.weight("kernel").shape), summed=summed
+        )
+        return row_norms(kernel), row_norms(bias)
 
 
 class Conv1DRule(UnfoldedMatmul, ConvRule):

@@ -1,10 +1,15 @@
-"""``Embedding``: ``z[b, p] = W[ids[b, p]]``, a scatter of cotangents by id."""
+"""``Embedding``: ``z[b, p] = W[ids[b, p]]``, a scatter of cotangents by id;
+and keras_hub's ``ReversibleEmbedding``, whose reverse calls (the logits of a
+language model's head, tied to the table) are ``z = x @ W^T``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import tensorflow as tf
 
-from jacobkit.layers.base import MaterializedNorms
+from jacobkit.layers.base import MaterializedNorms, Tapped, Weights
 
 
 class EmbeddingRule(MaterializedNorms):
@@ -37,6 +42,9 @@ class EmbeddingRule(MaterializedNorms):
 
     def activation(self, z: tf.Tensor) -> tf.Tensor:
         return z
+
+    def output_is_z(self) -> bool:
+        return True
 
     def gradients(
         self,
@@ -73,3 +81,70 @@ class EmbeddingRule(MaterializedNorms):
             )
         count = kernel.shape[0]
         return kernel, tf.zeros((count, 0), dz.dtype)
+
+
+class ReversibleEmbeddingRule(EmbeddingRule):
+    """keras_hub's ``ReversibleEmbedding``, called forward (ids: a lookup, as
+    ``Embedding``) or in reverse (``x @ W^T``, the logits; ``tanh(z / c) * c``
+    with a ``logit_soft_cap`` ``c``). A language model calls it both ways; the
+    ``batch`` strategy then has a tap per call and sums their gradients. A
+    reverse call's row has ``dr/dW[v] = sum_p G[b, p, v] x[b, p]``. The two
+    kinds of call are told apart by their input: ids lack the feature axis
+    (``x`` has one axis fewer than a row's ``z``)."""
+
+    kind = "reversible_embedding"
+
+    def unsupported(self) -> str | None:
+        why = super().unsupported()
+        if why is not None:
+            return why
+        if not getattr(self.layer, "tie_weights", True):
+            return "its reverse weights are not tied to the table"
+        return None
+
+    def tapped_call(
+        self,
+        args: tuple,
+        kwargs: dict,
+        weights: Weights,
+        watch: Callable[[tf.Tensor], tf.Tensor],
+    ) -> tuple[Any, list[Tapped]]:
+        x = args[0]
+        ((kernel, _),) = weights
+        if x.dtype.is_integer:
+            tapped = Tapped(x, watch(tf.gather(kernel, x)))
+            return tapped.z, [tapped]
+        dtype = getattr(self.layer, "reverse_dtype", None) or kernel.dtype
+        inputs = tf.cast(x, dtype)
+        tapped = Tapped(
+            inputs,
+            watch(tf.matmul(inputs, tf.cast(kernel, dtype), transpose_b=True)),
+        )
+        cap = getattr(self.layer, "logit_soft_cap", None)
+        output = tapped.z if cap is None else tf.tanh(tapped.z / cap) * cap
+        return output, [tapped]
+
+    def output_is_z(self) -> bool:
+        return getattr(self.layer, "logit_soft_cap", None) is None
+
+    def gradients(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        kernel_shape: tuple[int, ...],
+        *,
+        summed: bool,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        if x.shape.rank != dz.shape.rank - 1:  # ids: a forward call
+            return super().gradients(x, dz, kernel_shape, summed=summed)
+        vocabulary, dim = kernel_shape
+        batch, rows = dz.shape[0], dz.shape[1]
+        inputs = tf.reshape(tf.cast(x, dz.dtype), (batch, -1, dim))
+        g = tf.reshape(dz, (batch, rows, -1, vocabulary))
+        if summed:
+            kernel = tf.einsum("bpd,bkpv->kvd", inputs, g)
+        else:
+            kernel = tf.reshape(
+                tf.einsum("bpd,bkpv->bkvd", inputs, g), (batch * rows, vocabulary, dim)
+            )
+        return kernel, tf.zeros((kernel.shape[0], 0), dz.dtype)

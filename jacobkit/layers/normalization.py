@@ -1,11 +1,15 @@
-"""``LayerNormalization`` and inference-mode ``BatchNormalization``:
-``z = gamma * xhat + beta``, elementwise in the normalized input ``xhat``."""
+"""``LayerNormalization``, inference-mode ``BatchNormalization`` and the RMS
+normalizations (Keras's ``RMSNormalization``, keras_hub Gemma's):
+``z = gamma * xhat + beta``, elementwise in the normalized input ``xhat``
+(Gemma's scales by ``1 + scale``, whose gradient is the same)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import tensorflow as tf
 
-from jacobkit.layers.base import MaterializedNorms
+from jacobkit.layers.base import LayerRule, MaterializedNorms
 
 
 class _Normalization(MaterializedNorms):
@@ -14,8 +18,8 @@ class _Normalization(MaterializedNorms):
     ``dr/dbeta[c] = sum_p G[b, p, c]`` (BackPACK's BatchNorm rule, in
     evaluation mode)."""
 
-    kernel_attrs = ("gamma",)
-    bias_attrs = ("beta",)
+    kernel_attrs: ClassVar[tuple[str, ...]] = ("gamma",)
+    bias_attrs: ClassVar[tuple[str, ...]] = ("beta",)
 
     def unsupported(self) -> str | None:
         why = super().unsupported()
@@ -49,6 +53,9 @@ class _Normalization(MaterializedNorms):
 
     def activation(self, z: tf.Tensor) -> tf.Tensor:
         return z
+
+    def output_is_z(self) -> bool:
+        return True
 
     def gradients(
         self,
@@ -102,3 +109,62 @@ class BatchNormalizationRule(_Normalization):
         mean = tf.cast(tf.convert_to_tensor(layer.moving_mean), x.dtype)
         variance = tf.cast(tf.convert_to_tensor(layer.moving_variance), x.dtype)
         return (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
+
+
+class _RMS(_Normalization):
+    """``xhat = x / sqrt(mean(x^2) + epsilon)`` over the last axis, computed
+    in float32 (each example's positions have their own statistics); a scale,
+    no offset."""
+
+    kernel_attrs = ("scale",)
+    bias_attrs = ()
+
+    def unsupported(self) -> str | None:
+        return LayerRule.unsupported(self)
+
+    def normalized(self, x: tf.Tensor) -> tf.Tensor:
+        x = tf.cast(x, tf.float32) if x.dtype.size < 4 else x
+        mean_square = tf.reduce_mean(tf.square(x), axis=-1, keepdims=True)
+        return x * tf.math.rsqrt(mean_square + self.layer.epsilon)
+
+
+class RMSNormalizationRule(_RMS):
+    """Keras's ``RMSNormalization``: ``z = xhat * scale`` over the last axis."""
+
+    kind = "rms_normalization"
+
+    def unsupported(self) -> str | None:
+        why = super().unsupported()
+        if why is not None:
+            return why
+        if list(self.layer.axis) not in ([-1], [self._last_axis()]):
+            return f"axis={self.layer.axis!r} (only the last axis)"
+        return None
+
+
+class GemmaRMSNormalizationRule(_RMS):
+    """keras_hub Gemma's ``RMSNormalization``: ``z = xhat * (1 + scale)``, the
+    output cast to the layer's compute dtype; ``dz/dscale = xhat`` as for a
+    plain scale."""
+
+    kind = "gemma_rms_normalization"
+
+    def pre_activation(
+        self, x: tf.Tensor, kernel: tf.Variable, bias: tf.Variable | None
+    ) -> tf.Tensor:
+        xhat = self.normalized(x)
+        return xhat * (1 + tf.cast(kernel, xhat.dtype))
+
+
+class LayerScaleRule(_Normalization):
+    """keras.applications ConvNeXt's ``LayerScale``: ``z = x * gamma`` over the
+    last axis (``xhat`` is ``x`` itself)."""
+
+    kind = "layer_scale"
+    bias_attrs = ()
+
+    def unsupported(self) -> str | None:
+        return LayerRule.unsupported(self)
+
+    def normalized(self, x: tf.Tensor) -> tf.Tensor:
+        return x

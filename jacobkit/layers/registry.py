@@ -2,12 +2,15 @@
 closed-form rule (or none) and its facts, in one typed record
 (:class:`LayerKind`).
 
-A kind names either a stock Keras class by its name (``"Dense"``: the class
-of that name in every Keras flavour imported, Keras 3 and ``tf_keras``) or a
-layer class itself. A layer's kind is that of the first registered class in
-its method resolution order: its own class if registered, else its nearest
-registered base (a subclass of ``Dense`` gets ``Dense``'s rule; ``tf_keras``'s
-``DepthwiseConv2D``, a ``Conv2D`` there, its own). The facts of a stock kind
+A kind names a stock Keras class by its name (``"Dense"``: the class of that
+name in every Keras flavour imported, Keras 3 and ``tf_keras``), a class of
+another library by its path (``"package.module:ClassName"``, looked up only
+once that module is imported: jacobkit imports no library to know its
+layers), or a layer class itself. A layer's kind is that of the first
+registered class in its method resolution order: its own class if
+registered, else its nearest registered base (a subclass of ``Dense`` gets
+``Dense``'s rule; ``tf_keras``'s ``DepthwiseConv2D``, a ``Conv2D`` there, its
+own). The facts of a stock kind
 hold for exactly its class (:meth:`LayerRegistry.stock`): a subclass may
 change ``call``.
 """
@@ -63,7 +66,9 @@ class LayerKind:
     @property
     def name(self) -> str:
         """The class name (``"Dense"``)."""
-        return self.layer if isinstance(self.layer, str) else self.layer.__name__
+        if isinstance(self.layer, str):
+            return self.layer.rpartition(":")[2].rpartition(".")[2]
+        return self.layer.__name__
 
     @property
     def pfor_vectorizes(self) -> bool:
@@ -77,6 +82,9 @@ class LayerKind:
         each Keras flavour of ``modules`` that has one."""
         if not isinstance(self.layer, str):
             return (self.layer,)
+        if ":" in self.layer:  # a library's class, by its path
+            cls = compat.imported_class(self.layer)
+            return () if cls is None else (cls,)
         found = (compat.layer_class(module, self.layer) for module in modules)
         return tuple(cls for cls in found if cls is not None)
 
@@ -90,7 +98,7 @@ class LayerRegistry:
         self._kinds: list[LayerKind] = []
         #: the Keras flavours imported -> {class: its kind}, built on first
         #: use (``tf_keras`` counts once it is imported); cleared by :meth:`add`
-        self._by_class: dict[tuple[ModuleType, ...], dict[type, LayerKind]] = {}
+        self._by_class: dict[Any, dict[type, LayerKind]] = {}
         for kind in kinds:
             self.add(kind)
 
@@ -141,12 +149,18 @@ class LayerRegistry:
         return tuple(self._kinds)
 
     def _classes(self) -> dict[type, LayerKind]:
-        """``{class: its kind}`` for the Keras flavours imported now."""
+        """``{class: its kind}`` for the Keras flavours and the libraries
+        imported now."""
         modules = compat.keras_modules()
-        found = self._by_class.get(modules)
+        imported = tuple(
+            compat.imported_class(k.layer) is not None
+            for k in self._kinds
+            if isinstance(k.layer, str) and ":" in k.layer
+        )
+        found = self._by_class.get((modules, imported))
         if found is None:
             found = {cls: kind for kind in self._kinds for cls in kind.classes(modules)}
-            self._by_class[modules] = found
+            self._by_class[(modules, imported)] = found
         return found
 
     def of(self, layer: Any) -> LayerKind | None:

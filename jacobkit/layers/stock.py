@@ -11,13 +11,20 @@ from jacobkit.layers.conv import Conv1DRule, Conv2DRule
 from jacobkit.layers.dense import DenseRule
 from jacobkit.layers.depthwise import DepthwiseConv2DRule
 from jacobkit.layers.einsum import EinsumDenseRule
-from jacobkit.layers.embedding import EmbeddingRule
+from jacobkit.layers.embedding import EmbeddingRule, ReversibleEmbeddingRule
 from jacobkit.layers.normalization import (
     BatchNormalizationRule,
+    GemmaRMSNormalizationRule,
     LayerNormalizationRule,
+    LayerScaleRule,
+    RMSNormalizationRule,
 )
+from jacobkit.layers.position import PositionEmbeddingRule
 from jacobkit.layers.registry import LayerKind
 from jacobkit.layers.separable import SeparableConv2DRule
+
+#: where keras_hub keeps the layers below
+_HUB = "keras_hub.src"
 
 #: the stock kinds; those with a rule in the order ``batch``'s refusal lists
 #: them (a layer's kind is found by its class, whatever the order)
@@ -35,6 +42,21 @@ KINDS = (
     LayerKind("Embedding", EmbeddingRule),
     LayerKind("LayerNormalization", LayerNormalizationRule),
     LayerKind("BatchNormalization", BatchNormalizationRule),
+    LayerKind("RMSNormalization", RMSNormalizationRule),
+    # other libraries' layers, by path: known once the library is imported
+    LayerKind(
+        f"{_HUB}.layers.modeling.position_embedding:PositionEmbedding",
+        PositionEmbeddingRule,
+    ),
+    LayerKind(
+        f"{_HUB}.layers.modeling.reversible_embedding:ReversibleEmbedding",
+        ReversibleEmbeddingRule,
+    ),
+    LayerKind(
+        f"{_HUB}.models.gemma.rms_normalization:RMSNormalization",
+        GemmaRMSNormalizationRule,
+    ),
+    LayerKind("keras.src.applications.convnext:LayerScale", LayerScaleRule),
     # no closed form: facts only
     LayerKind("Conv3D", linear="convolution", convolutions=("conv3d",)),
     LayerKind("DepthwiseConv1D", convolutions=("depthwise",)),

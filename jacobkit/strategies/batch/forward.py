@@ -53,7 +53,8 @@ class Forward:
         parts: for each tap, the index of its part
             (:meth:`~jacobkit.layers.LayerRule.parts`).
         rows: the per-example rows ``P``, ``(B, K)``.
-        output: the layer's output as its rule computes it (one per call).
+        output: the layer's output as its rule computes it (one per call;
+            ``None`` for a call tapped at its own output).
         own: the layer's output as the layer itself computes it (``None``
             unless asked for, or where the tap reads the layer's own).
         tape: the persistent tape that recorded the pass.
@@ -95,7 +96,7 @@ def tapped_forward(problem: Problem, inputs: Any, *, check: bool = False) -> For
     try:
         problem.layer_tap  # noqa: B018 - the node tap, where there is one
     except TapError:
-        return _traced_forward(problem, inputs)
+        return _traced_forward(problem, inputs, check)
     return _node_forward(problem, inputs, check)
 
 
@@ -149,7 +150,7 @@ def _units(layer_rule: LayerRule) -> list[_Unit]:
     return [_Unit(layer_rule.layer, layer_rule, tuple(range(len(parts))))]
 
 
-def _traced_forward(problem: Problem, inputs: Any) -> Forward:
+def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
     weights = _weights(problem)
     tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
     with tape:
@@ -180,15 +181,22 @@ def _traced_forward(problem: Problem, inputs: Any) -> Forward:
 
             with beside:
                 output, call_taps = unit.rule.tapped_call((x,), {}, mine, watch)
+            y = _call_output(unit.layer, call, output)
+            if not check and unit.rule.output_is_z() and y.dtype.size >= 4:
+                # the call's output is its z: no detour through the rule's
+                call_taps, output = [Tapped(x, y)], None
             spans.append((len(taps), len(taps) + len(call_taps)))
             taps.extend(call_taps)
             parts.extend(unit.parts)
             outputs.append(output)
-            own.append(_call_output(unit.layer, call, output))
+            own.append(y)
 
     def through(at_outputs: list[tf.Tensor]) -> list[tf.Tensor]:
         at_z: list[tf.Tensor] = []
         for (start, stop), output, cotangent in zip(spans, outputs, at_outputs):
+            if output is None:  # the call's output is its z
+                at_z.append(cotangent)
+                continue
             at_z.extend(
                 beside.gradient(
                     output,

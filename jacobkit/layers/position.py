@@ -1,0 +1,54 @@
+"""keras_hub's ``PositionEmbedding``: ``z = table[:T]`` broadcast to the
+input's shape ``(B, ..., T, D)`` (the input gives the shape only)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import tensorflow as tf
+
+from jacobkit.layers.base import MaterializedNorms
+
+
+class PositionEmbeddingRule(MaterializedNorms):
+    """A row's gradient is its cotangent at ``z`` summed over the axes before
+    the positions, in the table's first ``T`` rows (zero beyond):
+    ``dr/dtable[t] = sum_{...} G[b, ..., t]`` for ``t < T``. The call must
+    start at position 0 (keras_hub's default; a call with ``start_index``,
+    as cached decoding makes, computes another slice, and the ``batch``
+    strategy's check refuses it)."""
+
+    kind = "position_embedding"
+    kernel_attrs: ClassVar[tuple[str, ...]] = ("position_embeddings",)
+    bias_attrs: ClassVar[tuple[str, ...]] = ()
+
+    def pre_activation(
+        self, x: tf.Tensor, kernel: tf.Variable, bias: tf.Variable | None
+    ) -> tf.Tensor:
+        positions = x.shape[-2]
+        table = tf.convert_to_tensor(kernel)[:positions]
+        return tf.broadcast_to(table, tf.shape(x))
+
+    def activation(self, z: tf.Tensor) -> tf.Tensor:
+        return z
+
+    def output_is_z(self) -> bool:
+        return True
+
+    def gradients(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        kernel_shape: tuple[int, ...],
+        *,
+        summed: bool,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        length, dim = kernel_shape
+        batch, rows, positions = dz.shape[0], dz.shape[1], dz.shape[-2]
+        g = tf.reduce_sum(tf.reshape(dz, (batch, rows, -1, positions, dim)), axis=2)
+        g = tf.pad(g, [[0, 0], [0, 0], [0, length - positions], [0, 0]])
+        if summed:
+            kernel = tf.reduce_sum(g, axis=0)
+        else:
+            kernel = tf.reshape(g, (batch * rows, length, dim))
+        return kernel, tf.zeros((kernel.shape[0], 0), dz.dtype)
