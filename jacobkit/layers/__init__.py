@@ -1,5 +1,6 @@
 """What jacobkit knows about layer types: per-layer closed forms and facts,
-one registry of layer kinds (:mod:`.registry`, filled from :mod:`.stock`).
+one registry of layer kinds (:mod:`.registry`, filled from :mod:`.stock`);
+:func:`register` adds a user's layer class.
 
 >>> import keras
 >>> from jacobkit import layers
@@ -32,17 +33,19 @@ from typing import Any
 
 from jacobkit.keras import compat
 from jacobkit.layers import stock
-from jacobkit.layers.base import LayerRule
+from jacobkit.layers.base import LayerRule, MaterializedNorms, Tapped, UnfoldedMatmul
 from jacobkit.layers.registry import LayerKind, LayerRegistry
 
-# REGISTRY itself is not public yet: a public ``register(layer_class, rule)``
-# will add a kind with one call (``REGISTRY.add(LayerKind(cls, rule))``)
 __all__ = [
     "LayerKind",
     "LayerRule",
+    "MaterializedNorms",
+    "Tapped",
+    "UnfoldedMatmul",
     "elementwise_activation",
     "kind_of",
     "pfor_cannot_vectorize",
+    "register",
     "rule_for",
     "stock_kind",
     "with_rules",
@@ -50,6 +53,69 @@ __all__ = [
 
 #: the one registry of layer kinds
 REGISTRY = LayerRegistry(stock.KINDS)
+
+
+def register(
+    layer_class: type | str, rule: type[LayerRule] | None = None, **facts: Any
+) -> LayerKind:
+    """Teach jacobkit a layer class: its closed forms for the ``batch``
+    strategy (and so for ``reduce="norm"`` and ``auto``'s per-example rows),
+    and optionally its facts (``linear=``, ``elementwise=``,
+    ``inference_identity=``, ``convolutions=``, ``recurrent=``: see
+    :class:`LayerKind`).
+
+    Args:
+        layer_class: the layer class (or ``"package.module:ClassName"``, known
+            once that module is imported). Its subclasses get its rule too
+            unless they are registered themselves.
+        rule: a :class:`LayerRule` subclass: the layer's output before its
+            activation as a function of its input and weights, and the
+            per-row gradients from the cotangents there (see the docs' "Adding
+            a layer"). Before ``batch`` first runs on a layer, it checks the
+            rule's output against the layer's own at every call, and that
+            examples do not mix, so a subclass whose ``call`` does more is
+            refused, not answered wrongly.
+
+    Returns:
+        The registered :class:`LayerKind`.
+
+    Raises:
+        ValueError: the class is registered already, or a fact is unknown.
+        TypeError: ``rule`` is not a ``LayerRule`` subclass.
+
+    Example (a layer ``z = x * w`` over the last axis, its rule the
+    per-row ``sum_p x[b, p] * G[b, p]``; ``MaterializedNorms`` gives its
+    norms from those gradients)::
+
+        class Scale(keras.layers.Layer):
+            def build(self, shape):
+                self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+            def call(self, x):
+                return x * self.w
+
+        class ScaleRule(layers.MaterializedNorms):
+            kind = "scale"
+            kernel_attrs = ("w",)
+            bias_attrs = ()
+
+            def pre_activation(self, x, kernel, bias):
+                return x * kernel
+
+            def activation(self, z):
+                return z
+
+            def gradients(self, x, dz, kernel_shape, *, summed):
+                n = kernel_shape[-1]
+                x = tf.reshape(x, (x.shape[0], -1, n))
+                g = tf.reshape(dz, (dz.shape[0], dz.shape[1], -1, n))
+                per = tf.einsum("bpc,bkpc->bkc", x, g)  # (B, K, n)
+                w = tf.reduce_sum(per, 0) if summed else tf.reshape(per, (-1, n))
+                return w, tf.zeros((w.shape[0], 0), w.dtype)
+
+        jacobkit.layers.register(Scale, ScaleRule)
+    """
+    return REGISTRY.add(LayerKind(layer_class, rule, **facts))
 
 
 def kind_of(layer: Any) -> LayerKind | None:

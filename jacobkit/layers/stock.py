@@ -22,6 +22,7 @@ from jacobkit.layers.normalization import (
 from jacobkit.layers.position import PositionEmbeddingRule
 from jacobkit.layers.registry import LayerKind
 from jacobkit.layers.separable import SeparableConv2DRule
+from jacobkit.layers.vit import ViTPatchingAndEmbeddingRule
 
 #: where keras_hub keeps the layers below
 _HUB = "keras_hub.src"
@@ -57,6 +58,11 @@ KINDS = (
         GemmaRMSNormalizationRule,
     ),
     LayerKind("keras.src.applications.convnext:LayerScale", LayerScaleRule),
+    LayerKind(
+        f"{_HUB}.models.vit.vit_layers:ViTPatchingAndEmbedding",
+        ViTPatchingAndEmbeddingRule,
+        convolutions=("conv2d",),
+    ),
     # no closed form: facts only
     LayerKind("Conv3D", linear="convolution", convolutions=("conv3d",)),
     LayerKind("DepthwiseConv1D", convolutions=("depthwise",)),
