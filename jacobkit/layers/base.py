@@ -51,6 +51,9 @@ class LayerRule:
     #: first present one counts: Keras 3 and tf_keras name some differently)
     kernel_attrs: ClassVar[tuple[str, ...]] = ("kernel",)
     bias_attrs: ClassVar[tuple[str, ...]] = ("bias",)
+    #: the layer reads only its input's shape, not its values (a position
+    #: embedding): where a call takes no tensor in, its output's shape serves
+    shape_only_input: ClassVar[bool] = False
     #: ``auto`` starts rows summed over the batch on ``batch``: its
     #: closed form is the least work for them and traces about as fast as
     #: the generic strategies (measured on Dense; a Conv1D target traces

@@ -19,6 +19,7 @@ class PositionEmbeddingRule(MaterializedNorms):
     strategy's check refuses it)."""
 
     kind = "position_embedding"
+    shape_only_input = True
     kernel_attrs: ClassVar[tuple[str, ...]] = ("position_embeddings",)
     bias_attrs: ClassVar[tuple[str, ...]] = ()
 

@@ -61,7 +61,6 @@ KINDS = (
     LayerKind(
         f"{_HUB}.models.vit.vit_layers:ViTPatchingAndEmbedding",
         ViTPatchingAndEmbeddingRule,
-        convolutions=("conv2d",),
     ),
     # no closed form: facts only
     LayerKind("Conv3D", linear="convolution", convolutions=("conv3d",)),

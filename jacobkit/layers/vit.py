@@ -103,9 +103,10 @@ class ViTPatchingAndEmbeddingRule(LayerRule):
         conv = parts[-2].tapped(images, *weights[-2], watch)
         taps.append(conv)
         pieces.append(tf.reshape(conv.z, (tf.shape(conv.z)[0], -1, conv.z.shape[-1])))
-        ids = tf.tile(
-            tf.convert_to_tensor(self.layer.position_ids), [tf.shape(images)[0], 1]
-        )
+        # the layer's own ids are arange(num_positions) (not read: a layer
+        # built in a traced graph keeps that graph's tensor)
+        positions = tf.range(self.layer.num_positions)[None]
+        ids = tf.tile(positions, [tf.shape(images)[0], 1])
         position = parts[-1].tapped(ids, *weights[-1], watch)
         taps.append(position)
         embedded = tf.concat(pieces, axis=1) if len(pieces) > 1 else pieces[0]

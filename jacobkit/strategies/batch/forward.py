@@ -173,7 +173,7 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
         except layer_calls.NoCall as err:
             raise TapError(str(err)) from err
         for call in found:
-            x = _call_input(unit.layer, call, batch)
+            x = _call_input(unit, call, batch)
 
             def watch(z: tf.Tensor) -> tf.Tensor:
                 beside.watch(z)
@@ -219,9 +219,16 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
     )
 
 
-def _call_input(layer: Any, call: layer_calls.LayerCall, batch: int) -> tf.Tensor:
-    """The one tensor ``call`` took in, with an example axis."""
+def _call_input(unit: _Unit, call: layer_calls.LayerCall, batch: int) -> tf.Tensor:
+    """The one tensor ``call`` took in, with an example axis (for a layer
+    that reads only its input's shape and took no tensor in: zeros of its
+    output's shape)."""
+    layer = unit.layer
     candidates = [t for t in call.inputs if t.shape.rank is not None and t.shape.rank]
+    if not candidates and unit.rule.shape_only_input:
+        made = [t for t in call.outputs if t.dtype.is_floating and t.shape.rank]
+        if made:
+            return tf.zeros_like(made[-1])
     if len(candidates) != 1:
         shapes = ", ".join(str(tuple(t.shape)) for t in candidates) or "none"
         raise TapError(

@@ -1,0 +1,76 @@
+"""Every registered layer rule, called every way a model calls a layer, in
+every row mode and as norms, against float64 (``tests/layer_cases.py``).
+
+A rule is tested by being registered: the cases are the registry's kinds with
+a rule (``jacobkit.layers.REGISTRY``), each with its example; one without an
+example fails :func:`test_every_registered_rule_has_an_example`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jacobkit as jk
+from jacobkit import layers, testing
+from jacobkit.keras import compat
+from jacobkit.problem import Problem
+from tests import layer_cases
+
+RULES = sorted(
+    {layer_cases.case_name(k) for k in layers.REGISTRY.kinds if k.rule is not None}
+)
+MODES = ("features", "per_example", "full")
+
+
+def test_every_registered_rule_has_an_example():
+    missing = [name for name in RULES if name not in layer_cases.CASES]
+    assert missing == [], f"add an example to tests/layer_cases.py for {missing}"
+
+
+def _reference(name: str, way: str, outputs: str) -> tuple:
+    """The batch strategy's Jacobians and norms' float64 references: the
+    loop on the same model built in float64 with the same weights."""
+    model, layer, x = layer_cases.built(name, way, "float32")
+    model64, _, x64 = layer_cases.built(name, way, "float64")
+    targets = Problem(model, x, layer).targets
+    weights = [compat.unwrap(w) for w in model.weights]
+    positions = [
+        next(i for i, w in enumerate(weights) if w is compat.unwrap(t)) for t in targets
+    ]
+    variables = [model64.weights[i] for i in positions]
+    expected = testing.reference_jacobian(model64, x64, variables, outputs=outputs)
+    return model, layer, x, expected
+
+
+@pytest.mark.parametrize("outputs", MODES)
+@pytest.mark.parametrize("way", list(layer_cases.WAYS))
+@pytest.mark.parametrize("name", RULES)
+def test_rule_agrees_with_float64(name, way, outputs):
+    model, layer, x, expected = _reference(name, way, outputs)
+    result = jk.jacobian(model, x, layer, strategy="batch", outputs=outputs)
+    # float32 against float64: measured at most 4e-7 relative over the cases;
+    # assert_close derives its tolerance from the loop's own error
+    testing.assert_close(result, list(expected))
+
+
+@pytest.mark.parametrize("outputs", ["features", "per_example"])
+@pytest.mark.parametrize("way", list(layer_cases.WAYS))
+@pytest.mark.parametrize("name", RULES)
+def test_rule_norms_agree_with_float64(name, way, outputs):
+    model, layer, x, expected = _reference(name, way, outputs)
+    result = jk.jacobian(
+        model, x, layer, strategy="batch", outputs=outputs, reduce="norm"
+    )
+    expected_norms = []
+    for got, full in zip(result.jacobians.values(), expected, strict=True):
+        rows = int(np.prod(got.shape))
+        expected_norms.append(
+            np.sqrt((np.asarray(full).reshape(rows, -1) ** 2).sum(-1))
+        )
+    # float32 norms of float64 rows: measured within 3e-7 relative to the
+    # largest norm of the result (a target whose Jacobian is zero, an
+    # attention key's bias, is judged on that scale too); 1e-5 leaves 30x
+    scale = max(float(n.max()) for n in expected_norms) + 1e-30
+    for got, norms in zip(result.jacobians.values(), expected_norms, strict=True):
+        assert np.abs(np.ravel(got) - norms).max() <= 1e-5 * scale
