@@ -34,6 +34,7 @@ _PUBLIC = {
     "PrecisionWarning": "jacobkit.strategies.precision",
     "Stats": "jacobkit.result",
     "VerificationError": "jacobkit.verification",
+    "coverage": "jacobkit.reach",
     "jacobian": "jacobkit.api",
     "plan": "jacobkit.api",
     "verify": "jacobkit.verification",
@@ -42,6 +43,7 @@ _PUBLIC = {
 _MODULES = {
     "data": "jacobkit.batches",
     "explain": "jacobkit.explain",
+    "layers": "jacobkit.layers",
     "memory": "jacobkit.memory",
     "planner": "jacobkit.planner",
     "strategies": "jacobkit.strategies",
@@ -56,9 +58,11 @@ __all__ = [
     "Stats",
     "VerificationError",
     "__version__",
+    "coverage",
     "data",
     "explain",
     "jacobian",
+    "layers",
     "memory",
     "plan",
     "planner",
@@ -68,10 +72,11 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import batches as data
-    from jacobkit import explain, memory, planner, strategies
+    from jacobkit import explain, layers, memory, planner, strategies
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.problem.tensor_targets import Inputs, Output
+    from jacobkit.reach import coverage
     from jacobkit.result import JacobianResult, Stats
     from jacobkit.strategies.precision import PrecisionWarning
     from jacobkit.verification import VerificationError, verify

@@ -34,6 +34,7 @@ RANKS = {
     "engine": 8,
     "batches": 9,
     "api": 10,
+    "reach": 10,
     "explain": 11,
     "__init__": 12,
     "testing": 13,

@@ -19,6 +19,7 @@ API_DOCS = ROOT / "docs" / "api"
 PUBLIC_MODULES = {
     "data": "jacobkit.batches",
     "explain": "jacobkit.explain",
+    "layers": "jacobkit.layers",
     "memory": "jacobkit.memory",
     "planner": "jacobkit.planner.Auto",
     "strategies": "jacobkit.strategies",

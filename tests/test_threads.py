@@ -94,3 +94,85 @@ def test_two_jacobian_threads_and_a_model_thread(strategy, problem, target):
     assert all(attributes == before for attributes in seen)
     assert _attributes(layer) == before
     assert "call" not in vars(layer)
+
+
+def test_two_threads_tap_the_same_keras_hub_model_at_once():
+    """The layers of a keras_hub block are found in the traced pass (no node
+    of a graph to tap): two threads computing per-example rows of a GPT-2's
+    feed-forward layer, each on its own inputs, while a third runs the model,
+    all get their own correct answers; the model's weights never change."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=12,
+    )
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "token_ids": rng.integers(1, 50, (2, 6)).astype("int32"),
+            "padding_mask": np.ones((2, 6), "int32"),
+        }
+        for _ in range(2)
+    ]
+    target = "transformer_layer_1/feedforward_intermediate_dense"
+    expected = [
+        jk.jacobian(backbone, x, target, strategy="loop", outputs="per_example")
+        for x in batches
+    ]
+    weights = [w.numpy().copy() for w in backbone.weights]
+    model_outputs = backbone(batches[0]).numpy()
+    start = threading.Barrier(3)
+    errors: list[BaseException] = []
+    results: dict[int, list[jk.JacobianResult]] = {0: [], 1: []}
+    outputs: list[np.ndarray] = []
+
+    def jacobians(which: int) -> None:
+        try:
+            start.wait()
+            for _ in range(ROUNDS):
+                results[which].append(
+                    jk.jacobian(
+                        backbone,
+                        batches[which],
+                        target,
+                        strategy="batch",
+                        outputs="per_example",
+                    )
+                )
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    def predictions() -> None:
+        try:
+            start.wait()
+            for _ in range(5 * ROUNDS):
+                outputs.append(backbone(batches[0]).numpy())
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [
+        threading.Thread(target=jacobians, args=(0,)),
+        threading.Thread(target=jacobians, args=(1,)),
+        threading.Thread(target=predictions),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for which in (0, 1):
+        assert len(results[which]) == ROUNDS
+        for result in results[which]:
+            # float32 against the loop: measured 1e-7 relative
+            testing.assert_close(
+                result, list(expected[which].jacobians.values()), tolerance=1e-5
+            )
+    for output in outputs:
+        np.testing.assert_array_equal(output, model_outputs)
+    for before, weight in zip(weights, backbone.weights, strict=True):
+        np.testing.assert_array_equal(before, weight.numpy())

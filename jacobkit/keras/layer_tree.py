@@ -54,6 +54,21 @@ def walk(model: Any) -> Iterator[tuple[Any, tuple[str, ...]]]:
     yield from visit(model, ())
 
 
+def own_trainable_weights(layer: Any) -> list[Any]:
+    """The trainable weights ``layer`` holds itself, not through the layers
+    inside it (an attention layer holds none: its projections do)."""
+    inner = {
+        id(compat.unwrap(w))
+        for child in children(layer)
+        for w in getattr(child, "trainable_weights", ())
+    }
+    return [
+        w
+        for w in getattr(layer, "trainable_weights", ())
+        if id(compat.unwrap(w)) not in inner
+    ]
+
+
 def _short_name(variable: Any) -> str:
     """``"kernel"`` for Keras 3's ``"kernel"`` and tf_keras' ``"dense/kernel:0"``."""
     name = variable.name.rsplit("/", 1)[-1]

@@ -49,12 +49,14 @@ class Batch(Strategy):
     (:mod:`jacobkit.layers.norms`).
 
     Needs a layer with a rule (:mod:`jacobkit.layers`: Dense, Conv,
-    EinsumDense, MultiHeadAttention, ...) that runs once per forward pass in
-    a functional or Sequential model: the layer is tapped by running the
-    model's graph beside it (:mod:`jacobkit.keras.graph`), never by changing
-    it. A layer of several linear parts (an attention layer's projections, a
-    separable convolution's halves) has each part's input and output
-    tapped, and each part's kernel and bias contracted by its own rule.
+    EinsumDense, MultiHeadAttention, ...), wherever it is called: as a node
+    of a functional graph (tapped by running the graph beside it,
+    :mod:`jacobkit.keras.graph`) or from Python (its calls found in the
+    traced pass, :mod:`jacobkit.keras.calls`), never by changing it; a layer
+    called several times gets the sum over its calls. A layer of several
+    linear parts (an attention layer's projections, a separable convolution's
+    halves) has each part's input and output tapped, and each part's kernel
+    and bias contracted by its own rule.
     """
 
     name = "batch"
