@@ -160,6 +160,22 @@ def layer_class(keras: ModuleType, name: str) -> type | None:
     return getattr(keras.layers, name, None)
 
 
+def built_input_shape(layer: Any) -> tuple[int | None, ...] | None:
+    """The input shape a layer was built for, as Keras recorded it
+    (``tf_keras``: ``_build_input_shape``; Keras 3: ``_build_shapes_dict``),
+    or ``None`` where it recorded none (one input) or several."""
+    shape = getattr(layer, "_build_input_shape", None)
+    if shape is None:
+        shapes = getattr(layer, "_build_shapes_dict", None) or {}
+        if len(shapes) != 1:
+            return None
+        shape = next(iter(shapes.values()))
+    try:
+        return tuple(None if d is None else int(d) for d in shape)
+    except (TypeError, ValueError):  # not a shape, or of unknown rank
+        return None
+
+
 def imported_class(path: str) -> type | None:
     """The class ``"package.module:Class"`` names, where that module is
     imported already (nothing is imported here: a library's layer is only

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import tensorflow as tf
 
+from jacobkit.keras import compat
 from jacobkit.layers.base import LayerRule, MaterializedNorms
 
 
@@ -32,12 +33,16 @@ class _Normalization(MaterializedNorms):
         return None
 
     def _last_axis(self) -> int | None:
-        """The last axis of the layer's input, or ``None`` where the layer has
-        no node of its own (called from Python inside another layer)."""
-        try:
-            shape = getattr(self.layer, "input_shape", None) or self.layer.input.shape
-        except (AttributeError, ValueError):
-            return None
+        """The last axis of the layer's input (as built), or ``None`` where
+        it is not known."""
+        shape = compat.built_input_shape(self.layer)
+        if shape is None:
+            try:
+                shape = (
+                    getattr(self.layer, "input_shape", None) or self.layer.input.shape
+                )
+            except (AttributeError, ValueError):
+                return None
         return len(shape) - 1
 
     def normalized(self, x: tf.Tensor) -> tf.Tensor:

@@ -249,7 +249,11 @@ def _call_output(layer: Any, call: layer_calls.LayerCall, output: Any) -> tf.Ten
     """The tensor ``call`` gave out: the last it made of the shape its rule
     computes."""
     shape = tuple(output.shape)
-    found = [t for t in call.outputs if tuple(t.shape) == shape and t.dtype.is_floating]
+    found = [
+        t
+        for t in call.outputs
+        if t.shape.rank is not None and tuple(t.shape) == shape and t.dtype.is_floating
+    ]
     if not found:
         raise TapError(
             f"layer {layer.name!r}'s call at {call.scope!r} gives out no tensor of "
