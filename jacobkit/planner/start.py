@@ -189,12 +189,13 @@ def _summed_closed_form(problem: Problem) -> bool:
 
 
 def _closed_form_rows(problem: Problem) -> bool:
-    """Rows that each belong to one example or sum over examples, of a layer
-    with a rule (``batch``'s closed form may apply)."""
+    """Rows that each belong to one example or sum over examples, of targets
+    that closed forms serve (a layer with a rule, or variables shared out
+    among such layers: ``batch``'s closed form may apply)."""
     return (
         problem.rows_spec.decomposes_per_example
         and problem.tensor_targets is None
-        and problem.layer_rule is not None
+        and problem.forms is not None
     )
 
 

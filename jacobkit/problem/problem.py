@@ -22,7 +22,7 @@ import tensorflow as tf
 from jacobkit import layers
 from jacobkit.keras import compat, layer_tree
 from jacobkit.keras import graph as taps
-from jacobkit.problem import arguments, inspect, rows, targets
+from jacobkit.problem import arguments, forms, inspect, rows, targets
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
 
@@ -200,6 +200,21 @@ class Problem:
         exactly those kernels and biases."""
         rule = self.layer_rule
         return None if rule is None else targets.projections(rule, self.targets)
+
+    @functools.cached_property
+    def forms(self) -> tuple[forms.LayerForm, ...] | None:
+        """The closed forms serving the targets, one per layer
+        (:mod:`.forms`): the target layer's, or the layers' among which a
+        list of variables is shared out; ``None`` where no closed form
+        serves some target (tensor targets, unregistered layers)."""
+        if self.tensor_targets is not None:
+            return None
+        if self.layer is not None:
+            rule, found = self.layer_rule, self.projections
+            if rule is None or found is None:
+                return None
+            return (forms.LayerForm(self.layer, rule, found),)
+        return forms.share_out(self.model, self.targets)
 
     @functools.cached_property
     def layer_tap(self) -> taps.LayerTap:

@@ -15,7 +15,7 @@ from jacobkit import layers
 from jacobkit.keras.graph import TapError
 from jacobkit.problem import Problem
 from jacobkit.strategies import precision
-from jacobkit.strategies.batch.forward import Forward, tapped_forward
+from jacobkit.strategies.batch.forward import Forward, node_tap, tapped_forward
 
 #: machine epsilon of the half-precision compute dtypes of mixed precision
 _EPSILON = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
@@ -37,12 +37,15 @@ def check(problem: Problem, name: str) -> None:
             "K rows there, not B x K)."
         )
     rule = problem.layer_rule
-    if rule is None:
-        what = (
-            "a list of variables"
-            if problem.layer is None
-            else f"layer {problem.layer.name!r} ({type(problem.layer).__name__})"
+    if problem.layer is None and problem.forms is None:
+        raise ValueError(
+            f"jacobian(strategy='batch'): supports {layers.with_rules()} layers, "
+            "got a list of variables not every one of which is a weight of such "
+            "a layer (all of its kernels and biases). Use strategy='chunked' or "
+            "'jacobian' for these targets."
         )
+    if problem.layer is not None and rule is None:
+        what = f"layer {problem.layer.name!r} ({type(problem.layer).__name__})"
         raise ValueError(
             f"jacobian(strategy='batch'): supports {layers.with_rules()} layers, "
             f"got {what}. Use strategy='chunked' or 'jacobian' for this target."
@@ -54,14 +57,14 @@ def check(problem: Problem, name: str) -> None:
             "'per_example' or 'full'); a callable outputs= may mix "
             "examples. Use strategy='chunked'."
         )
-    if problem.projections is None:
+    if problem.layer is not None and problem.projections is None:
         raise ValueError(
             "jacobian(strategy='batch'): the targets must be exactly the "
             "layer's own kernel and bias (an attention layer's: those of its "
             "four projections)."
         )
     precision.refuse_float16_variables(problem, name)
-    why = rule.unsupported()
+    why = None if rule is None else rule.unsupported()
     if why is not None:
         raise ValueError(
             f"jacobian(strategy='batch'): layer {problem.layer.name!r} is not "
@@ -127,11 +130,7 @@ def _checked_pass(problem: Problem) -> Checked:
     batch (else on all of them): eager where the layer is a node of a
     functional graph, traced (its calls are found in the traced pass)
     elsewhere."""
-    try:
-        problem.layer_tap  # noqa: B018 - a node of a functional graph
-        traced = False
-    except TapError:
-        traced = True
+    traced = not node_tap(problem)
 
     def values(inputs: Any) -> tuple[list[Any], list[Any], list[Any]]:
         found = _checked(tapped_forward(problem, inputs, check=True))

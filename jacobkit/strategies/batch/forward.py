@@ -39,6 +39,7 @@ from jacobkit.keras.graph import TapError
 from jacobkit.layers import LayerRule
 from jacobkit.layers.base import Tapped
 from jacobkit.problem import Problem
+from jacobkit.problem.forms import LayerForm
 from jacobkit.problem.targets import Projection
 from jacobkit.strategies.base import ZERO
 
@@ -93,11 +94,22 @@ def tapped_forward(problem: Problem, inputs: Any, *, check: bool = False) -> For
     Raises:
         TapError: the layer's calls cannot be found or read (traced taps).
     """
+    if node_tap(problem):
+        return _node_forward(problem, inputs, check)
+    return _traced_forward(problem, inputs, check)
+
+
+def node_tap(problem: Problem) -> bool:
+    """Whether the problem's one target layer is a node of a functional graph
+    (tapped there); several layers, or one called from Python, are tapped at
+    their calls in the traced pass."""
+    if problem.layer is None:
+        return False
     try:
-        problem.layer_tap  # noqa: B018 - the node tap, where there is one
+        problem.layer_tap  # noqa: B018 - built here, where it can be
     except TapError:
-        return _traced_forward(problem, inputs, check)
-    return _node_forward(problem, inputs, check)
+        return False
+    return True
 
 
 def _node_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
@@ -140,14 +152,24 @@ class _Unit:
     parts: tuple[int, ...]
 
 
-def _units(layer_rule: LayerRule) -> list[_Unit]:
-    """A rule whose parts are sub-layers of their own (an attention layer's
-    projections) is looked up part by part, each call of each sub-layer
-    computed by the part's rule; any other, layer by layer."""
-    parts = layer_rule.parts()
-    if len(parts) > 1 and all(p.layer is not layer_rule.layer for p in parts):
-        return [_Unit(p.layer, p, (i,)) for i, p in enumerate(parts)]
-    return [_Unit(layer_rule.layer, layer_rule, tuple(range(len(parts))))]
+def _units(problem: Problem) -> list[_Unit]:
+    """What is looked up, for every layer serving the targets: a rule whose
+    parts are sub-layers of their own (an attention layer's projections) part
+    by part, each call of each sub-layer computed by the part's rule; any
+    other layer by layer. Parts are numbered across the layers, in the order
+    of :func:`projections`."""
+    found: list[_Unit] = []
+    offset = 0
+    for form in forms(problem):
+        layer_rule = form.rule
+        parts = layer_rule.parts()
+        if len(parts) > 1 and all(p.layer is not layer_rule.layer for p in parts):
+            found += [_Unit(p.layer, p, (offset + i,)) for i, p in enumerate(parts)]
+        else:
+            numbers = tuple(offset + i for i in range(len(parts)))
+            found.append(_Unit(layer_rule.layer, layer_rule, numbers))
+        offset += len(parts)
+    return found
 
 
 def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
@@ -164,7 +186,7 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
     own: list[Any] = []
     spans: list[tuple[int, int]] = []  # each call's taps: [start, stop)
     batch = int(per_example.shape[0])
-    for unit in _units(rule(problem)):
+    for unit in _units(problem):
         mine = [weights[i] for i in unit.parts]
         try:
             found = layer_calls.layer_calls(
@@ -269,11 +291,16 @@ def rule(problem: Problem) -> LayerRule:
     return found
 
 
-def projections(problem: Problem) -> tuple[Projection, ...]:
-    """The target layer's linear parts (checked before batch runs)."""
-    found = problem.projections
+def forms(problem: Problem) -> tuple[LayerForm, ...]:
+    """The layers serving the targets (checked before batch runs)."""
+    found = problem.forms
     assert found is not None, "checked before batch runs"
     return found
+
+
+def projections(problem: Problem) -> tuple[Projection, ...]:
+    """Every linear part of the layers serving the targets, in order."""
+    return tuple(p for form in forms(problem) for p in form.projections)
 
 
 def _weights(problem: Problem) -> list[tuple[tf.Variable, tf.Variable | None]]:
