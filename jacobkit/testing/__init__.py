@@ -7,7 +7,7 @@ formed by plain indexing inside the tape. Give it a float64 copy of the model
 
 - :mod:`~jacobkit.testing.reference`: :func:`reference_jacobian`,
   :func:`float64_reference`, :class:`Reference`,
-  :func:`max_relative_difference`;
+  :func:`max_relative_difference`, :func:`largest_value`;
 - :mod:`~jacobkit.testing.close`: :func:`assert_close`,
   :data:`BASELINE_FACTOR`, :data:`MAX_DERIVED_TOLERANCE`;
 - :mod:`~jacobkit.testing.tolerance`: :data:`TOLERANCE`;
@@ -33,6 +33,7 @@ from jacobkit.testing.close import (
 from jacobkit.testing.reference import (
     Reference,
     float64_reference,
+    largest_value,
     max_relative_difference,
     reference_jacobian,
     reference_tensor_jacobian,
@@ -53,6 +54,7 @@ __all__ = [
     "cast_copy",
     "float64_copy",
     "float64_reference",
+    "largest_value",
     "max_relative_difference",
     "reference_jacobian",
     "reference_tensor_jacobian",

@@ -31,6 +31,7 @@ from jacobkit.keras.compat import variable_path
 __all__ = [
     "Reference",
     "float64_reference",
+    "largest_value",
     "max_relative_difference",
     "reference_jacobian",
     "reference_tensor_jacobian",
@@ -143,11 +144,18 @@ def reference_tensor_jacobian(
     return np.stack([full[b][middle + (b,)] for b in range(rows_shape[0])])
 
 
-def max_relative_difference(actual: Any, expected: Any) -> float:
-    """``max|actual - expected| / max|expected|`` (0 when both are all zero).
+def max_relative_difference(
+    actual: Any, expected: Any, *, scale: float | None = None
+) -> float:
+    """``max|actual - expected| / scale``, by default ``scale = max|expected|``
+    (the plain difference when the scale is 0).
 
     Relative to the largest reference entry rather than entry by entry, so
-    that entries that are zero in exact arithmetic do not divide by zero.
+    that entries that are zero in exact arithmetic do not divide by zero. For
+    a result of several targets, pass the largest of them all
+    (:func:`largest_value`): a target whose exact Jacobian is zero holds only
+    round-off, which relative to its own largest entry is 100% (see
+    :func:`jacobkit.testing.assert_close`).
     """
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
@@ -155,11 +163,19 @@ def max_relative_difference(actual: Any, expected: Any) -> float:
         raise ValueError(
             f"shapes differ: actual {actual.shape} vs expected {expected.shape}"
         )
-    scale = np.max(np.abs(expected)) if expected.size else 0.0
+    if scale is None:
+        scale = largest_value([expected])
     error = np.max(np.abs(actual - expected)) if expected.size else 0.0
     if scale == 0.0:
         return float(error)
     return float(error / scale)
+
+
+def largest_value(arrays: Sequence[Any]) -> float:
+    """``max |a|`` over every entry of every array (0 for none): the scale
+    of a whole result."""
+    found = [float(np.max(np.abs(np.asarray(a)))) for a in arrays if np.size(a)]
+    return max(found, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -174,7 +190,9 @@ class Reference(Sequence[np.ndarray]):
         jacobians: one array per target, shape ``rows_shape + v.shape``.
         baseline_errors: per target, :func:`max_relative_difference` of the
             plain tape loop on the model itself (float32, or its mixed
-            precision) to ``jacobians``; ``None`` without a float64 copy.
+            precision) to ``jacobians``, relative to the largest value of
+            every target (:func:`largest_value`); ``None`` without a float64
+            copy.
         description: in words, e.g. ``"float64 loop on a float64 copy of the
             model (every variable float64)"``.
     """
@@ -239,8 +257,11 @@ def float64_reference(
     )
     errors = None
     if baseline:
+        # relative to the whole result, as assert_close compares
+        scale = largest_value(jacobians)
         errors = tuple(
-            max_relative_difference(a, e) for a, e in zip(own(), jacobians, strict=True)
+            max_relative_difference(a, e, scale=scale)
+            for a, e in zip(own(), jacobians, strict=True)
         )
     return Reference(
         tuple(jacobians),

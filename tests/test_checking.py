@@ -1,0 +1,95 @@
+"""Checking a result: ``jk.verify`` and ``testing.assert_close`` do not
+report a correct result wrong where one target's exact Jacobian is zero.
+
+The model the other tests do not use comes from keras_hub at a tiny random
+configuration (nothing is downloaded): a GPT-2 backbone, whose attention key
+bias has a zero Jacobian (the softmax over the keys cancels it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jacobkit as jk
+from jacobkit import testing
+
+keras = pytest.importorskip("keras")
+keras_hub = pytest.importorskip("keras_hub")
+
+#: the key projection of GPT-2's first attention layer: its bias shifts every
+#: logit of a query by the same amount, which the softmax cancels
+KEY = "transformer_layer_0/self_attention/key"
+
+
+@functools.cache
+def _gpt2():
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=12,
+    )
+    tokens = np.random.default_rng(0).integers(0, 50, (2, 6)).astype("int32")
+    return backbone, {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+
+
+@functools.cache
+def _gpt2_key():
+    """The float64 reference of the key projection, and the loop's result."""
+    model, x = _gpt2()
+    variables = [v for v in model.weights if v.path.startswith(f"{KEY}/")]
+    reference = testing.float64_reference(model, x, variables)
+    result = jk.jacobian(model, x, KEY, strategy="loop")
+    assert list(result) == [v.path for v in variables]
+    return reference, result
+
+
+# -- a target whose exact Jacobian is zero ---------------------------------------
+def test_a_target_whose_exact_jacobian_is_zero_passes_assert_close():
+    reference, result = _gpt2_key()
+    kernel, bias = reference
+    # the premise: in float64 the bias's Jacobian is round-off, 1.7e-18
+    # against the kernel's 3.4e-2
+    assert np.max(np.abs(bias)) < 1e-15 * np.max(np.abs(kernel))
+    # float32 gives 1.5e-9 there: 4.4e-8 of the result's largest value, but
+    # 9.0e8 relative to the bias's own float64 round-off (the failure before);
+    # measured 1.9e-7 (the kernel)
+    assert testing.assert_close(result, reference) < 1e-6
+    # an exact zero (what a closed form may give) passes too
+    zeroed = [np.array(result.kernel), np.zeros_like(result.bias)]
+    assert testing.assert_close(zeroed, reference) < 1e-6
+
+
+def test_a_target_whose_exact_jacobian_is_zero_passes_verify():
+    """It failed with "key/bias is wrong ... 1.09e+00 relative" (the bias's
+    own scale); against the result's scale, measured 2.9e-7."""
+    model, x = _gpt2()
+    _, result = _gpt2_key()
+    assert jk.verify(result, model, x, KEY) < 1e-5
+    zeroed = [np.array(result.kernel), np.zeros_like(result.bias)]
+    assert jk.verify(zeroed, model, x, KEY) < 1e-5
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["kernel", "bias"])
+def test_a_wrong_result_is_still_caught(which):
+    """One entry off by the result's largest value, in the kernel or in the
+    zero bias. ``verify`` sees an error of one entry whenever it exceeds its
+    tolerance 1e-4 times ``max |v^T J|`` <= 16 x 8 rows x the largest value
+    (NOTE in jacobkit/verification.py): 1.3% of it; ``assert_close`` one
+    above 1e-5 of it."""
+    model, x = _gpt2()
+    reference, result = _gpt2_key()
+    largest = float(np.max(np.abs(result.kernel)))
+    wrong = [np.array(a) for a in result.jacobians.values()]
+    wrong[which].flat[5] += largest
+    name = ("kernel", "bias")[which]
+    with pytest.raises(jk.VerificationError, match=f"key/{name} is wrong"):
+        jk.verify(wrong, model, x, KEY)
+    with pytest.raises(AssertionError, match=f"Jacobian {which} differs"):
+        testing.assert_close(wrong, reference)
