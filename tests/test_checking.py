@@ -1,5 +1,7 @@
-"""Checking a result: ``jk.verify`` and ``testing.assert_close`` do not
-report a correct result wrong where one target's exact Jacobian is zero.
+"""Checking a result: ``jk.verify`` checks per-example and full rows of
+``Inputs()``/``Output()`` targets, and ``jk.verify`` and
+``testing.assert_close`` do not report a correct result wrong where one
+target's exact Jacobian is zero.
 
 The model the other tests do not use comes from keras_hub at a tiny random
 configuration (nothing is downloaded): a GPT-2 backbone, whose attention key
@@ -15,6 +17,7 @@ import pytest
 
 import jacobkit as jk
 from jacobkit import testing
+from tests.cases import TARGETS, example
 
 keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
@@ -93,3 +96,33 @@ def test_a_wrong_result_is_still_caught(which):
         jk.verify(wrong, model, x, KEY)
     with pytest.raises(AssertionError, match=f"Jacobian {which} differs"):
         testing.assert_close(wrong, reference)
+
+
+# -- per-example and full rows of Inputs() and Output() ---------------------------
+@pytest.mark.parametrize("outputs", ["per_example", "full"])
+@pytest.mark.parametrize(
+    "index", range(len(TARGETS)), ids=[f"{c.problem}-{c.id}" for c in TARGETS]
+)
+def test_verify_checks_each_examples_own_block(index, outputs):
+    """These results keep each example's own block (``rows_shape +
+    target.shape[1:]``); verify checked them against ``rows_shape +
+    target.shape`` and refused them with a shape error."""
+    case = TARGETS[index]
+    ex = example(case.problem)
+    call = dict(outputs=outputs)
+    result = jk.jacobian(ex.model, ex.inputs, case.target, strategy="chunked", **call)
+    # measured at most 3.3e-7 over these targets; the float32 tolerance 1e-4
+    assert jk.verify(result, ex.model, ex.inputs, case.target, **call) < 1e-4
+    blocks = np.array(result[0])
+    largest = float(np.max(np.abs(blocks)))
+    # one entry off by the largest value: seen above 1e-4 x 16 x K rows of
+    # the largest value (K at most 40 here: 6.4%)
+    one = blocks.copy()
+    one[1, 0].flat[2] += largest
+    # two rows of example 1 exchanged (each the other's Jacobian)
+    swapped = blocks.copy()
+    swapped[1, [0, 1]] = blocks[1, [1, 0]]
+    assert np.any(swapped != blocks)
+    for wrong in (one, swapped):
+        with pytest.raises(jk.VerificationError, match="is wrong"):
+            jk.verify([wrong], ex.model, ex.inputs, case.target, **call)
