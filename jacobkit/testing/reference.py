@@ -251,6 +251,10 @@ def float64_reference(
     built (a subclassed model, a ``tf.Module``), it is the loop on the model
     itself, and ``description`` says so. ``baseline=False`` skips the loop
     on the model itself (``baseline_errors`` is then ``None``).
+
+    It is slow on purpose, and float64 convolutions are slower still where
+    Keras groups them: 96-183 s per target on ConvNeXtTiny (see
+    ``docs/checking.md``).
     """
     kwargs = dict(call_kwargs or {})
     target = resolve(layer, model, inputs)
