@@ -297,3 +297,15 @@ def test_plot_draws_images_by_classes(images):
     axes = fig.get_axes()
     assert len(axes) == 3 * 2
     assert [ax.get_title() for ax in axes[:2]] == ["cat", "dog"]
+
+
+def test_plot_wants_one_name_per_class(images):
+    """Fewer names than classes was a bare IndexError from the grid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    maps = np.zeros((3, 4, 12, 12), "float32")
+    with pytest.raises(ValueError, match=r"2 names for 4 classes .*maps\[:, :2\]"):
+        explain.plot(maps, images, classes=["cat", "dog"])
+    with pytest.raises(ValueError, match="5 names for 4 classes"):
+        explain.plot(maps, classes=["a", "b", "c", "d", "e"])
