@@ -59,6 +59,18 @@ def test_compare_auto_under_a_budget(capsys):
     assert float(auto[-1]) < 1e-4, out
 
 
+def test_compare_children_use_the_plan_cache_of_the_call(tmp_path, monkeypatch):
+    """The children are forked from one server, which keeps the environment
+    it started with: the auto row wrote into the first call's plan cache
+    ever after (under pytest, an earlier test's)."""
+    args = ["compare", *SMALL, "--num-features", "6", "--repeats", "1"]
+    for name in ("first", "second"):
+        monkeypatch.setenv("JACOBKIT_CACHE_DIR", str(tmp_path / name))
+        assert cli.main([*args, "--strategies", "auto"]) == 0
+    for name in ("first", "second"):
+        assert len(list((tmp_path / name).glob("*.json"))) == 1, name
+
+
 def test_compare_saved_model(tmp_path, capsys):
     # 8 features on 6 channels: every registered strategy applies
     # (structured finds the linear head)

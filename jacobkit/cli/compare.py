@@ -291,8 +291,11 @@ def run(args: argparse.Namespace) -> int:
 def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
     """What each strategy's child gets (:func:`jacobkit.bench.child.main`):
     the problem to build again (the saved model and inputs by their paths, or
-    the generator by its sizes) and ``reference``, saved to ``scratch``."""
+    the generator by its sizes), ``reference``, saved to ``scratch``, and the
+    plan cache directory of this process for the auto row."""
     import numpy as np
+
+    from jacobkit.planner import cache
 
     reference_path = os.path.join(scratch, "reference.npz")
     np.savez(reference_path, *[np.asarray(r) for r in reference])
@@ -304,6 +307,9 @@ def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
         "repeats": args.repeats,
         "memory_budget": args.memory_budget,
         "reference_path": reference_path,
+        # this process's plan cache now ("": off): the children are forked
+        # from a server that keeps the environment it started with
+        "plan_cache": cache.directory() or "",
     }
     if args.model:
         return {
