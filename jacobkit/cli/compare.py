@@ -251,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
     import tensorflow as tf
     from tqdm import tqdm
 
-    from jacobkit.bench import measure, processes
+    from jacobkit.bench import candidates as defaults
+    from jacobkit.bench import processes
     from jacobkit.problem import Call
 
     device, candidates = _candidates(args)
@@ -269,8 +270,10 @@ def run(args: argparse.Namespace) -> int:
         with tf.device(device):
             reference, ref_name = _reference(problem, loaded, args)
         task = _task(args, device, loaded, reference, pool.scratch)
+        skipped: list = []
         if candidates is None:
-            candidates = [*measure.default_strategies(problem.num_rows), "auto"]
+            chosen, skipped = defaults.default_strategies(problem)
+            candidates = [*chosen, "auto"]
         bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
         measurements: list = []
         try:
@@ -280,12 +283,26 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # Ctrl-C: the rows measured so far
             bar.close()
             _print_table(loaded, problem, args, device, ref_name, measurements)
+            _print_skipped(skipped)
             print(
                 f"interrupted: {len(measurements)} of {len(candidates)} "
                 "strategies measured"
             )
             return INTERRUPTED
-    return _print_table(loaded, problem, args, device, ref_name, measurements)
+    code = _print_table(loaded, problem, args, device, ref_name, measurements)
+    _print_skipped(skipped)
+    return code
+
+
+def _print_skipped(skipped: list) -> None:
+    """The default set's left-out configurations, each with why."""
+    if skipped:
+        reasons = "; ".join(f"{s.strategy.name}: {s.reason}" for s in skipped)
+        names = ",".join(s.strategy.name for s in skipped)
+        print(
+            f"skipped (predicted hopeless here): {reasons}. To run it anyway, "
+            f"name it: --strategies {names},loop"
+        )
 
 
 def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
