@@ -470,3 +470,90 @@ def test_time_limit_values(text, seconds):
     from jacobkit.cli import compare
 
     assert compare._time_limit(text) == seconds
+
+
+# -- a saved model with a custom layer -----------------------------------------------
+CUSTOM_LAYER = '''
+import keras
+
+
+class Scale(keras.layers.Layer):
+    """A learned scale per feature: not a Keras layer, not registered."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=input_shape[-1:], initializer="ones")
+
+    def call(self, x):
+        return x * self.scale
+'''
+
+
+def _custom_model(tmp_path, monkeypatch):
+    """A model with a custom layer saved next to the module that defines it
+    (the user's directory, the current one); (model path, inputs path)."""
+    (tmp_path / "my_layers.py").write_text(CUSTOM_LAYER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    import my_layers
+
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4, activation="tanh", name="d"),
+            my_layers.Scale(name="scale"),
+            keras.layers.Dense(3, name="head"),
+        ]
+    )
+    x = np.random.default_rng(0).normal(size=(4, 5)).astype("float32")
+    model.save(tmp_path / "custom.keras")
+    np.save(tmp_path / "x.npy", x)
+    # the command runs in a new process: the module is not imported there yet
+    monkeypatch.delitem(sys.modules, "my_layers")
+    return "custom.keras", "x.npy"
+
+
+def test_a_model_with_a_custom_layer_loads_by_naming_its_module(
+    tmp_path, monkeypatch, capsys
+):
+    model, x = _custom_model(tmp_path, monkeypatch)
+    common = ["--model", model, "--inputs", x, "--layer", "d"]
+    # without the module, Keras cannot rebuild the layer: the error says how
+    assert cli.main(["compare", *common]) == cli.USAGE_ERROR
+    error = capsys.readouterr().err
+    assert error == (
+        "jacobkit compare: error: --model custom.keras: the model holds the "
+        "custom class 'Scale' (from module 'my_layers'), which keras cannot "
+        "rebuild unless it is given: --custom-objects my_layers:Scale (run from "
+        "the module's directory, or add it to PYTHONPATH).\n"
+    )
+    custom = ["--custom-objects", "my_layers:Scale"]
+    # compare: loaded here and in each strategy's process
+    args = ["compare", *common, *custom, "--strategies", "loop,chunked"]
+    assert cli.main([*args, "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = _table_rows(out)
+    assert {label.split("(")[0] for label in rows} == {"loop", "chunked"}, out
+    # the float64 copy is rebuilt with the custom class too
+    assert "reference: float64 loop on a float64 copy of the model" in out, out
+    assert all(float(cells[-1]) < 1e-4 for cells in rows.values()), out
+    # run
+    assert cli.main(["run", *common, *custom, "--strategy", "chunked"]) == 0
+    assert "computed 3 rows" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_such_module:Scale", "cannot import 'no_such_module'"),
+        ("my_layers:Scal", "module 'my_layers' has no 'Scal'"),
+    ],
+)
+def test_custom_objects_that_cannot_be_found(
+    tmp_path, monkeypatch, capsys, spec, message
+):
+    model, x = _custom_model(tmp_path, monkeypatch)
+    args = ["compare", "--model", model, "--inputs", x, "--layer", "d"]
+    assert cli.main([*args, "--custom-objects", spec]) == cli.USAGE_ERROR
+    error = capsys.readouterr().err
+    assert error.startswith(f"jacobkit compare: error: --custom-objects {spec}: ")
+    assert message in error, error

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from jacobkit import runtime
-from jacobkit.cli._common import UsageError, check_model_flags, load_model
+from jacobkit.cli._common import (
+    UsageError,
+    add_custom_objects,
+    check_model_flags,
+    custom_objects,
+    load_model,
+)
 
 #: exit code of a run the user interrupted (Ctrl-C), after the rows so far
 INTERRUPTED = 130
@@ -59,6 +65,7 @@ def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a saved Keras model (.keras)")
     p.add_argument("--inputs", help="inputs as a .npy file (with --model)")
     p.add_argument("--layer", help="the target layer's name (with --model)")
+    add_custom_objects(p)
     p.add_argument(
         "--outputs", default="features", choices=["features", "per_example", "full"]
     )
@@ -169,11 +176,15 @@ def _load_problem(args: argparse.Namespace) -> _Loaded:
 
     if args.model:
         from jacobkit import testing
+        from jacobkit.keras import saved
 
-        model = load_model(args.model)
+        model = load_model(args.model, args.custom_objects)
         inputs = _load_inputs(args.inputs)
         try:
-            model64 = testing.float64_copy(model)
+            # a custom layer is rebuilt in float64 from its config as Keras
+            # loaded it: with the classes --custom-objects names
+            with saved.object_scope(custom_objects(args.custom_objects)):
+                model64 = testing.float64_copy(model)
         except TypeError:
             model64 = None
         return _Loaded(model, inputs, args.layer, model64, inputs, args.model)
@@ -334,6 +345,9 @@ def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
             "model_path": os.path.abspath(args.model),
             "inputs_path": os.path.abspath(args.inputs),
             "layer": args.layer,
+            # resolved again in the child, from this directory
+            "custom_objects": args.custom_objects,
+            "import_path": os.getcwd(),
         }
     return {**task, "builder": "generator", "sizes": loaded.sizes, "layer": None}
 
