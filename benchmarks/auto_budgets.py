@@ -121,7 +121,7 @@ def _paired(numerator: list[float], denominator: list[float]) -> float:
 def measure_budgets(sizes: dict, budgets: list[str], rounds: int) -> dict:
     """Peaks of every label alone in a fresh process, and times of every label
     in one process in interleaved rounds."""
-    from jacobkit.bench.measure import configurations
+    from jacobkit.bench.candidates import configurations
 
     fixed = [
         s.label

@@ -43,6 +43,13 @@ missed with probability 0 in exact arithmetic; with these integers:
   target is seen only where it exceeds the tolerance times the largest
   target's scale, so a target far smaller than the others is checked to
   that absolute level, not to its own size.
+
+*Per-example rows of ``Inputs()``/``Output()`` targets* keep only each
+example's own block (:mod:`jacobkit.problem.tensor_targets`): row ``(b, k)``
+depends on example ``b`` alone, so the ``K`` batch-summed rows' Jacobian holds
+every block, ``J[k, b] = block[b, k]``. :func:`verify` puts the blocks back
+in that form and checks it against the batch-summed rows, as a strategy's
+own result is checked.
 """
 
 from __future__ import annotations
@@ -161,10 +168,14 @@ def verify(
 
     Args:
         result: a :class:`~jacobkit.JacobianResult`, or a list of arrays
-            (one per target, shape ``rows_shape + v.shape``).
+            (one per target, shape ``rows_shape + v.shape``; for
+            per-example or full rows of ``Inputs()``/``Output()`` targets,
+            each example's own block, ``rows_shape + v.shape[1:]``).
         model: as given to :func:`jacobkit.jacobian`.
         inputs: as given to :func:`jacobkit.jacobian`.
-        layer: as given to :func:`jacobkit.jacobian`.
+        layer: as given to :func:`jacobkit.jacobian`: a layer, its name or
+            path, a list of variables, ``Inputs()``, ``Inputs("name")`` or
+            ``Output("layer")``.
         probes: the number of random cotangents (>= 1).
         outputs: the rows, as given to :func:`jacobkit.jacobian` (they
             must match the result's).
@@ -226,15 +237,22 @@ def _flatten(problem: Problem, jacobians: list[Any]) -> list[tf.Tensor]:
         )
     flat = []
     for jac, target, name in zip(jacobians, problem.targets, problem.target_names):
-        expected = problem.rows_shape + tuple(target.shape)
+        shape = tuple(target.shape)
+        # per-example rows of a tensor target: each example's own block only
+        expected = problem.rows_shape + (shape[1:] if problem.blocked else shape)
         if tuple(jac.shape) != expected:
+            blocks = " (own-example blocks)" if problem.blocked else ""
             raise ValueError(
                 f"verify(result=...): the Jacobian for {name} has shape "
-                f"{tuple(jac.shape)}, but the rows and target give {expected} "
-                f"(rows_shape {problem.rows_shape}). Pass the outputs= and "
-                "features= the result was computed with."
+                f"{tuple(jac.shape)}, but the rows and target give {expected}"
+                f"{blocks} (rows_shape {problem.rows_shape}). Pass the outputs= "
+                "and features= the result was computed with."
             )
-        flat.append(tf.reshape(jac, (problem.num_rows, *target.shape)))
+        if problem.blocked:  # (B, K, *block) -> the K summed rows' (K, B, *block)
+            batch = problem.rows_shape[0]
+            jac = tf.reshape(jac, (batch, problem.num_rows, *shape[1:]))
+            jac = tf.transpose(jac, [1, 0, *range(2, len(shape) + 1)])
+        flat.append(tf.reshape(jac, (problem.num_rows, *shape)))
     return flat
 
 

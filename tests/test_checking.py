@@ -1,9 +1,11 @@
-"""Checking a result: ``jk.verify`` and ``testing.assert_close`` do not
+"""Checking a result: ``jk.verify``, ``testing.float64_reference`` and
+``testing.assert_close`` take every target ``jk.jacobian`` takes, and do not
 report a correct result wrong where one target's exact Jacobian is zero.
 
-The model the other tests do not use comes from keras_hub at a tiny random
-configuration (nothing is downloaded): a GPT-2 backbone, whose attention key
-bias has a zero Jacobian (the softmax over the keys cancels it).
+The models the other tests do not use come from keras_hub at tiny random
+configurations (nothing is downloaded): a GPT-2 backbone, whose attention key
+bias has a zero Jacobian (the softmax over the keys cancels it), and a ViT
+inside a functional model, whose layers are named by nested paths.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import pytest
 
 import jacobkit as jk
 from jacobkit import testing
+from jacobkit.keras import layer_tree
+from tests.cases import OUTPUTS, TARGETS, example, tensor_reference, two_blocks
 
 keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
@@ -22,6 +26,8 @@ keras_hub = pytest.importorskip("keras_hub")
 #: the key projection of GPT-2's first attention layer: its bias shifts every
 #: logit of a query by the same amount, which the softmax cancels
 KEY = "transformer_layer_0/self_attention/key"
+#: a Dense layer of the ViT, by the path the issue named
+VIT_DENSE = "vit_encoder/transformer_block_2/mlp/dense_1"
 
 
 @functools.cache
@@ -37,6 +43,26 @@ def _gpt2():
     )
     tokens = np.random.default_rng(0).integers(0, 50, (2, 6)).astype("int32")
     return backbone, {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+
+
+@functools.cache
+def _vit():
+    """A tiny keras_hub ViT inside a functional model with a Dense head."""
+    keras.utils.set_random_seed(0)
+    vit = keras_hub.models.ViTBackbone(
+        image_shape=(16, 16, 3),
+        patch_size=4,
+        num_layers=3,
+        num_heads=2,
+        hidden_dim=8,
+        mlp_dim=16,
+        name="vit",
+    )
+    x_in = keras.Input((16, 16, 3))
+    head = keras.layers.Dense(3, name="head")(vit(x_in)[:, 0])
+    model = keras.Model(x_in, head)
+    x = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype("float32")
+    return model, x
 
 
 @functools.cache
@@ -93,3 +119,119 @@ def test_a_wrong_result_is_still_caught(which):
         jk.verify(wrong, model, x, KEY)
     with pytest.raises(AssertionError, match=f"Jacobian {which} differs"):
         testing.assert_close(wrong, reference)
+
+
+# -- per-example and full rows of Inputs() and Output() ---------------------------
+@pytest.mark.parametrize("outputs", ["per_example", "full"])
+@pytest.mark.parametrize(
+    "index", range(len(TARGETS)), ids=[f"{c.problem}-{c.id}" for c in TARGETS]
+)
+def test_verify_checks_each_examples_own_block(index, outputs):
+    """These results keep each example's own block (``rows_shape +
+    target.shape[1:]``); verify checked them against ``rows_shape +
+    target.shape`` and refused them with a shape error."""
+    case = TARGETS[index]
+    ex = example(case.problem)
+    call = dict(outputs=outputs)
+    result = jk.jacobian(ex.model, ex.inputs, case.target, strategy="chunked", **call)
+    # measured at most 3.3e-7 over these targets; the float32 tolerance 1e-4
+    assert jk.verify(result, ex.model, ex.inputs, case.target, **call) < 1e-4
+    blocks = np.array(result[0])
+    largest = float(np.max(np.abs(blocks)))
+    # one entry off by the largest value: seen above 1e-4 x 16 x K rows of
+    # the largest value (K at most 40 here: 6.4%)
+    one = blocks.copy()
+    one[1, 0].flat[2] += largest
+    # two rows of example 1 exchanged (each the other's Jacobian)
+    swapped = blocks.copy()
+    swapped[1, [0, 1]] = blocks[1, [1, 0]]
+    assert np.any(swapped != blocks)
+    for wrong in (one, swapped):
+        with pytest.raises(jk.VerificationError, match="is wrong"):
+            jk.verify([wrong], ex.model, ex.inputs, case.target, **call)
+
+
+# -- float64_reference: every target jacobian() takes ----------------------------
+@pytest.mark.parametrize("outputs", ["features", "per_example", "full"])
+@pytest.mark.parametrize(
+    "index", range(len(TARGETS)), ids=[f"{c.problem}-{c.id}" for c in TARGETS]
+)
+def test_float64_reference_of_a_tensor_target(index, outputs):
+    """``Inputs()``, ``Inputs("b")`` and ``Output("layer")`` against the float64
+    reference written out by hand for each case (``tests/cases.py``: the rest
+    of the model as a function of the target tensor)."""
+    case = TARGETS[index]
+    ex = example(case.problem)
+    reference = testing.float64_reference(
+        ex.model, ex.inputs, case.target, outputs=OUTPUTS[outputs]
+    )
+    expected = tensor_reference(index, outputs)
+    assert reference[0].shape == expected.shape
+    # measured: 0 (float64 on both sides, the float32 weights exact in
+    # float64); the tf.Module has no float64 copy: its own float32 loop,
+    # 1.7e-7 from float64
+    assert testing.max_relative_difference(reference[0], expected) < 1e-6
+    result = jk.jacobian(ex.model, ex.inputs, case.target, outputs=OUTPUTS[outputs])
+    assert list(result) == list(reference.names)
+    testing.assert_close(result, reference)
+    jk.verify(result, ex.model, ex.inputs, case.target, outputs=OUTPUTS[outputs])
+
+
+def _vit_forms(model) -> dict:
+    (layer,) = [
+        layer
+        for layer, path in layer_tree.named_layers(model)
+        if path == f"vit/{VIT_DENSE}"
+    ]
+    return {
+        "path": VIT_DENSE,
+        "layer": layer,
+        "variables": [layer.kernel, layer.bias],
+        "name": "head",
+    }
+
+
+@pytest.mark.parametrize("form", ["path", "layer", "variables", "name"])
+def test_float64_reference_takes_every_form_of_a_layer(form):
+    """A nested path (a ValueError before), a layer object, a list of
+    variables and a unique name: the reference of the same variables as
+    ``jacobian`` resolves them (the plain list, checked against a closed form
+    in ``tests/test_reference.py``)."""
+    model, x = _vit()
+    target = _vit_forms(model)[form]
+    reference = testing.float64_reference(model, x, target, outputs="per_example")
+    result = jk.jacobian(model, x, target, outputs="per_example", cache=False)
+    owner = model.get_layer("head") if form == "name" else _vit_forms(model)["layer"]
+    plain = testing.float64_reference(
+        model, x, [owner.kernel, owner.bias], outputs="per_example"
+    )
+    assert list(reference.names) == list(result)
+    for mine, expected in zip(reference, plain, strict=True):
+        np.testing.assert_array_equal(mine, expected)
+    # measured: the float32 loop 2.9e-7 to 8.3e-7 from float64 (within the
+    # default tolerance, twice that)
+    testing.assert_close(result, reference)
+    jk.verify(result, model, x, target, outputs="per_example")
+
+
+def test_float64_reference_takes_a_path_among_repeated_names():
+    """``query`` names two layers (one per block): refused as jacobian()
+    refuses it; ``block_1/query`` names one."""
+    model, x = two_blocks()
+    with pytest.raises(ValueError, match="2 layers of the model match 'query'"):
+        testing.float64_reference(model, x, "query")
+    reference = testing.float64_reference(model, x, "block_1/query")
+    assert reference.names == ("block_1/query/kernel", "block_1/query/bias")
+    testing.assert_close(jk.jacobian(model, x, "block_1/query"), reference)
+
+
+def test_float64_reference_refuses_what_jacobian_refuses():
+    model, x = _gpt2()
+    with pytest.raises(TypeError, match=r"float64_reference\(layer=Inputs\(None\)\)"):
+        testing.float64_reference(model, x, jk.Inputs())
+    with pytest.raises(ValueError, match="float64_reference"):
+        testing.float64_reference(model, x, jk.Output("transformer_layer_0/key"))
+    vit, images = _vit()
+    # a layer keras_hub calls from Python: no graph node to tap
+    with pytest.raises(ValueError, match=r"Output\('dense_1'\)"):
+        testing.float64_reference(vit, images, jk.Output(VIT_DENSE))

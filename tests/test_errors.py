@@ -540,15 +540,34 @@ def test_per_example_needs_a_batch_and_a_feature_axis():
 
 
 # -- outputs= -------------------------------------------------------------------
-@pytest.mark.parametrize("outputs", ["rows", 3, "Features"], ids=repr)
-def test_outputs_of_the_wrong_kind(outputs):
+@pytest.mark.parametrize(
+    "outputs, hint",
+    [
+        (1.5, ""),
+        ("Features", " Did you mean 'features'?"),
+        ("per-example", " Did you mean 'per_example'?"),
+        # a name or an index: what output= (singular) takes
+        (
+            "logits",
+            " To pick one output of a multi-output model by name or index, pass "
+            "output='logits' (singular); outputs= says what a row is.",
+        ),
+        (
+            1,
+            " To pick one output of a multi-output model by name or index, pass "
+            "output=1 (singular); outputs= says what a row is.",
+        ),
+    ],
+    ids=repr,
+)
+def test_outputs_of_the_wrong_kind(outputs, hint):
     model, x = mlp()
     with pytest.raises(
         ValueError,
         match=exactly(
             f"jacobian(outputs={outputs!r}): expected one of 'features', "
             "'per_example', 'full' or a callable g(Y) -> tf.Tensor whose every "
-            "element is a row."
+            f"element is a row.{hint}"
         ),
     ):
         jk.jacobian(model, x, "head", strategy="chunked", outputs=outputs)
@@ -928,6 +947,21 @@ def test_output_of_a_single_output_model():
         ),
     ):
         jk.jacobian(model, x, "head", strategy="chunked", output=1)
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one output", "two outputs"])
+def test_output_given_what_outputs_takes_points_to_outputs(two):
+    """output="per_example" (singular): what a row is, swapped for which output."""
+    model, x = _two_outputs() if two else mlp()
+    layer = "dense" if two else "head"
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            ". outputs='per_example' (plural) says what a row is; output= picks "
+            "one output of a multi-output model."
+        ),
+    ):
+        jk.jacobian(model, x, layer, strategy="chunked", output="per_example")
 
 
 @pytest.mark.parametrize("output", [1.0, ["logits"]], ids=repr)

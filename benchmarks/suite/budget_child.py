@@ -9,7 +9,7 @@ call, of every call until ``auto`` settles (at most :data:`jacobkit.SETTLE_CALLS
 ``rounds`` interleaved timing rounds (each calls every label once, so that a
 load change on a shared machine hits every label alike), then one steady
 call's peak. Fixed labels are the labels of
-:func:`jacobkit.bench.measure.configurations` (the list ``jacobkit compare`` and
+:func:`jacobkit.bench.candidates.configurations` (the list ``jacobkit compare`` and
 the suite measure); ``auto`` runs with an empty plan cache.
 
     python -m benchmarks.suite.budget_child '{"problem": ..., "sizes": ...,
@@ -42,7 +42,7 @@ class Caller:
 def callers(spec: dict[str, Any]) -> dict[str, Caller]:
     """``label -> Caller`` for every label of ``spec``."""
     import jacobkit as jk
-    from jacobkit.bench.measure import configurations
+    from jacobkit.bench.candidates import configurations
     from jacobkit.testing import examples
 
     ex = examples.build(spec["problem"], **spec["sizes"])

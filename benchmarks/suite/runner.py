@@ -101,12 +101,12 @@ class Config:
 
 
 def strategy_configs(problem: BenchProblem) -> list[Config]:
-    """What to run on ``problem``: :func:`jacobkit.bench.measure.configurations`
+    """What to run on ``problem``: :func:`jacobkit.bench.candidates.configurations`
     (every registered strategy at its defaults, ``chunked`` at the problem's
     chunk sizes and at every row) less the problem's ``skip``, then ``auto``
     with a cold and with a warm plan cache, each in a fresh process."""
     from jacobkit import strategies
-    from jacobkit.bench.measure import configurations
+    from jacobkit.bench.candidates import configurations
 
     configs = [
         Config(s.label, s.name, strategies.to_spec(s))

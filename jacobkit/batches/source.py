@@ -144,6 +144,7 @@ def check_batch(k: int, x: Any, first: Any) -> None:
                 f"jacobian(inputs=...): batch {k} is a scalar; each batch needs a "
                 "leading batch axis (shape (B, ...))."
             )
+    arguments.check_examples(x, batch=k)
     if len({a.shape[0] for a in flat}) != 1:
         raise ValueError(
             f"jacobian(inputs=...): in batch {k} the inputs' batch axes differ "
@@ -197,6 +198,7 @@ def open_source(inputs: Any, steps: int | None, replicas: int | None) -> Source:
     if arguments.is_batches(inputs):
         return Source(count_batches(inputs, steps), iterate(inputs, steps))
     arrays = tf.nest.map_structure(np.asarray, inputs)
+    arguments.check_examples(arrays)
     if replicas is None:
         return Source(1, iter([arrays]))
     size = int(tf.nest.flatten(arrays)[0].shape[0])

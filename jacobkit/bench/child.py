@@ -107,7 +107,13 @@ def build(task: dict[str, Any], dtype: str) -> tuple[Any, Any, Any]:
     if task.get("model_path"):
         from jacobkit.keras import saved
 
-        model = saved.load(task["model_path"])
+        custom = task.get("custom_objects")
+        objects = (
+            saved.custom_objects(custom, search=task.get("import_path"))
+            if custom
+            else None
+        )
+        model = saved.load(task["model_path"], custom_objects=objects)
         inputs, layer = np.load(task["inputs_path"]), task["layer"]
     else:
         # Same seed in every process: builders that draw initial weights from

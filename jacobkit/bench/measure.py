@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from jacobkit import engine, memory, planner, strategies
 from jacobkit.bench import stats
+from jacobkit.bench.candidates import default_strategies
 from jacobkit.bench.resident import resident_bytes
 from jacobkit.problem import Problem
 from jacobkit.testing.reference import max_relative_difference
@@ -111,23 +112,6 @@ class Measurement:
 #: auto's calls before its steady calls are timed, at most (it usually
 #: settles sooner: every candidate tried, or none worth its tracing)
 SETTLE_CALLS = 40
-
-
-def configurations(
-    num_rows: int, chunk_sizes: Iterable[int] = (1, 8, 32)
-) -> list[strategies.Strategy]:
-    """The one list of strategy configurations that ``jacobkit compare``, the
-    benchmark suite and the other benchmarks measure: every registered
-    strategy with its defaults, and ``chunked`` at ``chunk_sizes`` and at
-    every row."""
-    chosen = [cls() for name, cls in strategies.REGISTRY.items() if name != "chunked"]
-    sizes = sorted({min(c, num_rows) for c in (*chunk_sizes, num_rows)})
-    return chosen + [strategies.Chunked(c) for c in sizes]
-
-
-def default_strategies(num_rows: int) -> list[strategies.Strategy]:
-    """:func:`configurations` with the default chunk sizes."""
-    return configurations(num_rows)
 
 
 def measure(
@@ -294,7 +278,7 @@ def compare(
     progress: Callable[[str], None] | None = None,
 ) -> list[Measurement]:
     """Measure each candidate (default: :func:`default_strategies`)."""
-    candidates = list(candidates or default_strategies(problem.num_rows))
+    candidates = list(candidates or default_strategies(problem)[0])
     results = []
     for strategy in candidates:
         if progress:

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from jacobkit import runtime
-from jacobkit.cli._common import UsageError, check_model_flags, load_model
+from jacobkit.cli._common import (
+    UsageError,
+    add_custom_objects,
+    check_model_flags,
+    custom_objects,
+    load_model,
+)
 
 #: exit code of a run the user interrupted (Ctrl-C), after the rows so far
 INTERRUPTED = 130
@@ -59,6 +65,7 @@ def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a saved Keras model (.keras)")
     p.add_argument("--inputs", help="inputs as a .npy file (with --model)")
     p.add_argument("--layer", help="the target layer's name (with --model)")
+    add_custom_objects(p)
     p.add_argument(
         "--outputs", default="features", choices=["features", "per_example", "full"]
     )
@@ -169,11 +176,15 @@ def _load_problem(args: argparse.Namespace) -> _Loaded:
 
     if args.model:
         from jacobkit import testing
+        from jacobkit.keras import saved
 
-        model = load_model(args.model)
+        model = load_model(args.model, args.custom_objects)
         inputs = _load_inputs(args.inputs)
         try:
-            model64 = testing.float64_copy(model)
+            # a custom layer is rebuilt in float64 from its config as Keras
+            # loaded it: with the classes --custom-objects names
+            with saved.object_scope(custom_objects(args.custom_objects)):
+                model64 = testing.float64_copy(model)
         except TypeError:
             model64 = None
         return _Loaded(model, inputs, args.layer, model64, inputs, args.model)
@@ -251,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     import tensorflow as tf
     from tqdm import tqdm
 
-    from jacobkit.bench import measure, processes
+    from jacobkit.bench import candidates as defaults
+    from jacobkit.bench import processes
     from jacobkit.problem import Call
 
     device, candidates = _candidates(args)
@@ -269,8 +281,10 @@ def run(args: argparse.Namespace) -> int:
         with tf.device(device):
             reference, ref_name = _reference(problem, loaded, args)
         task = _task(args, device, loaded, reference, pool.scratch)
+        skipped: list = []
         if candidates is None:
-            candidates = [*measure.default_strategies(problem.num_rows), "auto"]
+            chosen, skipped = defaults.default_strategies(problem)
+            candidates = [*chosen, "auto"]
         bar = tqdm(candidates, desc="strategies", unit="strategy", file=sys.stderr)
         measurements: list = []
         try:
@@ -280,19 +294,36 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # Ctrl-C: the rows measured so far
             bar.close()
             _print_table(loaded, problem, args, device, ref_name, measurements)
+            _print_skipped(skipped)
             print(
                 f"interrupted: {len(measurements)} of {len(candidates)} "
                 "strategies measured"
             )
             return INTERRUPTED
-    return _print_table(loaded, problem, args, device, ref_name, measurements)
+    code = _print_table(loaded, problem, args, device, ref_name, measurements)
+    _print_skipped(skipped)
+    return code
+
+
+def _print_skipped(skipped: list) -> None:
+    """The default set's left-out configurations, each with why."""
+    if skipped:
+        reasons = "; ".join(f"{s.strategy.name}: {s.reason}" for s in skipped)
+        names = ",".join(s.strategy.name for s in skipped)
+        print(
+            f"skipped (predicted hopeless here): {reasons}. To run it anyway, "
+            f"name it: --strategies {names},loop"
+        )
 
 
 def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
     """What each strategy's child gets (:func:`jacobkit.bench.child.main`):
     the problem to build again (the saved model and inputs by their paths, or
-    the generator by its sizes) and ``reference``, saved to ``scratch``."""
+    the generator by its sizes), ``reference``, saved to ``scratch``, and the
+    plan cache directory of this process for the auto row."""
     import numpy as np
+
+    from jacobkit.planner import cache
 
     reference_path = os.path.join(scratch, "reference.npz")
     np.savez(reference_path, *[np.asarray(r) for r in reference])
@@ -304,6 +335,9 @@ def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
         "repeats": args.repeats,
         "memory_budget": args.memory_budget,
         "reference_path": reference_path,
+        # this process's plan cache now ("": off): the children are forked
+        # from a server that keeps the environment it started with
+        "plan_cache": cache.directory() or "",
     }
     if args.model:
         return {
@@ -311,6 +345,9 @@ def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
             "model_path": os.path.abspath(args.model),
             "inputs_path": os.path.abspath(args.inputs),
             "layer": args.layer,
+            # resolved again in the child, from this directory
+            "custom_objects": args.custom_objects,
+            "import_path": os.getcwd(),
         }
     return {**task, "builder": "generator", "sizes": loaded.sizes, "layer": None}
 

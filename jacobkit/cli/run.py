@@ -16,7 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from jacobkit import runtime
-from jacobkit.cli._common import UsageError, check_model_flags, load_model
+from jacobkit.cli._common import (
+    UsageError,
+    add_custom_objects,
+    check_model_flags,
+    load_model,
+)
 
 #: the built-in problem's generator sizes and number of synthetic examples
 BUILTIN = {"sequence": 64, "channels": 8, "filters": 32, "features": 144}
@@ -42,6 +47,7 @@ def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "order, one after the other); with --model",
     )
     parser.add_argument("--layer", help="the target layer's name (with --model)")
+    add_custom_objects(parser)
     parser.add_argument(
         "--outputs", default="features", choices=["features", "per_example", "full"]
     )
@@ -140,7 +146,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str, str]:
     else:
         paths = [args.inputs]
     return (
-        load_model(args.model),
+        load_model(args.model, args.custom_objects),
         _Files(paths, args.batch_size),
         args.layer,
         args.model,

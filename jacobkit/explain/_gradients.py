@@ -73,12 +73,16 @@ def mean_gradients(
     batches: Sequence[tf.Tensor],
     classes: Sequence[int] | None,
     memory_budget: Any,
+    weights: Sequence[float] | None = None,
     **kwargs: Any,
 ) -> tf.Tensor:
     """The mean over ``batches`` (copies of one batch, each ``(B, ...)``) of
     their per-class input gradients, ``(B, K, ...)``, computed a chunk of
-    copies at a time (equal chunks, so one trace serves them all)."""
+    copies at a time (equal chunks, so one trace serves them all); with
+    ``weights`` (one per copy, summing to 1), their weighted sum."""
     count = len(batches)
+    if weights is None:
+        weights = [1.0 / count] * count
     first = batches[0]
     batch = int(first.shape[0])
     num_classes = (
@@ -100,7 +104,8 @@ def mean_gradients(
             **kwargs,
         )
         grads = tf.reshape(grads, (per_call, batch, *grads.shape[1:]))
-        summed = tf.reduce_sum(grads[:real], axis=0)
+        share = tf.constant(weights[c * per_call : c * per_call + real], grads.dtype)
+        summed = tf.tensordot(share, grads[:real], axes=1)
         total = summed if total is None else total + summed
     assert total is not None
-    return total / count
+    return total

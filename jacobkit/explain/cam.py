@@ -49,9 +49,13 @@ def grad_cam(
     activations from one forward pass. With ``resize=False``: the same
     numbers as tf-keras-vis's ``Gradcam(...)(score, x,
     penultimate_layer=layer, normalize_cam=False, expand_cam=False)``, one
-    class per call (measured within 1e-7); its ``expand_cam=True`` upsamples
-    with ``scipy.ndimage.zoom(order=1)`` (corner-aligned), which differs
-    from ``tf.image.resize`` by up to ~20% of the map's peak.
+    class per call (measured within 2e-7), when ``layer`` is a Keras
+    ``Conv1D``, ``Conv2D`` or ``Conv3D``, or with
+    ``seek_penultimate_conv_layer=False`` there; on any other layer its
+    default seeks back to the last such convolution before ``layer`` and
+    maps that one (different maps). Its ``expand_cam=True`` upsamples with
+    ``scipy.ndimage.zoom(order=1)`` (corner-aligned), which differs from
+    ``tf.image.resize`` by up to ~20% of the map's peak.
     """
     x = as_batch(x)
     found = (

@@ -3,7 +3,8 @@ gradients, SmoothGrad. Each returns ``(B, K, ...)`` for every class at once.
 
 The definitions are xplique's and tf-keras-vis's (read in their source), so
 their numbers match class by class with their normalization off; each
-docstring names the settings.
+docstring names the settings under which they do (integrated gradients:
+``rule="trapezoid"``).
 """
 
 from __future__ import annotations
@@ -64,22 +65,37 @@ def gradient_x_input(
     return grads * tf.cast(x[:, None], grads.dtype)
 
 
+#: ``integrated_gradients(rule=...)``: how the path's gradients are averaged
+RULES = ("riemann", "trapezoid")
+
+
 def integrated_gradients(
     model: Any,
     x: Any,
     *,
     steps: int = 32,
     baseline: Any = None,
+    rule: str = "riemann",
     classes: Sequence[int] | None = None,
     memory_budget: Any = None,
     **kwargs: Any,
 ) -> tf.Tensor:
-    """Integrated gradients for every class: ``(x - x0) * mean_a grad(x0 +
-    a (x - x0))``, ``a = linspace(0, 1, steps)`` (Riemann sum, both ends).
+    """Integrated gradients for every class: ``(x - x0) *`` the average of
+    ``grad(x0 + a (x - x0))`` over ``a = linspace(0, 1, steps)``.
 
     Args:
-        steps: the number of points on the path (>= 2).
+        steps: the number of points on the path (>= 2), both ends included.
         baseline: ``x0``, broadcast to ``x`` (default zeros).
+        rule: how the points' gradients are averaged. ``"riemann"`` (the
+            default): their plain mean, every point weighted ``1 / steps``.
+            ``"trapezoid"``: the trapezoid rule, the mean over the ``steps -
+            1`` intervals of the mean of their two ends (the ends weighted
+            ``1 / (2 (steps - 1))``, the others ``1 / (steps - 1)``): xplique's
+            ``IntegratedGradients(steps=steps, baseline_value=0)`` (its
+            ``_average_gradients``). Both tend to the integral as ``steps``
+            grows; at a given ``steps`` they differ (1.5e-2 to 4.8e-2
+            relative on a small MLP at 5 steps; 3.0e-2 reported on a
+            DenseNet121).
         memory_budget: the ``steps x B`` interpolated inputs run in chunks
             whose gradients take at most a quarter of it (default: all steps
             in one call); passed on to :func:`jacobkit.jacobian`.
@@ -87,20 +103,33 @@ def integrated_gradients(
     Returns:
         ``(B, K, *x.shape[1:])``.
 
-    Same numbers as xplique's ``IntegratedGradients(steps=steps,
-    baseline_value=0)``; tf-keras-vis has no integrated gradients.
+    With ``rule="trapezoid"``, the same numbers as xplique's
+    ``IntegratedGradients(steps=steps, baseline_value=0)`` for a zero
+    baseline; the default ``"riemann"`` does not match xplique.
+    tf-keras-vis has no integrated gradients.
     """
     x = as_batch(x)
     if int(steps) < 2:
         raise ValueError(f"integrated_gradients(steps={steps}): need >= 2 steps")
+    if rule not in RULES:
+        raise ValueError(
+            f"integrated_gradients(rule={rule!r}): expected 'riemann' (the mean "
+            "of the path's gradients) or 'trapezoid' (the trapezoid rule, "
+            "xplique's)."
+        )
+    count = int(steps)
     x0 = (
         tf.zeros_like(x)
         if baseline is None
         else tf.broadcast_to(tf.cast(baseline, x.dtype), x.shape)
     )
-    alphas = tf.linspace(0.0, 1.0, int(steps))
+    alphas = tf.linspace(0.0, 1.0, count)
     path = [x0 + tf.cast(a, x.dtype) * (x - x0) for a in alphas]
-    mean = mean_gradients(model, path, classes, memory_budget, **kwargs)
+    weights = [1.0 / count] * count
+    if rule == "trapezoid":
+        weights = [1.0 / (count - 1)] * count
+        weights[0] = weights[-1] = 0.5 / (count - 1)
+    mean = mean_gradients(model, path, classes, memory_budget, weights, **kwargs)
     return mean * tf.cast((x - x0)[:, None], mean.dtype)
 
 

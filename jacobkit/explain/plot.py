@@ -22,7 +22,7 @@ def plot(
     H, W, C)`` or ``(B, H, W)``) is given.
 
     Args:
-        classes: column titles (default ``0 .. K-1``).
+        classes: column titles, one per class (default ``0 .. K-1``).
         alpha: the maps' opacity over the images.
         cmap: the maps' colormap.
         size: inches per cell.
@@ -43,6 +43,12 @@ def plot(
         raise ValueError(f"explain.plot: maps must be (B, K, H, W), got {maps.shape}")
     batch, count = maps.shape[:2]
     titles = list(classes) if classes is not None else list(range(count))
+    if len(titles) != count:
+        raise ValueError(
+            f"explain.plot(classes=...): {len(titles)} names for {count} classes "
+            f"(maps of shape {maps.shape}, (B, K, H, W)). Pass one name per "
+            f"class, or plot the named classes' maps only: maps[:, :{len(titles)}]."
+        )
     fig, axes = plt.subplots(
         batch, count, figsize=(size * count, size * batch), squeeze=False
     )

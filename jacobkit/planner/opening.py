@@ -39,8 +39,10 @@ def open_session(
             f"alone needs {memory.format_bytes(result_bytes)} ({result_bytes} "
             f"bytes: {problem.num_rows} rows × "
             f"{sum(t.shape.num_elements() for t in problem.targets)} parameters × "
-            f"{problem.output_dtype.size} bytes), more than the budget allows. "
-            "Raise memory_budget, keep fewer rows with features=[...], or use a "
+            f"{problem.output_dtype.size} bytes), more than the "
+            f"{memory.format_bytes(int(budget * policy.safety))} "
+            f"({policy.safety:.0%} of the budget) a plan may use. Raise "
+            "memory_budget, keep fewer rows with features=[...], or use a "
             "smaller batch."
         )
     shortcut, structure = structured(problem)

@@ -153,8 +153,10 @@ def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
     return ValueError(
         f"jacobian(memory_budget={_fmt(budget_bytes)}): even one row at a "
         f"time needs about {_fmt(smallest)} (estimated "
-        f"{source}), more than the budget allows. Raise memory_budget, "
-        "keep fewer rows with features=[...], or use a smaller batch."
+        f"{source}), more than the {_fmt(footprint.allowed_bytes)} "
+        f"({footprint.allowed_bytes / budget_bytes:.0%} of the budget) a plan "
+        "may use. Raise memory_budget, keep fewer rows with features=[...], "
+        "or use a smaller batch."
     )
 
 

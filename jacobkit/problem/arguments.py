@@ -97,6 +97,23 @@ def to_tensors(inputs: Any) -> Any:
     return convert(inputs)
 
 
+def check_examples(inputs: Any, batch: int | None = None) -> None:
+    """Refuse a batch of 0 examples (an input whose first axis is 0) before
+    anything is traced: there are no rows, and TensorFlow's kernels fail on
+    it with their own errors (a convolution's closed form: "Incompatible
+    shapes: [0,8,4] vs. [6]")."""
+    shapes = [tuple(getattr(a, "shape", None) or ()) for a in tf.nest.flatten(inputs)]
+    empty = [shape for shape in shapes if shape and shape[0] == 0]
+    if empty:
+        where = "the batch holds" if batch is None else f"batch {batch} holds"
+        raise ValueError(
+            f"jacobian(inputs=...): {where} 0 examples (an input of shape "
+            f"{empty[0]}), so there are no rows to differentiate. Pass at least "
+            "one example: inputs of shape (B, ...) with B >= 1"
+            + ("." if batch is None else "; drop empty batches from the dataset.")
+        )
+
+
 def raise_call_error(model: Any, inputs: Any, err: Exception) -> NoReturn:
     """Raise jacobkit's message for ``model`` failing on ``inputs`` with ``err``."""
     flat = tf.nest.flatten(inputs)

@@ -14,6 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit.keras import compat, layer_tree
+from jacobkit.problem.rows import OUTPUT_MODES
 
 
 class OutputError(ValueError):
@@ -90,10 +91,17 @@ def pick(outputs: Any, output: int | str, model: Any) -> tf.Tensor:
         index = names.index(output)
     if index is not None:
         return values[index]
+    # output="per_example" is what outputs= (plural) takes
+    rows = (
+        f" outputs={output!r} (plural) says what a row is; output= picks one "
+        "output of a multi-output model."
+        if output in OUTPUT_MODES
+        else ""
+    )
     if len(values) == 1:
         raise OutputError(
             f"jacobian(output={output!r}): the model has a single output (shape "
-            f"{tuple(values[0].shape)}). Drop output=, or pass output=0."
+            f"{tuple(values[0].shape)}). Drop output=, or pass output=0.{rows}"
         )
     count = f"{len(values)} outputs"
     hint = ""
@@ -104,5 +112,5 @@ def pick(outputs: Any, output: int | str, model: Any) -> tf.Tensor:
     raise OutputError(
         f"jacobian(output={output!r}): the model has {count}: "
         f"{_listed(values, names)}. Pass output= one of "
-        f"{'these indices or names' if names else 'these indices'}.{hint}"
+        f"{'these indices or names' if names else 'these indices'}.{hint}{rows}"
     )

@@ -84,6 +84,7 @@ class Problem:
         self.unconnected = unconnected
         self.output = model_outputs.check_output_type(output)
         self.inputs = arguments.to_tensors(inputs)
+        arguments.check_examples(self.inputs)
         self._is_keras = compat.is_keras_layer(model)
         self.rows_spec = rows.Rows(outputs, rows.check_features(features))
         #: ``Inputs``/``Output`` targets (:mod:`.tensor_targets`), or None

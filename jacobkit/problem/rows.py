@@ -9,6 +9,7 @@ every element, and a callable ``g(Y)`` makes each of its elements a row.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,8 +107,23 @@ def check_mode(outputs: Any) -> None:
         raise ValueError(
             f"jacobian(outputs={outputs!r}): expected one of "
             f"{', '.join(repr(m) for m in OUTPUT_MODES)} or a callable "
-            "g(Y) -> tf.Tensor whose every element is a row."
+            f"g(Y) -> tf.Tensor whose every element is a row.{_mode_hint(outputs)}"
         )
+
+
+def _mode_hint(outputs: Any) -> str:
+    """A misspelt mode's correction; else, for a name or an index (what
+    ``output=``, singular, takes), the other argument."""
+    if isinstance(outputs, str):
+        close = difflib.get_close_matches(outputs.lower(), OUTPUT_MODES, n=1)
+        if close:
+            return f" Did you mean {close[0]!r}?"
+    if isinstance(outputs, (str, int)) and not isinstance(outputs, bool):
+        return (
+            " To pick one output of a multi-output model by name or index, pass "
+            f"output={outputs!r} (singular); outputs= says what a row is."
+        )
+    return ""
 
 
 def check_features(features: Sequence[int] | None) -> tuple[int, ...] | None:

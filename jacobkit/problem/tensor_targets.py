@@ -98,6 +98,24 @@ def _input_names(model: Any, inputs: Any) -> list[str]:
     return [str(i) for i in range(len(flat))]
 
 
+def select_inputs(spec: Inputs, model: Any, inputs: Any) -> tuple[list[int], list[str]]:
+    """The positions among the flattened ``inputs`` that ``spec`` names, and
+    their names (every input for ``Inputs()``)."""
+    names = _input_names(model, inputs)
+    if spec.name is None:
+        return list(range(len(names))), names
+    if isinstance(spec.name, int) and -len(names) <= spec.name < len(names):
+        index = spec.name % len(names)
+        return [index], [names[index]]
+    if spec.name in names:
+        return [names.index(spec.name)], [spec.name]
+    raise ValueError(
+        f"jacobian(layer=Inputs({spec.name!r})): the model has no input "
+        f"{spec.name!r}; its inputs are {names}. Pass one of those names, a "
+        "position, or Inputs() for all of them."
+    )
+
+
 class TensorTargets:
     """Resolved ``Inputs``/``Output`` targets of one problem.
 
@@ -123,7 +141,7 @@ class TensorTargets:
         self._training = training
         self._tap: Any = None
         if isinstance(spec, Inputs):
-            self._indices, names = self._select_inputs(spec, model, inputs)
+            self._indices, names = select_inputs(spec, model, inputs)
             flat = tf.nest.flatten(inputs)
             tensors = [flat[i] for i in self._indices]
             bad = [n for n, t in zip(names, tensors) if not t.dtype.is_floating]
@@ -166,24 +184,6 @@ class TensorTargets:
                 for i, s in enumerate(specs)
             )
         self.variables: tuple[tf.Variable, ...] = cache[key]
-
-    @staticmethod
-    def _select_inputs(
-        spec: Inputs, model: Any, inputs: Any
-    ) -> tuple[list[int], list[str]]:
-        names = _input_names(model, inputs)
-        if spec.name is None:
-            return list(range(len(names))), names
-        if isinstance(spec.name, int) and -len(names) <= spec.name < len(names):
-            index = spec.name % len(names)
-            return [index], [names[index]]
-        if spec.name in names:
-            return [names.index(spec.name)], [spec.name]
-        raise ValueError(
-            f"jacobian(layer=Inputs({spec.name!r})): the model has no input "
-            f"{spec.name!r}; its inputs are {names}. Pass one of those names, a "
-            "position, or Inputs() for all of them."
-        )
 
     def _output_spec(self, inputs: Any, name: str) -> tf.TensorSpec:
         """The layer's output shape and dtype for inputs like ``inputs``,

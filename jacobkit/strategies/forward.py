@@ -158,6 +158,14 @@ def predicted_passes(strategy: Forward, problem: Problem) -> int:
     return passes
 
 
+def predicted_slowdown(strategy: Forward, problem: Problem) -> float:
+    """:func:`predicted_passes` over the loop's passes (one backward pass,
+    about 3 forward passes, per row): what :meth:`Forward.check` holds to
+    ``max_slowdown``."""
+    loop_passes = _BACKWARD_PASSES * max(problem.num_rows, 1)
+    return predicted_passes(strategy, problem) / loop_passes
+
+
 def _check_cost(strategy: Forward, problem: Problem) -> None:
     """Refuse, with the numbers, where forward mode makes more than
     ``strategy.max_slowdown`` times the loop's passes and more than

@@ -8,6 +8,8 @@ formed by plain indexing inside the tape. Give it a float64 copy of the model
 - :mod:`~jacobkit.testing.reference`: :func:`reference_jacobian`,
   :func:`float64_reference`, :class:`Reference`,
   :func:`max_relative_difference`, :func:`largest_value`;
+- :mod:`~jacobkit.testing.reference_targets`: what the reference
+  differentiates, for every ``layer=`` that :func:`jacobkit.jacobian` takes;
 - :mod:`~jacobkit.testing.close`: :func:`assert_close`,
   :data:`BASELINE_FACTOR`, :data:`MAX_DERIVED_TOLERANCE`;
 - :mod:`~jacobkit.testing.tolerance`: :data:`TOLERANCE`;

@@ -1,9 +1,12 @@
 """A slow, obvious reference, and comparisons, so anyone can check a result.
 
-The reference is written independently of the strategies and of
-:mod:`jacobkit.problem`: one eager ``tape.gradient`` per row, with the rows
-formed by plain indexing inside the tape. Give it a float64 copy of the model
-(same weights) for a reference that float32 strategies can be held to.
+The reference is written independently of the strategies and of how
+:mod:`jacobkit.problem` forms rows: one eager ``tape.gradient`` per row, with
+the rows formed by plain indexing inside the tape. Give it a float64 copy of
+the model (same weights) for a reference that float32 strategies can be held
+to. Only what ``layer=`` names is read by jacobkit's own resolver
+(:mod:`jacobkit.testing.reference_targets`), so that a name names the same
+layer here as in :func:`jacobkit.jacobian`.
 
 >>> import numpy as np, keras
 >>> layer = keras.layers.Dense(2, dtype="float64")
@@ -26,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.keras.cast import dtype_name, float64_copy
-from jacobkit.keras.compat import variable_path
+from jacobkit.testing.reference_targets import ReferenceTarget, resolve
 
 __all__ = [
     "Reference",
@@ -90,23 +93,47 @@ def reference_jacobian(
         One array per variable, shape ``rows_shape + variable.shape``; zeros
         where a row does not depend on the variable.
     """
-    call_kwargs = dict(call_kwargs or {})
-    # A keras.Variable's .value is the tf.Variable every read goes through.
-    watched = [v if isinstance(v, tf.Variable) else v.value for v in variables]
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch(watched)
-        y = model(inputs, **call_kwargs)
+    target = ReferenceTarget((), variables=tuple(variables))
+    return _jacobians(target, model, inputs, outputs, features, call_kwargs)
+
+
+def _jacobians(
+    target: ReferenceTarget,
+    model: Any,
+    inputs: Any,
+    outputs: str | Callable[[Any], tf.Tensor],
+    features: Sequence[int] | None,
+    call_kwargs: Mapping[str, Any] | None,
+) -> list[np.ndarray]:
+    """One gradient per row of each of ``target``'s sources, eagerly: shape
+    ``rows_shape + source.shape``, or each example's own block
+    (``rows_shape + source.shape[1:]``) for per-example and full rows of a
+    tensor target, as :func:`jacobkit.jacobian` returns them."""
+    kwargs = dict(call_kwargs or {})
+    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+        y, sources = target.sources(model, inputs, kwargs, tape)
         rows_shape, rows = _row_tensors(y, outputs, features)
     result = []
-    for v in watched:
+    for source in sources:
         grads = [
-            tape.gradient(row, v, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            tape.gradient(
+                row, source, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            )
             for row in rows
         ]
         # an embedding's gradient is tf.IndexedSlices: made dense first
         stacked = np.stack([np.asarray(tf.convert_to_tensor(g)) for g in grads])
-        result.append(stacked.reshape(rows_shape + tuple(v.shape)))
+        full = stacked.reshape(rows_shape + tuple(source.shape))
+        blocked = target.is_tensor and outputs in ("per_example", "full")
+        result.append(_own_blocks(full, rows_shape) if blocked else full)
     return result
+
+
+def _own_blocks(full: np.ndarray, rows_shape: tuple[int, ...]) -> np.ndarray:
+    """Row ``[b, ...]`` with respect to ``tensor[b]`` only: ``rows_shape +
+    tensor.shape[1:]`` from ``rows_shape + tensor.shape``."""
+    middle = (slice(None),) * (len(rows_shape) - 1)
+    return np.stack([full[b][middle + (b,)] for b in range(rows_shape[0])])
 
 
 def reference_tensor_jacobian(
@@ -126,22 +153,9 @@ def reference_tensor_jacobian(
         rows, each example's own block only: ``rows_shape + tensor.shape[1:]``
         (row ``[b, ...]`` with respect to ``tensor[b]``).
     """
-    x = tf.convert_to_tensor(tensor)
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch(x)
-        y = model(x)
-        rows_shape, rows = _row_tensors(y, outputs, features)
-    grads = [
-        tape.gradient(row, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        for row in rows
-    ]
-    full: np.ndarray = np.stack([np.asarray(g) for g in grads]).reshape(
-        rows_shape + x.shape
-    )
-    if outputs not in ("per_example", "full"):
-        return full
-    middle = (slice(None),) * (len(rows_shape) - 1)
-    return np.stack([full[b][middle + (b,)] for b in range(rows_shape[0])])
+    target = ReferenceTarget(("inputs",), inputs=(0,))
+    (found,) = _jacobians(target, model, tensor, outputs, features, None)
+    return found
 
 
 def max_relative_difference(
@@ -195,11 +209,14 @@ class Reference(Sequence[np.ndarray]):
             copy.
         description: in words, e.g. ``"float64 loop on a float64 copy of the
             model (every variable float64)"``.
+        names: the result name of each array, as :func:`jacobkit.jacobian`
+            names them (empty where not known).
     """
 
     jacobians: tuple[np.ndarray, ...]
     baseline_errors: tuple[float, ...] | None
     description: str
+    names: tuple[str, ...] = ()
 
     def __getitem__(self, index: Any) -> Any:
         return self.jacobians[index]
@@ -211,49 +228,54 @@ class Reference(Sequence[np.ndarray]):
 def float64_reference(
     model: Any,
     inputs: Any,
-    variables: Sequence[Any],
+    layer: Any,
     *,
     outputs: str | Callable[[Any], tf.Tensor] = "features",
     features: Sequence[int] | None = None,
     call_kwargs: Mapping[str, Any] | None = None,
     baseline: bool = True,
 ) -> Reference:
-    """The float64 reference for ``model``'s ``variables``, and the error of
-    the obvious loop on ``model`` itself, from which
+    """The float64 reference for ``layer=`` of ``model``, and the error of the
+    obvious loop on ``model`` itself, from which
     :func:`jacobkit.testing.assert_close` derives its tolerance.
 
-    The reference is :func:`reference_jacobian` on :func:`float64_copy` of the
-    model (floating inputs cast to float64). Where no float64 copy can be
+    ``layer`` is anything :func:`jacobkit.jacobian` takes: a layer object, its
+    name or path (``"vit_encoder/transformer_block_2/mlp/dense_1"``), a list
+    of variables, ``Inputs()``, ``Inputs("name")`` or ``Output("layer")``
+    (:mod:`jacobkit.testing.reference_targets`). The arrays have the shapes
+    :func:`jacobkit.jacobian` gives, in its order (``names``): per-example
+    and full rows of ``Inputs``/``Output`` keep each example's own block.
+
+    The reference is the one-gradient-per-row loop on :func:`float64_copy` of
+    the model (floating inputs cast to float64). Where no float64 copy can be
     built (a subclassed model, a ``tf.Module``), it is the loop on the model
     itself, and ``description`` says so. ``baseline=False`` skips the loop
     on the model itself (``baseline_errors`` is then ``None``).
+
+    It is slow on purpose, and float64 convolutions are slower still where
+    Keras groups them: 96-183 s per target on ConvNeXtTiny (see
+    ``docs/checking.md``).
     """
     kwargs = dict(call_kwargs or {})
+    target = resolve(layer, model, inputs)
 
     def own() -> list[np.ndarray]:
-        return reference_jacobian(
-            model,
-            inputs,
-            variables,
-            outputs=outputs,
-            features=features,
-            call_kwargs=kwargs,
-        )
+        return _jacobians(target, model, inputs, outputs, features, kwargs)
 
     try:
         copy = float64_copy(model)
     except TypeError as err:
-        dtypes = sorted({dtype_name(v) for v in variables})
+        dtypes = sorted({dtype_name(v) for v in target.variables}) or ["own-dtype"]
         return Reference(
             tuple(own()),
             None,
             f"{'/'.join(dtypes)} loop on the model itself (no float64 copy: "
             f"{str(err).split(': ', 1)[-1][:120]})",
+            target.names,
         )
-    copied = [copy.weights[_position(model, v)] for v in variables]
     inputs64 = tf.nest.map_structure(_as_float64, inputs)
-    jacobians = reference_jacobian(
-        copy, inputs64, copied, outputs=outputs, features=features, call_kwargs=kwargs
+    jacobians = _jacobians(
+        target.on_copy(model, copy), copy, inputs64, outputs, features, kwargs
     )
     errors = None
     if baseline:
@@ -267,24 +289,8 @@ def float64_reference(
         tuple(jacobians),
         errors,
         "float64 loop on a float64 copy of the model (every variable float64)",
+        target.names,
     )
-
-
-def _position(model: Any, variable: Any) -> int:
-    """Where ``variable`` is in ``model.weights`` (a copy keeps the order)."""
-    handle = _handle(variable)
-    for i, weight in enumerate(model.weights):
-        if _handle(weight) is handle:
-            return i
-    raise ValueError(
-        f"float64_reference(variables=...): {variable_path(variable)} is not a "
-        "variable of the model; pass the model's own variables."
-    )
-
-
-def _handle(variable: Any) -> tf.Variable:
-    """The ``tf.Variable`` behind a Keras 3 variable (identity for others)."""
-    return variable if isinstance(variable, tf.Variable) else variable.value
 
 
 def _as_float64(value: Any) -> Any:
