@@ -165,27 +165,6 @@ class Problem:
                 "outputs, or pass unconnected='zero' to get zeros."
             )
 
-    def recurrent_layers(self) -> str | None:
-        """``"layer 'lstm' (LSTM)"``: the recurrent layers (a ``tf.while_loop``
-        over time) the targets' values flow through, or ``None``."""
-        found = layer_tree.layers_through(
-            self.model, self.layer, layers.runs_a_loop
-        ) or layer_tree.layers_through(self.model, None, layers.runs_a_loop)
-        return layer_tree.describe(found) if found else None
-
-    def depthwise_layers(self, *, after_only: bool = False) -> str | None:
-        """``"layer 'dw' (DepthwiseConv2D)"``: the depthwise and separable
-        convolutions the rows' gradient passes through on its way to the
-        targets (pfor cannot vectorize theirs), or ``None``; ``after_only``:
-        those after the target layer (on the way to its output)."""
-        target = self.layer
-        if target is None and self.tensor_targets is not None:
-            target = self.tensor_targets.layer
-        found = layer_tree.layers_through(
-            self.model, target, layers.pfor_cannot_vectorize, after_only=after_only
-        )
-        return layer_tree.describe(found) if found else None
-
     # -- the target layer ---------------------------------------------------
     @functools.cached_property
     def layer_rule(self) -> layers.LayerRule | None:

@@ -11,7 +11,7 @@ from typing import Any, final
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, through
 from jacobkit.strategies import precision
 from jacobkit.strategies.base import (
     ZERO,
@@ -66,7 +66,7 @@ class Chunked(Strategy):
         return Chunked(self.chunk_size // 2) if self.chunk_size > 1 else None
 
     def cannot_run(self, problem: Problem) -> str | None:
-        layers = problem.depthwise_layers()
+        layers = through.depthwise_layers(problem)
         if layers is None:
             return None
         return (

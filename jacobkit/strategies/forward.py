@@ -11,7 +11,7 @@ from typing import Any, final
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, through
 from jacobkit.strategies.base import ZERO, Strategy, check_chunk_size, map_chunks
 
 
@@ -83,7 +83,7 @@ class Forward(Strategy):
             failed = err
         else:
             return
-        layers = problem.recurrent_layers()
+        layers = through.recurrent_layers(problem)
         where = (
             f"through {layers}: TensorFlow's forward mode does not support its "
             "tf.while_loop over time steps"

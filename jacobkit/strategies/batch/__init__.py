@@ -27,7 +27,7 @@ from typing import Any, final
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, through
 from jacobkit.strategies.base import Strategy, map_chunks
 from jacobkit.strategies.batch import checks, contract
 from jacobkit.strategies.batch import seeds as seeding
@@ -88,7 +88,7 @@ class Batch(Strategy):
         # pfor has no rule for a depthwise convolution's gradient: there, its
         # ops alone run in a while loop inside the vectorized pass (as
         # tape.jacobian does), the rest stays vectorized
-        fallback = problem.depthwise_layers(after_only=True) is not None
+        fallback = through.depthwise_layers(problem, after_only=True) is not None
         head = seeding.seed_head(problem)
 
         def compute(inputs: Any) -> Any:
