@@ -29,6 +29,7 @@ NO_TENSORFLOW = (
 _PUBLIC = {
     "Inputs": "jacobkit.problem.tensor_targets",
     "JacobianResult": "jacobkit.result",
+    "Loss": "jacobkit.problem.loss",
     "Output": "jacobkit.problem.tensor_targets",
     "Plan": "jacobkit.planner",
     "PrecisionWarning": "jacobkit.strategies.precision",
@@ -52,6 +53,7 @@ _MODULES = {
 __all__ = [
     "Inputs",
     "JacobianResult",
+    "Loss",
     "Output",
     "Plan",
     "PrecisionWarning",
@@ -75,6 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import explain, layers, memory, planner, strategies
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
+    from jacobkit.problem.loss import Loss
     from jacobkit.problem.tensor_targets import Inputs, Output
     from jacobkit.reach import coverage
     from jacobkit.result import JacobianResult, Stats

@@ -15,6 +15,7 @@ import tensorflow as tf
 from jacobkit import engine, planner, runtime, strategies
 from jacobkit.batches import collect
 from jacobkit.problem import Call, arguments
+from jacobkit.problem.loss import Loss
 from jacobkit.result import JacobianResult
 
 
@@ -24,7 +25,7 @@ def jacobian(
     layer: Any,
     *,
     strategy: str | strategies.Strategy | planner.Auto = "auto",
-    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    outputs: str | Callable[[Any], tf.Tensor] | Loss = "features",
     features: Sequence[int] | None = None,
     training: bool = False,
     unconnected: str = "error",
@@ -180,7 +181,7 @@ def plan(
     layer: Any,
     *,
     memory_budget: int | float | str | None = None,
-    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    outputs: str | Callable[[Any], tf.Tensor] | Loss = "features",
     features: Sequence[int] | None = None,
     training: bool = False,
     unconnected: str = "error",

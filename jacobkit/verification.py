@@ -62,6 +62,7 @@ import tensorflow as tf
 
 from jacobkit.keras import compat
 from jacobkit.problem import Call, Problem
+from jacobkit.problem.loss import Loss
 
 #: Tolerances on a worst relative difference, keyed by purpose, then by
 #: precision (a ``tf.DType``, or a mixed-precision policy name). One table,
@@ -151,7 +152,7 @@ def verify(
     layer: Any,
     probes: int = 2,
     *,
-    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    outputs: str | Callable[[Any], tf.Tensor] | Loss = "features",
     features: Sequence[int] | None = None,
     training: bool = False,
     tolerance: float | None = None,

@@ -41,7 +41,9 @@ from jacobkit.batches import distribute, runners, source
 from jacobkit.batches.fingerprint import fingerprint
 from jacobkit.batches.manifest import EMPTY_CHAIN, TargetSpec, chain, digest_batch
 from jacobkit.batches.store import Store
+from jacobkit.keras import compat
 from jacobkit.problem import Call, Problem, arguments
+from jacobkit.problem.loss import Loss
 from jacobkit.result import JacobianResult, Stats
 
 
@@ -58,7 +60,8 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
     if spread is not None:
         distribute.check(spread, out=call.out)
     replicas = None if spread is None else spread.num_replicas_in_sync
-    batches = source.open_source(inputs, call.steps, replicas)
+    reading = _reading(call)
+    batches = source.open_source(inputs, call.steps, replicas, reading)
     start = time.perf_counter()
     with engine.device_scope(call.device):
         first = next(batches.batches, None)
@@ -67,7 +70,7 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
                 "jacobian(inputs=...): the dataset has no batches, so there is "
                 "nothing to differentiate."
             )
-        source.check_batch(0, first, None)
+        source.check_batch(0, first, None, reading)
         problem = call.problem(first)
         writer = _open_store(call, problem, first, batches.count)
         collector = Collector(problem, summed=call.summed, writer=writer)
@@ -77,6 +80,7 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
             collector=collector,
             start=start,
             rate=spread is None,
+            reading=reading,
         )
         loop.run(first, batches, progress=call.progress)
         collector.sums = loop.runner.all_sum(collector.sums)
@@ -99,6 +103,19 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
         plan=ran.plan,
         strategy_config=ran.config,
     )
+
+
+def _reading(call: Call) -> source.Reading:
+    """How the batches are read: whole elements for loss rows (their labels),
+    integers where the model declares integer inputs (token ids)."""
+    try:
+        declared = compat.declared_inputs(call.model)
+    except ValueError:
+        declared = []
+    integers = any(
+        tf.as_dtype(getattr(t, "dtype", "float32")).is_integer for t in declared
+    )
+    return source.Reading(whole=isinstance(call.outputs, Loss), integers=integers)
 
 
 def _open_store(
@@ -202,6 +219,7 @@ class _Loop:
     collector: Collector
     start: float
     rate: bool
+    reading: source.Reading
 
     tally: _Tally = field(default_factory=_Tally, init=False)
 
@@ -221,7 +239,7 @@ class _Loop:
             warned_non_finite = False
             for k, x in enumerate(_chained(first, batches.batches)):
                 if k:
-                    source.check_batch(k, x, first)
+                    source.check_batch(k, x, first, self.reading)
                 self.tally.batches = k + 1
                 self.tally.examples += source.batch_size(x)
                 digest = digest_batch(tf.nest.flatten(x))

@@ -20,6 +20,7 @@ from jacobkit import planner, strategies
 from jacobkit.batches.manifest import Fingerprint
 from jacobkit.keras import compat
 from jacobkit.problem import Problem
+from jacobkit.problem.loss import Loss
 
 
 def model_fingerprint(model: Any) -> str:
@@ -36,18 +37,19 @@ def model_fingerprint(model: Any) -> str:
 def fingerprint(
     problem: Problem,
     *,
-    outputs: str | Callable[[Any], tf.Tensor],
+    outputs: str | Callable[[Any], tf.Tensor] | Loss,
     strategy: strategies.Strategy | planner.Auto,
     first: Any,
     steps: int | None,
 ) -> Fingerprint:
     """The call computing ``problem`` (built for the ``first`` batch, arrays
     ``(B, ...)``) over at most ``steps`` batches with ``strategy``."""
-    mode = (
-        outputs
-        if isinstance(outputs, str)
-        else getattr(outputs, "__qualname__", type(outputs).__name__)
-    )
+    if isinstance(outputs, str):
+        mode = outputs
+    elif isinstance(outputs, Loss):
+        mode = f"Loss({getattr(outputs.fn, '__qualname__', type(outputs.fn).__name__)})"
+    else:
+        mode = getattr(outputs, "__qualname__", type(outputs).__name__)
     features = problem.rows_spec.features
     return Fingerprint(
         model=model_fingerprint(problem.model),

@@ -57,15 +57,42 @@ class batches:  # noqa: N801 - reads as a function: jk.data.batches(x, 64)
             )
 
 
-def _features_of(element: Any) -> Any:
-    """``x`` of a dataset element: ``(x, y)`` and ``(x, y, w)`` tuples give
-    ``x``, anything else is ``x`` itself (Keras' convention)."""
-    if isinstance(element, tuple) and 1 <= len(element) <= 3:
-        return element[0]
-    return element
+@dataclass(frozen=True)
+class Reading:
+    """How batches are read.
+
+    Attributes:
+        whole: keep a dataset element's ``(x, y)`` or ``(x, y, w)`` whole (loss
+            rows take the labels, :mod:`jacobkit.problem.loss`); else ``x``.
+        integers: ``x`` may hold integers (a model that declares integer
+            inputs: token ids); else it must be floating.
+    """
+
+    whole: bool = False
+    integers: bool = False
+
+    def element(self, element: Any) -> Any:
+        """What is kept of a dataset element: ``x`` of ``(x, y)`` and ``(x,
+        y, w)`` tuples (Keras' convention), or all of it where ``whole``."""
+        if not self.whole and isinstance(element, tuple) and 1 <= len(element) <= 3:
+            return element[0]
+        return element
+
+    def x(self, batch: Any) -> Any:
+        """The model's inputs of a kept batch."""
+        if self.whole and isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+            return batch[0]
+        return batch
+
+    def allows(self, dtype: Any) -> bool:
+        """Whether ``x`` may hold ``dtype`` (a NumPy or TensorFlow dtype)."""
+        kind = np.dtype(tf.as_dtype(dtype).as_numpy_dtype).kind
+        return kind == "f" or (self.integers and kind in "iu")
 
 
-def count_batches(inputs: Any, steps: int | None) -> int | None:
+def count_batches(
+    inputs: Any, steps: int | None, reading: Reading = Reading()
+) -> int | None:
     """The number of batches (``None`` if unknown), checked before any work."""
     if steps is not None and (
         isinstance(steps, bool) or not isinstance(steps, (int, np.integer))
@@ -90,9 +117,9 @@ def count_batches(inputs: Any, steps: int | None) -> int | None:
             count = None
         else:
             count = cardinality if steps is None else min(cardinality, int(steps))
-        spec = _features_of(inputs.element_spec)
+        spec = reading.x(reading.element(inputs.element_spec))
         for s in tf.nest.flatten(spec):
-            if not isinstance(s, tf.TensorSpec) or not s.dtype.is_floating:
+            if not isinstance(s, tf.TensorSpec) or not reading.allows(s.dtype):
                 what = (
                     s.dtype.name if isinstance(s, tf.TensorSpec) else type(s).__name__
                 )
@@ -117,24 +144,28 @@ def count_batches(inputs: Any, steps: int | None) -> int | None:
     return count
 
 
-def iterate(inputs: Any, steps: int | None) -> Iterator[Any]:
-    """Each batch's ``x``, as NumPy arrays (nested like the model's inputs)."""
+def iterate(
+    inputs: Any, steps: int | None, reading: Reading = Reading()
+) -> Iterator[Any]:
+    """Each batch's ``x`` (or whole element, :class:`Reading`), as NumPy
+    arrays (nested like the model's inputs)."""
     if isinstance(inputs, tf.data.Dataset):
         source = inputs.take(steps) if steps is not None else inputs
         for element in source:
-            yield tf.nest.map_structure(np.asarray, _features_of(element))
+            yield tf.nest.map_structure(np.asarray, reading.element(element))
         return
     for k, element in enumerate(inputs):
         if steps is not None and k >= steps:
             return
-        yield tf.nest.map_structure(np.asarray, _features_of(element))
+        yield tf.nest.map_structure(np.asarray, reading.element(element))
 
 
-def check_batch(k: int, x: Any, first: Any) -> None:
-    """Each batch: float arrays, one batch axis, shapes like the first batch's."""
+def check_batch(k: int, x: Any, first: Any, reading: Reading = Reading()) -> None:
+    """Each batch: float arrays (integers too where the model takes them;
+    labels of any dtype), one batch axis, shapes like the first batch's."""
     flat = tf.nest.flatten(x)
-    for a in flat:
-        if a.dtype.kind != "f":
+    for a in tf.nest.flatten(reading.x(x)):
+        if not reading.allows(a.dtype):
             raise TypeError(
                 f"jacobian(inputs=...): batch {k} holds {a.dtype} values; "
                 "Jacobians need float inputs. Cast the batches to float32."
@@ -191,12 +222,19 @@ class Source:
     batches: Iterator[Any]
 
 
-def open_source(inputs: Any, steps: int | None, replicas: int | None) -> Source:
+def open_source(
+    inputs: Any,
+    steps: int | None,
+    replicas: int | None,
+    reading: Reading = Reading(),  # noqa: B008 - frozen
+) -> Source:
     """The batches of ``inputs``: a dataset's or iterable's (at most ``steps``),
     or one batch of arrays, split into one batch per replica when there are
     ``replicas`` (``distribute=``)."""
     if arguments.is_batches(inputs):
-        return Source(count_batches(inputs, steps), iterate(inputs, steps))
+        return Source(
+            count_batches(inputs, steps, reading), iterate(inputs, steps, reading)
+        )
     arrays = tf.nest.map_structure(np.asarray, inputs)
     arguments.check_examples(arrays)
     if replicas is None:

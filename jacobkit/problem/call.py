@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from jacobkit.problem import arguments, rows
 from jacobkit.problem import outputs as model_outputs
+from jacobkit.problem.loss import Loss
 from jacobkit.problem.problem import Problem
 
 if TYPE_CHECKING:  # the strategy ranks above the problem: named for types only
@@ -55,7 +56,7 @@ class Call:
 
     model: Any
     layer: Any
-    outputs: str | Callable[[Any], tf.Tensor] = "features"
+    outputs: str | Callable[[Any], tf.Tensor] | Loss = "features"
     features: Sequence[int] | None = None
     training: bool = False
     unconnected: str = "error"
@@ -83,6 +84,8 @@ class Call:
         """Whether rows are summed over the batches of a dataset (not
         ``"per_example"`` or ``"full"``, whose rows follow each other)."""
         outputs = self.outputs
+        if isinstance(outputs, Loss):
+            return False
         return not (isinstance(outputs, str) and outputs in ("per_example", "full"))
 
     def problem(self, inputs: Any) -> Problem:

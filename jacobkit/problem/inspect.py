@@ -78,6 +78,8 @@ class Traceable(Protocol):
 
     def raise_call_error(self, err: Exception) -> NoReturn: ...
 
+    def labels(self, inputs: Any) -> tuple[Any, ...]: ...
+
 
 def inspect(problem: Traceable) -> Inspection:
     """The :class:`Inspection` of ``problem`` (traced once per model,
@@ -175,7 +177,7 @@ def _probe(problem: Traceable, found: dict[str, Any]) -> Callable[[Any], tf.Tens
                     # prepend its "in user code:" traceback.
                     found["invalid"] = err
                     return tf.constant(0.0)
-                rows = rows_spec.of(outputs)
+                rows = rows_spec.of(outputs, problem.labels(inputs))
             found["rows"] = rows
             # the forward pass's ops come before the gradient's
             found["forward_ops"] = len(rows.graph.get_operations())

@@ -22,9 +22,10 @@ import tensorflow as tf
 from jacobkit import layers
 from jacobkit.keras import compat, layer_tree
 from jacobkit.keras import graph as taps
-from jacobkit.problem import arguments, forms, inspect, rows, targets
+from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
+from jacobkit.problem.loss import Loss
 
 
 class Problem:
@@ -68,7 +69,7 @@ class Problem:
         inputs: Any,
         layer: Any,
         *,
-        outputs: str | Callable[[Any], tf.Tensor] = "features",
+        outputs: str | Callable[[Any], tf.Tensor] | Loss = "features",
         features: Sequence[int] | None = None,
         training: bool = False,
         unconnected: str = "error",
@@ -213,6 +214,7 @@ class Problem:
         row's gradient then reaches the target variables as the loop's
         gradient of a float32 scalar does.
         """
+        inputs = self.model_inputs(inputs)
         if hook is not None:
             outputs = self.layer_tap(inputs, self.training, hook)
         elif self.tensor_targets is not None:
@@ -237,7 +239,22 @@ class Problem:
         block (see :mod:`jacobkit.problem.tensor_targets`)."""
         if self.blocked:
             return tf.reshape(tf.reduce_sum(self.per_example_rows(inputs), 0), (-1,))
-        return tf.reshape(self.rows_spec.of(self.call_model(inputs)), (-1,))
+        outputs = self.call_model(inputs)
+        return tf.reshape(self.rows_spec.of(outputs, self.labels(inputs)), (-1,))
+
+    def model_inputs(self, inputs: Any) -> Any:
+        """What the model takes of ``inputs``: ``x`` of the ``(x, y[, w])``
+        that loss rows take (:mod:`.loss`), else all of them."""
+        if self.rows_spec.loss is None:
+            return inputs
+        return loss.split(inputs)[0]
+
+    def labels(self, inputs: Any) -> tuple[Any, ...]:
+        """``(y,)`` or ``(y, sample_weight)`` of loss rows' inputs; ``()``
+        for other rows."""
+        if self.rows_spec.loss is None:
+            return ()
+        return loss.split(inputs)[1]
 
     def per_example_rows(self, inputs: Any, hook: taps.Hook | None = None) -> tf.Tensor:
         """Rows before any sum over the batch: shape ``(B, K)``.
@@ -247,7 +264,7 @@ class Problem:
         ``per_example_rows(...)`` otherwise. ``hook`` as in :meth:`call_model`.
         """
         selected = self.rows_spec.select(self.call_model(inputs, hook))
-        return self.rows_spec.per_example(selected)
+        return self.rows_spec.per_example(selected, self.labels(inputs))
 
     @property
     def blocked(self) -> bool:

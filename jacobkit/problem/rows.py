@@ -4,7 +4,9 @@ The model output ``Y`` has shape ``(B, ..., F)``. ``features=`` keeps a
 subset of its last axis; ``outputs=`` then makes rows of it:
 ``"features"`` sums over every axis but the last (``F`` rows),
 ``"per_example"`` over the middle axes (``B × F`` rows), ``"full"`` keeps
-every element, and a callable ``g(Y)`` makes each of its elements a row.
+every element, a callable ``g(Y)`` makes each of its elements a row, and
+``jk.Loss(loss_fn)`` makes each example's loss a row (``B`` rows; the
+labels come with the inputs, :mod:`jacobkit.problem.loss`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit.problem.loss import Loss
+
 OUTPUT_MODES = ("features", "per_example", "full")
 
 
@@ -28,8 +32,13 @@ class Rows:
     ``g(Y)``; ``features`` keeps a subset of the last axis of ``Y`` first.
     """
 
-    mode: str | Callable[[Any], tf.Tensor]
+    mode: str | Callable[[Any], tf.Tensor] | Loss
     features: tuple[int, ...] | None
+
+    @property
+    def loss(self) -> Loss | None:
+        """The per-example loss making the rows, or ``None``."""
+        return self.mode if isinstance(self.mode, Loss) else None
 
     def select(self, outputs: Any) -> Any:
         """``Y[..., features]``: shape ``(B, ..., len(features))``."""
@@ -47,9 +56,12 @@ class Rows:
             indices = [f % width for f in self.features]
         return tf.gather(outputs, indices, axis=-1)
 
-    def of(self, outputs: Any) -> tf.Tensor:
-        """The rows, shaped ``rows_shape``."""
+    def of(self, outputs: Any, labels: tuple[Any, ...] = ()) -> tf.Tensor:
+        """The rows, shaped ``rows_shape`` (``labels``: the ``(y,)`` or ``(y,
+        sample_weight)`` of loss rows)."""
         selected = self.select(outputs)
+        if isinstance(self.mode, Loss):
+            return self.mode.rows(selected, labels)
         if callable(self.mode):
             return tf.convert_to_tensor(self.mode(selected))
         if self.mode == "features":
@@ -59,12 +71,17 @@ class Rows:
             return self.per_example(selected)
         return selected
 
-    def per_example(self, selected: tf.Tensor) -> tf.Tensor:
+    def per_example(
+        self, selected: tf.Tensor, labels: tuple[Any, ...] = ()
+    ) -> tf.Tensor:
         """Per-example rows ``P`` of shape ``(B, K)``; each depends on one example.
 
-        ``"features"`` rows are ``P.sum(axis=0)``; ``"per_example"`` and
-        ``"full"`` rows are ``P`` itself (reshaped).
+        ``"features"`` rows are ``P.sum(axis=0)``; ``"per_example"``,
+        ``"full"`` and loss rows are ``P`` itself (reshaped; ``K = 1`` for
+        losses).
         """
+        if isinstance(self.mode, Loss):
+            return self.mode.rows(selected, labels)[:, None]
         if self.mode == "full":
             return tf.reshape(selected, (selected.shape[0], -1))
         middle = list(range(1, selected.shape.rank - 1))
@@ -72,7 +89,7 @@ class Rows:
 
     @property
     def decomposes_per_example(self) -> bool:
-        return not callable(self.mode)
+        return isinstance(self.mode, Loss) or not callable(self.mode)
 
     @property
     def summed_over_batch(self) -> bool:
@@ -102,7 +119,10 @@ class Rows:
 
 
 def check_mode(outputs: Any) -> None:
-    """Raise ``ValueError`` unless ``outputs=`` is a mode or a callable."""
+    """Raise ``ValueError`` unless ``outputs=`` is a mode, a callable or a
+    :class:`~jacobkit.problem.loss.Loss`."""
+    if isinstance(outputs, Loss):
+        return
     if not (callable(outputs) or outputs in OUTPUT_MODES):
         raise ValueError(
             f"jacobian(outputs={outputs!r}): expected one of "

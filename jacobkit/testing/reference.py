@@ -29,6 +29,8 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.keras.cast import dtype_name, float64_copy
+from jacobkit.problem.loss import Loss
+from jacobkit.problem.loss import split as split_loss_inputs
 from jacobkit.testing.reference_targets import ReferenceTarget, resolve
 
 __all__ = [
@@ -75,7 +77,7 @@ def reference_jacobian(
     inputs: Any,
     variables: Sequence[Any],
     *,
-    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    outputs: str | Callable[[Any], tf.Tensor] | Loss = "features",
     features: Sequence[int] | None = None,
     call_kwargs: Mapping[str, Any] | None = None,
 ) -> list[np.ndarray]:
@@ -101,7 +103,7 @@ def _jacobians(
     target: ReferenceTarget,
     model: Any,
     inputs: Any,
-    outputs: str | Callable[[Any], tf.Tensor],
+    outputs: str | Callable[[Any], tf.Tensor] | Loss,
     features: Sequence[int] | None,
     call_kwargs: Mapping[str, Any] | None,
 ) -> list[np.ndarray]:
@@ -110,9 +112,19 @@ def _jacobians(
     (``rows_shape + source.shape[1:]``) for per-example and full rows of a
     tensor target, as :func:`jacobkit.jacobian` returns them."""
     kwargs = dict(call_kwargs or {})
+    labels: tuple[Any, ...] = ()
+    if isinstance(outputs, Loss):  # the model takes x of (x, y[, w])
+        inputs, labels = split_loss_inputs(inputs)
     with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
         y, sources = target.sources(model, inputs, kwargs, tape)
-        rows_shape, rows = _row_tensors(y, outputs, features)
+        if isinstance(outputs, Loss):
+            if features is not None:
+                y = tf.stack([y[..., f] for f in features], axis=-1)
+            losses = outputs.rows(y, labels)
+            rows_shape = tuple(losses.shape)
+            rows = [losses[b] for b in range(rows_shape[0])]
+        else:
+            rows_shape, rows = _row_tensors(y, outputs, features)
     result = []
     for source in sources:
         grads = [
@@ -140,7 +152,7 @@ def reference_tensor_jacobian(
     model: Callable[[Any], tf.Tensor],
     tensor: Any,
     *,
-    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    outputs: str | Callable[[Any], tf.Tensor] | Loss = "features",
     features: Sequence[int] | None = None,
 ) -> np.ndarray:
     """The Jacobian of every row with respect to the tensor ``model`` is
@@ -230,7 +242,7 @@ def float64_reference(
     inputs: Any,
     layer: Any,
     *,
-    outputs: str | Callable[[Any], tf.Tensor] = "features",
+    outputs: str | Callable[[Any], tf.Tensor] | Loss = "features",
     features: Sequence[int] | None = None,
     call_kwargs: Mapping[str, Any] | None = None,
     baseline: bool = True,
