@@ -27,6 +27,7 @@ NO_TENSORFLOW = (
 
 #: public name -> the module that defines it
 _PUBLIC = {
+    "ClippedSum": "jacobkit.problem.reduce",
     "Inputs": "jacobkit.problem.tensor_targets",
     "JacobianResult": "jacobkit.result",
     "Loss": "jacobkit.problem.loss",
@@ -51,6 +52,7 @@ _MODULES = {
 }
 
 __all__ = [
+    "ClippedSum",
     "Inputs",
     "JacobianResult",
     "Loss",
@@ -78,6 +80,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.problem.loss import Loss
+    from jacobkit.problem.reduce import ClippedSum
     from jacobkit.problem.tensor_targets import Inputs, Output
     from jacobkit.reach import coverage
     from jacobkit.result import JacobianResult, Stats

@@ -88,6 +88,11 @@ def wrap(problem: Problem, solution: strategies.Solution) -> JacobianResult:
         plan=solution.plan,
         strategy_config=strategy,
         reduce=problem.reduce,
+        norms=(
+            None
+            if solution.norms is None
+            else tf.reshape(solution.norms, problem.rows_shape)
+        ),
     )
 
 

@@ -72,7 +72,10 @@ class JacobianResult(Mapping[str, Any]):
     (:mod:`jacobkit.problem.tensor_targets`).
 
     With ``reduce="norm"`` each entry is instead the L2 norm of every row's
-    Jacobian, shape ``rows_shape``.
+    Jacobian, shape ``rows_shape``. With ``reduce=jk.ClippedSum(C)`` each
+    entry is the sum over rows of the rows' gradients clipped to norm ``C``
+    (over all targets together), in the target's own shape, and ``norms``
+    holds every row's norm before clipping, shape ``rows_shape``.
 
     The Jacobians are ``tf.Tensor`` objects, except after
     ``jacobian(..., out=DIR)``: then they are read-only ``numpy.memmap``
@@ -87,7 +90,8 @@ class JacobianResult(Mapping[str, Any]):
     roles: dict[str, str] = field(default_factory=dict)
     plan: Any = None
     strategy_config: Any = None
-    reduce: str | None = None
+    reduce: Any = None
+    norms: Any = None
 
     @property
     def kernel(self) -> tf.Tensor:

@@ -44,18 +44,14 @@ from jacobkit.batches.store import Store
 from jacobkit.keras import compat
 from jacobkit.problem import Call, Problem, arguments
 from jacobkit.problem.loss import Loss
+from jacobkit.problem.reduce import ClippedSum
 from jacobkit.result import JacobianResult, Stats
 
 
 def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
     """:func:`jacobkit.jacobian` over the batches of ``inputs`` (see the module
     docstring). ``inputs`` that are one batch (arrays) are one batch here."""
-    if call.reduce is not None:
-        raise ValueError(
-            f"jacobian(reduce={call.reduce!r}): norms are computed for one "
-            "batch in memory only (the norm of a sum over batches is not the sum "
-            "of their norms); drop out=/distribute=, or pass one batch of arrays."
-        )
+    _check_reduce(call)
     spread = call.distribute
     if spread is not None:
         distribute.check(spread, out=call.out)
@@ -73,7 +69,11 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
         source.check_batch(0, first, None, reading)
         problem = call.problem(first)
         writer = _open_store(call, problem, first, batches.count)
-        collector = Collector(problem, summed=call.summed, writer=writer)
+        collector = Collector(
+            problem,
+            summed=call.summed or isinstance(call.reduce, ClippedSum),
+            writer=writer,
+        )
         loop = _Loop(
             runner=_runner(call, problem),
             resume=_Resume(writer, call.out),
@@ -88,6 +88,8 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
     jacobians = collector.jacobians()
     tally, ran = loop.tally, loop.runner.ran()
     rows_shape = problem.rows_shape
+    if isinstance(call.reduce, ClippedSum):  # the rows are in the norms
+        rows_shape = (tally.examples, *rows_shape[1:])
     return JacobianResult(
         jacobians=jacobians,
         rows_shape=rows_shape if call.summed else (tally.examples, *rows_shape[1:]),
@@ -102,7 +104,33 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
         roles=engine.target_roles(problem),
         plan=ran.plan,
         strategy_config=ran.config,
+        reduce=call.reduce,
+        norms=collector.norms(),
     )
+
+
+def _check_reduce(call: Call) -> None:
+    """Over a dataset, a row's norm (or its clipped gradient) is its own where
+    rows follow each other (per example, or per-example losses); rows summed
+    over the batches are not the batches' rows, so they are refused."""
+    reduce = call.reduce
+    if reduce is None:
+        return
+    if call.summed:
+        raise ValueError(
+            f"jacobian(reduce={reduce!r}, outputs={call.outputs!r}): over a "
+            "dataset these rows are summed over the batches, and the norm of a "
+            "sum over batches is not the sum of their norms. Use rows of single "
+            "examples (outputs='per_example', or jk.Loss(...)), or pass one "
+            "batch of arrays."
+        )
+    if isinstance(reduce, ClippedSum) and (
+        call.out is not None or call.distribute is not None
+    ):
+        raise ValueError(
+            "jacobian(reduce=jk.ClippedSum(...)): a clipped sum over a dataset "
+            "is kept in memory, on one device, for now; drop out=/distribute=."
+        )
 
 
 def _reading(call: Call) -> source.Reading:
@@ -258,6 +286,7 @@ class _Loop:
             self.tally.add(batch)
             if batch.values is not None:  # (else another worker's: in its sums)
                 self.collector.add(batch.values, batch.digest)
+                self.collector.add_norms(batch.norms)
             if self.rate:
                 elapsed = max(time.perf_counter() - self.start, 1e-9)
                 bar.set_postfix_str(
@@ -292,6 +321,8 @@ class Collector:
         #: the float64 sums so far (``summed``), resumed from ``out=``
         self.sums: list[np.ndarray] | None = writer.saved_sum() if writer else None
         self._parts: list[list[tf.Tensor]] = [[] for _ in self.names]
+        #: each batch's rows' norms (``reduce=jk.ClippedSum``)
+        self._norms: list[tf.Tensor] = []
 
     def add(self, values: Sequence[Any], digest: str) -> None:
         """One batch's Jacobians, each ``rows_shape + v.shape`` (per-example:
@@ -308,6 +339,17 @@ class Collector:
         else:
             for part, v in zip(self._parts, values, strict=True):
                 part.append(v)
+
+    def add_norms(self, norms: Any) -> None:
+        """One batch's rows' norms (a clipped sum's), kept in dataset order."""
+        if norms is not None:
+            self._norms.append(norms)
+
+    def norms(self) -> Any:
+        """Every row's norm, in dataset order (``None`` without them)."""
+        if not self._norms:
+            return None
+        return tf.concat(self._norms, axis=0)
 
     def jacobians(self) -> dict[str, Any]:
         """Each target's Jacobians: memory-mapped files with ``out=``, else

@@ -21,6 +21,7 @@ import tensorflow as tf
 from jacobkit import engine, planner, strategies
 from jacobkit.batches import distribute, source
 from jacobkit.problem import Call, Problem
+from jacobkit.problem.reduce import ClippedSum
 from jacobkit.result import JacobianResult
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Computed:
     rows: int
     trace_s: float = 0.0
     traced: bool = False
+    norms: Any = None
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,10 @@ class OneDevice:
 
     def submit(self, k: int, x: Any, digest: str) -> list[Computed]:
         n = source.batch_size(x)
+        clipping = isinstance(self.call.reduce, ClippedSum)
         padded = (
             not self.call.summed
+            and not clipping  # a padded example would join the clipped sum
             and PAD_LAST_BATCH
             and not self.call.training
             and n < self.first_size
@@ -121,6 +125,7 @@ class OneDevice:
             Computed(
                 digest=digest,
                 values=[v[:n] for v in values] if padded else values,
+                norms=result.norms,
                 # rows of this batch's examples (not of the padding)
                 rows=problem.num_rows * n // max(n, source.batch_size(problem.inputs)),
                 trace_s=stats.trace_time_s if stats.traced else 0.0,

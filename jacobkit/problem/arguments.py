@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from jacobkit import runtime
 from jacobkit.keras import layer_tree
+from jacobkit.problem.reduce import ClippedSum
 
 UNCONNECTED_MODES = ("error", "zero")
 #: ``reduce=``: ``None`` (the Jacobians) or ``"norm"`` (each row's L2 norm)
@@ -46,14 +47,17 @@ def check_training(training: Any) -> bool:
     return bool(training)
 
 
-def check_reduce(reduce: Any) -> str | None:
-    if reduce not in REDUCE_MODES:
-        raise ValueError(
-            f"jacobian(reduce={reduce!r}): expected None (the Jacobians) or "
-            "'norm' (the L2 norm of each row's Jacobian per target, shape "
-            "rows_shape)."
-        )
-    return reduce
+def check_reduce(reduce: Any) -> Any:
+    """``reduce=`` checked: ``None``, ``"norm"``, or a reduction object
+    (:class:`~jacobkit.problem.reduce.ClippedSum`, ...)."""
+    if reduce in REDUCE_MODES or isinstance(reduce, ClippedSum):
+        return reduce
+    raise ValueError(
+        f"jacobian(reduce={reduce!r}): expected None (the Jacobians), 'norm' "
+        "(the L2 norm of each row's Jacobian per target, shape rows_shape) or "
+        "jk.ClippedSum(clip_norm) (the sum of every row's gradient clipped to "
+        "clip_norm)."
+    )
 
 
 def is_batches(inputs: Any) -> bool:

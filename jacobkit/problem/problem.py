@@ -26,6 +26,7 @@ from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
 from jacobkit.problem.loss import Loss
+from jacobkit.problem.reduce import ClippedSum
 
 
 class Problem:
@@ -112,7 +113,7 @@ class Problem:
         return tensors.TensorTargets(
             spec,
             self.model,
-            self.inputs,
+            self.model_inputs(self.inputs),
             self._call,
             self.function,
             self.training,
@@ -269,12 +270,12 @@ class Problem:
     @property
     def blocked(self) -> bool:
         """True for tensor targets with per-example rows (``"per_example"``,
-        ``"full"``): strategies compute ``K`` batch-summed rows and each
-        result keeps only each example's own block, shape
+        ``"full"``, loss rows): strategies compute ``K`` batch-summed rows and
+        each result keeps only each example's own block, shape
         ``rows_shape + target.shape[1:]`` (:mod:`.tensor_targets`)."""
-        return self.tensor_targets is not None and self.rows_spec.mode in (
-            "per_example",
-            "full",
+        mode = self.rows_spec.mode
+        return self.tensor_targets is not None and (
+            isinstance(mode, Loss) or mode in ("per_example", "full")
         )
 
     def shaped(self, jacobian: tf.Tensor, target: tf.Variable) -> tf.Tensor:
@@ -283,6 +284,8 @@ class Problem:
         ``rows_shape + target.shape[1:]`` when :attr:`blocked`. With
         ``reduce="norm"``: the norms ``(num_rows,)`` (``(K, B)`` blocked) as
         ``rows_shape``."""
+        if isinstance(self.reduce, ClippedSum):  # a sum in the target's shape
+            return tf.reshape(jacobian, tuple(target.shape))
         if self.reduce is not None:
             if self.blocked:
                 jacobian = tf.transpose(jacobian)
@@ -296,6 +299,13 @@ class Problem:
         model, with AutoGraph only where the model's code needs it (see
         :func:`jacobkit.keras.compat.needs_autograph`)."""
         return tf.function(fn, autograph=compat.needs_autograph(self.model))
+
+    def with_reduce(self, reduce: Any) -> Problem:
+        """This problem with ``reduce=`` in place of its own (a shallow copy:
+        nothing is traced or checked again)."""
+        other = copy.copy(self)
+        other.reduce = arguments.check_reduce(reduce)
+        return other
 
     def with_inputs(self, inputs: Any) -> Problem:
         """This problem on ``inputs`` of the same structure, shapes and dtypes

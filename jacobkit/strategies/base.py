@@ -15,8 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state
+from jacobkit.problem.reduce import ClippedSum
 from jacobkit.result import Stats
-from jacobkit.strategies import precision
+from jacobkit.strategies import clipping, precision
 
 if TYPE_CHECKING:  # auto's plan ranks above the strategies: for types only
     from jacobkit.planner.plan import Plan
@@ -37,12 +38,16 @@ class Solution:
         strategy: what computed them (for ``auto``: what later calls run).
         plan: ``auto``'s :class:`~jacobkit.planner.Plan`; ``None`` for a
             configured strategy.
+        norms: with ``reduce=jk.ClippedSum``, every row's gradient norm over
+            all targets, ``(R,)`` (``jacobians`` then holds each target's
+            clipped sum).
     """
 
     jacobians: tuple[tf.Tensor, ...]
     stats: Stats
     strategy: Strategy
     plan: Plan | None = None
+    norms: tf.Tensor | None = None
 
 
 class Strategy(abc.ABC):
@@ -70,6 +75,11 @@ class Strategy(abc.ABC):
     #: True where :meth:`build` honours ``problem.reduce == "norm"`` (returns
     #: each row's norm, ``(R,)``, holding one chunk of rows' Jacobians)
     supports_norm: ClassVar[bool] = False
+    #: True where :meth:`build` computes ``reduce=jk.ClippedSum`` itself
+    #: (each target's clipped sum, then the rows' norms); elsewhere
+    #: :meth:`solve` does it from the strategy's norms or Jacobians
+    #: (:mod:`jacobkit.strategies.clipping`)
+    clips: ClassVar[bool] = False
     #: tracing cost relative to ``while`` (1.0), before it was measured. On
     #: CPU, TF 2.21, pfor-based strategies traced 1.4-4x slower than while.
     trace_weight: ClassVar[float] = 2.0
@@ -168,7 +178,8 @@ class Strategy(abc.ABC):
         compiled = model_state(problem.model, Slot.COMPILED)
         key = (problem.key, self.key)
         if key not in compiled:
-            if problem.reduce is not None and not self.supports_norm:
+            reduce = problem.reduce
+            if reduce == "norm" and not self.supports_norm:
                 raise ValueError(
                     f"jacobian(reduce={problem.reduce!r}, strategy="
                     f"{self.name!r}): this strategy materializes every row's "
@@ -192,7 +203,17 @@ class Strategy(abc.ABC):
 
     def solve(self, problem: Problem) -> Solution:
         """:meth:`run` as a :class:`Solution` (how :mod:`jacobkit.engine`
-        runs every strategy, ``auto`` included)."""
+        runs every strategy, ``auto`` included); ``reduce=jk.ClippedSum``
+        by the strategy itself where it :attr:`clips`, else from its norms
+        or Jacobians and one weighted backward pass."""
+        if isinstance(problem.reduce, ClippedSum):
+            if not self.clips:
+                sums, norms, stats = clipping.clipped_sum(
+                    self.run, problem, norms=self.supports_norm
+                )
+                return Solution(tuple(sums), stats, self, norms=norms)
+            found, stats = self.run(problem)
+            return Solution(tuple(found[:-1]), stats, self, norms=found[-1])
         jacobians, stats = self.run(problem)
         return Solution(tuple(jacobians), stats, self)
 

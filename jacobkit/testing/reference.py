@@ -136,7 +136,9 @@ def _jacobians(
         # an embedding's gradient is tf.IndexedSlices: made dense first
         stacked = np.stack([np.asarray(tf.convert_to_tensor(g)) for g in grads])
         full = stacked.reshape(rows_shape + tuple(source.shape))
-        blocked = target.is_tensor and outputs in ("per_example", "full")
+        blocked = target.is_tensor and (
+            isinstance(outputs, Loss) or outputs in ("per_example", "full")
+        )
         result.append(_own_blocks(full, rows_shape) if blocked else full)
     return result
 
@@ -269,7 +271,9 @@ def float64_reference(
     ``docs/checking.md``).
     """
     kwargs = dict(call_kwargs or {})
-    target = resolve(layer, model, inputs)
+    # loss rows take (x, y[, w]); the targets are found in what the model takes
+    model_inputs = split_loss_inputs(inputs)[0] if isinstance(outputs, Loss) else inputs
+    target = resolve(layer, model, model_inputs)
 
     def own() -> list[np.ndarray]:
         return _jacobians(target, model, inputs, outputs, features, kwargs)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 import tensorflow as tf
 
 from jacobkit.problem import Problem
+from jacobkit.problem.reduce import ClippedSum
 from jacobkit.problem.targets import Projection
 from jacobkit.strategies.base import map_chunks
 from jacobkit.strategies.batch.forward import projections
@@ -28,7 +29,9 @@ def _no_autograph(fn: _F) -> _F:
 
 
 @_no_autograph
-def _placed(problem: Problem, parts: list[tuple[Any, Any]]) -> list[tf.Tensor]:
+def _placed(
+    problem: Problem, parts: list[tuple[Any, Any]], *, norms: bool = False
+) -> list[tf.Tensor]:
     """Each part's ``(kernel, bias)`` results (or norms) at its targets'
     positions, each in its target's dtype (bias rows reshaped to the
     variable's shape: a rule gives ``(R, units)``, ``EinsumDense``'s bias is
@@ -39,7 +42,7 @@ def _placed(problem: Problem, parts: list[tuple[Any, Any]]) -> list[tf.Tensor]:
         out[projection.kernel] = tf.cast(kernel, targets[projection.kernel].dtype)
         if projection.bias is not None:
             target = targets[projection.bias]
-            if problem.reduce != "norm":
+            if not norms:
                 bias = tf.reshape(bias, (-1, *target.shape))
             out[projection.bias] = tf.cast(bias, target.dtype)
     return out
@@ -51,6 +54,8 @@ def _each_part(
     taps: Taps,
     dzs: list[Any],
     contract: Callable[[Projection, Any, Any, tuple[int, ...]], tuple[Any, Any]],
+    *,
+    norms: bool = False,
 ) -> list[tf.Tensor]:
     """``contract(part, x, dz, kernel_shape)`` of each tap, summed over the
     taps of each part (its calls), placed in the order of the targets
@@ -66,7 +71,7 @@ def _each_part(
         if bias is not None and len(each) > 1:
             bias = tf.add_n([b for _, b in each])
         done.append((kernel, bias))
-    return _placed(problem, done)
+    return _placed(problem, done, norms=norms)
 
 
 #: each tap's input (cast to its ``z``'s dtype) and the index of its part
@@ -117,4 +122,33 @@ def norms(
         taps,
         dzs,
         lambda p, x, dz, _: p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks),
+        norms=True,
     )
+
+
+def clipped_sum(
+    problem: Problem, taps: Taps, dzs: list[Any], *, summed: bool
+) -> list[tf.Tensor]:
+    """``reduce=jk.ClippedSum``: each target's sum of the rows' gradients
+    scaled to norm at most ``clip_norm`` (over all targets together), then
+    every row's norm ``(R,)``. The norms come from the cotangents (as
+    :func:`norms`); the sum is one more contraction of the same cotangents,
+    each row's scaled by ``min(1, clip_norm / norm)``: a row's gradient is
+    linear in its cotangent, so no second backward pass is needed (the
+    book-keeping of ghost clipping)."""
+    reduce = problem.reduce
+    assert isinstance(reduce, ClippedSum), "a clipped sum is asked for"
+    found = norms(problem, taps, dzs, summed=summed)
+    total = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in found]))
+    scales = reduce.scales(total)
+    batch, rows = int(dzs[0].shape[0]), int(dzs[0].shape[1])
+    by_row = tf.reshape(scales, (1, rows) if summed else (batch, rows))
+    scaled = [
+        dz
+        * tf.cast(
+            tf.reshape(by_row, (*by_row.shape, *[1] * (dz.shape.rank - 2))), dz.dtype
+        )
+        for dz in dzs
+    ]
+    sums = gradients(problem, taps, scaled, summed=True)
+    return [tf.reduce_sum(s, axis=0) for s in sums] + [total]

@@ -1,0 +1,88 @@
+"""``reduce=jk.ClippedSum(C)`` by any strategy: each row's norm (over every
+target) by the strategy itself, then one backward pass of the rows weighted
+by ``min(1, C / norm)``. That pass gives ``sum_r s_r g_r`` at once: the
+gradient of ``sum_r s_r row_r`` is the scaled rows' gradients summed, and no
+row's gradient is formed. (``batch`` needs no second pass: it scales each
+row's cotangents at its layers and contracts once; see
+:mod:`jacobkit.strategies.batch`.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit.problem import Problem, Slot, model_state
+from jacobkit.problem.reduce import ClippedSum
+from jacobkit.result import Stats
+
+ZERO = tf.UnconnectedGradients.ZERO
+
+Run = Callable[[Problem], tuple[list[tf.Tensor], Stats]]
+
+
+def clipped_sum(
+    run: Run, problem: Problem, *, norms: bool
+) -> tuple[list[tf.Tensor], tf.Tensor, Stats]:
+    """The clipped sum per target, every row's norm ``(R,)`` and the cost:
+    ``run`` computes each row's per-target norms where ``norms`` (its
+    strategy supports ``reduce="norm"``), else each row's Jacobians (a
+    strategy that holds them all anyway)."""
+    reduce = problem.reduce
+    assert isinstance(reduce, ClippedSum), "a clipped sum is asked for"
+    if problem.tensor_targets is not None:
+        raise ValueError(
+            "jacobian(reduce=jk.ClippedSum(...)): clips the gradients of "
+            f"variables, got the tensor target(s) {', '.join(problem.target_names)}."
+        )
+    first, stats = run(problem.with_reduce("norm" if norms else None))
+    total = tf.sqrt(tf.add_n([_squared_norms(f, norms) for f in first]))
+    start = time.perf_counter()
+    sums = _weighted(problem)(problem.inputs, reduce.scales(total))
+    wall = stats.wall_time_s + time.perf_counter() - start
+    stats = Stats(
+        wall_time_s=wall,
+        trace_time_s=stats.trace_time_s,
+        traced=stats.traced,
+        peak_bytes=stats.peak_bytes,
+        num_rows=stats.num_rows,
+    )
+    return list(sums), total, stats
+
+
+def _squared_norms(found: tf.Tensor, norms: bool) -> tf.Tensor:
+    """Each row's squared norm ``(R,)`` from its norms or its Jacobians."""
+    found = tf.cast(found, tf.float32)
+    if norms:
+        return tf.square(tf.reshape(found, (-1,)))
+    return tf.reduce_sum(tf.square(tf.reshape(found, (found.shape[0], -1))), -1)
+
+
+def _weighted(problem: Problem) -> Any:
+    """``(inputs, scales (R,)) -> the gradient of sum_r scales_r row_r`` per
+    target, compiled once per model and problem."""
+    compiled = model_state(problem.model, Slot.COMPILED)
+    key = (problem.key, "weighted rows")
+    if key not in compiled:
+        detached = problem.detached()
+        targets = list(problem.targets)
+
+        def weighted(inputs: Any, scales: tf.Tensor) -> list[tf.Tensor]:
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(targets)
+                rows = detached.rows(inputs)
+            found: list[tf.Tensor] = tape.gradient(
+                rows,
+                targets,
+                output_gradients=tf.reshape(
+                    tf.cast(scales, rows.dtype), tf.shape(rows)
+                ),
+                unconnected_gradients=ZERO,
+            )
+            return [tf.convert_to_tensor(g) for g in found]
+
+        compiled[key] = problem.function(weighted)
+    return compiled[key]
