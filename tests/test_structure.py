@@ -505,3 +505,42 @@ def test_a_budget_the_measured_peak_fits_is_accepted():
     with memory.PeakMemory("CPU:0") as call:
         jk.jacobian(fresh.model, fresh.inputs, "conv1", memory_budget=budget)
     assert call.extra_bytes <= budget
+
+
+def _frozen_densenet_head(size: int = 32, batch: int = 8):
+    """keras.applications DenseNet121 (random weights), frozen, under a
+    Dense(7) head named "head" (separable channels: one backward pass): its
+    eager forward pass holds every layer's output (31 MiB at 8 images of 32
+    px), a traced call about 2 MiB."""
+    keras.utils.set_random_seed(0)
+    backbone = keras.applications.DenseNet121(
+        weights=None, include_top=False, input_shape=(size, size, 3), pooling="avg"
+    )
+    backbone.trainable = False
+    inputs = keras.Input((size, size, 3))
+    model = keras.Model(inputs, keras.layers.Dense(7, name="head")(backbone(inputs)))
+    x = np.random.default_rng(0).normal(size=(batch, size, size, 3))
+    return model, x.astype("float32")
+
+
+def test_the_first_calls_check_is_counted_against_the_budget():
+    """Issue 37, item 2: the shortcut checks its first call with jk.verify,
+    whose eager forward pass holds every layer's output (31 MiB here; 253
+    MiB at 16 images of 64 px), inside the run's peak. Predicted at the
+    traced run's 2.8 MiB, a 16 MiB budget ran the shortcut, measured 32 MiB
+    and backed off its rows in flight, which cannot lower it, retracing for
+    3 calls. Counted, the shortcut does not fit and every call holds the
+    budget."""
+    model, x = _frozen_densenet_head()
+    limit = memory.parse_budget("16MiB")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            with memory.PeakMemory("CPU:0") as call:
+                result = jk.jacobian(model, x, "head", memory_budget=limit, cache=False)
+            assert call.extra_bytes <= limit, str(result.plan)
+    assert not [str(w.message) for w in caught if "jacobkit" in str(w.message)]
+    plan = result.plan
+    assert plan.strategy.name != "structured" and not plan.switches, str(plan)
+    assert "rejected structured(while): its first call's check" in str(plan)
+

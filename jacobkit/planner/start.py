@@ -129,12 +129,27 @@ def _with_shortcut(
             rejected.append(Rejection(named, structure))
         return found, rejected, None
     if fitting is None:
-        rejected.append(Rejection(shortcut, "predicted peak over the budget"))
+        rejected.append(Rejection(shortcut, _too_big(shortcut, footprint)))
         return found, rejected, None
     kept, more = shortcuts.candidates(
         problem, found, fitting, footprint.fits, closed_form=closed_form
     )
     return kept, rejected + more, structure
+
+
+def _too_big(shortcut: Strategy, footprint: Footprint) -> str:
+    """Why the shortcut, at its smallest, does not fit: its first call's
+    check (:func:`~jacobkit.planner.estimates.check_peak`), where that alone
+    is over what the budget allows."""
+    check = est.check_peak(shortcut, footprint.prior, footprint.result_bytes)
+    if check > footprint.allowed_bytes:
+        return (
+            f"its first call's check (jk.verify: an eager forward pass, which "
+            f"holds every layer's output: {_fmt(footprint.prior.eager_bytes)}) "
+            f"is predicted at {_fmt(check)}, over the "
+            f"{_fmt(footprint.allowed_bytes)} the budget allows"
+        )
+    return "predicted peak over the budget"
 
 
 def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
