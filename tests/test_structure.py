@@ -544,3 +544,29 @@ def test_the_first_calls_check_is_counted_against_the_budget():
     assert plan.strategy.name != "structured" and not plan.switches, str(plan)
     assert "rejected structured(while): its first call's check" in str(plan)
 
+
+def test_a_back_off_that_cannot_lower_the_peak_is_warned_and_not_repeated(
+    monkeypatch,
+):
+    """Where a run over the budget is not its rows at once (here the check,
+    left out of the prior as before the fix), running less at once once
+    shows it: the budget not held is a UserWarning a user sees, and no later
+    call traces again (it retraced and re-checked on each of 3 calls, and
+    warned a ResourceWarning, which Python hides)."""
+    from jacobkit.planner import estimates
+
+    monkeypatch.setattr(estimates, "check_peak", lambda *args: 0, raising=False)
+    model, x = _frozen_densenet_head()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [
+            jk.jacobian(model, x, "head", memory_budget="16MiB", cache=False)
+            for _ in range(5)
+        ]
+    ours = [w for w in caught if "jacobkit" in str(w.message)]
+    assert ours and all(issubclass(w.category, UserWarning) for w in ours), ours
+    held = [w for w in ours if "is not held" in str(w.message)]
+    assert len(held) == 1, [str(w.message) for w in ours]
+    assert [r.stats.traced for r in results[2:]] == [False] * 3
+    assert len({r.plan.strategy for r in results[1:]}) == 1
+    testing.assert_close(results[-1], list(results[0].jacobians.values()))

@@ -8,6 +8,12 @@ from jacobkit import memory
 from jacobkit.strategies import Strategy
 
 
+class BudgetWarning(UserWarning):
+    """``auto`` changed what it runs because memory ran short (a run went
+    over ``memory_budget``, or out of memory), or it cannot hold the budget:
+    a :class:`UserWarning`, shown by default, once per plan each."""
+
+
 @dataclass(frozen=True)
 class Probe:
     """One run of a strategy over the rows of a real call.

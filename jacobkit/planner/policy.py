@@ -71,6 +71,15 @@ class Policy:
         safety: the plan keeps its predicted peak below this fraction of the
             budget: the memory prior was measured within ~10% of real peaks,
             the rest is allocator fragmentation.
+        backoff_gain: a run over the budget is run with less at once
+            (``smaller()``) on the next call only while the last such back-off
+            lowered the measured peak below this fraction of what it was;
+            else the budget is not held (warned), and nothing is traced
+            again. Measured: a Conv1D generator's ``while`` peaks at 72 MiB
+            with 10 rows in flight, 61 with 2, 38 with 1 (each back-off
+            0.62-0.85 of the peak before, :class:`~jacobkit.strategies.While`);
+            a frozen DenseNet121 head's separable shortcut at 253 MiB with 10,
+            5, 2 and 1 on their first calls (its check, not its rows).
         eager_rows: problems of at most this many rows start on the eager
             ``loop``, which traces nothing, then trace a candidate once the
             calls repeat (ski rental, as for any candidate; a candidate's
@@ -91,6 +100,7 @@ class Policy:
     race_peak_factor: float = 1
     race_slack_bytes: int = 256 * 2**20
     safety: float = 0.85
+    backoff_gain: float = 0.9
     eager_rows: int = 4
 
 

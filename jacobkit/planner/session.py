@@ -22,16 +22,13 @@ is :mod:`jacobkit.planner.cache` (:meth:`restore`, :meth:`cache_entry`).
 
 from __future__ import annotations
 
-import warnings
-
 import tensorflow as tf
 
-from jacobkit import runtime
 from jacobkit.planner import cache as disk
 from jacobkit.planner import estimates as est
 from jacobkit.planner import selection, trials
 from jacobkit.planner.entry import CacheEntry
-from jacobkit.planner.footprint import Footprint
+from jacobkit.planner.footprint import Footprint, Overruns
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
@@ -92,7 +89,7 @@ class Session:
         self._calls = 0
         self._source = "not run yet"
         self._last_call: tuple[Probe, ...] = ()
-        self._warned = False
+        self._overruns = Overruns(budget_bytes, policy.backoff_gain)
         #: something worth writing to the disk cache changed
         self._dirty = False
 
@@ -211,25 +208,27 @@ class Session:
             and probe.peak_bytes > self._footprint.allowed_bytes
         )
 
-    def back_off(self, strategy: Strategy, what: str) -> None:
-        """``strategy`` needs less at once (``what`` happened): its
+    def back_off(self, strategy: Strategy, what: str, peak: int | None = None) -> None:
+        """``strategy`` needs less at once (``what`` happened; ``peak``: what
+        a run that computed its rows measured, over the budget): its
         :meth:`~jacobkit.strategies.Strategy.smaller` from now on, or, for a
-        candidate at its smallest, the current strategy. Warned once.
+        candidate at its smallest, the current strategy. Warned once
+        (:class:`~jacobkit.planner.plan.BudgetWarning`). Where a run over the
+        budget has nothing smaller, or the last back-off did not lower its
+        peak (what takes the memory is not its rows at once), nothing changes
+        and nothing is traced again: the budget is not held, warned once.
 
         Raises:
             tf.errors.ResourceExhaustedError: the current strategy already
                 runs one row at a time.
         """
         smaller = strategy.smaller()
-        if not self._warned:
-            after = smaller.label if smaller is not None else self._current.label
-            warnings.warn(
-                f"jacobkit: {strategy.label} {what}; retrying with less at once "
-                f"({after}).",
-                ResourceWarning,
-                stacklevel=runtime.caller_stacklevel(),
-            )
-            self._warned = True
+        if peak is not None and not self._overruns.lowers(strategy, peak):
+            if strategy != self._trying:
+                self._overruns.not_held(strategy, peak)
+                return
+            smaller = None  # a candidate that cannot fit is dropped
+        self._overruns.backed_off(strategy, what, peak, smaller or self._current)
         self._dirty = True
         if strategy == self._trying:
             if smaller is None:
