@@ -79,10 +79,19 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A strategy ``auto`` does not run, and why."""
+    """A strategy ``auto`` does not run, and why.
+
+    Attributes:
+        strategy: the configuration, or a registered name.
+        reason: why, in words.
+        memory: the reason is memory (predicted or measured over what the
+            budget allows, out of memory): a larger budget reconsiders it,
+            in this process or from the plan cache.
+    """
 
     strategy: Strategy | str
     reason: str
+    memory: bool = False
 
     @property
     def label(self) -> str:

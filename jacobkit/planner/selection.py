@@ -61,7 +61,9 @@ def candidates(
         while strategy is not None and not fits(strategy):
             strategy = strategy.smaller()
         if strategy is None:
-            rejected.append(Rejection(cls.name, "predicted peak over the budget"))
+            rejected.append(
+                Rejection(cls.name, "predicted peak over the budget", memory=True)
+            )
         else:
             found.append(strategy)
     return found, rejected
@@ -141,6 +143,7 @@ def too_big_to_try(
         f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
         f"({policy.safety:.0%} of {policy.race_peak_factor:g} x the current "
         f"peak + {_fmt(policy.race_slack_bytes)}, within the budget)",
+        memory=True,
     )
 
 
@@ -168,13 +171,15 @@ class NextTry:
         candidate: the candidate to try now, made small enough for the room a
             try may take (``None``: none is due yet).
         reason: why now, in words (the plan's switch), where ``candidate``.
-        too_big: candidates at the head of the queue dropped on the way, each
-            predicted over that room even at its smallest.
+        dropped: candidates at the head of the queue dropped on the way,
+            each predicted over that room even at its smallest, or measured
+            slower than the current strategy by an earlier process (the
+            plan cache: a plan made again for a larger budget knows them).
     """
 
     candidate: Strategy | None
     reason: str
-    too_big: tuple[Rejection, ...]
+    dropped: tuple[Rejection, ...]
 
 
 def next_try(
@@ -197,23 +202,45 @@ def next_try(
     from what ``earlier`` processes measured)."""
     allowed, num_rows = limits
     room = race_room(policy, current.peak_bytes, allowed)
-    too_big: list[Rejection] = []
+    dropped: list[Rejection] = []
     for candidate in pending:
         smaller: Strategy | None = candidate
         while smaller is not None and not fits(smaller, room):
             smaller = smaller.smaller()
         if smaller is None:
-            too_big.append(
+            dropped.append(
                 too_big_to_try(policy, candidate, predicted_peak(candidate), room)
             )
             continue
+        slower = known_slower(policy, earlier(smaller), current)
+        if slower is not None:
+            dropped.append(slower)
+            continue
         trace_s = est.predicted_trace_s(smaller, earlier(smaller), current, num_rows)
         if not should_try(policy, spent_s, trace_s):
-            return NextTry(None, "", tuple(too_big))
+            return NextTry(None, "", tuple(dropped))
         assert trace_s is not None, "should_try refuses an unknown time"
         reason = (
             f"trying it: {spent_s:.2f} s spent running {current.strategy.label} "
             f">= {policy.rent:g} x its predicted trace {trace_s:.2f} s"
         )
-        return NextTry(smaller, reason, tuple(too_big))
-    return NextTry(None, "", tuple(too_big))
+        return NextTry(smaller, reason, tuple(dropped))
+    return NextTry(None, "", tuple(dropped))
+
+
+def known_slower(
+    policy: Policy, known: Estimate | None, current: Estimate
+) -> Rejection | None:
+    """Why a candidate whose rate an earlier process measured (``known``)
+    is not tried: slower than the ``current`` strategy's, beyond the
+    policy's ``noise`` (``None``: it may be faster, or is not known)."""
+    if known is None or known.seconds_per_row is None:
+        return None
+    rate, now = known.seconds_per_row, current.seconds_per_row
+    if now is None or rate <= policy.noise * now:
+        return None
+    return Rejection(
+        known.strategy,
+        f"measured slower by an earlier run: {rate * 1e3:.3g} ms/row vs "
+        f"{now * 1e3:.3g} ms/row",
+    )

@@ -171,9 +171,9 @@ class Session:
             lambda s, room: self.fits(s, room),
             (self._footprint.allowed_bytes, self._num_rows),
         )
-        if due.too_big:
-            del self._pending[: len(due.too_big)]
-            self._rejected.extend(due.too_big)
+        if due.dropped:
+            del self._pending[: len(due.dropped)]
+            self._rejected.extend(due.dropped)
             self._dirty = True
         if due.candidate is None:
             return self._current
@@ -189,11 +189,9 @@ class Session:
         """Keep what a run measured (the newest runs of each strategy)."""
         first_rate = not probe.traced and not self._measured.timed_runs(probe.strategy)
         self._measured.add(probe)
-        if probe.traced:
-            self._dirty = True
+        self._dirty = self._dirty or probe.traced or first_rate
         if probe.strategy == self._current and not probe.traced:
             self._spent_s += probe.seconds
-            self._dirty = self._dirty or first_rate
 
     def end_call(self, runs: tuple[Probe, ...]) -> None:
         """The call is done: ``runs`` are what it ran (the last computed it)."""
@@ -243,7 +241,7 @@ class Session:
                 f"jacobkit: {strategy.label} {what} computing one row at a time",
             )
         self._switches.append(Switch(self._calls, 0, strategy, smaller, what))
-        self._rejected.append(Rejection(strategy, what))
+        self._rejected.append(Rejection(strategy, what, memory=True))
         self._current = smaller
 
     def drop(self, strategy: Strategy, err: Exception) -> bool:
@@ -275,26 +273,31 @@ class Session:
             spent_s=self._spent_s,
             estimates=plan.estimates,
             rejected=plan.rejected,
+            allowed_bytes=self._footprint.allowed_bytes,
         )
 
     def restore(self, entry: CacheEntry) -> bool:
-        """Continue from ``entry``; ``False`` where it does not apply (written
-        for other rows, or its strategy no longer fits the budget): then
-        nothing changed, the session plans afresh and rewrites the entry after
-        its first call."""
+        """Continue from ``entry`` where it applies (its strategy fits,
+        :meth:`~jacobkit.planner.entry.CacheEntry.resume`); else (``False``)
+        start as planned afresh, and rewrite it after the first call, knowing
+        what it measured where only a larger budget made it not apply."""
+        self._dirty = True
         if entry.segment_rows != self._num_rows:
-            self._dirty = True
             return False
         self._measured.know(entry.estimates)
-        if not self.fits(entry.current):
+        if not self.fits(entry.current):  # measured over today's budget
             self._measured.know(())
-            self._dirty = True
+            return False
+        fresh = (self._current, *self._pending)
+        resumed = entry.resume(fresh, self._footprint.allowed_bytes, self.fits)
+        if resumed is None:
             return False
         self._current = entry.current
-        self._pending = [s for s in entry.pending if self.fits(s)]
-        self._rejected = list(entry.rejected)
+        self._pending = list(resumed.pending)
+        self._rejected = list(resumed.rejected)
         self._spent_s = entry.spent_s
         self._source = "disk cache"
+        self._dirty = resumed.changed
         return True
 
     def persist(self) -> None:

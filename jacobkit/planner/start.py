@@ -129,7 +129,8 @@ def _with_shortcut(
             rejected.append(Rejection(named, structure))
         return found, rejected, None
     if fitting is None:
-        rejected.append(Rejection(shortcut, _too_big(shortcut, footprint)))
+        reason = _too_big(shortcut, footprint)
+        rejected.append(Rejection(shortcut, reason, memory=True))
         return found, rejected, None
     kept, more = shortcuts.candidates(
         problem, found, fitting, footprint.fits, closed_form=closed_form
