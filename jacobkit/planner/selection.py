@@ -191,6 +191,8 @@ def next_try(
     predicted_peak: Callable[[Strategy], int],
     fits: Callable[[Strategy, float], bool],
     limits: tuple[float, int],
+    *,
+    left_eager: bool = False,
 ) -> NextTry:
     """The next of the ``pending`` candidates to try, given the ``current``
     strategy's estimate (its rate known) and the ``spent_s`` seconds spent
@@ -199,7 +201,9 @@ def next_try(
     the bytes the budget allows and the rows), made smaller until it fits,
     once ``spent_s`` reaches the policy's ``rent`` times its predicted
     tracing time (:func:`~jacobkit.planner.estimates.predicted_trace_s`,
-    from what ``earlier`` processes measured)."""
+    from what ``earlier`` processes measured); at once where the current
+    strategy is the eager start and it has answered the calls it answers
+    (``left_eager``: the policy's ``eager_calls``)."""
     allowed, num_rows = limits
     room = race_room(policy, current.peak_bytes, allowed)
     dropped: list[Rejection] = []
@@ -216,6 +220,12 @@ def next_try(
         if slower is not None:
             dropped.append(slower)
             continue
+        if left_eager and not current.strategy.compiled:
+            reason = (
+                f"trying it: the eager {current.strategy.label} answers the "
+                f"first {policy.eager_calls} call(s) only"
+            )
+            return NextTry(smaller, reason, tuple(dropped))
         trace_s = est.predicted_trace_s(smaller, earlier(smaller), current, num_rows)
         if not should_try(policy, spent_s, trace_s):
             return NextTry(None, "", tuple(dropped))

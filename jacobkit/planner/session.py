@@ -170,6 +170,7 @@ class Session:
             self._footprint.predicted_peak,
             lambda s, room: self.fits(s, room),
             (self._footprint.allowed_bytes, self._num_rows),
+            left_eager=self._calls > self._policy.eager_calls,
         )
         if due.dropped:
             del self._pending[: len(due.dropped)]

@@ -70,6 +70,7 @@ def start(
     found, rejected = selection.candidates(
         num_rows, footprint.fits, lambda s: s.cannot_run(problem)
     )
+    every = list(found)
     # which strategy starts is a property of the problem (what vectorizing
     # its rows costs), not of this CPU's kernels: compared without scratch
     activations = replace(prior, scratch_bytes=0)
@@ -96,9 +97,11 @@ def start(
         and footprint.fits(EAGER)
         and not _half_precision(problem)
     ):
-        # few rows: the first answer with no tracing, the traced candidates
-        # tried once calls repeat (Policy.eager_rows)
+        # few rows: the first answer with no tracing, then the traced
+        # candidates, cheapest to trace first (Policy.eager_rows, eager_calls)
+        found = sorted({*every, *found}, key=lambda s: (s.trace_weight, s.label))
         rejected = [r for r in rejected if r.label != EAGER.name]
+        rejected = [r for r in rejected if r.strategy not in found]
         found = [EAGER, *found]
     if not found:
         raise _refusal(footprint, budget_bytes)
