@@ -363,3 +363,43 @@ def test_a_candidate_measured_slower_by_an_earlier_run_is_not_tried_again():
     assert due.candidate is None
     (dropped,) = due.dropped
     assert dropped.strategy == loop and "measured slower" in dropped.reason
+
+
+def _frozen_head():
+    """A frozen Conv2D backbone under a Dense(3) head (no activation: the
+    separable shortcut applies), 3 rows: auto starts on the eager loop."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 3))
+    h = inputs
+    for i in range(3):
+        h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name=f"c{i}")(
+            h
+        )
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    backbone = keras.Model(inputs, h)
+    backbone.trainable = False
+    outer = keras.Input((32, 32, 3))
+    model = keras.Model(outer, keras.layers.Dense(3, name="head")(backbone(outer)))
+    x = np.random.default_rng(0).normal(size=(8, 32, 32, 3)).astype("float32")
+    return model, x
+
+
+def test_a_warm_cache_starts_where_the_cold_run_ended_beside_a_shortcut(cache_dir):
+    """Issue 37, item 11: where an exact shortcut applies and few rows start
+    on the eager loop, the entry was never read (the shortcut was taken for
+    the one candidate): every process started on the loop again and traced
+    its candidate on a later call (frozen MobileNetV2 and BERT heads: calls
+    8-12). A warm process starts on what the cold one ran last."""
+    model, x = _frozen_head()
+    with planner.use_policy(rent=0.0):  # the cold run tries at once
+        for _ in range(6):
+            cold = jk.jacobian(model, x, "head")
+    assert cold.plan.strategy.compiled, str(cold.plan)
+    again, _ = _frozen_head()
+    plan = jk.plan(again, x, "head")
+    assert plan.source == "disk cache" and plan.strategy == cold.plan.strategy, plan
+    warm = jk.jacobian(again, x, "head")
+    assert [p.strategy for p in warm.plan.last_call] == [cold.plan.strategy]
+    testing.assert_close(warm, list(cold.jacobians.values()))
