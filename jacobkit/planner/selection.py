@@ -133,17 +133,19 @@ def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float
 
 
 def too_big_to_try(
-    policy: Policy, candidate: Strategy, predicted: int, room: float
+    policy: Policy, candidate: Strategy, predicted: int, room: float, allowed: float
 ) -> Rejection:
     """Why ``candidate`` (predicted to peak at ``predicted`` bytes even at its
     smallest) is not tried: over the ``room`` a try may take
-    (:func:`race_room`)."""
+    (:func:`race_room`), a rejection for memory where that room is all the
+    budget ``allowed`` (a larger budget may fit it; not where the current
+    peak sets it)."""
     return Rejection(
         candidate,
         f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
         f"({policy.safety:.0%} of {policy.race_peak_factor:g} x the current "
         f"peak + {_fmt(policy.race_slack_bytes)}, within the budget)",
-        memory=True,
+        memory=room >= allowed,
     )
 
 
@@ -212,9 +214,8 @@ def next_try(
         while smaller is not None and not fits(smaller, room):
             smaller = smaller.smaller()
         if smaller is None:
-            dropped.append(
-                too_big_to_try(policy, candidate, predicted_peak(candidate), room)
-            )
+            predicted = predicted_peak(candidate)
+            dropped.append(too_big_to_try(policy, candidate, predicted, room, allowed))
             continue
         slower = known_slower(policy, earlier(smaller), current)
         if slower is not None:
