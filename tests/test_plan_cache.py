@@ -197,7 +197,11 @@ def test_cache_entry_round_trips_through_json():
         row_bytes=1024,
         spent_s=0.5,
         estimates=(planner.Estimate(chunked, 1e-3, 0.2, 4096),),
-        rejected=(planner.Rejection("loop", "eager Python loop: slowest"),),
+        rejected=(
+            planner.Rejection("loop", "eager Python loop: slowest"),
+            planner.Rejection(batch, "predicted peak over the budget", memory=True),
+        ),
+        allowed_bytes=2**30,
     )
     data = json.loads(json.dumps(entry.to_json()))
     assert set(data) == {
@@ -208,6 +212,7 @@ def test_cache_entry_round_trips_through_json():
         "spent_s",
         "estimates",
         "rejected",
+        "allowed_bytes",
     }
     assert planner.CacheEntry.from_json(data) == entry
     with pytest.raises(KeyError):
@@ -275,3 +280,126 @@ def test_repeated_call_fingerprints_the_model_once(cache_dir, monkeypatch):
     # above: testing.assert_close's, derived from the loop's own error)
     testing.assert_close(first, reference("mlp", "features"))
     testing.assert_close(again, reference("mlp", "features"))
+
+
+def _per_example_cnn():
+    """Per-example rows of a Conv2D layer (16 images of 64 x 32, 48 rows):
+    ``batch``'s closed form is the start where it fits (predicted 51 MiB),
+    ``while`` under 32 MiB."""
+    return examples.build("cnn2d", batch=16, height=64, width=32)
+
+
+@pytest.mark.parametrize("written", ["now", "before budgets were kept"])
+def test_a_plan_cached_under_a_tight_budget_is_planned_again_under_a_larger(
+    cache_dir, eager_trials, written
+):
+    """Issue 37, item 6: a plan written under a budget that left ``batch``
+    out (predicted over it) is not reused under one it fits: the next run
+    starts where a fresh plan starts, knowing what the first measured, and
+    later candidates measured slower there are not tried again. Entries
+    written before the budget and the reasons' kind were kept read the
+    same (by their reasons). Before, the larger budget reran the cached
+    ``while`` (a frozen DenseNet121's per-example layer: 9.4 s a call, where
+    ``batch`` takes 0.78 s)."""
+    ex = _per_example_cnn()
+    for _ in range(8):
+        tight = jk.jacobian(
+            ex.model, ex.inputs, ex.layer, outputs="per_example", memory_budget="32MiB"
+        )
+    assert tight.plan.strategy.name != "batch", str(tight.plan)
+    (path,) = _entries(cache_dir)
+    if written != "now":
+        with open(path) as f:
+            entry = json.load(f)
+        entry.pop("allowed_bytes", None)
+        for rejection in entry["rejected"]:
+            rejection.pop("memory", None)
+        with open(path, "w") as f:
+            json.dump(entry, f)
+    again = _per_example_cnn()
+    kwargs = {"outputs": "per_example", "memory_budget": "1GiB"}
+    plan = jk.plan(again.model, again.inputs, again.layer, **kwargs)
+    assert plan.strategy == jk.strategies.Batch(), str(plan)
+    assert {e.strategy for e in tight.plan.estimates} <= {
+        e.strategy for e in plan.estimates
+    }, "what the tight plan measured is known"
+    result = jk.jacobian(again.model, again.inputs, again.layer, **kwargs)
+    assert [p.strategy for p in result.plan.last_call] == [jk.strategies.Batch()]
+    # and a third run, under the same larger budget, continues from this one
+    third = _per_example_cnn()
+    assert jk.plan(third.model, third.inputs, third.layer, **kwargs).strategy == (
+        jk.strategies.Batch()
+    )
+    # the tight budget again: batch's measured peak (6 MiB; predicted 51)
+    # fits it, and the plan continues from the entry
+    tight_again = jk.plan(
+        third.model,
+        third.inputs,
+        third.layer,
+        outputs="per_example",
+        memory_budget="32MiB",
+    )
+    assert tight_again.source == "disk cache", str(tight_again)
+    assert tight_again.predicted_peak_bytes <= 32 * 2**20 * planner.Policy().safety
+
+
+def test_a_candidate_measured_slower_by_an_earlier_run_is_not_tried_again():
+    from jacobkit.planner import selection
+
+    policy = planner.Policy()
+    batch, loop = jk.strategies.Batch(), jk.strategies.While(10)
+    current = planner.Estimate(batch, seconds_per_row=1e-3)
+    slow = planner.Estimate(loop, seconds_per_row=10e-3, trace_s=0.1)
+    due = selection.next_try(
+        policy,
+        (loop,),
+        current,
+        100.0,  # spent: any candidate would be due
+        lambda s: slow if s == loop else None,
+        lambda s: 0,
+        lambda s, room: True,
+        (2**30, 48),
+    )
+    assert due.candidate is None
+    (dropped,) = due.dropped
+    assert dropped.strategy == loop and "measured slower" in dropped.reason
+
+
+def _frozen_head():
+    """A frozen Conv2D backbone under a Dense(3) head (no activation: the
+    separable shortcut applies), 3 rows: auto starts on the eager loop."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 3))
+    h = inputs
+    for i in range(3):
+        h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name=f"c{i}")(
+            h
+        )
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    backbone = keras.Model(inputs, h)
+    backbone.trainable = False
+    outer = keras.Input((32, 32, 3))
+    model = keras.Model(outer, keras.layers.Dense(3, name="head")(backbone(outer)))
+    x = np.random.default_rng(0).normal(size=(8, 32, 32, 3)).astype("float32")
+    return model, x
+
+
+def test_a_warm_cache_starts_where_the_cold_run_ended_beside_a_shortcut(cache_dir):
+    """Issue 37, item 11: where an exact shortcut applies and few rows start
+    on the eager loop, the entry was never read (the shortcut was taken for
+    the one candidate): every process started on the loop again and traced
+    its candidate on a later call (frozen MobileNetV2 and BERT heads: calls
+    8-12). A warm process starts on what the cold one ran last."""
+    model, x = _frozen_head()
+    with planner.use_policy(rent=0.0):  # the cold run tries at once
+        for _ in range(6):
+            cold = jk.jacobian(model, x, "head")
+    assert cold.plan.strategy.compiled, str(cold.plan)
+    again, _ = _frozen_head()
+    plan = jk.plan(again, x, "head")
+    assert plan.source == "disk cache" and plan.strategy == cold.plan.strategy, plan
+    warm = jk.jacobian(again, x, "head")
+    assert [p.strategy for p in warm.plan.last_call] == [cold.plan.strategy]
+    testing.assert_close(warm, list(cold.jacobians.values()))

@@ -505,3 +505,68 @@ def test_a_budget_the_measured_peak_fits_is_accepted():
     with memory.PeakMemory("CPU:0") as call:
         jk.jacobian(fresh.model, fresh.inputs, "conv1", memory_budget=budget)
     assert call.extra_bytes <= budget
+
+
+def _frozen_densenet_head(size: int = 32, batch: int = 8):
+    """keras.applications DenseNet121 (random weights), frozen, under a
+    Dense(7) head named "head" (separable channels: one backward pass): its
+    eager forward pass holds every layer's output (31 MiB at 8 images of 32
+    px), a traced call about 2 MiB."""
+    keras.utils.set_random_seed(0)
+    backbone = keras.applications.DenseNet121(
+        weights=None, include_top=False, input_shape=(size, size, 3), pooling="avg"
+    )
+    backbone.trainable = False
+    inputs = keras.Input((size, size, 3))
+    model = keras.Model(inputs, keras.layers.Dense(7, name="head")(backbone(inputs)))
+    x = np.random.default_rng(0).normal(size=(batch, size, size, 3))
+    return model, x.astype("float32")
+
+
+def test_the_first_calls_check_is_counted_against_the_budget():
+    """Issue 37, item 2: the shortcut checks its first call with jk.verify,
+    whose eager forward pass holds every layer's output (31 MiB here; 253
+    MiB at 16 images of 64 px), inside the run's peak. Predicted at the
+    traced run's 2.8 MiB, a 16 MiB budget ran the shortcut, measured 32 MiB
+    and backed off its rows in flight, which cannot lower it, retracing for
+    3 calls. Counted, the shortcut does not fit and every call holds the
+    budget."""
+    model, x = _frozen_densenet_head()
+    limit = memory.parse_budget("16MiB")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            with memory.PeakMemory("CPU:0") as call:
+                result = jk.jacobian(model, x, "head", memory_budget=limit, cache=False)
+            assert call.extra_bytes <= limit, str(result.plan)
+    assert not [str(w.message) for w in caught if "jacobkit" in str(w.message)]
+    plan = result.plan
+    assert plan.strategy.name != "structured" and not plan.switches, str(plan)
+    assert "rejected structured(while): its first call's check" in str(plan)
+
+
+def test_a_back_off_that_cannot_lower_the_peak_is_warned_and_not_repeated(
+    monkeypatch,
+):
+    """Where a run over the budget is not its rows at once (here the check,
+    left out of the prior as before the fix), running less at once once
+    shows it: the budget not held is a UserWarning a user sees, and no later
+    call traces again (it retraced and re-checked on each of 3 calls, and
+    warned a ResourceWarning, which Python hides)."""
+    from jacobkit.planner import estimates
+
+    monkeypatch.setattr(estimates, "check_peak", lambda *args: 0, raising=False)
+    model, x = _frozen_densenet_head()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [
+            jk.jacobian(model, x, "head", memory_budget="16MiB", cache=False)
+            for _ in range(5)
+        ]
+    ours = [w for w in caught if "jacobkit" in str(w.message)]
+    assert ours and all(issubclass(w.category, UserWarning) for w in ours), ours
+    held = [w for w in ours if "is not held" in str(w.message)]
+    assert len(held) == 1, [str(w.message) for w in ours]
+    assert [r.stats.traced for r in results[2:]] == [False] * 3
+    assert len({r.plan.strategy for r in results[1:]}) == 1
+    testing.assert_close(results[-1], list(results[0].jacobians.values()))

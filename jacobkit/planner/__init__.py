@@ -23,7 +23,10 @@ the budget is checked):
    strategy that won, and a settled plan probes nothing.
 
 An out-of-memory error, or a run over the budget, makes the strategy
-:meth:`~jacobkit.strategies.Strategy.smaller` from then on (warned once).
+:meth:`~jacobkit.strategies.Strategy.smaller` from then on (a
+:class:`BudgetWarning`, once); where that cannot lower a run's peak over the
+budget, the budget is not held, which is warned (once), and nothing is traced
+again.
 
 The tunables are a frozen :class:`Policy`; :func:`use_policy` changes them
 for the sessions started within a ``with`` block.
@@ -42,13 +45,21 @@ cache). This package face only hands names on.
 
 from jacobkit.planner.auto import Auto
 from jacobkit.planner.entry import CacheEntry
-from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
+from jacobkit.planner.plan import (
+    BudgetWarning,
+    Estimate,
+    Plan,
+    Probe,
+    Rejection,
+    Switch,
+)
 from jacobkit.planner.policy import Policy, current_policy, use_policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.planner.session import Session
 
 __all__ = [
     "Auto",
+    "BudgetWarning",
     "CacheEntry",
     "Estimate",
     "MemoryPrior",

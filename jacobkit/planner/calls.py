@@ -43,8 +43,8 @@ def run_call(session: Session, problem: Problem) -> Solution:
             continue
         session.record(ran.probe)
         runs.append(ran.probe)
-        if session.over_budget(ran.probe) and strategy.smaller() is not None:
-            session.back_off(strategy, "went over the budget")
+        if session.over_budget(ran.probe):
+            session.back_off(strategy, "went over the budget", ran.probe.peak_bytes)
         break
     session.end_call(tuple(runs))
     probe = ran.probe

@@ -4,12 +4,17 @@ with ``Session.restore``).
 
 The JSON object's keys: ``current`` and ``pending`` (strategies as
 :func:`~jacobkit.strategies.to_spec` writes them), ``segment_rows``,
-``row_bytes``, ``spent_s``, ``estimates`` and ``rejected``;
-:mod:`jacobkit.planner.cache` adds ``format`` on writing.
+``row_bytes``, ``spent_s``, ``estimates``, ``rejected`` and
+``allowed_bytes``; :mod:`jacobkit.planner.cache` adds ``format`` on
+writing. ``allowed_bytes`` and a rejection's ``memory`` came later: an entry
+without them reads as written under an unknown budget, its rejections for
+memory known by their reasons (:func:`rejection_from_json`), so a newer
+reader loses nothing and an older one ignores them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +38,8 @@ class CacheEntry:
         spent_s: time spent running ``current`` since the last try.
         estimates: what was measured of each strategy run.
         rejected: the strategies left out, with the reason.
+        allowed_bytes: what the budget allowed the plan (``None``: not
+            known, an entry written before it was kept).
     """
 
     current: Strategy
@@ -42,6 +49,43 @@ class CacheEntry:
     spent_s: float
     estimates: tuple[Estimate, ...]
     rejected: tuple[Rejection, ...]
+    allowed_bytes: float | None = None
+
+    def left_out(
+        self, fresh: Sequence[Strategy], allowed_bytes: float
+    ) -> tuple[Strategy, ...]:
+        """Of ``fresh``, the candidates a session starts with under a budget
+        allowing ``allowed_bytes``, those this entry left out for memory
+        (by configuration, or by name where none of its size fitted), where
+        that budget allows more than the entry's did (or the entry does not
+        say)."""
+        if self.allowed_bytes is not None and allowed_bytes <= self.allowed_bytes:
+            return ()
+        memory = {r.strategy for r in self.rejected if r.memory}
+        return tuple(s for s in fresh if s in memory or s.name in memory)
+
+    def resume(
+        self,
+        fresh: Sequence[Strategy],
+        allowed_bytes: float,
+        fits: Callable[[Strategy], bool],
+    ) -> Resumed | None:
+        """How a session whose fresh start is ``fresh`` (the first runs
+        first) under a budget allowing ``allowed_bytes`` continues from this
+        entry, given whether a strategy ``fits`` it (what the entry measured
+        known; the entry's own strategy does); ``None``: it starts afresh,
+        where the fresh start's first candidate is one the entry left out
+        for memory (:meth:`left_out`): a plan made under a tight budget is not
+        kept under a larger one. Otherwise what it left out for memory and
+        fits now is tried first."""
+        freed = self.left_out(fresh, allowed_bytes)
+        if fresh and fresh[0] in freed:
+            return None
+        kept = [s for s in self.pending if fits(s) and s not in freed]
+        pending = [s for s in freed if s != self.current] + kept
+        names = {s for f in freed for s in (f, f.name)}
+        rejected = [r for r in self.rejected if r.strategy not in names]
+        return Resumed(tuple(pending), tuple(rejected), changed=bool(freed))
 
     def to_json(self) -> dict[str, Any]:
         """The entry as a JSON-friendly dict."""
@@ -53,6 +97,7 @@ class CacheEntry:
             "spent_s": self.spent_s,
             "estimates": [estimate_to_json(e) for e in self.estimates],
             "rejected": [rejection_to_json(r) for r in self.rejected],
+            "allowed_bytes": self.allowed_bytes,
         }
 
     @classmethod
@@ -63,6 +108,7 @@ class CacheEntry:
         if not isinstance(data, dict):
             raise TypeError(f"not a JSON object: {type(data).__name__}")
         row_bytes = data.get("row_bytes")
+        allowed = data.get("allowed_bytes")
         return cls(
             current=strategy_from_json(data["current"]),
             pending=tuple(strategy_from_json(s) for s in data["pending"]),
@@ -75,7 +121,24 @@ class CacheEntry:
             spent_s=float(data["spent_s"]),
             estimates=tuple(estimate_from_json(e) for e in data["estimates"]),
             rejected=tuple(rejection_from_json(r) for r in data["rejected"]),
+            allowed_bytes=None if allowed is None else _number(allowed),
         )
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """How a session continues from a :class:`CacheEntry` (its ``current``
+    runs).
+
+    Attributes:
+        pending: the candidates to try, next first.
+        rejected: the strategies left out, with the reason.
+        changed: the entry no longer says this (it is rewritten).
+    """
+
+    pending: tuple[Strategy, ...]
+    rejected: tuple[Rejection, ...]
+    changed: bool
 
 
 # -- (de)serializing strategies, estimates and rejections ------------------------
@@ -115,16 +178,30 @@ def rejection_to_json(rejection: Rejection) -> dict[str, Any]:
     return {
         "strategy": what if isinstance(what, str) else strategy_to_json(what),
         "reason": rejection.reason,
+        "memory": rejection.memory,
     }
 
 
 def rejection_from_json(data: dict[str, Any]) -> Rejection:
-    """The rejection :func:`rejection_to_json` wrote."""
+    """The rejection :func:`rejection_to_json` wrote (without ``memory``,
+    as written before it was kept: known by the reasons the planner gives
+    for memory)."""
     what = data["strategy"]
+    reason = str(data["reason"])
+    memory = data.get("memory")
+    if memory is None:
+        memory = any(words in reason for words in _MEMORY_REASONS)
     return Rejection(
         what if isinstance(what, str) else strategy_from_json(what),
-        str(data["reason"]),
+        reason,
+        bool(memory),
     )
+
+
+#: the words of the planner's reasons for memory, in entries written before
+#: ``Rejection.memory`` was kept (peaks predicted over the budget or a try's
+#: room; back-offs)
+_MEMORY_REASONS = ("predicted peak", "over the budget", "out of memory")
 
 
 def _number(value: Any) -> float | None:

@@ -8,6 +8,12 @@ from jacobkit import memory
 from jacobkit.strategies import Strategy
 
 
+class BudgetWarning(UserWarning):
+    """``auto`` changed what it runs because memory ran short (a run went
+    over ``memory_budget``, or out of memory), or it cannot hold the budget:
+    a :class:`UserWarning`, shown by default, once per plan each."""
+
+
 @dataclass(frozen=True)
 class Probe:
     """One run of a strategy over the rows of a real call.
@@ -73,10 +79,19 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A strategy ``auto`` does not run, and why."""
+    """A strategy ``auto`` does not run, and why.
+
+    Attributes:
+        strategy: the configuration, or a registered name.
+        reason: why, in words.
+        memory: the reason is memory (predicted or measured over what the
+            budget allows, out of memory): a larger budget reconsiders it,
+            in this process or from the plan cache.
+    """
 
     strategy: Strategy | str
     reason: str
+    memory: bool = False
 
     @property
     def label(self) -> str:

@@ -71,14 +71,35 @@ class Policy:
         safety: the plan keeps its predicted peak below this fraction of the
             budget: the memory prior was measured within ~10% of real peaks,
             the rest is allocator fragmentation.
+        backoff_gain: a run over the budget is run with less at once
+            (``smaller()``) on the next call only while the last such back-off
+            lowered the measured peak below this fraction of what it was;
+            else the budget is not held (warned), and nothing is traced
+            again. Measured: a Conv1D generator's ``while`` peaks at 72 MiB
+            with 10 rows in flight, 61 with 2, 38 with 1 (each back-off
+            0.62-0.85 of the peak before, :class:`~jacobkit.strategies.While`);
+            a frozen DenseNet121 head's separable shortcut at 253 MiB with 10,
+            5, 2 and 1 on their first calls (its check, not its rows).
         eager_rows: problems of at most this many rows start on the eager
-            ``loop``, which traces nothing, then trace a candidate once the
-            calls repeat (ski rental, as for any candidate; a candidate's
-            tracing is predicted as its ``trace_weight`` times the loop's
-            call). Measured, frozen ResNet50 + 3-class head, 16 images at 96
+            ``loop``, which traces nothing, for the first ``eager_calls``
+            calls. Measured, frozen ResNet50 + 3-class head, 16 images at 96
             px, each in a fresh process: loop's first answer 3.1 s, every
-            traced strategy 4.4-6.5 s. A loop pass per row is a full backward
+            traced strategy 4.4-6.5 s (the problem built in the first call);
+            the problem built before, on an idle machine, 0.72 s against
+            1.23 s for ``while``. A loop pass per row is a full backward
             pass, so more rows soon cost more than one trace.
+        eager_calls: the eager start answers this many calls; the next one
+            traces the candidate cheapest to trace (its ``trace_weight``,
+            the shortcut's included), and from then on candidates are tried
+            by ``rent``. The loop's steady call is 2-6x a traced one on the
+            frozen heads (ResNet50 0.48 s against 0.21 s, MobileNetV2 0.26
+            against 0.047 s, BERT 0.094 against 0.015 s; 2-core CPU, 3
+            fresh processes each), and tracing after the loop costs what a
+            traced first call does (ResNet50: ``while(3)`` 1.39-1.79 s at
+            call 2 against 1.17-1.56 s first), so it pays back within 3-5
+            calls. Waiting ``rent`` times the trace predicted from the loop's
+            call kept ResNet50 on the loop until call 18, MobileNetV2 until
+            call 9, BERT until call 12.
     """
 
     trial_runs: int = 2
@@ -91,7 +112,9 @@ class Policy:
     race_peak_factor: float = 1
     race_slack_bytes: int = 256 * 2**20
     safety: float = 0.85
+    backoff_gain: float = 0.9
     eager_rows: int = 4
+    eager_calls: int = 1
 
 
 #: (a frozen default: never changed in place)

@@ -61,7 +61,9 @@ def candidates(
         while strategy is not None and not fits(strategy):
             strategy = strategy.smaller()
         if strategy is None:
-            rejected.append(Rejection(cls.name, "predicted peak over the budget"))
+            rejected.append(
+                Rejection(cls.name, "predicted peak over the budget", memory=True)
+            )
         else:
             found.append(strategy)
     return found, rejected
@@ -131,16 +133,19 @@ def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float
 
 
 def too_big_to_try(
-    policy: Policy, candidate: Strategy, predicted: int, room: float
+    policy: Policy, candidate: Strategy, predicted: int, room: float, allowed: float
 ) -> Rejection:
     """Why ``candidate`` (predicted to peak at ``predicted`` bytes even at its
     smallest) is not tried: over the ``room`` a try may take
-    (:func:`race_room`)."""
+    (:func:`race_room`), a rejection for memory where that room is all the
+    budget ``allowed`` (a larger budget may fit it; not where the current
+    peak sets it)."""
     return Rejection(
         candidate,
         f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
         f"({policy.safety:.0%} of {policy.race_peak_factor:g} x the current "
         f"peak + {_fmt(policy.race_slack_bytes)}, within the budget)",
+        memory=room >= allowed,
     )
 
 
@@ -168,13 +173,15 @@ class NextTry:
         candidate: the candidate to try now, made small enough for the room a
             try may take (``None``: none is due yet).
         reason: why now, in words (the plan's switch), where ``candidate``.
-        too_big: candidates at the head of the queue dropped on the way, each
-            predicted over that room even at its smallest.
+        dropped: candidates at the head of the queue dropped on the way,
+            each predicted over that room even at its smallest, or measured
+            slower than the current strategy by an earlier process (the
+            plan cache: a plan made again for a larger budget knows them).
     """
 
     candidate: Strategy | None
     reason: str
-    too_big: tuple[Rejection, ...]
+    dropped: tuple[Rejection, ...]
 
 
 def next_try(
@@ -186,6 +193,8 @@ def next_try(
     predicted_peak: Callable[[Strategy], int],
     fits: Callable[[Strategy, float], bool],
     limits: tuple[float, int],
+    *,
+    left_eager: bool = False,
 ) -> NextTry:
     """The next of the ``pending`` candidates to try, given the ``current``
     strategy's estimate (its rate known) and the ``spent_s`` seconds spent
@@ -194,26 +203,55 @@ def next_try(
     the bytes the budget allows and the rows), made smaller until it fits,
     once ``spent_s`` reaches the policy's ``rent`` times its predicted
     tracing time (:func:`~jacobkit.planner.estimates.predicted_trace_s`,
-    from what ``earlier`` processes measured)."""
+    from what ``earlier`` processes measured); at once where the current
+    strategy is the eager start and it has answered the calls it answers
+    (``left_eager``: the policy's ``eager_calls``)."""
     allowed, num_rows = limits
     room = race_room(policy, current.peak_bytes, allowed)
-    too_big: list[Rejection] = []
+    dropped: list[Rejection] = []
     for candidate in pending:
         smaller: Strategy | None = candidate
         while smaller is not None and not fits(smaller, room):
             smaller = smaller.smaller()
         if smaller is None:
-            too_big.append(
-                too_big_to_try(policy, candidate, predicted_peak(candidate), room)
-            )
+            predicted = predicted_peak(candidate)
+            dropped.append(too_big_to_try(policy, candidate, predicted, room, allowed))
             continue
+        slower = known_slower(policy, earlier(smaller), current)
+        if slower is not None:
+            dropped.append(slower)
+            continue
+        if left_eager and not current.strategy.compiled:
+            reason = (
+                f"trying it: the eager {current.strategy.label} answers the "
+                f"first {policy.eager_calls} call(s) only"
+            )
+            return NextTry(smaller, reason, tuple(dropped))
         trace_s = est.predicted_trace_s(smaller, earlier(smaller), current, num_rows)
         if not should_try(policy, spent_s, trace_s):
-            return NextTry(None, "", tuple(too_big))
+            return NextTry(None, "", tuple(dropped))
         assert trace_s is not None, "should_try refuses an unknown time"
         reason = (
             f"trying it: {spent_s:.2f} s spent running {current.strategy.label} "
             f">= {policy.rent:g} x its predicted trace {trace_s:.2f} s"
         )
-        return NextTry(smaller, reason, tuple(too_big))
-    return NextTry(None, "", tuple(too_big))
+        return NextTry(smaller, reason, tuple(dropped))
+    return NextTry(None, "", tuple(dropped))
+
+
+def known_slower(
+    policy: Policy, known: Estimate | None, current: Estimate
+) -> Rejection | None:
+    """Why a candidate whose rate an earlier process measured (``known``)
+    is not tried: slower than the ``current`` strategy's, beyond the
+    policy's ``noise`` (``None``: it may be faster, or is not known)."""
+    if known is None or known.seconds_per_row is None:
+        return None
+    rate, now = known.seconds_per_row, current.seconds_per_row
+    if now is None or rate <= policy.noise * now:
+        return None
+    return Rejection(
+        known.strategy,
+        f"measured slower by an earlier run: {rate * 1e3:.3g} ms/row vs "
+        f"{now * 1e3:.3g} ms/row",
+    )

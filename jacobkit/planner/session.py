@@ -22,16 +22,13 @@ is :mod:`jacobkit.planner.cache` (:meth:`restore`, :meth:`cache_entry`).
 
 from __future__ import annotations
 
-import warnings
-
 import tensorflow as tf
 
-from jacobkit import runtime
 from jacobkit.planner import cache as disk
 from jacobkit.planner import estimates as est
 from jacobkit.planner import selection, trials
 from jacobkit.planner.entry import CacheEntry
-from jacobkit.planner.footprint import Footprint
+from jacobkit.planner.footprint import Footprint, Overruns
 from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
@@ -92,7 +89,7 @@ class Session:
         self._calls = 0
         self._source = "not run yet"
         self._last_call: tuple[Probe, ...] = ()
-        self._warned = False
+        self._overruns = Overruns(budget_bytes, policy.backoff_gain)
         #: something worth writing to the disk cache changed
         self._dirty = False
 
@@ -173,10 +170,11 @@ class Session:
             self._footprint.predicted_peak,
             lambda s, room: self.fits(s, room),
             (self._footprint.allowed_bytes, self._num_rows),
+            left_eager=self._calls > self._policy.eager_calls,
         )
-        if due.too_big:
-            del self._pending[: len(due.too_big)]
-            self._rejected.extend(due.too_big)
+        if due.dropped:
+            del self._pending[: len(due.dropped)]
+            self._rejected.extend(due.dropped)
             self._dirty = True
         if due.candidate is None:
             return self._current
@@ -192,11 +190,9 @@ class Session:
         """Keep what a run measured (the newest runs of each strategy)."""
         first_rate = not probe.traced and not self._measured.timed_runs(probe.strategy)
         self._measured.add(probe)
-        if probe.traced:
-            self._dirty = True
+        self._dirty = self._dirty or probe.traced or first_rate
         if probe.strategy == self._current and not probe.traced:
             self._spent_s += probe.seconds
-            self._dirty = self._dirty or first_rate
 
     def end_call(self, runs: tuple[Probe, ...]) -> None:
         """The call is done: ``runs`` are what it ran (the last computed it)."""
@@ -211,25 +207,27 @@ class Session:
             and probe.peak_bytes > self._footprint.allowed_bytes
         )
 
-    def back_off(self, strategy: Strategy, what: str) -> None:
-        """``strategy`` needs less at once (``what`` happened): its
+    def back_off(self, strategy: Strategy, what: str, peak: int | None = None) -> None:
+        """``strategy`` needs less at once (``what`` happened; ``peak``: what
+        a run that computed its rows measured, over the budget): its
         :meth:`~jacobkit.strategies.Strategy.smaller` from now on, or, for a
-        candidate at its smallest, the current strategy. Warned once.
+        candidate at its smallest, the current strategy. Warned once
+        (:class:`~jacobkit.planner.plan.BudgetWarning`). Where a run over the
+        budget has nothing smaller, or the last back-off did not lower its
+        peak (what takes the memory is not its rows at once), nothing changes
+        and nothing is traced again: the budget is not held, warned once.
 
         Raises:
             tf.errors.ResourceExhaustedError: the current strategy already
                 runs one row at a time.
         """
         smaller = strategy.smaller()
-        if not self._warned:
-            after = smaller.label if smaller is not None else self._current.label
-            warnings.warn(
-                f"jacobkit: {strategy.label} {what}; retrying with less at once "
-                f"({after}).",
-                ResourceWarning,
-                stacklevel=runtime.caller_stacklevel(),
-            )
-            self._warned = True
+        if peak is not None and not self._overruns.lowers(strategy, peak):
+            if strategy != self._trying:
+                self._overruns.not_held(strategy, peak)
+                return
+            smaller = None  # a candidate that cannot fit is dropped
+        self._overruns.backed_off(strategy, what, peak, smaller or self._current)
         self._dirty = True
         if strategy == self._trying:
             if smaller is None:
@@ -244,7 +242,7 @@ class Session:
                 f"jacobkit: {strategy.label} {what} computing one row at a time",
             )
         self._switches.append(Switch(self._calls, 0, strategy, smaller, what))
-        self._rejected.append(Rejection(strategy, what))
+        self._rejected.append(Rejection(strategy, what, memory=True))
         self._current = smaller
 
     def drop(self, strategy: Strategy, err: Exception) -> bool:
@@ -276,26 +274,31 @@ class Session:
             spent_s=self._spent_s,
             estimates=plan.estimates,
             rejected=plan.rejected,
+            allowed_bytes=self._footprint.allowed_bytes,
         )
 
     def restore(self, entry: CacheEntry) -> bool:
-        """Continue from ``entry``; ``False`` where it does not apply (written
-        for other rows, or its strategy no longer fits the budget): then
-        nothing changed, the session plans afresh and rewrites the entry after
-        its first call."""
+        """Continue from ``entry`` where it applies (its strategy fits,
+        :meth:`~jacobkit.planner.entry.CacheEntry.resume`); else (``False``)
+        start as planned afresh, and rewrite it after the first call, knowing
+        what it measured where only a larger budget made it not apply."""
+        self._dirty = True
         if entry.segment_rows != self._num_rows:
-            self._dirty = True
             return False
         self._measured.know(entry.estimates)
-        if not self.fits(entry.current):
+        if not self.fits(entry.current):  # measured over today's budget
             self._measured.know(())
-            self._dirty = True
+            return False
+        fresh = (self._current, *self._pending)
+        resumed = entry.resume(fresh, self._footprint.allowed_bytes, self.fits)
+        if resumed is None:
             return False
         self._current = entry.current
-        self._pending = [s for s in entry.pending if self.fits(s)]
-        self._rejected = list(entry.rejected)
+        self._pending = list(resumed.pending)
+        self._rejected = list(resumed.rejected)
         self._spent_s = entry.spent_s
         self._source = "disk cache"
+        self._dirty = resumed.changed
         return True
 
     def persist(self) -> None:

@@ -70,6 +70,7 @@ def start(
     found, rejected = selection.candidates(
         num_rows, footprint.fits, lambda s: s.cannot_run(problem)
     )
+    every = list(found)
     # which strategy starts is a property of the problem (what vectorizing
     # its rows costs), not of this CPU's kernels: compared without scratch
     activations = replace(prior, scratch_bytes=0)
@@ -96,9 +97,11 @@ def start(
         and footprint.fits(EAGER)
         and not _half_precision(problem)
     ):
-        # few rows: the first answer with no tracing, the traced candidates
-        # tried once calls repeat (Policy.eager_rows)
+        # few rows: the first answer with no tracing, then the traced
+        # candidates, cheapest to trace first (Policy.eager_rows, eager_calls)
+        found = sorted({*every, *found}, key=lambda s: (s.trace_weight, s.label))
         rejected = [r for r in rejected if r.label != EAGER.name]
+        rejected = [r for r in rejected if r.strategy not in found]
         found = [EAGER, *found]
     if not found:
         raise _refusal(footprint, budget_bytes)
@@ -129,12 +132,28 @@ def _with_shortcut(
             rejected.append(Rejection(named, structure))
         return found, rejected, None
     if fitting is None:
-        rejected.append(Rejection(shortcut, "predicted peak over the budget"))
+        reason = _too_big(shortcut, footprint)
+        rejected.append(Rejection(shortcut, reason, memory=True))
         return found, rejected, None
     kept, more = shortcuts.candidates(
         problem, found, fitting, footprint.fits, closed_form=closed_form
     )
     return kept, rejected + more, structure
+
+
+def _too_big(shortcut: Strategy, footprint: Footprint) -> str:
+    """Why the shortcut, at its smallest, does not fit: its first call's
+    check (:func:`~jacobkit.planner.estimates.check_peak`), where that alone
+    is over what the budget allows."""
+    check = est.check_peak(shortcut, footprint.prior, footprint.result_bytes)
+    if check > footprint.allowed_bytes:
+        return (
+            f"its first call's check (jk.verify: an eager forward pass, which "
+            f"holds every layer's output: {_fmt(footprint.prior.eager_bytes)}) "
+            f"is predicted at {_fmt(check)}, over the "
+            f"{_fmt(footprint.allowed_bytes)} the budget allows"
+        )
+    return "predicted peak over the budget"
 
 
 def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
