@@ -17,7 +17,8 @@ import contextlib
 import tensorflow as tf
 
 from jacobkit import memory, planner, runtime, strategies
-from jacobkit.problem import Call, Problem
+from jacobkit.problem import Call, Problem, tensor_targets
+from jacobkit.problem.reduce import ClippedSum
 from jacobkit.result import JacobianResult
 
 
@@ -72,7 +73,7 @@ def chosen(call: Call) -> strategies.Strategy | planner.Auto:
 def wrap(problem: Problem, solution: strategies.Solution) -> JacobianResult:
     """The strategy's flat ``(R, *v.shape)`` Jacobians, shaped and named."""
     jacobians = {
-        name: problem.shaped(jac, target)
+        name: _shaped(problem, jac, target)
         for name, jac, target in zip(
             problem.target_names, solution.jacobians, problem.targets
         )
@@ -101,3 +102,20 @@ def target_roles(problem: Problem) -> dict[str, str]:
     return {
         role: problem.target_names[i] for role, i in problem.roles.by_name().items()
     }
+
+
+def _shaped(problem: Problem, jacobian: tf.Tensor, target: tf.Variable) -> tf.Tensor:
+    """A strategy's ``(num_rows, *target.shape)`` Jacobian of ``target`` in
+    the result's shape: ``rows_shape + target.shape``, or the own-example
+    blocks ``rows_shape + target.shape[1:]`` when ``problem.blocked``. With
+    ``reduce="norm"``: the norms ``(num_rows,)`` (``(K, B)`` blocked) as
+    ``rows_shape``; with :class:`ClippedSum`, the sum in the target's shape."""
+    if isinstance(problem.reduce, ClippedSum):
+        return tf.reshape(jacobian, tuple(target.shape))
+    if problem.reduce is not None:
+        if problem.blocked:
+            jacobian = tf.transpose(jacobian)
+        return tf.reshape(jacobian, problem.rows_shape)
+    if problem.blocked:
+        return tensor_targets.own_example_blocks(jacobian, problem.rows_shape)
+    return tf.reshape(jacobian, problem.rows_shape + tuple(target.shape))

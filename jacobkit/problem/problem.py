@@ -26,7 +26,6 @@ from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.reduce import ClippedSum
 
 
 class Problem:
@@ -277,22 +276,6 @@ class Problem:
         return self.tensor_targets is not None and (
             isinstance(mode, Loss) or mode in ("per_example", "full")
         )
-
-    def shaped(self, jacobian: tf.Tensor, target: tf.Variable) -> tf.Tensor:
-        """A strategy's ``(num_rows, *target.shape)`` Jacobian in the result's
-        shape: ``rows_shape + target.shape``, or the own-example blocks
-        ``rows_shape + target.shape[1:]`` when :attr:`blocked`. With
-        ``reduce="norm"``: the norms ``(num_rows,)`` (``(K, B)`` blocked) as
-        ``rows_shape``."""
-        if isinstance(self.reduce, ClippedSum):  # a sum in the target's shape
-            return tf.reshape(jacobian, tuple(target.shape))
-        if self.reduce is not None:
-            if self.blocked:
-                jacobian = tf.transpose(jacobian)
-            return tf.reshape(jacobian, self.rows_shape)
-        if self.blocked:
-            return tensors.own_example_blocks(jacobian, self.rows_shape)
-        return tf.reshape(jacobian, self.rows_shape + tuple(target.shape))
 
     def function(self, fn: Callable[..., Any]) -> Any:
         """``tf.function(fn)`` for a computation that calls this problem's

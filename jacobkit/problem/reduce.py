@@ -15,6 +15,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import tensorflow as tf
+
 
 @dataclass(frozen=True)
 class ClippedSum:
@@ -48,8 +50,6 @@ class ClippedSum:
 
     def scales(self, norms: Any) -> Any:
         """``min(1, clip_norm / norm)`` per row (1 for a zero gradient)."""
-        import tensorflow as tf
-
         norms = tf.convert_to_tensor(norms)
         clip = tf.cast(self.clip_norm, norms.dtype)
         return tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, 1e-30))
