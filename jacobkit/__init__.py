@@ -28,6 +28,7 @@ NO_TENSORFLOW = (
 #: public name -> the module that defines it
 _PUBLIC = {
     "ClippedSum": "jacobkit.problem.reduce",
+    "Project": "jacobkit.problem.reduce",
     "Inputs": "jacobkit.problem.tensor_targets",
     "JacobianResult": "jacobkit.result",
     "Loss": "jacobkit.problem.loss",
@@ -36,7 +37,9 @@ _PUBLIC = {
     "PrecisionWarning": "jacobkit.strategies.precision",
     "Stats": "jacobkit.result",
     "VerificationError": "jacobkit.verification",
+    "GramResult": "jacobkit.reductions.grams",
     "coverage": "jacobkit.reach",
+    "gram": "jacobkit.reductions.grams",
     "jacobian": "jacobkit.api",
     "plan": "jacobkit.api",
     "verify": "jacobkit.verification",
@@ -53,18 +56,21 @@ _MODULES = {
 
 __all__ = [
     "ClippedSum",
+    "GramResult",
     "Inputs",
     "JacobianResult",
     "Loss",
     "Output",
     "Plan",
     "PrecisionWarning",
+    "Project",
     "Stats",
     "VerificationError",
     "__version__",
     "coverage",
     "data",
     "explain",
+    "gram",
     "jacobian",
     "layers",
     "memory",
@@ -80,9 +86,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.problem.loss import Loss
-    from jacobkit.problem.reduce import ClippedSum
+    from jacobkit.problem.reduce import ClippedSum, Project
     from jacobkit.problem.tensor_targets import Inputs, Output
     from jacobkit.reach import coverage
+    from jacobkit.reductions.grams import GramResult, gram
     from jacobkit.result import JacobianResult, Stats
     from jacobkit.strategies.precision import PrecisionWarning
     from jacobkit.verification import VerificationError, verify

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from jacobkit import memory, planner, runtime, strategies
 from jacobkit.problem import Call, Problem, tensor_targets
-from jacobkit.problem.reduce import ClippedSum
+from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult
 
 
@@ -109,9 +109,12 @@ def _shaped(problem: Problem, jacobian: tf.Tensor, target: tf.Variable) -> tf.Te
     the result's shape: ``rows_shape + target.shape``, or the own-example
     blocks ``rows_shape + target.shape[1:]`` when ``problem.blocked``. With
     ``reduce="norm"``: the norms ``(num_rows,)`` (``(K, B)`` blocked) as
-    ``rows_shape``; with :class:`ClippedSum`, the sum in the target's shape."""
+    ``rows_shape``; with :class:`ClippedSum`, the sum in the target's shape;
+    with :class:`Project`, ``rows_shape + (dim,)``."""
     if isinstance(problem.reduce, ClippedSum):
         return tf.reshape(jacobian, tuple(target.shape))
+    if isinstance(problem.reduce, Project):
+        return tf.reshape(jacobian, (*problem.rows_shape, problem.reduce.dim))
     if problem.reduce is not None:
         if problem.blocked:
             jacobian = tf.transpose(jacobian)

@@ -75,7 +75,10 @@ class JacobianResult(Mapping[str, Any]):
     Jacobian, shape ``rows_shape``. With ``reduce=jk.ClippedSum(C)`` each
     entry is the sum over rows of the rows' gradients clipped to norm ``C``
     (over all targets together), in the target's own shape, and ``norms``
-    holds every row's norm before clipping, shape ``rows_shape``.
+    holds every row's norm before clipping, shape ``rows_shape``. With
+    ``reduce=jk.Project(dim)`` each entry is the target's part of every
+    row's projection, shape ``rows_shape + (dim,)``, and :attr:`projection`
+    their sum: the projection of each row's whole gradient.
 
     The Jacobians are ``tf.Tensor`` objects, except after
     ``jacobian(..., out=DIR)``: then they are read-only ``numpy.memmap``
@@ -104,6 +107,22 @@ class JacobianResult(Mapping[str, Any]):
         """Jacobian of the rows with respect to the layer's bias,
         shape ``rows_shape + bias.shape``."""
         return self["bias"]
+
+    @property
+    def projection(self) -> Any:
+        """With ``reduce=jk.Project(dim)``: each row's gradient, over every
+        target, mapped to ``dim`` numbers, shape ``rows_shape + (dim,)``
+        (the sum of the targets' parts)."""
+        if type(self.reduce).__name__ != "Project":
+            raise AttributeError(
+                "JacobianResult.projection: only with reduce=jk.Project(dim); "
+                f"this result has reduce={self.reduce!r}."
+            )
+        parts = list(self.jacobians.values())
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
 
     def __getitem__(self, key: str | int) -> tf.Tensor:
         if isinstance(key, int) and not isinstance(key, bool):

@@ -35,6 +35,7 @@ RANKS = {
     "batches": 9,
     "api": 10,
     "reach": 10,
+    "reductions": 10,
     "explain": 11,
     "__init__": 12,
     "testing": 13,

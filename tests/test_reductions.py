@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import testing
+from jacobkit.problem import sketch
 from tests.cases import STRATEGIES
 
 RTOL = 1e-5
@@ -236,3 +237,69 @@ def test_loss_rows_of_a_tensor_keep_each_examples_own_block(strategy, target):
     assert got.shape == want.shape
     assert want.shape[0] == inputs[0].shape[0]
     _close([got], [np.asarray(want)])
+
+
+# -- reduce=jk.Project --------------------------------------------------------
+
+
+def _wide() -> tuple[keras.Model, tuple[np.ndarray, ...]]:
+    """Kernels large enough for Kronecker maps at dim=512 (a map of more than
+    sketch.DENSE_ELEMENTS numbers), a Conv2D beside a Dense."""
+    rng = np.random.default_rng(3)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 16)),
+            keras.layers.Conv2D(64, 3, activation="relu", name="conv"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(256, activation="tanh", name="wide"),
+            keras.layers.Dense(3, name="head"),
+        ]
+    )
+    x = rng.normal(size=(5, 8, 8, 16)).astype("float32")
+    y = rng.integers(0, 3, 5)
+    return model, (x, y)
+
+
+def _projected_reference(project, names, variables, grads):
+    """Each row's projection in float64, from the maps' own matrices."""
+    total = 0.0
+    for name, variable, g in zip(names, variables, grads):
+        m = sketch.target_map(project, name, tuple(variable.shape))
+        rows = g.reshape(g.shape[0], m.inputs, m.units)
+        if m.dense is not None:
+            total = total + rows.reshape(g.shape[0], -1) @ m.dense.astype(np.float64)
+        else:
+            left, right = m.left.astype(np.float64), m.right.astype(np.float64)
+            both = np.einsum("ia,rio,ob->rab", left, rows, right)
+            total = total + both.reshape(g.shape[0], -1)[:, : m.dim] / np.sqrt(m.dim)
+    return total
+
+
+@pytest.mark.parametrize("name", ["mlp", "tokens", "conv", "wide"])
+@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+def test_projection_agrees_with_float64(case, name):
+    model, inputs = {**MODELS, "wide": _wide}[name]()
+    strategy = case.make(inputs[0].shape[0])
+    variables = model.trainable_variables
+    project = jk.Project(512 if name == "wide" else 32, seed=7)
+    # forward mode predicts 9,490 passes for the wide kernels and refuses
+    slow = strategy.name == "forward" and name == "wide"
+    if _refuses(strategy) or slow:
+        with pytest.raises(ValueError, match="forward mode needs" if slow else None):
+            jk.jacobian(
+                model,
+                inputs,
+                variables,
+                strategy=strategy,
+                outputs=LOSS,
+                reduce=project,
+            )
+        return
+    grads, _ = _per_example(model, inputs)
+    result = jk.jacobian(
+        model, inputs, variables, strategy=strategy, outputs=LOSS, reduce=project
+    )
+    want = _projected_reference(project, list(result.jacobians), variables, grads)
+    assert result.projection.shape == (inputs[0].shape[0], project.dim)
+    _close([result.projection], [want])

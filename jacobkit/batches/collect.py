@@ -44,7 +44,7 @@ from jacobkit.batches.store import Store
 from jacobkit.keras import compat
 from jacobkit.problem import Call, Problem, arguments
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.reduce import ClippedSum
+from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult, Stats
 
 
@@ -56,8 +56,8 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
     if spread is not None:
         distribute.check(spread, out=call.out)
     replicas = None if spread is None else spread.num_replicas_in_sync
-    reading = _reading(call)
-    batches = source.open_source(inputs, call.steps, replicas, reading)
+    how = reading(call)
+    batches = source.open_source(inputs, call.steps, replicas, how)
     start = time.perf_counter()
     with engine.device_scope(call.device):
         first = next(batches.batches, None)
@@ -66,7 +66,7 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
                 "jacobian(inputs=...): the dataset has no batches, so there is "
                 "nothing to differentiate."
             )
-        source.check_batch(0, first, None, reading)
+        source.check_batch(0, first, None, how)
         problem = call.problem(first)
         writer = _open_store(call, problem, first, batches.count)
         collector = Collector(
@@ -80,7 +80,7 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
             collector=collector,
             start=start,
             rate=spread is None,
-            reading=reading,
+            reading=how,
         )
         loop.run(first, batches, progress=call.progress)
         collector.sums = loop.runner.all_sum(collector.sums)
@@ -114,7 +114,7 @@ def _check_reduce(call: Call) -> None:
     rows follow each other (per example, or per-example losses); rows summed
     over the batches are not the batches' rows, so they are refused."""
     reduce = call.reduce
-    if reduce is None:
+    if reduce is None or isinstance(reduce, Project):  # a projection is linear
         return
     if call.summed:
         raise ValueError(
@@ -133,7 +133,7 @@ def _check_reduce(call: Call) -> None:
         )
 
 
-def _reading(call: Call) -> source.Reading:
+def reading(call: Call) -> source.Reading:
     """How the batches are read: whole elements for loss rows (their labels),
     integers where the model declares integer inputs (token ids)."""
     try:
@@ -165,7 +165,7 @@ def _open_store(
             steps=call.steps,
         ),
         targets=[
-            TargetSpec(name, per_row + tuple(t.shape), problem.output_dtype.name)
+            TargetSpec(name, per_row + _row_result(call, t), problem.output_dtype.name)
             for name, t in zip(problem.target_names, problem.targets, strict=True)
         ],
         kind="sum" if summed else "rows",
@@ -173,6 +173,16 @@ def _open_store(
         rows_capacity=None if count is None else count * source.batch_size(first),
         overwrite=call.overwrite,
     )
+
+
+def _row_result(call: Call, target: Any) -> tuple[int, ...]:
+    """What ``out=`` holds per row of a target: its Jacobian, its norm (no
+    axes), or its part of the row's projection (``dim``)."""
+    if isinstance(call.reduce, Project):
+        return (call.reduce.dim,)
+    if call.reduce == "norm":
+        return ()
+    return tuple(target.shape)
 
 
 def _runner(call: Call, problem: Problem) -> runners.Runner:
@@ -260,7 +270,7 @@ class _Loop:
             unit="batch",
             desc="jacobian",
             delay=1.0,  # calls that take a moment show no bar
-            disable=_progress_disabled(progress),
+            disable=progress_disabled(progress),
             file=sys.stderr,
         )
         try:
@@ -295,7 +305,7 @@ class _Loop:
             bar.update(1)
 
 
-def _progress_disabled(progress: bool) -> bool | None:
+def progress_disabled(progress: bool) -> bool | None:
     """tqdm's ``disable``: off on request and under pytest; ``None`` lets tqdm
     switch it off when the output is not a terminal."""
     if not progress or "PYTEST_CURRENT_TEST" in os.environ:

@@ -62,6 +62,8 @@ def fingerprint(
             "features": list(features) if features is not None else None,
             "training": problem.training,
             "unconnected": problem.unconnected,
+            # only where set: directories written before reduce= resume
+            **({} if problem.reduce is None else {"reduce": repr(problem.reduce)}),
         },
         strategy=_strategy_name(strategy),
         inputs={

@@ -170,6 +170,13 @@ class LayerRule:
         by_example = tf.experimental.numpy.moveaxis(dz, 0, 1)
         return self.gradients(x, by_example, kernel_shape, summed=True)
 
+    def factored(self) -> bool:
+        """Whether a row's kernel gradient is ``Σ_p unfold(x)[p]ᵀ dz[p]`` with
+        the kernel seen as ``(prod(shape[:-1]), shape[-1])``, so that Gram
+        matrices and projections can be taken from the two factors without
+        forming it (:mod:`jacobkit.problem.sketch`)."""
+        return False
+
     def norms(
         self,
         x: tf.Tensor,
@@ -196,6 +203,9 @@ class UnfoldedMatmul(LayerRule):
         self, x: tf.Tensor, dz: tf.Tensor, kernel_shape: tuple[int, ...]
     ) -> tuple[tf.Tensor, tf.Tensor]:
         return contract.summed_gradients_by_row(self.unfold(x), dz, kernel_shape)
+
+    def factored(self) -> bool:
+        return True
 
 
 class MaterializedNorms(LayerRule):

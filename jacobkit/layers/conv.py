@@ -95,6 +95,9 @@ class Conv2DRule(UnfoldedMatmul, ConvRule):
     kind = "conv2d"
     grouped_ok = True
 
+    def factored(self) -> bool:
+        return compat.groups(self.layer) == 1
+
     def gradients(
         self,
         x: tf.Tensor,

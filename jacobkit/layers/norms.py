@@ -104,3 +104,14 @@ def kernel_and_bias_norms(
         tf.reshape(tf.transpose(kernel), (-1,)),
         tf.reshape(tf.transpose(bias), (-1,)),
     )
+
+
+def ghost_pairs(positions: int, inputs: int, units: int, rows: int) -> bool:
+    """True where the exact Gram between two sets' rows of a Dense/Conv
+    kernel is cheaper from the layer's unfolded inputs and cotangents than
+    from the materialized gradients (mixed ghost clipping's rule, per pair
+    of examples): ``GRAM_WEIGHT × P² (I + K² O)`` multiply-adds for the
+    ``K²`` row pairs of two examples against ``K² I O`` for theirs formed
+    (:func:`jacobkit.strategies.batch.contract.factors`)."""
+    ghost = GRAM_WEIGHT * positions * positions * (inputs + rows * rows * units)
+    return ghost < rows * rows * inputs * units

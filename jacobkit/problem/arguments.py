@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from jacobkit import runtime
 from jacobkit.keras import layer_tree
-from jacobkit.problem.reduce import ClippedSum
+from jacobkit.problem.reduce import REDUCTIONS
 
 UNCONNECTED_MODES = ("error", "zero")
 #: ``reduce=``: ``None`` (the Jacobians) or ``"norm"`` (each row's L2 norm)
@@ -49,14 +49,16 @@ def check_training(training: Any) -> bool:
 
 def check_reduce(reduce: Any) -> Any:
     """``reduce=`` checked: ``None``, ``"norm"``, or a reduction object
-    (:class:`~jacobkit.problem.reduce.ClippedSum`, ...)."""
-    if reduce in REDUCE_MODES or isinstance(reduce, ClippedSum):
+    (:class:`~jacobkit.problem.reduce.ClippedSum`,
+    :class:`~jacobkit.problem.reduce.Project`)."""
+    if reduce in REDUCE_MODES or isinstance(reduce, REDUCTIONS):
         return reduce
     raise ValueError(
         f"jacobian(reduce={reduce!r}): expected None (the Jacobians), 'norm' "
-        "(the L2 norm of each row's Jacobian per target, shape rows_shape) or "
+        "(the L2 norm of each row's Jacobian per target, shape rows_shape), "
         "jk.ClippedSum(clip_norm) (the sum of every row's gradient clipped to "
-        "clip_norm)."
+        "clip_norm) or jk.Project(dim, seed) (each row's gradient mapped to dim "
+        "numbers by a fixed random map)."
     )
 
 

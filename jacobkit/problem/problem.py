@@ -26,6 +26,7 @@ from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
 from jacobkit.problem.loss import Loss
+from jacobkit.problem.reduce import Factors
 
 
 class Problem:
@@ -272,10 +273,7 @@ class Problem:
         ``"full"``, loss rows): strategies compute ``K`` batch-summed rows and
         each result keeps only each example's own block, shape
         ``rows_shape + target.shape[1:]`` (:mod:`.tensor_targets`)."""
-        mode = self.rows_spec.mode
-        return self.tensor_targets is not None and (
-            isinstance(mode, Loss) or mode in ("per_example", "full")
-        )
+        return self.tensor_targets is not None and self.rows_spec.of_one_example
 
     def function(self, fn: Callable[..., Any]) -> Any:
         """``tf.function(fn)`` for a computation that calls this problem's
@@ -285,9 +283,10 @@ class Problem:
 
     def with_reduce(self, reduce: Any) -> Problem:
         """This problem with ``reduce=`` in place of its own (a shallow copy:
-        nothing is traced or checked again)."""
+        nothing is traced or checked again; ``Factors()`` is jk.gram's)."""
         other = copy.copy(self)
-        other.reduce = arguments.check_reduce(reduce)
+        internal = isinstance(reduce, Factors)
+        other.reduce = reduce if internal else arguments.check_reduce(reduce)
         return other
 
     def with_inputs(self, inputs: Any) -> Problem:

@@ -53,3 +53,54 @@ class ClippedSum:
         norms = tf.convert_to_tensor(norms)
         clip = tf.cast(self.clip_norm, norms.dtype)
         return tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, 1e-30))
+
+
+@dataclass(frozen=True)
+class Project:
+    """``reduce=jk.Project(dim, seed=0)``: each row's gradient, over every
+    target together, mapped by a fixed random linear map ``M`` to ``dim``
+    numbers: ``result.projection`` of shape ``rows_shape + (dim,)``, each
+    target's own part ``M_v g_v`` in ``result[v]`` (they sum to it).
+
+    ``M`` depends on ``seed``, ``dim`` and each target's key and shape only
+    (:mod:`jacobkit.problem.sketch`): the same rows give the same numbers in
+    any batching, order, strategy or process, so a dataset can be projected
+    in pieces, on several workers, and resumed with ``out=``. Inner products
+    are kept in expectation: ``E[<M g, M h>] = <g, h>``.
+
+    Where a layer's rule gives its input and output cotangents, a row's
+    gradient is never formed: a large kernel's map is a Kronecker product
+    (LoGra's factors), applied to each factor. See :mod:`~jacobkit.problem.sketch`
+    for the maps and their variance.
+    """
+
+    dim: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value, least in (("dim", self.dim, 1), ("seed", self.seed, 0)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or value < least
+            ):
+                raise ValueError(
+                    f"jk.Project({name}={value!r}): expected an integer >= {least}"
+                    + (
+                        " (the numbers each row is mapped to)."
+                        if name == "dim"
+                        else "."
+                    )
+                )
+
+
+@dataclass(frozen=True)
+class Factors:
+    """Internal (``jk.gram``): each row's gradient per target as the
+    ``batch`` strategy holds it before contracting: a layer's input and
+    output cotangents where the exact Gram is cheaper from them, else the
+    gradient flattened (:mod:`jacobkit.strategies.batch.contract`)."""
+
+
+#: the reductions jacobian() takes besides None and "norm"
+REDUCTIONS = (ClippedSum, Project)

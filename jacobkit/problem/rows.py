@@ -95,6 +95,12 @@ class Rows:
     def summed_over_batch(self) -> bool:
         return self.mode == "features"
 
+    @property
+    def of_one_example(self) -> bool:
+        """Each row depends on one example (``"per_example"``, ``"full"``,
+        loss rows); a callable's rows may mix them."""
+        return isinstance(self.mode, Loss) or self.mode in ("per_example", "full")
+
     def check(self, outputs: Any) -> None:
         """Raise ``ValueError`` where these rows cannot be formed from
         ``outputs`` (a ``features=`` index out of range, per-example rows of

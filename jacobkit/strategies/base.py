@@ -15,9 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state
-from jacobkit.problem.reduce import ClippedSum
+from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import Stats
-from jacobkit.strategies import clipping, precision
+from jacobkit.strategies import precision, reductions
 
 if TYPE_CHECKING:  # auto's plan ranks above the strategies: for types only
     from jacobkit.planner.plan import Plan
@@ -78,8 +78,11 @@ class Strategy(abc.ABC):
     #: True where :meth:`build` computes ``reduce=jk.ClippedSum`` itself
     #: (each target's clipped sum, then the rows' norms); elsewhere
     #: :meth:`solve` does it from the strategy's norms or Jacobians
-    #: (:mod:`jacobkit.strategies.clipping`)
+    #: (:mod:`jacobkit.strategies.reductions`)
     clips: ClassVar[bool] = False
+    #: True where :meth:`build` computes ``reduce=jk.Project`` itself (each
+    #: target's ``(R, dim)``); elsewhere :meth:`solve` maps the Jacobians
+    projects: ClassVar[bool] = False
     #: tracing cost relative to ``while`` (1.0), before it was measured. On
     #: CPU, TF 2.21, pfor-based strategies traced 1.4-4x slower than while.
     trace_weight: ClassVar[float] = 2.0
@@ -208,13 +211,16 @@ class Strategy(abc.ABC):
         or Jacobians and one weighted backward pass."""
         if isinstance(problem.reduce, ClippedSum):
             if not self.clips:
-                sums, norms, stats = clipping.clipped_sum(
+                sums, norms, stats = reductions.clipped_sum(
                     self.run, problem, norms=self.supports_norm
                 )
                 return Solution(tuple(sums), stats, self, norms=norms)
             found, stats = self.run(problem)
             return Solution(tuple(found[:-1]), stats, self, norms=found[-1])
-        jacobians, stats = self.run(problem)
+        if isinstance(problem.reduce, Project) and not self.projects:
+            jacobians, stats = reductions.projected(self.run, problem)
+        else:
+            jacobians, stats = self.run(problem)
         return Solution(tuple(jacobians), stats, self)
 
 

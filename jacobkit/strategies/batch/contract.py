@@ -12,7 +12,8 @@ from typing import Any, TypeVar, cast
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem
+from jacobkit.layers import norms as layer_norms
+from jacobkit.problem import Problem, sketch
 from jacobkit.problem.reduce import ClippedSum
 from jacobkit.problem.targets import Projection
 from jacobkit.strategies.base import map_chunks
@@ -152,3 +153,95 @@ def clipped_sum(
     ]
     sums = gradients(problem, taps, scaled, summed=True)
     return [tf.reduce_sum(s, axis=0) for s in sums] + [total]
+
+
+def _factors(rule: Any, x: Any, dz: Any, *, summed: bool) -> tuple[Any, Any]:
+    """A factored part's unfolded input ``(B, P, I)`` and cotangents ``(B,
+    K, P, O)`` from its tap ``x`` and ``dz`` (``(B, K, *z.shape[1:])``); rows
+    summed over the batch see one example of ``B * P`` positions."""
+    patches = rule.unfold(x)
+    batch, positions = patches.shape[0], patches.shape[1]
+    cotangents = tf.reshape(dz, (batch, dz.shape[1], positions, dz.shape[-1]))
+    if summed:
+        patches = tf.reshape(patches, (1, batch * positions, -1))
+        cotangents = tf.transpose(cotangents, (1, 0, 2, 3))
+        cotangents = tf.reshape(cotangents, (1, dz.shape[1], batch * positions, -1))
+    return patches, cotangents
+
+
+def _summed(found: list[Any]) -> Any:
+    return tf.add_n(found) if len(found) > 1 else found[0]
+
+
+@_no_autograph
+def projected(
+    problem: Problem, taps: Taps, dzs: list[Any], *, summed: bool
+) -> list[tf.Tensor]:
+    """``reduce=jk.Project``: each target's part of every row's projection,
+    ``(R, dim)`` (:mod:`jacobkit.problem.sketch`). A Kronecker map of a
+    factored part is applied to the factors, summed over its calls; other
+    parts' gradients are formed by their rule, then mapped."""
+    maps = sketch.maps(problem)
+    targets = problem.targets
+    xs, parts = taps
+    out: list[Any] = [None] * len(targets)
+    for i, p in enumerate(projections(problem)):
+        kernel_map, shape = maps[p.kernel], tuple(targets[p.kernel].shape)
+        kernels, biases = [], []
+        for x, dz in (pair[:2] for pair in zip(xs, dzs, parts) if pair[2] == i):
+            if kernel_map.kronecker and p.rule.factored():
+                patches, cotangents = _factors(p.rule, x, dz, summed=summed)
+                kernels.append(kernel_map.of_factors(patches, cotangents))
+                bias = tf.reduce_sum(cotangents, axis=2)
+                biases.append(tf.reshape(bias, (-1, bias.shape[-1])))
+            else:
+                kernel, bias = p.rule.gradients(x, dz, shape, summed=summed)
+                kernels.append(kernel_map.of_flat(kernel))
+                biases.append(bias)
+        out[p.kernel] = _summed(kernels)
+        if p.bias is not None:
+            out[p.bias] = maps[p.bias].of_flat(_summed(biases))
+    return out
+
+
+@_no_autograph
+def factors(
+    problem: Problem, taps: Taps, dzs: list[Any], *, summed: bool
+) -> list[tf.Tensor]:
+    """``jk.gram``'s view of every row's gradient, in the order of the
+    targets: a factored kernel where :func:`jacobkit.layers.norms.ghost_pairs`
+    says pairs are cheaper from its factors, as two tensors (its unfolded
+    input ``(B, P, I)`` and cotangents ``(B, K, P, O)``, a layer's calls
+    side by side along ``P``); every other target as one ``(R, size)``
+    tensor of its rows' gradients (summed over the layer's calls)."""
+    targets = problem.targets
+    xs, parts = taps
+    out: list[Any] = [None] * len(targets)
+    for i, p in enumerate(projections(problem)):
+        shape = tuple(targets[p.kernel].shape)
+        calls = [pair[:2] for pair in zip(xs, dzs, parts) if pair[2] == i]
+        pairs = (
+            [_factors(p.rule, x, dz, summed=summed) for x, dz in calls]
+            if p.rule.factored()
+            else []
+        )
+        ghost = bool(pairs) and layer_norms.ghost_pairs(
+            sum(int(u.shape[1]) for u, _ in pairs),
+            int(pairs[0][0].shape[-1]),
+            int(pairs[0][1].shape[-1]),
+            int(pairs[0][1].shape[1]),
+        )
+        if ghost:
+            patches = tf.concat([u for u, _ in pairs], axis=1)
+            cotangents = tf.concat([g for _, g in pairs], axis=2)
+            out[p.kernel] = (patches, cotangents)
+            bias = tf.reduce_sum(cotangents, axis=2)
+            bias = tf.reshape(bias, (-1, bias.shape[-1]))
+        else:
+            found = [p.rule.gradients(x, dz, shape, summed=summed) for x, dz in calls]
+            kernel = _summed([k for k, _ in found])
+            out[p.kernel] = (tf.reshape(kernel, (tf.shape(kernel)[0], -1)),)
+            bias = _summed([b for _, b in found])
+        if p.bias is not None:
+            out[p.bias] = (tf.reshape(bias, (tf.shape(bias)[0], -1)),)
+    return [t for entry in out for t in entry]

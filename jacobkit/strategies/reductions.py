@@ -1,4 +1,7 @@
-"""``reduce=jk.ClippedSum(C)`` by any strategy: each row's norm (over every
+"""``reduce=`` by a strategy without its own (the ``batch`` strategy computes
+both from its closed forms).
+
+``reduce=jk.ClippedSum(C)``: each row's norm (over every
 target) by the strategy itself, then one backward pass of the rows weighted
 by ``min(1, C / norm)``. That pass gives ``sum_r s_r g_r`` at once: the
 gradient of ``sum_r s_r row_r`` is the scaled rows' gradients summed, and no
@@ -15,7 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem, Slot, model_state
+from jacobkit.problem import Problem, Slot, model_state, sketch
 from jacobkit.problem.reduce import ClippedSum
 from jacobkit.result import Stats
 
@@ -33,11 +36,7 @@ def clipped_sum(
     strategy that holds them all anyway)."""
     reduce = problem.reduce
     assert isinstance(reduce, ClippedSum), "a clipped sum is asked for"
-    if problem.tensor_targets is not None:
-        raise ValueError(
-            "jacobian(reduce=jk.ClippedSum(...)): clips the gradients of "
-            f"variables, got the tensor target(s) {', '.join(problem.target_names)}."
-        )
+    check_variables(problem, "jk.ClippedSum(...)", "clips")
     first, stats = run(problem.with_reduce("norm" if norms else None))
     total = tf.sqrt(tf.add_n([_squared_norms(f, norms) for f in first]))
     start = time.perf_counter()
@@ -86,3 +85,31 @@ def _weighted(problem: Problem) -> Any:
 
         compiled[key] = problem.function(weighted)
     return compiled[key]
+
+
+def projected(run: Run, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
+    """Each target's part of every row's projection ``(R, dim)`` from the
+    rows' Jacobians that ``run`` computes (one chunk of rows where the
+    strategy chunks; a dataset's batches one by one)."""
+    check_variables(problem, "jk.Project(...)", "maps")
+    jacobians, stats = run(problem.with_reduce(None))
+    start = time.perf_counter()
+    found = [m.of_flat(j) for m, j in zip(sketch.maps(problem), jacobians, strict=True)]
+    wall = stats.wall_time_s + time.perf_counter() - start
+    return found, Stats(
+        wall_time_s=wall,
+        trace_time_s=stats.trace_time_s,
+        traced=stats.traced,
+        peak_bytes=stats.peak_bytes,
+        num_rows=stats.num_rows,
+    )
+
+
+def check_variables(problem: Problem, reduce: str, verb: str) -> None:
+    """Refuse ``Inputs()``/``Output()`` targets: a reduction over every
+    target together is of the variables' gradients."""
+    if problem.tensor_targets is not None:
+        raise ValueError(
+            f"jacobian(reduce={reduce}): {verb} the gradients of variables, got "
+            f"the tensor target(s) {', '.join(problem.target_names)}."
+        )

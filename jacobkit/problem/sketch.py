@@ -1,0 +1,141 @@
+"""The fixed random maps of ``reduce=jk.Project(dim, seed)``.
+
+Each target variable ``v`` gets its own map ``M_v`` from ``R^size(v)`` to
+``R^dim``; a row's projection is ``sum_v M_v g_v``, so ``M = [M_1 ... M_n]``
+maps the row's whole gradient. ``M_v`` is drawn from ``seed`` and the
+target's key (``"dense/kernel"``) by NumPy's ``default_rng`` (the same
+numbers on every machine), so it depends on nothing else: not the batching,
+the order, the strategy or the process.
+
+Two kinds, chosen by size alone (:data:`DENSE_ELEMENTS`):
+
+- **dense**: ``M_v`` Gaussian, ``N(0, 1/dim)`` entries. For two gradients
+  ``g, h``: ``E<Mg, Mh> = <g, h>`` and
+  ``Var<Mg, Mh> = (<g, h>^2 + |g|^2 |h|^2) / dim``.
+- **Kronecker** (LoGra's): ``v`` seen as an ``I x O`` matrix (its last axis
+  ``O``, the rest ``I``: a Dense or convolution kernel as it multiplies the
+  layer's unfolded input), ``M_v vec(G) = vec(Lᵀ G R)[:dim] / sqrt(dim)``
+  with ``L`` (``I x s``) and ``R`` (``O x s``) Gaussian, ``s = ceil(sqrt(dim))``.
+  Unbiased as well; its variance is larger than the dense map's (the
+  coordinates share rows of ``L`` and ``R``: ``docs/reductions.md`` gives the
+  measured spread). Where a layer's rule gives its unfolded input ``U`` and
+  output cotangents ``Δ``, ``G = Σ_p U_pᵀ Δ_p`` is never formed:
+  ``Lᵀ G R = Σ_p (U_p L)ᵀ (Δ_p R)``, ``P (I + O) s + P s²`` multiply-adds per
+  row instead of ``P I O``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem.reduce import Project
+
+#: a map of at most this many numbers is dense (16 MiB of float32); a larger
+#: one is a Kronecker product (a GPT-2 FFN kernel of 768 x 3072 to 2048
+#: numbers would be 4.8 G numbers dense, 0.2 M as factors)
+DENSE_ELEMENTS = 2**22
+
+
+def split(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(I, O)``: a variable of ``shape`` as a matrix, its last axis the
+    columns (``(1, 1)`` for a scalar)."""
+    if not shape:
+        return 1, 1
+    return math.prod(shape[:-1]), int(shape[-1])
+
+
+@dataclass(frozen=True)
+class TargetMap:
+    """One target's map ``M_v`` (see the module docstring).
+
+    Attributes:
+        dim: the numbers each row is mapped to.
+        inputs, units: the target as an ``inputs x units`` matrix.
+        dense: ``(inputs * units, dim)``, or ``None`` for a Kronecker map.
+        left, right: ``(inputs, s)`` and ``(units, s)`` of a Kronecker map.
+    """
+
+    dim: int
+    inputs: int
+    units: int
+    dense: np.ndarray | None
+    left: np.ndarray | None
+    right: np.ndarray | None
+
+    @property
+    def kronecker(self) -> bool:
+        return self.dense is None
+
+    def of_flat(self, gradients: tf.Tensor) -> tf.Tensor:
+        """``(R, size)`` gradients (or ``(R, *shape)``) -> ``(R, dim)``."""
+        rows = tf.shape(gradients)[0]
+        if self.dense is not None:
+            flat = tf.reshape(gradients, (rows, self.inputs * self.units))
+            return tf.matmul(flat, tf.cast(self.dense, flat.dtype))
+        matrix = tf.reshape(gradients, (rows * self.inputs, self.units))
+        right = tf.matmul(matrix, tf.cast(self.right, matrix.dtype))
+        right = tf.reshape(right, (rows, self.inputs, -1))  # (R, I, s)
+        both = tf.einsum("ia,rib->rab", tf.cast(self.left, right.dtype), right)
+        return self._kept(tf.reshape(both, (rows, -1)))
+
+    def of_factors(self, patches: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+        """A Kronecker map of ``G[b, k] = patches[b]ᵀ cotangents[b, k]``
+        without forming it: ``patches`` ``(B, P, I)``, ``cotangents``
+        ``(B, K, P, O)`` -> ``(B * K, dim)``."""
+        assert self.left is not None and self.right is not None, "a Kronecker map"
+        # 2-D matmuls only: a rank-4 by rank-2 tf.matmul gave wrong numbers,
+        # then std::bad_alloc, on CPU (TF 2.21, oneDNN)
+        left = _times(patches, self.left)  # (B, P, s)
+        right = _times(cotangents, self.right)  # (B, K, P, s)
+        both = tf.matmul(tf.transpose(left, (0, 2, 1))[:, None], right)  # (B,K,s,s)
+        batch, rows = cotangents.shape[0], cotangents.shape[1]
+        return self._kept(tf.reshape(both, (batch * rows, -1)))
+
+    def _kept(self, both: tf.Tensor) -> tf.Tensor:
+        return both[:, : self.dim] / tf.cast(math.sqrt(self.dim), both.dtype)
+
+
+def _times(tensor: tf.Tensor, matrix: np.ndarray) -> tf.Tensor:
+    """``tensor @ matrix`` over the last axis, as one 2-D matmul."""
+    flat = tf.reshape(tensor, (-1, tensor.shape[-1]))
+    found = tf.matmul(flat, tf.cast(matrix, tensor.dtype))
+    return tf.reshape(found, (*tensor.shape[:-1], matrix.shape[1]))
+
+
+def maps(problem: Any) -> tuple[TargetMap, ...]:
+    """Each target's map under the problem's ``reduce=jk.Project``, drawn
+    once per model and kept in its state."""
+    project = problem.reduce
+    assert isinstance(project, Project), "a projection is asked for"
+    shapes = tuple(tuple(int(s) for s in t.shape) for t in problem.targets)
+    kept = model_state(problem.model, Slot.COMPILED)
+    key = ("projection maps", project, problem.target_names, shapes)
+    if key not in kept:
+        kept[key] = tuple(
+            target_map(project, name, shape)
+            for name, shape in zip(problem.target_names, shapes, strict=True)
+        )
+    found: tuple[TargetMap, ...] = kept[key]
+    return found
+
+
+def target_map(project: Project, name: str, shape: tuple[int, ...]) -> TargetMap:
+    """The map of the target ``name`` of ``shape`` under ``project``."""
+    dim, seed = project.dim, project.seed
+    inputs, units = split(shape)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), dim])
+    if inputs * units * dim <= DENSE_ELEMENTS:
+        dense = rng.standard_normal((inputs * units, dim), dtype=np.float32)
+        dense /= np.float32(math.sqrt(dim))
+        return TargetMap(dim, inputs, units, dense, None, None)
+    side = math.isqrt(dim - 1) + 1
+    left = rng.standard_normal((inputs, side), dtype=np.float32)
+    right = rng.standard_normal((units, side), dtype=np.float32)
+    return TargetMap(dim, inputs, units, None, left, right)

@@ -1,0 +1,154 @@
+"""Each chunk of examples' per-row gradients in the form the Gram needs:
+a layer's factors (its unfolded input and output cotangents) where pairs of
+rows are cheaper from them, else the gradients flattened; and the inner
+products of two chunks' rows from these forms.
+
+NOTE (the ghost form). A factored kernel's row gradient is
+``G_r = Σ_p U_p Δ_{r,p}ᵀ`` (``U`` the unfolded input of the row's example,
+``P x I``; ``Δ`` its cotangents, ``P x O``), so
+``<G_r, G_s> = Σ_{p,q} (U_p · U'_q) (Δ_{r,p} · Δ'_{s,q})``: two Gram
+matrices over positions, multiplied elementwise and summed, never forming
+``G`` (Opacus's ghost norm, between two examples instead of one with itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit import engine, strategies
+from jacobkit.layers import contract
+from jacobkit.problem import Call
+from jacobkit.problem.reduce import Factors
+
+
+@dataclass(frozen=True)
+class Ghost:
+    """A factored kernel's rows: ``patches`` ``(B, P, I)`` and
+    ``cotangents`` ``(B, K, P, O)``, ``B * K`` rows."""
+
+    patches: tf.Tensor
+    cotangents: tf.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.patches) + _nbytes(self.cotangents)
+
+
+@dataclass(frozen=True)
+class Flat:
+    """Rows' gradients ``(R, size)``."""
+
+    rows: tf.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.rows)
+
+
+Feature = Ghost | Flat
+
+
+@dataclass(frozen=True)
+class ChunkFeatures:
+    """One chunk's rows, per target.
+
+    Attributes:
+        features: each target's :class:`Ghost` or :class:`Flat`, in order.
+        num_rows: the chunk's rows (``B * K``, or ``K`` summed over it).
+        strategy: what computed them (``"batch"``'s closed forms, or the
+            strategy ``auto`` picked for the per-example Jacobians).
+    """
+
+    features: tuple[Feature, ...]
+    num_rows: int
+    strategy: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.features)
+
+    def forms(self, names: tuple[str, ...]) -> dict[str, str]:
+        """Each target's form: ``"ghost"`` or ``"materialized"``."""
+        return {
+            n: "ghost" if isinstance(f, Ghost) else "materialized"
+            for n, f in zip(names, self.features, strict=True)
+        }
+
+
+def _nbytes(tensor: tf.Tensor) -> int:
+    return int(tensor.shape.num_elements() or 0) * tensor.dtype.size
+
+
+def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Any]:
+    """The chunk ``x``'s features, and its problem: by ``batch``'s closed
+    forms where it serves every target, else from the per-example Jacobians
+    of ``chosen`` (a strategy, or ``auto``)."""
+    problem = call.problem(x)
+    closed = strategies.REGISTRY["batch"]()
+    try:
+        closed.check(problem)
+    except ValueError:
+        result = engine.run(problem, chosen)
+        rows = problem.num_rows
+        flat = tuple(
+            Flat(tf.reshape(tf.convert_to_tensor(j), (rows, -1)))
+            for j in result.jacobians.values()
+        )
+        return ChunkFeatures(flat, rows, result.strategy), problem
+    tensors, _ = closed.run(problem.with_reduce(Factors()))
+    return ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name), problem
+
+
+def _parsed(tensors: list[tf.Tensor]) -> tuple[Feature, ...]:
+    """``contract.factors``' flat list: a ghost target's two tensors (ranks
+    3 and 4), every other target's one (rank 2)."""
+    found: list[Feature] = []
+    k = 0
+    while k < len(tensors):
+        if tensors[k].shape.rank == 3:
+            found.append(Ghost(tensors[k], tensors[k + 1]))
+            k += 2
+        else:
+            found.append(Flat(tensors[k]))
+            k += 1
+    return tuple(found)
+
+
+def inner_products(a: ChunkFeatures, b: ChunkFeatures) -> tf.Tensor:
+    """``(R_a, R_b)``: the inner products of every row of ``a`` with every
+    row of ``b``, summed over the targets, in float32."""
+    total = None
+    for fa, fb in zip(a.features, b.features, strict=True):
+        part = _pair(fa, fb)
+        total = part if total is None else total + part
+    assert total is not None, "at least one target"
+    return total
+
+
+def _pair(fa: Feature, fb: Feature) -> tf.Tensor:
+    if isinstance(fa, Ghost) != isinstance(fb, Ghost):
+        # the form follows the positions: rows summed over chunks of
+        # different sizes may get different forms
+        fa, fb = _flat(fa), _flat(fb)
+    if isinstance(fa, Flat) and isinstance(fb, Flat):
+        rows_a = tf.cast(fa.rows, tf.float32)
+        return tf.matmul(rows_a, tf.cast(fb.rows, tf.float32), transpose_b=True)
+    assert isinstance(fa, Ghost) and isinstance(fb, Ghost), "one form per target"
+    patches = tf.einsum("bpi,cqi->bcpq", fa.patches, fb.patches)
+    cotangents = tf.einsum("bkpo,clqo->bkclpq", fa.cotangents, fb.cotangents)
+    both = tf.einsum("bcpq,bkclpq->bkcl", patches, cotangents)
+    shape = both.shape
+    return tf.cast(tf.reshape(both, (shape[0] * shape[1], -1)), tf.float32)
+
+
+def _flat(feature: Feature) -> Flat:
+    """A ghost form's rows' gradients, formed: ``(B * K, I * O)``."""
+    if isinstance(feature, Flat):
+        return feature
+    patches, cotangents = feature.patches, feature.cotangents
+    formed = contract.per_example_matmul(patches, cotangents)  # (B, K, I, O)
+    shape = formed.shape
+    return Flat(tf.reshape(formed, (shape[0] * shape[1], -1)))

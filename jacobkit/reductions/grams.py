@@ -1,0 +1,318 @@
+"""``jk.gram``: the exact inner products between the per-example gradients
+of two sets of examples (data attribution's TracIn and Grad-Cos, the
+empirical NTK), without holding more than two chunks' gradients.
+
+Both sets are read in chunks of examples. For each chunk each target's rows
+are in one of two forms (:mod:`jacobkit.reductions.features`), chosen per
+target by predicted cost (:func:`jacobkit.layers.norms.ghost_pairs`, mixed
+ghost clipping's rule): a Dense or convolution kernel whose rows' inner
+products are cheaper from the layer's input and output cotangents is kept
+as those factors (the ghost form); every other target's rows are its
+gradients, formed by the ``batch`` strategy's closed forms or, where no
+closed form serves a target, by the strategy ``auto`` picks.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit import runtime
+from jacobkit.batches import collect, source
+from jacobkit.memory import budget as budgets
+from jacobkit.problem import Call, arguments
+from jacobkit.problem.loss import Loss
+from jacobkit.reductions import features as feats
+
+#: examples per chunk without a memory budget
+CHUNK_EXAMPLES = 32
+
+
+@dataclass(frozen=True)
+class GramResult:
+    """The Gram matrix of two sets' per-row gradients.
+
+    Attributes:
+        matrix: ``(rows_a, rows_b)`` float64: ``matrix[i, j] = <g_i, h_j>``,
+            the inner product of row ``i`` of set ``a`` and row ``j`` of set
+            ``b`` over every target together (rows in order: example-major,
+            as ``jacobian()`` flattens ``rows_shape``). Rows summed over
+            the batch (``outputs="features"``) are summed over the whole set.
+        rows_shape_a, rows_shape_b: each set's rows, as ``jacobian()``'s.
+        forms: each target's form: ``"ghost"`` (from the layer's input and
+            output cotangents) or ``"materialized"``.
+        strategy: what computed the rows (``"batch"``, or the strategy
+            ``auto`` picked where no closed form serves every target).
+        chunk_examples: examples per chunk.
+        wall_time_s: the whole call.
+    """
+
+    matrix: np.ndarray
+    rows_shape_a: tuple[int, ...]
+    rows_shape_b: tuple[int, ...]
+    forms: dict[str, str]
+    strategy: str
+    chunk_examples: int
+    wall_time_s: float
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.matrix if dtype is None else self.matrix.astype(dtype)
+
+
+def gram(
+    model: Any,
+    a: Any,
+    b: Any = None,
+    layer: Any = None,
+    *,
+    outputs: str | Callable[[Any], tf.Tensor] | Loss = "per_example",
+    features: Sequence[int] | None = None,
+    training: bool = False,
+    output: int | str | None = None,
+    strategy: str | Any = "auto",
+    memory_budget: int | float | str | None = None,
+    chunk_examples: int | None = None,
+    progress: bool = True,
+) -> GramResult:
+    """The exact inner products between every row's gradient in ``a`` and
+    every row's gradient in ``b`` (``b=None``: ``a`` with itself), summed
+    over the targets: shape ``(rows_a, rows_b)``.
+
+    Args:
+        model: a Keras model (or any model ``jacobian()`` takes).
+        a, b: arrays (a tuple ``(x, y)`` or ``(x, y, w)`` for loss rows),
+            or datasets of such batches. Each is read in chunks.
+        layer: the targets, as ``jacobian()`` takes them; default every
+            trainable variable of the model.
+        outputs: ``"per_example"`` (default; rows ``(B, F)``: with every
+            output feature, the empirical NTK), ``jk.Loss(loss_fn)`` (one
+            row per example: TracIn, Grad-Cos), ``"full"``, or
+            ``"features"`` (rows summed over each whole set).
+        features, training, output: as in ``jacobian()``.
+        strategy: computes the rows where ``batch``'s closed forms do not
+            serve every target (default ``"auto"``).
+        memory_budget: bytes (or ``"2GiB"``, a fraction of free memory) for
+            two chunks' rows and their products; sets the chunk size.
+        chunk_examples: examples per chunk (default 32, fewer under a
+            budget).
+        progress: show a progress bar over the chunks of ``a``.
+
+    Returns:
+        A :class:`GramResult`; ``np.asarray(result)`` is the matrix.
+
+    Example:
+        >>> import keras, numpy as np, jacobkit as jk
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        >>> x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+        >>> jk.gram(model, x).matrix.shape  # 5 examples x 3 outputs
+        (15, 15)
+    """
+    start = time.perf_counter()
+    if layer is None:
+        layer = _every_trainable(model)
+    call = Call(
+        model,
+        layer,
+        outputs=outputs,
+        features=features,
+        training=training,
+        output=output,
+        strategy=None,
+    )
+    chosen = _chosen(strategy, memory_budget)
+    allowed = None if memory_budget is None else budgets.parse_budget(memory_budget)
+    reading = collect.reading(call)
+    sets = [_Set(a, reading), _Set(a if b is None else b, reading)]
+    size = _check_chunk(chunk_examples)
+    with runtime.tensorflow_warnings():
+        first, problem = feats.of_chunk(call, sets[0].first(size or 8), chosen)
+        if size is None:
+            size = _chunk_size(first, sets[0].first_size, allowed)
+        run = _Run(call, chosen, sets, size, symmetric=b is None, progress=progress)
+        matrix = run.matrix()
+    return GramResult(
+        matrix=matrix,
+        rows_shape_a=sets[0].rows_shape(problem, call.summed),
+        rows_shape_b=sets[1].rows_shape(problem, call.summed),
+        forms=first.forms(problem.target_names),
+        strategy=first.strategy,
+        chunk_examples=size,
+        wall_time_s=time.perf_counter() - start,
+    )
+
+
+def _every_trainable(model: Any) -> list[Any]:
+    found = list(getattr(model, "trainable_variables", None) or [])
+    if not found:
+        raise ValueError(
+            "gram(layer=None): the model has no trainable variables (yet): "
+            "build it first (call it on a batch), or pass layer=."
+        )
+    return found
+
+
+def _chosen(strategy: Any, memory_budget: Any) -> Any:
+    """The strategy for rows without closed forms (``auto`` under the budget)."""
+    from jacobkit import api
+
+    return api.solver(strategy, memory_budget, None, True)
+
+
+def _check_chunk(chunk_examples: Any) -> int | None:
+    if chunk_examples is None:
+        return None
+    if isinstance(chunk_examples, bool) or not isinstance(chunk_examples, int):
+        raise TypeError(
+            f"gram(chunk_examples={chunk_examples!r}): expected a positive int."
+        )
+    if chunk_examples < 1:
+        raise ValueError(f"gram(chunk_examples={chunk_examples}): must be >= 1.")
+    return chunk_examples
+
+
+def _chunk_size(first: feats.ChunkFeatures, examples: int, allowed: int | None) -> int:
+    """Examples per chunk: :data:`CHUNK_EXAMPLES`, or, under a budget, as
+    many as keep two chunks' rows and their pairwise products within half
+    of it (measured per example on the first chunk)."""
+    if allowed is None:
+        return CHUNK_EXAMPLES
+    per_example = max(first.nbytes / max(examples, 1), 1.0)
+    rows = max(first.num_rows // max(examples, 1), 1)
+    pairs = _pair_bytes(first) / max(examples * examples, 1)
+    # 2 n per_example + n^2 (pairs + rows^2 * 8) <= allowed / 2
+    quadratic = pairs + rows * rows * 8
+    linear = 2 * per_example
+    n = (-linear + math.sqrt(linear * linear + 2 * quadratic * allowed)) / (
+        2 * quadratic
+    )
+    if n < 1:
+        raise ValueError(
+            f"gram(memory_budget={budgets.format_bytes(allowed)}): one example's "
+            f"rows take {budgets.format_bytes(int(per_example))}, more than the "
+            "budget allows for two chunks and their products; raise the budget "
+            "or pass fewer targets (layer=)."
+        )
+    return int(min(n, 4096))
+
+
+def _pair_bytes(chunk: feats.ChunkFeatures) -> float:
+    """The ghost form's largest intermediate for the chunk with itself."""
+    found = 0.0
+    for f in chunk.features:
+        if isinstance(f, feats.Ghost):
+            b, k, p = f.cotangents.shape[:3]
+            found = max(found, 4.0 * b * b * k * k * p * p)
+    return found
+
+
+@dataclass
+class _Set:
+    """One set of examples, read in chunks again and again (a dataset is
+    iterated afresh; a one-shot iterator is read once and kept)."""
+
+    inputs: Any
+    reading: source.Reading
+    kept: list[Any] | None = None
+    first_size: int = 0
+
+    def __post_init__(self) -> None:
+        if arguments.is_batches(self.inputs) and not isinstance(
+            self.inputs, (tf.data.Dataset, source.batches)
+        ):
+            # a generator: read it once, as NumPy, and keep the batches
+            self.kept = list(source.iterate(self.inputs, None, self.reading))
+            if not self.kept:
+                raise ValueError("gram(a=..., b=...): a set has no examples.")
+
+    def first(self, size: int) -> Any:
+        chunk = next(self.chunks(size))
+        self.first_size = source.batch_size(chunk)
+        return chunk
+
+    def chunks(self, size: int) -> Iterator[Any]:
+        """Chunks of at most ``size`` examples, in order."""
+        for batch in self._batches():
+            yield from source.batches(batch, size)
+
+    def _batches(self) -> Iterator[Any]:
+        if self.kept is not None:
+            yield from self.kept
+        elif arguments.is_batches(self.inputs):
+            yield from source.iterate(self.inputs, None, self.reading)
+        else:
+            arrays = tf.nest.map_structure(np.asarray, self.inputs)
+            arguments.check_examples(arrays)
+            yield arrays
+
+    def rows_shape(self, problem: Any, summed: bool) -> tuple[int, ...]:
+        if summed:
+            return tuple(problem.rows_shape)
+        examples = sum(source.batch_size(b) for b in self._batches())
+        return (examples, *problem.rows_shape[1:])
+
+
+@dataclass
+class _Run:
+    """The blocks of the matrix, chunk of ``a`` by chunk of ``b``."""
+
+    call: Call
+    chosen: Any
+    sets: list[_Set]
+    size: int
+    symmetric: bool
+    progress: bool
+    blocks: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    def matrix(self) -> np.ndarray:
+        from tqdm import tqdm
+
+        rows_a: list[int] = []
+        bar = tqdm(
+            unit="chunk",
+            desc="gram",
+            delay=1.0,
+            disable=collect.progress_disabled(self.progress),
+            file=sys.stderr,
+        )
+        try:
+            for i, xa in enumerate(self.sets[0].chunks(self.size)):
+                fa = self._features(xa)
+                rows_a.append(fa.num_rows)
+                for j, xb in enumerate(self.sets[1].chunks(self.size)):
+                    if self.symmetric and j < i:
+                        continue
+                    fb = fa if self.symmetric and i == j else self._features(xb)
+                    block = feats.inner_products(fa, fb).numpy().astype(np.float64)
+                    self.blocks[i, j] = block
+                bar.update(1)
+        finally:
+            bar.close()
+        return self._assembled(rows_a)
+
+    def _features(self, x: Any) -> feats.ChunkFeatures:
+        found, _ = feats.of_chunk(self.call, x, self.chosen)
+        return found
+
+    def _assembled(self, rows_a: list[int]) -> np.ndarray:
+        if self.symmetric:
+            for (i, j), block in list(self.blocks.items()):
+                self.blocks[j, i] = block.T
+        rows_b = rows_a
+        if not self.symmetric:
+            count = 1 + max(j for _, j in self.blocks)
+            rows_b = [self.blocks[0, j].shape[1] for j in range(count)]
+        if self.call.summed:  # rows summed over the whole set: sum the blocks
+            return sum(self.blocks.values())  # type: ignore[return-value]
+        return np.block(
+            [
+                [self.blocks[i, j] for j in range(len(rows_b))]
+                for i in range(len(rows_a))
+            ]
+        )
