@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import tensorflow as tf
@@ -42,14 +43,7 @@ def clipped_sum(
     start = time.perf_counter()
     sums = _weighted(problem)(problem.inputs, reduce.scales(total))
     wall = stats.wall_time_s + time.perf_counter() - start
-    stats = Stats(
-        wall_time_s=wall,
-        trace_time_s=stats.trace_time_s,
-        traced=stats.traced,
-        peak_bytes=stats.peak_bytes,
-        num_rows=stats.num_rows,
-    )
-    return list(sums), total, stats
+    return list(sums), total, replace(stats, wall_time_s=wall)
 
 
 def _squared_norms(found: tf.Tensor, norms: bool) -> tf.Tensor:
@@ -96,13 +90,7 @@ def projected(run: Run, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
     start = time.perf_counter()
     found = [m.of_flat(j) for m, j in zip(sketch.maps(problem), jacobians, strict=True)]
     wall = stats.wall_time_s + time.perf_counter() - start
-    return found, Stats(
-        wall_time_s=wall,
-        trace_time_s=stats.trace_time_s,
-        traced=stats.traced,
-        peak_bytes=stats.peak_bytes,
-        num_rows=stats.num_rows,
-    )
+    return found, replace(stats, wall_time_s=wall)
 
 
 def check_variables(problem: Problem, reduce: str, verb: str) -> None:
