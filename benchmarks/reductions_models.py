@@ -1,0 +1,82 @@
+"""The models of the reductions benchmark (``benchmarks/reductions.py``) and
+of its PyTorch anchor (``benchmarks/peers/reductions_torch.py``), built with
+fixed random weights so both sides differentiate the same function.
+
+- ``convnet``: 32×32×3 images → Conv2D 3→32 (3×3, relu, ``conv1``) → Conv2D
+  32→64 (3×3, stride 2, relu, ``conv2``) → global average pooling → Dense
+  64→10 (``head``), logits; batch 32, integer labels.
+- ``bert``: a keras_hub BERT text classifier (2 layers, hidden 64, 4 heads,
+  vocabulary 1000, 32 tokens), random init, integer labels over 4 classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+BATCH = 32
+CLASSES = 10
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model, one batch ``(x, y)`` and the loss every reduction uses."""
+
+    name: str
+    model: Any
+    x: Any
+    y: np.ndarray
+
+
+def convnet(batch: int = BATCH, seed: int = 0) -> Case:
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((32, 32, 3))
+    h = keras.layers.Conv2D(32, 3, activation="relu", name="conv1")(inputs)
+    h = keras.layers.Conv2D(64, 3, strides=2, activation="relu", name="conv2")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    outputs = keras.layers.Dense(CLASSES, name="head")(h)
+    model = keras.Model(inputs, outputs, name="convnet")
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, CLASSES, batch).astype("int64")
+    return Case("convnet", model, x, y)
+
+
+def bert(batch: int = BATCH, seed: int = 0) -> Case:
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=1000,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=64,
+        intermediate_dim=128,
+        max_sequence_length=32,
+    )
+    model = keras_hub.models.BertTextClassifier(
+        backbone, num_classes=4, preprocessor=None
+    )
+    rng = np.random.default_rng(seed)
+    x = {
+        "token_ids": rng.integers(1, 1000, (batch, 32)).astype("int32"),
+        "segment_ids": np.zeros((batch, 32), "int32"),
+        "padding_mask": np.ones((batch, 32), "int32"),
+    }
+    y = rng.integers(0, 4, batch).astype("int64")
+    return Case("bert", model, x, y)
+
+
+def loss() -> Any:
+    """Each example's cross-entropy of its label, from logits."""
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+CASES = {"convnet": convnet, "bert": bert}
