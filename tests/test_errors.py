@@ -861,6 +861,25 @@ def test_a_model_that_fails_on_the_inputs(example):
     assert "\n" not in message and "in user code" not in message
 
 
+def test_a_model_named_after_a_private_class():
+    """Keras names a model after its class (``_Net`` -> ``"__net"``), a name
+    TensorFlow refuses for a traced graph: the message says how to rename."""
+
+    class _Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = _Net()
+    x = np.ones((3, 4), "float32")
+    model(x)  # eager Keras calls take the name
+    with pytest.raises(ValueError, match=r"cannot trace a model named '__net'"):
+        jk.jacobian(model, x, model.dense, strategy="chunked")
+
+
 # -- strategies that cannot run through a layer --------------------------------------
 def _recurrent_model(flavour, kind: str = "LSTM"):
     layers = flavour.layers

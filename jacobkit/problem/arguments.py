@@ -128,10 +128,18 @@ def raise_call_error(model: Any, inputs: Any, err: Exception) -> NoReturn:
         # the shapes say it all; the model's traced error would bury them
         raise ValueError(f"jacobian(inputs=...): {mismatch}") from None
     shapes = ", ".join(str(tuple(t.shape)) for t in flat)
+    hint = "Check that the inputs are what the model takes (batch axis first)."
+    if "is not a valid root scope name" in str(err):
+        # Keras names a model after its class: `class _Net` gives "__net",
+        # which TensorFlow refuses as a graph's root name scope
+        hint = (
+            f"TensorFlow cannot trace a model named {model.name!r} (a name "
+            "must start with a letter, digit or '.'); pass name=... to the "
+            "model's constructor, or rename its class."
+        )
     raise ValueError(
         f"jacobian(model=...): calling the model on inputs of shape {shapes} "
-        f"failed: {layer_tree.error_summary(err)} Check that the inputs "
-        "are what the model takes (batch axis first)."
+        f"failed: {layer_tree.error_summary(err)} {hint}"
     ) from err
 
 
