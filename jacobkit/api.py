@@ -16,6 +16,7 @@ from jacobkit import engine, planner, runtime, strategies
 from jacobkit.batches import collect
 from jacobkit.problem import Call, arguments
 from jacobkit.problem.loss import Loss
+from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult
 
 
@@ -32,7 +33,7 @@ def jacobian(
     memory_budget: int | float | str | None = None,
     device: str | None = None,
     output: int | str | None = None,
-    reduce: str | None = None,
+    reduce: str | ClippedSum | Project | None = None,
     steps: int | None = None,
     out: str | os.PathLike[str] | None = None,
     overwrite: bool = False,

@@ -156,3 +156,58 @@ def test_multi_worker_mirrored_strategy_on_two_local_workers(tmp_path):
         assert child.returncode == 0, printed[-3000:]
     # every worker's call returns the full result
     _assert_agree(tmp_path, ["worker0", "worker1", "worker0-array", "worker1-array"])
+
+
+_REDUCTIONS = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    import jacobkit as jk
+    from tests.test_reductions import LOSS, _wide
+
+    model, inputs = _wide()
+    data = tf.data.Dataset.from_tensor_slices(inputs).batch(2)  # 2 + 2 + 1
+    for name in ("batch", "loop"):
+        for reduce in (jk.ClippedSum(0.5), jk.Project(64, seed=1)):
+            for where, spread in (("one", None), ("two", strategy)):
+                result = jk.jacobian(model, data, model.trainable_variables,
+                                     outputs=LOSS, reduce=reduce, strategy=name,
+                                     distribute=spread)
+                kind = type(reduce).__name__
+                values = [np.asarray(v) for v in result.values()]
+                if result.norms is not None:
+                    values.append(np.asarray(result.norms))
+                np.savez(f"{sys.argv[1]}/{name}-{kind}-{where}.npz", *values)
+    """
+)
+
+
+def test_clipped_sums_and_projections_on_two_replicas(tmp_path):
+    """reduce=: the rows of a dataset's batches on two replicas (a last batch
+    of one example, not padded into the clipped sum) give what one device
+    gives. Measured: equal for ``batch``, 4.3e-7 of the largest value for
+    ``loop`` (float32 sums in another order); bound 1e-5."""
+    script = tmp_path / "reductions.py"
+    script.write_text(_REDUCTIONS)
+    ran = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    for name in ("batch", "loop"):
+        for kind in ("ClippedSum", "Project"):
+            one = np.load(tmp_path / f"{name}-{kind}-one.npz")
+            two = np.load(tmp_path / f"{name}-{kind}-two.npz")
+            assert len(one.files) == len(two.files) == 6 + (kind == "ClippedSum")
+            for key in one.files:
+                assert one[key].shape == two[key].shape
+                assert testing.max_relative_difference(two[key], one[key]) <= 1e-5

@@ -124,12 +124,21 @@ def _check_reduce(call: Call) -> None:
             "examples (outputs='per_example', or jk.Loss(...)), or pass one "
             "batch of arrays."
         )
-    if isinstance(reduce, ClippedSum) and (
-        call.out is not None or call.distribute is not None
+    if isinstance(reduce, ClippedSum) and call.out is not None:
+        raise ValueError(
+            "jacobian(reduce=jk.ClippedSum(...), out=...): a clipped sum is one "
+            "sum in each target's shape, kept in memory; drop out=."
+        )
+    if (
+        isinstance(reduce, ClippedSum)
+        and call.distribute is not None
+        and distribute.is_multi_worker(call.distribute)
     ):
         raise ValueError(
-            "jacobian(reduce=jk.ClippedSum(...)): a clipped sum over a dataset "
-            "is kept in memory, on one device, for now; drop out=/distribute=."
+            "jacobian(reduce=jk.ClippedSum(...), distribute=...): a clipped sum "
+            "runs on the replicas of one host (MirroredStrategy); with several "
+            "workers, call it on each worker's share of the data and add the "
+            "sums."
         )
 
 

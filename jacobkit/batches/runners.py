@@ -21,8 +21,9 @@ import tensorflow as tf
 from jacobkit import engine, planner, strategies
 from jacobkit.batches import distribute, source
 from jacobkit.problem import Call, Problem
-from jacobkit.problem.reduce import ClippedSum
+from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult
+from jacobkit.strategies import reductions
 
 logger = logging.getLogger(__name__)
 
@@ -207,16 +208,27 @@ class OnReplicas:
             logger.debug("computing batch %d", p.index)
         results = replicas.run([p.x for p in pending])
         first, summed = self.first, self.call.summed
-        return [
-            Computed(
-                digest=p.digest,
-                values=None if flat is None else self._shaped(flat, p.size),
-                rows=first.num_rows
-                if summed
-                else first.num_rows // self.first_size * p.size,
+        computed = []
+        for p, flat in zip(pending, results, strict=True):
+            rows = first.num_rows
+            if not summed:
+                rows = rows // self.first_size * p.size
+            norms = None
+            if flat is not None and self._clipping:  # sums, then the rows' norms
+                flat, norms = flat[:-1], flat[-1][:rows]
+            computed.append(
+                Computed(
+                    digest=p.digest,
+                    values=None if flat is None else self._shaped(flat, p.size),
+                    norms=norms,
+                    rows=rows,
+                )
             )
-            for p, flat in zip(pending, results, strict=True)
-        ]
+        return computed
+
+    @property
+    def _clipping(self) -> bool:
+        return isinstance(self.call.reduce, ClippedSum)
 
     def _started(self) -> distribute.Replicas:
         if self._replicas is None:
@@ -226,8 +238,10 @@ class OnReplicas:
                 ran = self._plan.strategy
             self._replicas = distribute.Replicas(
                 self.strategy,
-                ran.compiled_for(self.first).fn,
-                summed=self.call.summed,
+                reductions.computation(ran, self.first),
+                # a clipped sum's batches are not padded: a padded example
+                # would join the sum
+                summed=self.call.summed or self._clipping,
                 batch_size=self.first_size,
             )
         return self._replicas
@@ -237,8 +251,13 @@ class OnReplicas:
         example: the batch's ``size`` examples only)."""
         rows_shape = self.first.rows_shape
         values = []
+        reduce = self.call.reduce
         for f, t in zip(flat, self.first.targets, strict=True):
-            if self.call.summed:
+            if self._clipping:  # the sum, in the target's shape
+                values.append(np.asarray(f))
+            elif isinstance(reduce, Project):
+                values.append(np.reshape(f, (-1, *rows_shape[1:], reduce.dim))[:size])
+            elif self.call.summed:
                 values.append(np.reshape(f, rows_shape + tuple(t.shape)))
             else:
                 shape = (-1, *rows_shape[1:], *t.shape)

@@ -19,6 +19,7 @@ from jacobkit.problem import arguments, rows
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.problem import Problem
+from jacobkit.problem.reduce import ClippedSum, Project
 
 if TYPE_CHECKING:  # the strategy ranks above the problem: named for types only
     from jacobkit.planner.auto import Auto
@@ -42,7 +43,8 @@ class Call:
         unconnected: ``"error"`` or ``"zero"`` for targets that do not
             influence the rows.
         output: which output of a multi-output model, or ``None``.
-        reduce: ``None`` (Jacobians) or ``"norm"``.
+        reduce: ``None`` (Jacobians), ``"norm"``, ``jk.ClippedSum`` or
+            ``jk.Project``.
         strategy: what computes the rows: a configured strategy, or
             :class:`jacobkit.planner.Auto` (``None``: ``Auto()``).
         device: the device the call runs on (``None``: TensorFlow's
@@ -61,7 +63,7 @@ class Call:
     training: bool = False
     unconnected: str = "error"
     output: int | str | None = None
-    reduce: str | None = None
+    reduce: str | ClippedSum | Project | None = None
     strategy: Strategy | Auto | None = None
     device: str | None = None
     steps: int | None = None

@@ -26,7 +26,7 @@ from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.reduce import Factors
+from jacobkit.problem.reduce import ClippedSum, Factors, Project
 
 
 class Problem:
@@ -49,7 +49,8 @@ class Problem:
         has_loops: whether the model's computation runs a ``tf.while_loop``
             (a recurrent layer over time steps).
         output: the output picked by ``output=`` (index or name), or ``None``.
-        reduce: ``None`` (Jacobians) or ``"norm"`` (each row's L2 norm).
+        reduce: ``None`` (Jacobians), ``"norm"`` (each row's L2 norm),
+            ``jk.ClippedSum`` or ``jk.Project``.
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
         sequential_memory: what a row's backward pass holds where rows run
@@ -75,7 +76,7 @@ class Problem:
         training: bool = False,
         unconnected: str = "error",
         output: int | str | None = None,
-        reduce: str | None = None,
+        reduce: str | ClippedSum | Project | None = None,
     ) -> None:
         arguments.check_model(model)
         rows.check_mode(outputs)

@@ -20,7 +20,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state, sketch
-from jacobkit.problem.reduce import ClippedSum
+from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import Stats
 
 ZERO = tf.UnconnectedGradients.ZERO
@@ -101,3 +101,47 @@ def check_variables(problem: Problem, reduce: str, verb: str) -> None:
             f"jacobian(reduce={reduce}): {verb} the gradients of variables, got "
             f"the tensor target(s) {', '.join(problem.target_names)}."
         )
+
+
+def computation(strategy: Any, problem: Problem) -> Callable[[Any], list[tf.Tensor]]:
+    """``inputs -> what strategy.solve(problem) gives`` as one computation, as
+    ``tf.distribute`` replicas run it: the per-target values in
+    :meth:`~jacobkit.strategies.base.Strategy.run`'s layout, then every row's
+    norm last with ``reduce=jk.ClippedSum``. A strategy that clips or projects
+    itself gives its own computation; for the others the two steps of
+    :func:`clipped_sum` or :func:`projected` are composed into one
+    ``tf.function`` (compiled once per model, problem and strategy)."""
+    reduce = problem.reduce
+    clipping = isinstance(reduce, ClippedSum) and not strategy.clips
+    projecting = isinstance(reduce, Project) and not strategy.projects
+    if not (clipping or projecting):
+        fn: Callable[[Any], list[tf.Tensor]] = strategy.compiled_for(problem).fn
+        return fn
+    compiled = model_state(problem.model, Slot.COMPILED)
+    key = (problem.key, strategy.key, "one computation")
+    if key not in compiled:
+        check_variables(problem, repr(reduce), "clips" if clipping else "maps")
+        if clipping:
+            assert isinstance(reduce, ClippedSum)
+            norms = strategy.supports_norm
+            first = strategy.compiled_for(
+                problem.with_reduce("norm" if norms else None)
+            ).fn
+            weighted = _weighted(problem)
+
+            def one(inputs: Any) -> list[tf.Tensor]:
+                found = first(inputs)
+                total = tf.sqrt(tf.add_n([_squared_norms(f, norms) for f in found]))
+                return [*weighted(inputs, reduce.scales(total)), total]
+
+        else:
+            jacobians = strategy.compiled_for(problem.with_reduce(None)).fn
+            maps = sketch.maps(problem)
+
+            def one(inputs: Any) -> list[tf.Tensor]:
+                found = jacobians(inputs)
+                return [m.of_flat(j) for m, j in zip(maps, found, strict=True)]
+
+        compiled[key] = problem.function(one)
+    found: Callable[[Any], list[tf.Tensor]] = compiled[key]
+    return found
