@@ -5,10 +5,10 @@ the memory budget, the device, the plan cache) and run like one
 (:meth:`Auto.solve`, by :mod:`jacobkit.engine`'s one path). It owns its
 state: the planning sessions it keeps per model (in
 :class:`~jacobkit.problem.cache.Slot` ``SESSIONS``, keyed by the problem, the
-input shapes, its own options and the policy), and the strategy it picked
-for ``reduce="norm"``. Two equal ``Auto`` objects share their sessions, so
-``strategy="auto"`` on every call plans once, as a named strategy traces
-once.
+input shapes, its own options and the policy), and the plans of reduced
+calls (:mod:`jacobkit.planner.reduced`). Two equal ``Auto`` objects share
+their sessions, so ``strategy="auto"`` on every call plans once, as a named
+strategy traces once.
 """
 
 from __future__ import annotations
@@ -17,19 +17,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, final
 
-from jacobkit import memory, strategies
-from jacobkit.planner import calls, probes
+from jacobkit import memory
+from jacobkit.planner import calls, probes, reduced
 from jacobkit.planner.opening import open_session
 from jacobkit.planner.plan import Plan
 from jacobkit.planner.policy import current_policy
 from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
 from jacobkit.problem.cache import Slot, model_state
-from jacobkit.strategies import Solution, Strategy
-
-#: rows ``reduce="norm"`` holds at once where ``batch``'s closed form does
-#: not apply (``chunked``)
-NORM_CHUNK = 16
+from jacobkit.strategies import Solution
 
 
 @final
@@ -84,7 +80,7 @@ class Auto:
         ``stats.planning_time_s`` is the time spent outside the run that
         computed the rows (the budget check, the memory prior, the cache)."""
         if problem.reduce is not None:
-            return self.norm_strategy(problem).solve(problem)
+            return self.reduced(problem).solve(problem)
         start = time.perf_counter()
         session = self._session(problem)
         solved = calls.run_call(session, problem)
@@ -97,31 +93,24 @@ class Auto:
         """What the next call on ``problem`` runs and what is known (nothing
         is run: before the first call, the strategy it starts on and its
         predicted peak, or what the disk cache holds)."""
+        if problem.reduce is not None:
+            return self.reduced(problem).plan()
         return self._session(problem).plan()
 
-    def norm_strategy(self, problem: Problem) -> Strategy:
-        """For ``reduce="norm"``: ``batch``'s closed forms where it applies
-        (layer targets with a rule), else ``chunked`` holding
-        :data:`NORM_CHUNK` rows at once. Norms are not planned under a
-        budget: a budget is refused here."""
-        if self.memory_budget is not None:
-            raise ValueError(
-                f"jacobian(reduce={problem.reduce!r}, memory_budget="
-                f"{self.memory_budget!r}): norms hold one chunk of rows' "
-                "Jacobians and are not planned under a budget. Drop "
-                "memory_budget=, or pass strategy=Chunked(chunk_size=...) to "
-                "size the chunk."
+    def reduced(self, problem: Problem) -> reduced.Reduced:
+        """For a reduced call (``reduce="norm"``, ``jk.ClippedSum``,
+        ``jk.Project``): ``batch``'s closed forms where they apply, else
+        ``chunked`` with the most rows at once that fit the budget, kept
+        per problem and configuration (:mod:`jacobkit.planner.reduced`)."""
+        device = memory.normalize_device(self.device)
+        kept = model_state(problem.model, Slot.SESSIONS)
+        key = ("reduced", problem.key, probes.input_shapes(problem), self, device)
+        if key not in kept:
+            kept[key] = reduced.Reduced(
+                problem, self.memory_budget, device, current_policy()
             )
-        chosen = model_state(problem.model, Slot.SESSIONS)
-        key = ("norm", problem.key)
-        if key not in chosen:
-            try:
-                strategies.Batch().check(problem)
-                chosen[key] = strategies.Batch()
-            except ValueError:
-                chosen[key] = strategies.Chunked(NORM_CHUNK)
-        strategy: Strategy = chosen[key]
-        return strategy
+        found: reduced.Reduced = kept[key]
+        return found
 
     def _session(self, problem: Problem) -> Session:
         """This process's session for ``problem`` under this configuration
