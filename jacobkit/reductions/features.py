@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from jacobkit import engine, strategies
 from jacobkit.layers import contract
-from jacobkit.problem import Call
+from jacobkit.problem import Call, Slot, model_state
 from jacobkit.problem.reduce import Factors
 
 
@@ -88,9 +88,7 @@ def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Any]:
     of ``chosen`` (a strategy, or ``auto``)."""
     problem = call.problem(x)
     closed = strategies.REGISTRY["batch"]()
-    try:
-        closed.check(problem)
-    except ValueError:
+    if not _served(closed, problem):
         result = engine.run(problem, chosen)
         rows = problem.num_rows
         flat = tuple(
@@ -100,6 +98,22 @@ def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Any]:
         return ChunkFeatures(flat, rows, result.strategy), problem
     tensors, _ = closed.run(problem.with_reduce(Factors()))
     return ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name), problem
+
+
+def _served(closed: Any, problem: Any) -> bool:
+    """Whether ``batch``'s closed forms serve every target of ``problem``:
+    checked once per model and problem (the check traces a pass; measured on
+    a tiny BERT classifier, 0.9 s of every 1.1 s call when it was not kept)."""
+    kept = model_state(problem.model, Slot.COMPILED)
+    key = (problem.key, "batch serves the targets")
+    if key not in kept:
+        try:
+            closed.check(problem)
+            kept[key] = True
+        except ValueError:
+            kept[key] = False
+    served: bool = kept[key]
+    return served
 
 
 def _parsed(tensors: list[tf.Tensor]) -> tuple[Feature, ...]:

@@ -1,0 +1,81 @@
+"""Write the reductions benchmark's ``convnet`` (weights, one batch) and
+jacobkit's own results on that batch to an ``.npz``, so the PyTorch anchor
+(``reductions_torch.py``) differentiates the very same function and checks
+that it computes the same numbers.
+
+The model is ``benchmarks/reductions_models.py``'s ``convnet``: 32×32×3 NHWC
+images → Conv2D 3→32 (3×3, relu, ``conv1``) → Conv2D 32→64 (3×3, stride 2,
+relu, ``conv2``) → global average pooling → Dense 64→10 (``head``), B=32,
+each example's sparse cross-entropy from logits.
+
+The file holds, in Keras layouts (kernels ``(kh, kw, in, out)`` and
+``(in, out)``): ``x`` (NHWC), ``y``, ``<layer>_kernel`` and ``<layer>_bias``;
+and jacobkit's references: ``clip`` (C), ``clipped_<layer>_kernel`` and
+``clipped_<layer>_bias`` (``jk.ClippedSum(C)``'s sum of clipped per-example
+gradients), ``norms`` (each example's gradient norm before clipping) and
+``gram`` (``jk.gram``'s ``(B, B)`` matrix, float64).
+
+    python benchmarks/peers/export_reductions.py --out /tmp/reductions.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import reductions_models  # noqa: E402
+
+import jacobkit as jk  # noqa: E402
+
+LAYERS = ("conv1", "conv2", "head")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="reductions.npz")
+    parser.add_argument("--clip", type=float, default=1.0, help="C of ClippedSum")
+    args = parser.parse_args()
+    case = reductions_models.convnet()
+    model = case.model
+    arrays: dict[str, np.ndarray] = {"x": np.asarray(case.x), "y": case.y}
+    for name in LAYERS:
+        layer = model.get_layer(name)
+        arrays[f"{name}_kernel"] = np.asarray(layer.kernel)
+        arrays[f"{name}_bias"] = np.asarray(layer.bias)
+    loss = jk.Loss(reductions_models.loss())
+    clipped = jk.jacobian(
+        model,
+        (case.x, case.y),
+        model.trainable_variables,
+        outputs=loss,
+        reduce=jk.ClippedSum(args.clip),
+    )
+    for key in clipped.jacobians:
+        # "conv1/kernel" -> "clipped_conv1_kernel"
+        arrays["clipped_" + key.replace("/", "_")] = np.asarray(clipped[key])
+    missing = [
+        f"clipped_{name}_{part}"
+        for name in LAYERS
+        for part in ("kernel", "bias")
+        if f"clipped_{name}_{part}" not in arrays
+    ]
+    if missing:
+        raise SystemExit(
+            f"export_reductions: jacobkit's result has keys {list(clipped.jacobians)}"
+            f", not {missing}"
+        )
+    arrays["norms"] = np.asarray(clipped.norms)
+    arrays["clip"] = np.asarray(args.clip, "float32")
+    gram = jk.gram(model, (case.x, case.y), None, outputs=loss, progress=False)
+    arrays["gram"] = np.asarray(gram.matrix)
+    np.savez(args.out, **arrays)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""The reductions of per-example loss gradients against materializing them:
+the DP clipped sum, the Gram matrix and the projection, on the models of
+``reductions_models.py`` (a conv net and a keras_hub BERT classifier, batch
+32, every trainable variable), beside one plain summed-gradient step of the
+same model and, on the conv net, PyTorch on identical weights
+(``peers/reductions_torch.py``).
+
+Every run is a fresh process pinned to one core (``taskset -c 0``), timed by
+``peers/protocol.py``: the first call (tracing included) and the growth of
+the process's peak resident memory during it, then the median of
+``--repeats`` steady calls and one steady call's growth. Rounds alternate the
+runs; each figure is the median over rounds.
+
+- ``plain step``: the gradient of the batch's summed loss (one
+  ``tf.function``: what a Keras train step computes);
+- ``clipped sum``: ``reduce=jk.ClippedSum(1.0)``; ``materialized clipped``:
+  ``outputs=jk.Loss`` per-example gradients, then NumPy norms, clip and sum;
+- ``gram``: ``jk.gram``; ``materialized gram``: the per-example gradients
+  flattened, ``J Jᵀ``;
+- ``projection``: ``reduce=jk.Project(2048)``; ``materialized projection``:
+  the per-example gradients times the same maps (``sketch.TargetMap``);
+- ``gram over N`` / ``projection over N``: a dataset of N examples in batches
+  of 32, with TensorFlow's own allocator peak (its pooled CPU allocator):
+  the peak must not grow with N.
+
+    python benchmarks/reductions.py --peers-python /path/to/peers/bin/python \\
+        --rounds 3 --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DIM = 2048
+CLIP = 1.0
+METHODS = (
+    "plain step",
+    "clipped sum",
+    "materialized clipped",
+    "gram",
+    "materialized gram",
+    "projection",
+    "materialized projection",
+)
+#: the conv net's PyTorch runs: label -> the peer script's --method
+PEERS = {
+    "PyTorch plain step": "plain",
+    "Opacus ghost clipping": "clipped_opacus",
+    "PyTorch vmap(grad) clipped": "clipped_vmap",
+    "PyTorch vmap(grad) gram": "gram_vmap",
+    "PyTorch vmap(grad) projection": "project_vmap",
+}
+SIZES = (64, 256)
+
+
+def child(case: str, method: str, repeats: int) -> None:
+    """One run; prints one JSON line."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE / "peers"))
+    import numpy as np
+    import reductions_models
+    import tensorflow as tf
+    from protocol import measure
+
+    import jacobkit as jk
+    from jacobkit.problem import sketch
+
+    built = reductions_models.CASES[case]()
+    model, x, y = built.model, built.x, built.y
+    loss = jk.Loss(reductions_models.loss())
+    variables = model.trainable_variables
+    plans: list = []
+
+    def jacobian(**kwargs):
+        result = jk.jacobian(model, (x, y), variables, outputs=loss, **kwargs)
+        plans[:] = [result.plan]
+        return result
+
+    def per_example() -> list[np.ndarray]:
+        found = jacobian()
+        return [np.asarray(v).reshape(len(y), -1) for v in found.values()]
+
+    if method == "plain step":
+        fn = reductions_models.loss()
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                total = tf.reduce_sum(fn(y, model(x)))
+            return tape.gradient(total, variables)
+
+        def call():
+            return [tf.convert_to_tensor(g).numpy() for g in step()]
+    elif method == "clipped sum":
+
+        def call():
+            return [
+                np.asarray(v) for v in jacobian(reduce=jk.ClippedSum(CLIP)).values()
+            ]
+    elif method == "materialized clipped":
+
+        def call():
+            flat = np.concatenate(per_example(), axis=1)
+            scale = np.minimum(1.0, CLIP / np.linalg.norm(flat, axis=1))
+            return scale @ flat
+    elif method == "gram":
+
+        def call():
+            return jk.gram(model, (x, y), outputs=loss).matrix
+    elif method == "materialized gram":
+
+        def call():
+            flat = np.concatenate(per_example(), axis=1)
+            return flat @ flat.T
+    elif method == "projection":
+
+        def call():
+            return np.asarray(jacobian(reduce=jk.Project(DIM)).projection)
+    elif method == "materialized projection":
+        project = jk.Project(DIM)
+        names = list(jacobian().jacobians)
+        maps = [
+            sketch.target_map(project, n, tuple(v.shape))
+            for n, v in zip(names, variables)
+        ]
+
+        def call():
+            rows = per_example()
+            return sum(
+                np.asarray(m.of_flat(tf.constant(r))) for m, r in zip(maps, rows)
+            )
+    else:
+        raise SystemExit(f"unknown method {method!r}")
+
+    def settled() -> bool:
+        return not plans or plans[0] is None or plans[0].settled
+
+    timings, _ = measure(call, repeats, settled=settled)
+    strategy = None if not plans or plans[0] is None else plans[0].strategy.label
+    print(json.dumps({**timings, "strategy": strategy}))
+
+
+def child_over(method: str, examples: int) -> None:
+    """``gram``/``projection`` over a dataset of ``examples`` conv-net
+    examples: TensorFlow's allocator peak (the pooled CPU allocator)."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    from jacobkit import memory
+
+    memory.enable_cpu_memory_stats()
+    sys.path.insert(0, str(HERE))
+    import reductions_models
+    import tensorflow as tf
+
+    import jacobkit as jk
+
+    built = reductions_models.convnet(batch=examples)
+    data = tf.data.Dataset.from_tensor_slices((built.x, built.y)).batch(32)
+    loss = jk.Loss(reductions_models.loss())
+    model = built.model
+
+    def call():
+        if method == "gram":
+            return jk.gram(model, data, outputs=loss, chunk_examples=32).matrix
+        found = jk.jacobian(
+            model, data, model.trainable_variables, outputs=loss, reduce=jk.Project(DIM)
+        )
+        return found.projection
+
+    call()  # traced
+    with memory.PeakMemory("CPU:0") as peak:
+        result = call()
+    result_mib = result.size * 4 / 2**20
+    print(json.dumps({"peak_mib": peak.extra_bytes / 2**20, "result_mib": result_mib}))
+
+
+def _pinned(command: list[str]) -> list[str]:
+    return (["taskset", "-c", "0"] if shutil.which("taskset") else []) + command
+
+
+def _run(command: list[str]) -> dict:
+    out = subprocess.run(_pinned(command), capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=2, metavar=("CASE", "METHOD"))
+    parser.add_argument("--over", nargs=2, metavar=("METHOD", "EXAMPLES"))
+    parser.add_argument("--peers-python")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", default="convnet,bert")
+    parser.add_argument("--out", default="benchmarks/results/cpu")
+    args = parser.parse_args()
+    if args.child:
+        return child(*args.child, args.repeats)
+    if args.over:
+        return child_over(args.over[0], int(args.over[1]))
+    me = [sys.executable, str(Path(__file__).resolve())]
+    runs: dict[str, list[str]] = {}
+    for case in args.cases.split(","):
+        for method in METHODS:
+            runs[f"{case}|{method}"] = [
+                *me,
+                "--child",
+                case,
+                method,
+                "--repeats",
+                str(args.repeats),
+            ]
+    work = Path(tempfile.mkdtemp())
+    if args.peers_python and "convnet" in args.cases:
+        npz = work / "reductions.npz"
+        subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "peers/export_reductions.py"),
+                "--out",
+                str(npz),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        for label, method in PEERS.items():
+            runs[f"convnet|{label}"] = [
+                args.peers_python,
+                str(HERE / "peers/reductions_torch.py"),
+                "--npz",
+                str(npz),
+                "--repeats",
+                str(args.repeats),
+                "--method",
+                method,
+            ]
+    rounds: dict[str, list[dict]] = {k: [] for k in runs}
+    for r in range(args.rounds):
+        for key, command in runs.items():
+            found = _run(command)
+            rounds[key].append(found)
+            print(f"round {r + 1} {key}: {found}", file=sys.stderr)
+    over = {
+        f"{method} over {n}": _run([*me, "--over", method, str(n)])
+        for method in ("gram", "projection")
+        for n in SIZES
+    }
+    data = {"rounds": args.rounds, "repeats": args.repeats, "runs": {}, "over": over}
+    for key, found in rounds.items():
+        good = [f for f in found if "error" not in f]
+        if not good:
+            data["runs"][key] = {"error": found[-1].get("error")}
+            continue
+        row = {
+            k: statistics.median(f[k] for f in good)
+            for k in ("first_s", "first_three_s", "steady_s", "first_growth_mib")
+            if k in good[0]
+        }
+        row["peak_growth_mib"] = statistics.median(f["peak_growth_mib"] for f in good)
+        row["strategy"] = good[-1].get("strategy")
+        data["runs"][key] = row
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reductions.json").write_text(json.dumps(data, indent=1))
+    (out / "reductions.md").write_text(_markdown(data))
+    print(_markdown(data))
+
+
+def _markdown(data: dict) -> str:
+    runs = data["runs"]
+    lines = [
+        "# Reductions of per-example gradients against materializing them",
+        "",
+        "Written by `benchmarks/reductions.py`: batch 32, every trainable "
+        "variable, per-example cross-entropy; one core (`taskset -c 0`), fresh "
+        f"processes, median of {data['rounds']} rounds of {data['repeats']} "
+        "steady calls. Ratios are within a model's rows of this one run.",
+        "",
+    ]
+    for case in sorted({k.split("|")[0] for k in runs}):
+        base = runs.get(f"{case}|plain step", {}).get("steady_s")
+        lines += [
+            f"## {case}",
+            "",
+            "| run | steady ms | × plain step | × materialized | first call s | "
+            "first 3 calls s | steady growth MiB | first-call growth MiB | strategy |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for key, row in runs.items():
+            if not key.startswith(case + "|"):
+                continue
+            label = key.split("|", 1)[1]
+            if "error" in row:
+                lines.append(f"| {label} | error: {row['error']} | | | | | | | |")
+                continue
+            steady = row["steady_s"]
+            versus = ""
+            twin = runs.get(f"{case}|materialized {label.split()[-1]}", {})
+            if not label.startswith("materialized") and twin.get("steady_s"):
+                versus = f"{steady / twin['steady_s']:.2f}"
+            lines.append(
+                f"| {label} | {steady * 1e3:.1f} | "
+                f"{steady / base:.2f} | {versus} | {row['first_s']:.2f} | "
+                f"{row['first_three_s']:.2f} | {row['peak_growth_mib']:.1f} | "
+                f"{row.get('first_growth_mib', float('nan')):.1f} | "
+                f"{row.get('strategy') or ''} |"
+                if base
+                else f"| {label} | {steady * 1e3:.1f} | | | | | | | |"
+            )
+        lines.append("")
+    lines += [
+        "## Peak over a dataset (conv net, batches of 32)",
+        "",
+        "TensorFlow's allocator peak during the call (its pooled CPU allocator), "
+        "beside the result's own size:",
+        "",
+        "| run | peak MiB | result MiB |",
+        "|---|---|---|",
+    ]
+    for key, row in data["over"].items():
+        if "error" in row:
+            lines.append(f"| {key} | error: {row['error']} | |")
+        else:
+            lines.append(f"| {key} | {row['peak_mib']:.1f} | {row['result_mib']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
