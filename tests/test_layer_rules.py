@@ -20,6 +20,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import testing
@@ -261,3 +262,30 @@ def test_tf_keras_layers_called_from_python_get_their_closed_forms(layer):
     # the same float32 arithmetic two ways: measured 1e-7 relative
     testing.assert_close(result, list(loop.jacobians.values()), tolerance=1e-5)
     assert jk.jacobian(model, x, layer, outputs="per_example").strategy == "batch"
+
+
+@pytest.mark.parametrize(
+    "shape, sizes, strides, rates, padding",
+    [
+        ((3, 32, 32, 3), (3, 3), (1, 1), (1, 1), "VALID"),
+        ((2, 30, 30, 4), (3, 3), (2, 2), (1, 1), "VALID"),
+        ((2, 15, 17, 3), (3, 2), (2, 3), (1, 1), "SAME"),
+        ((2, 16, 16, 2), (3, 3), (1, 1), (2, 2), "SAME"),
+        ((2, 16, 16, 2), (5, 5), (2, 2), (1, 1), "SAME"),
+        ((2, 9, 9, 2), (1, 1), (1, 1), (1, 1), "VALID"),
+        ((2, 1, 20, 3), (1, 4), (1, 3), (1, 2), "VALID"),  # a Conv1D's
+        ((2, 7, 7, 2), (7, 7), (1, 1), (1, 1), "VALID"),  # one position
+    ],
+)
+def test_patches_equal_extract_patches(shape, sizes, strides, rates, padding):
+    """The unfold by slices gives exactly ``tf.image.extract_patches``'
+    numbers, in its order (a copy: no arithmetic)."""
+    from jacobkit.layers.conv import patches
+
+    x = tf.constant(np.random.default_rng(0).normal(size=shape).astype("float32"))
+    want = tf.image.extract_patches(
+        x, [1, *sizes, 1], [1, *strides, 1], [1, *rates, 1], padding
+    )
+    want = tf.reshape(want, (shape[0], -1, want.shape[-1]))
+    got = patches(x, padding, list(sizes), list(strides), list(rates))
+    np.testing.assert_array_equal(got.numpy(), want.numpy())

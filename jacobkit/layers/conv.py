@@ -66,25 +66,75 @@ class ConvRule(LayerRule):
         return z if bias is None else z + bias
 
     def unfold(self, x: tf.Tensor) -> tf.Tensor:
-        """``(B, P, I)`` patches (``tf.image.extract_patches``, with the
-        layer's strides, dilation and padding), ``I = prod(kernel_size) * C``
-        ordered as the kernel's leading axes."""
-        return self._patches(*self.padded(x), *self._window())
+        """``(B, P, I)`` patches (with the layer's strides, dilation and
+        padding, :func:`patches`), ``I = prod(kernel_size) * C`` ordered as
+        the kernel's leading axes."""
+        return patches(*self.padded(x), *self._window())
 
     def _window(self) -> tuple[list[int], list[int], list[int]]:
         layer = self.layer
         return list(layer.kernel_size), list(layer.strides), list(layer.dilation_rate)
 
-    @staticmethod
-    def _patches(x, padding, sizes, strides, rates) -> tf.Tensor:
-        patches = tf.image.extract_patches(
-            x,
-            sizes=[1, *sizes, 1],
-            strides=[1, *strides, 1],
-            rates=[1, *rates, 1],
-            padding=padding,
-        )
-        return tf.reshape(patches, (x.shape[0], -1, patches.shape[-1]))
+
+def patches(
+    x: tf.Tensor,
+    padding: str,
+    sizes: list[int],
+    strides: list[int],
+    rates: list[int],
+) -> tf.Tensor:
+    """``tf.image.extract_patches(x, ...)`` of a ``(B, H, W, C)`` input as
+    ``(B, P, prod(sizes) * C)``, the same numbers, by unit-stride slices:
+    ``x`` is padded (``"SAME"`` as TensorFlow pads) and reshaped to
+    ``(B, H / s, s, W / s, s, C)``, so the window offset ``a`` of stride ``s``
+    is the slice ``[a // s : a // s + out]`` of phase ``a % s``.
+
+    NOTE (why not ``extract_patches``). On CPU (TF 2.21, oneDNN) it cost more
+    than the gradients it feeds: 32 images of 32x32x3, a 3x3 window, 6.6 ms
+    against 0.8 ms for the summed filter gradient; by slices 1.2 ms
+    (measured at 8 images: 1.95 -> 0.48 ms; 56x56x64 SAME, 28.3 -> 17.0 ms;
+    112x112x32 stride 2, 14.6 -> 11.4 ms; a 5x5 window of stride 2 on 16x16,
+    0.28 -> 0.42 ms, the one case measured slower)."""
+    batch, channels = x.shape[0], x.shape[-1]
+    outs, pads = [], []
+    for length, size, stride, rate in zip(x.shape[1:3], sizes, strides, rates):
+        span = (size - 1) * rate + 1
+        if padding == "SAME":
+            out = -(-length // stride)
+            total = max((out - 1) * stride + span - length, 0)
+            pads.append([total // 2, total - total // 2])
+        else:
+            out = (length - span) // stride + 1
+            pads.append([0, 0])
+        outs.append(out)
+    # each axis padded to a multiple of its stride: then reshaped by phase
+    height, width = (
+        x.shape[1] + sum(pads[0]),
+        x.shape[2] + sum(pads[1]),
+    )
+    pads[0][1] += -height % strides[0]
+    pads[1][1] += -width % strides[1]
+    if any(p for pair in pads for p in pair):
+        x = tf.pad(x, [[0, 0], pads[0], pads[1], [0, 0]])
+    sh, sw = strides
+    phased = tf.reshape(x, (-1, x.shape[1] // sh, sh, x.shape[2] // sw, sw, channels))
+    parts = []
+    for i in range(sizes[0]):
+        a = i * rates[0]
+        for j in range(sizes[1]):
+            b = j * rates[1]
+            parts.append(
+                phased[
+                    :,
+                    a // sh : a // sh + outs[0],
+                    a % sh,
+                    b // sw : b // sw + outs[1],
+                    b % sw,
+                    :,
+                ]
+            )
+    found = tf.concat(parts, axis=-1) if len(parts) > 1 else parts[0]
+    return tf.reshape(found, (-1 if batch is None else batch, outs[0] * outs[1], -1))
 
 
 class Conv2DRule(UnfoldedMatmul, ConvRule):
@@ -138,6 +188,6 @@ class Conv1DRule(UnfoldedMatmul, ConvRule):
     def unfold(self, x: tf.Tensor) -> tf.Tensor:
         padded, padding = self.padded(x)
         sizes, strides, rates = self._window()
-        return self._patches(
+        return patches(
             padded[:, None], padding, [1, *sizes], [1, *strides], [1, *rates]
         )

@@ -82,6 +82,46 @@ class EmbeddingRule(MaterializedNorms):
         count = kernel.shape[0]
         return kernel, tf.zeros((count, 0), dz.dtype)
 
+    def norms(
+        self,
+        x: tf.Tensor,
+        dz: tf.Tensor,
+        *,
+        summed: bool,
+        map_chunks: Callable[..., list[tf.Tensor]],
+        form: str | None = None,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """Per-example rows' norms without the ``(R, vocabulary, D)`` table:
+        a row's gradient has one table row per distinct id of its example,
+        the sum of that id's cotangent rows, so its squared norm is
+        ``sum_v |sum_{p: ids[b, p] = v} G[b, k, p]|²``: the cotangents
+        summed by id within each example (each position's segment is its id's
+        first position there), ``B P K D`` adds and a ``(B, P, P)``
+        comparison of ids, in place of writing ``B K V D`` numbers.
+
+        NOTE (why). A tiny BERT's token table (vocabulary 1,000, 64 wide) at
+        32 examples of 32 tokens: the dense per-example table is 8 MiB per
+        call, and its norms took most of a clipped-sum call."""
+        if summed or not x.dtype.is_integer or form is not None:
+            return super().norms(x, dz, summed=summed, map_chunks=map_chunks, form=form)
+        batch, rows, dim = dz.shape[0], dz.shape[1], dz.shape[-1]
+        ids = tf.reshape(tf.cast(x, tf.int32), (batch, -1))  # (B, P)
+        positions = ids.shape[1]
+        same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.int32)
+        first = tf.argmax(same, axis=-1, output_type=tf.int32)  # (B, P)
+        segments = first + positions * tf.range(batch)[:, None]
+        data = tf.reshape(
+            tf.transpose(tf.reshape(dz, (batch, rows, positions, dim)), (0, 2, 1, 3)),
+            (batch * positions, rows, dim),
+        )
+        by_id = tf.math.unsorted_segment_sum(
+            data, tf.reshape(segments, (-1,)), batch * positions
+        )  # (B * P, K, D)
+        squares = tf.reduce_sum(
+            tf.square(tf.reshape(by_id, (batch, positions, rows, dim))), axis=(1, 3)
+        )  # (B, K)
+        return tf.reshape(tf.sqrt(squares), (-1,)), tf.zeros((batch * rows,), dz.dtype)
+
 
 class ReversibleEmbeddingRule(EmbeddingRule):
     """keras_hub's ``ReversibleEmbedding``, called forward (ids: a lookup, as
