@@ -13,6 +13,11 @@ So ``jacobian`` picks the strategy, honours ``memory_budget`` and traces once
 per input signature. xplique and tf-keras-vis compute one class per call;
 their equivalent settings are given in each method's docstring.
 
+Which *training examples* explain a prediction: :func:`tracin`,
+:func:`grad_cos`, :func:`self_influence` (exact, from :func:`jacobkit.gram`
+and ghost norms) and :func:`trak` (projected, ``reduce=jk.Project``), each
+over a model or its checkpoints, on arrays or datasets.
+
 Works on Keras 3 and ``tf_keras`` models, nested backbones (a layer inside a
 sub-model), and on plain callables ``f(x) -> (B, ..., K)`` for the input
 methods (Grad-CAM needs a layer of a functional or Sequential model).
@@ -21,6 +26,13 @@ methods (Grad-CAM needs a layer of a functional or Sequential model).
 from __future__ import annotations
 
 from jacobkit.explain.cam import grad_cam
+from jacobkit.explain.influence import (
+    InfluenceResult,
+    TopK,
+    grad_cos,
+    self_influence,
+    tracin,
+)
 from jacobkit.explain.input_maps import (
     gradient_x_input,
     integrated_gradients,
@@ -28,12 +40,19 @@ from jacobkit.explain.input_maps import (
     smoothgrad,
 )
 from jacobkit.explain.plot import plot
+from jacobkit.explain.trak import trak
 
 __all__ = [
+    "InfluenceResult",
+    "TopK",
     "grad_cam",
+    "grad_cos",
     "gradient_x_input",
     "integrated_gradients",
     "plot",
     "saliency",
+    "self_influence",
     "smoothgrad",
+    "tracin",
+    "trak",
 ]

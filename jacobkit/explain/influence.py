@@ -1,0 +1,387 @@
+"""Which training examples explain a prediction: TracIn, Grad-Cos and
+self-influence, from the exact inner products of per-example loss gradients
+(:func:`jacobkit.gram`) and their norms (``reduce="norm"``).
+
+Every method takes a model or its checkpoints (a list of models, or of
+``.keras`` files, loaded without touching the caller's models), a training
+and a test set (arrays ``(x, y)``, or datasets of such batches), the target
+layers (default: every trainable variable) and a per-example loss, and sums
+over the checkpoints, each weighted by its learning rate where given
+(TracInCP: Pruthi et al., 2020).
+
+Scores are ``(N_test, N_train)``: ``scores[i, j] > 0`` where a gradient step
+on training example ``j`` would lower test example ``i``'s loss (a
+proponent), ``< 0`` where it would raise it (an opponent). With ``top_k=``
+only each test example's ``k`` strongest of each kind are kept, streaming
+the training set in chunks, for training sets too large for the full matrix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit import api
+from jacobkit.problem.loss import Loss
+from jacobkit.reductions import gram
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Each test example's strongest training examples of each sign.
+
+    Attributes:
+        proponents: ``(N_test, k)`` training indices, highest score first.
+        proponent_scores: their scores.
+        opponents: ``(N_test, k)`` training indices, lowest score first.
+        opponent_scores: their scores.
+    """
+
+    proponents: np.ndarray
+    proponent_scores: np.ndarray
+    opponents: np.ndarray
+    opponent_scores: np.ndarray
+
+
+@dataclass(frozen=True)
+class InfluenceResult:
+    """Training-data attribution scores.
+
+    Attributes:
+        method: ``"tracin"``, ``"grad_cos"`` or ``"trak"``.
+        scores: ``(N_test, N_train)`` float64, or ``None`` with ``top_k=``.
+        top: the ``top_k`` strongest per test example (``None`` without).
+        checkpoints: how many checkpoints were summed (or ensembled).
+        wall_time_s: the whole call.
+    """
+
+    method: str
+    scores: np.ndarray | None
+    top: TopK | None
+    checkpoints: int
+    wall_time_s: float
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self.scores is None:
+            raise ValueError(
+                f"{self.method}(top_k=...): only the strongest scores were kept; "
+                "read .top, or call without top_k= for the full matrix."
+            )
+        return self.scores if dtype is None else self.scores.astype(dtype)
+
+
+def tracin(
+    model_or_checkpoints: Any,
+    train: Any,
+    test: Any,
+    layer: Any = None,
+    *,
+    loss: Any,
+    learning_rates: Sequence[float] | None = None,
+    top_k: int | None = None,
+    memory_budget: int | float | str | None = None,
+    chunk_examples: int | None = None,
+    progress: bool | None = None,
+) -> InfluenceResult:
+    """TracInCP: ``scores[i, j] = sum_c lr_c <∇L(test_i; θ_c), ∇L(train_j; θ_c)>``
+    over the checkpoints ``θ_c``, exact (:func:`jacobkit.gram`).
+
+    Args:
+        model_or_checkpoints: a Keras model, or a list of models or of
+            ``.keras`` files (the checkpoints).
+        train, test: ``(x, y)`` (or ``(x, y, sample_weight)``) arrays, or
+            datasets of such batches.
+        layer: the targets, as :func:`jacobkit.jacobian` takes them (default:
+            every trainable variable).
+        loss: the per-example loss: a :class:`jacobkit.Loss`, a Keras loss
+            with ``reduction=None``, or ``fn(y_true, y_pred) -> (B,)``.
+        learning_rates: one per checkpoint (default: 1 each).
+        top_k: keep each test example's ``k`` strongest proponents and
+            opponents only (:attr:`InfluenceResult.top`).
+        memory_budget: bytes (or ``"2GiB"``) for each Gram call's chunks.
+        chunk_examples: examples per chunk (default: sized by the budget).
+        progress: a progress bar over the checkpoints (default: when a
+            terminal is attached and there are several).
+
+    Returns:
+        :class:`InfluenceResult`, scores ``(N_test, N_train)``.
+    """
+    return _scored(
+        "tracin",
+        model_or_checkpoints,
+        train,
+        test,
+        layer,
+        loss,
+        learning_rates,
+        top_k,
+        dict(memory_budget=memory_budget, chunk_examples=chunk_examples),
+        progress,
+        normalized=False,
+    )
+
+
+def grad_cos(
+    model_or_checkpoints: Any,
+    train: Any,
+    test: Any,
+    layer: Any = None,
+    *,
+    loss: Any,
+    learning_rates: Sequence[float] | None = None,
+    top_k: int | None = None,
+    memory_budget: int | float | str | None = None,
+    chunk_examples: int | None = None,
+    progress: bool | None = None,
+) -> InfluenceResult:
+    """Grad-Cos: TracIn of unit gradients, ``sum_c lr_c cos(∇L(test_i),
+    ∇L(train_j))`` at each checkpoint (the norms from ``reduce="norm"``).
+    Arguments as :func:`tracin`; a zero gradient's cosines are 0."""
+    return _scored(
+        "grad_cos",
+        model_or_checkpoints,
+        train,
+        test,
+        layer,
+        loss,
+        learning_rates,
+        top_k,
+        dict(memory_budget=memory_budget, chunk_examples=chunk_examples),
+        progress,
+        normalized=True,
+    )
+
+
+def self_influence(
+    model_or_checkpoints: Any,
+    train: Any,
+    layer: Any = None,
+    *,
+    loss: Any,
+    learning_rates: Sequence[float] | None = None,
+    memory_budget: int | float | str | None = None,
+) -> np.ndarray:
+    """Each training example's ``sum_c lr_c |∇L(train_j; θ_c)|²``, ``(N,)``:
+    large for examples the model finds hard, mislabelled ones first. From
+    per-layer ghost norms where the layers have closed forms (nothing the
+    size of a gradient is formed)."""
+    models = checkpoints(model_or_checkpoints)
+    rates = _rates(learning_rates, len(models))
+    total = None
+    for model, rate in zip(models, rates, strict=True):
+        found = rate * squared_norms(model, train, layer, as_loss(loss), memory_budget)
+        total = found if total is None else total + found
+    assert total is not None, "at least one checkpoint"
+    return total
+
+
+def squared_norms(
+    model: Any, data: Any, layer: Any, loss: Loss, memory_budget: Any
+) -> np.ndarray:
+    """Each example's squared gradient norm over every target, ``(N,)``."""
+    result = api.jacobian(
+        model,
+        data,
+        _layer(model, layer),
+        outputs=loss,
+        reduce="norm",
+        memory_budget=memory_budget,
+        progress=False,
+    )
+    norms = [np.asarray(v, np.float64) for v in result.jacobians.values()]
+    found: np.ndarray = np.sum(np.square(norms), axis=0)
+    return found
+
+
+def checkpoints(model_or_checkpoints: Any) -> list[Any]:
+    """The models to sum over: one model, or each of a list (``.keras``
+    files loaded with ``keras.saving.load_model``)."""
+    items = (
+        list(model_or_checkpoints)
+        if isinstance(model_or_checkpoints, (list, tuple))
+        else [model_or_checkpoints]
+    )
+    if not items:
+        raise ValueError("model_or_checkpoints=[]: pass a model or checkpoints.")
+    found = []
+    for item in items:
+        if isinstance(item, (str, bytes)) or hasattr(item, "__fspath__"):
+            import keras
+
+            found.append(keras.saving.load_model(item, compile=False))
+        elif callable(item):
+            found.append(item)
+        else:
+            raise TypeError(
+                f"model_or_checkpoints: {type(item).__name__} is neither a model "
+                "nor a path to a saved .keras model."
+            )
+    return found
+
+
+def as_loss(loss: Any) -> Loss:
+    """``loss=`` as a :class:`jacobkit.Loss` (a Loss, a Keras loss or a
+    function ``(y_true, y_pred) -> (B,)``)."""
+    if isinstance(loss, Loss):
+        return loss
+    if loss is None or not callable(loss):
+        raise TypeError(
+            f"loss={loss!r}: pass the per-example loss, e.g. keras.losses."
+            "SparseCategoricalCrossentropy(from_logits=True, reduction=None)."
+        )
+    return Loss(loss)
+
+
+def _rates(learning_rates: Sequence[float] | None, count: int) -> list[float]:
+    if learning_rates is None:
+        return [1.0] * count
+    rates = [float(r) for r in learning_rates]
+    if len(rates) != count:
+        raise ValueError(
+            f"learning_rates: {len(rates)} rates for {count} checkpoints; pass "
+            "one per checkpoint."
+        )
+    return rates
+
+
+def _layer(model: Any, layer: Any) -> Any:
+    return model.trainable_variables if layer is None else layer
+
+
+def _scored(
+    method: str,
+    model_or_checkpoints: Any,
+    train: Any,
+    test: Any,
+    layer: Any,
+    loss: Any,
+    learning_rates: Sequence[float] | None,
+    top_k: int | None,
+    options: dict[str, Any],
+    progress: bool | None,
+    *,
+    normalized: bool,
+) -> InfluenceResult:
+    start = time.perf_counter()
+    loss = as_loss(loss)
+    models = checkpoints(model_or_checkpoints)
+    rates = _rates(learning_rates, len(models))
+    k = _check_top_k(top_k)
+    merged = _Merged(k)
+    for model, rate in zip(models, rates, strict=True):
+        targets = _layer(model, layer)
+        test_norms = train_norms = None
+        if normalized:
+            test_norms = _inverse(squared_norms(model, test, layer, loss, None))
+            train_norms = _inverse(squared_norms(model, train, layer, loss, None))
+        offset = 0
+        for part in _parts(train, k):
+            found = gram(model, test, part, targets, outputs=loss, **options).matrix
+            if normalized:
+                assert test_norms is not None and train_norms is not None
+                found = (
+                    found
+                    * test_norms[:, None]
+                    * train_norms[None, offset : offset + found.shape[1]]
+                )
+            merged.add(offset, rate * found)
+            offset += found.shape[1]
+    return InfluenceResult(
+        method,
+        merged.scores(),
+        merged.top(),
+        len(models),
+        time.perf_counter() - start,
+    )
+
+
+def _inverse(squared: np.ndarray) -> np.ndarray:
+    norms = np.sqrt(squared)
+    found: np.ndarray = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+    return found
+
+
+def _check_top_k(top_k: Any) -> int | None:
+    if top_k is None:
+        return None
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k={top_k!r}: expected a positive int, or None.")
+    return top_k
+
+
+#: training examples per Gram call with ``top_k=`` (the matrix held is
+#: ``N_test x TOP_K_CHUNK`` per checkpoint)
+TOP_K_CHUNK = 4096
+
+
+def _parts(train: Any, top_k: int | None) -> Iterator[Any]:
+    """The training set whole, or with ``top_k=`` in parts of
+    :data:`TOP_K_CHUNK` examples (datasets re-batched as they stream)."""
+    if top_k is None:
+        yield train
+        return
+    if isinstance(train, tf.data.Dataset):
+        yield from train.unbatch().batch(TOP_K_CHUNK)
+        return
+    arrays = tuple(train)
+    count = len(tf.nest.flatten(arrays[0])[0])
+    for begin in range(0, count, TOP_K_CHUNK):
+        part = slice(begin, begin + TOP_K_CHUNK)
+        yield tf.nest.map_structure(lambda a, part=part: a[part], arrays)
+
+
+class _Merged:
+    """The scores summed over checkpoints: the full matrix, or (``top_k``)
+    the running top and bottom ``k`` per test example of each part, merged
+    once every checkpoint has added its part (a part's score is the sum over
+    checkpoints, so parts are kept until then)."""
+
+    def __init__(self, top_k: int | None) -> None:
+        self.top_k = top_k
+        self._parts: dict[int, np.ndarray] = {}
+
+    def add(self, offset: int, scores: np.ndarray) -> None:
+        kept = self._parts.get(offset)
+        self._parts[offset] = scores if kept is None else kept + scores
+
+    def scores(self) -> np.ndarray | None:
+        if self.top_k is not None:
+            return None
+        return np.concatenate([self._parts[o] for o in sorted(self._parts)], axis=1)
+
+    def top(self) -> TopK | None:
+        if self.top_k is None:
+            return None
+        k = self.top_k
+        best: tuple[np.ndarray, np.ndarray] | None = None
+        worst: tuple[np.ndarray, np.ndarray] | None = None
+        for offset in sorted(self._parts):
+            part = self._parts[offset]
+            index = np.broadcast_to(np.arange(part.shape[1]) + offset, part.shape)
+            best = _keep(best, part, index, k, largest=True)
+            worst = _keep(worst, part, index, k, largest=False)
+        assert best is not None and worst is not None, "at least one part"
+        return TopK(best[1], best[0], worst[1], worst[0])
+
+
+def _keep(
+    kept: tuple[np.ndarray, np.ndarray] | None,
+    scores: np.ndarray,
+    index: np.ndarray,
+    k: int,
+    *,
+    largest: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` largest (or smallest) of ``kept`` and ``scores`` per row,
+    ordered, with their training indices."""
+    if kept is not None:
+        scores = np.concatenate([kept[0], scores], axis=1)
+        index = np.concatenate([kept[1], index], axis=1)
+    key = -scores if largest else scores
+    order = np.argsort(key, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, order, 1), np.take_along_axis(index, order, 1)

@@ -1,0 +1,186 @@
+"""TRAK (Park et al., 2023): training-data attribution from randomly
+projected gradients of the model's output, as the TRAK paper and its
+reference code define it.
+
+For each checkpoint ``m`` (an ensemble of models, or checkpoints of one):
+
+- the model output function is the margin ``f(z) = log(p / (1 - p))`` of
+  the correct class's softmax probability ``p`` (from logits:
+  ``logit_y - logsumexp(other logits)``);
+- features: ``Φ_m = P_m ∇f(train)``, ``(N_train, dim)``, and ``φ_m =
+  P_m ∇f(test)``, by ``reduce=jk.Project(dim, seed + m)`` (never forming a
+  per-example gradient where the layers have closed forms);
+- scores ``τ_m = φ_m (Φ_mᵀ Φ_m + λ I)⁻¹ Φ_mᵀ``;
+- the out-to-loss reweighting ``Q_m = 1 - p`` per training example.
+
+TRAK's scores are ``mean_m(τ_m) * mean_m(Q_m)``, here ``(N_test,
+N_train)`` (the reference code stores their transpose). The reference code
+also divides the gradients by ``sqrt(parameters)`` before ``ΦᵀΦ`` for
+numerical range; the scores do not change by it (with ``λ = 0``), and here
+``ΦᵀΦ`` is formed and inverted in float64.
+
+With ``out=DIR`` each checkpoint's training features and ``Q`` are written
+once (``DIR/checkpoint-<m>``, by ``jacobian(out=...)``, resumable) and read
+back by later calls: many test sets against one featurized training set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit import api
+from jacobkit.explain.influence import InfluenceResult, checkpoints
+from jacobkit.problem.loss import Loss
+from jacobkit.problem.reduce import Project
+
+
+def margin(y_true: Any, logits: Any) -> tf.Tensor:
+    """TRAK's classification output function, per example: ``logit_y -
+    logsumexp(logits of the other classes)`` ``= log(p / (1 - p))``."""
+    logits = tf.convert_to_tensor(logits)
+    labels = tf.cast(tf.reshape(y_true, (-1,)), tf.int32)
+    correct = tf.gather(logits, labels, batch_dims=1)
+    others = tf.where(
+        tf.one_hot(labels, tf.shape(logits)[-1], on_value=True, off_value=False),
+        tf.constant(-np.inf, logits.dtype),
+        logits,
+    )
+    return correct - tf.reduce_logsumexp(others, axis=-1)
+
+
+MARGIN = Loss(margin)
+
+
+@dataclass(frozen=True)
+class Features:
+    """One checkpoint's featurized training set.
+
+    Attributes:
+        projected: ``Φ`` ``(N_train, dim)``.
+        out_to_loss: ``Q = 1 - p`` ``(N_train,)``.
+    """
+
+    projected: np.ndarray
+    out_to_loss: np.ndarray
+
+
+def trak(
+    model_or_checkpoints: Any,
+    train: Any,
+    test: Any,
+    layer: Any = None,
+    *,
+    dim: int = 2048,
+    seed: int = 0,
+    lambda_reg: float = 0.0,
+    out: str | os.PathLike[str] | None = None,
+    memory_budget: int | float | str | None = None,
+    progress: bool | None = None,
+) -> InfluenceResult:
+    """TRAK scores ``(N_test, N_train)`` (see the module docstring).
+
+    Args:
+        model_or_checkpoints: a Keras classifier returning logits ``(B,
+            classes)``, or a list of them (or of ``.keras`` files): the
+            ensemble.
+        train, test: ``(x, y)`` arrays with integer labels, or datasets of
+            such batches.
+        layer: the targets (default: every trainable variable).
+        dim: the projection's size per checkpoint (TRAK's default 2,048).
+        seed: checkpoint ``m``'s map is ``jk.Project(dim, seed + m)``.
+        lambda_reg: ``λ`` added to ``ΦᵀΦ``'s diagonal.
+        out: a directory for the training features (written once, reused).
+        memory_budget: for each featurizing call.
+        progress: progress bars of the featurizing calls (default: a
+            terminal).
+
+    Returns:
+        :class:`~jacobkit.explain.influence.InfluenceResult` ``"trak"``.
+    """
+    start = time.perf_counter()
+    models = checkpoints(model_or_checkpoints)
+    scores = None
+    out_to_loss = None
+    for m, model in enumerate(models):
+        project = Project(dim, seed + m)
+        where = None if out is None else Path(out) / f"checkpoint-{m}"
+        train_features = featurize(
+            model, train, layer, project, where, memory_budget, progress
+        )
+        test_projected = _projected(
+            model, test, layer, project, None, memory_budget, progress
+        )
+        phi = train_features.projected
+        kernel = phi.T @ phi + lambda_reg * np.eye(phi.shape[1])
+        tau = test_projected @ np.linalg.solve(kernel, phi.T)
+        scores = tau if scores is None else scores + tau
+        q = train_features.out_to_loss
+        out_to_loss = q if out_to_loss is None else out_to_loss + q
+    assert scores is not None and out_to_loss is not None, "at least one model"
+    count = len(models)
+    final = (scores / count) * (out_to_loss / count)[None, :]
+    return InfluenceResult("trak", final, None, count, time.perf_counter() - start)
+
+
+def featurize(
+    model: Any,
+    train: Any,
+    layer: Any,
+    project: Project,
+    out: Path | None,
+    memory_budget: Any = None,
+    progress: bool | None = None,
+) -> Features:
+    """One checkpoint's training features (read from ``out`` where they
+    were written, else computed, and written there)."""
+    projected = _projected(model, train, layer, project, out, memory_budget, progress)
+    stored = None if out is None else out / "out_to_loss.npy"
+    if stored is not None and stored.exists():
+        q = np.load(stored)
+    else:
+        q = _out_to_loss(model, train)
+        if stored is not None:
+            np.save(stored, q)
+    return Features(projected, q)
+
+
+def _projected(
+    model: Any,
+    data: Any,
+    layer: Any,
+    project: Project,
+    out: Path | None,
+    memory_budget: Any,
+    progress: bool | None,
+) -> np.ndarray:
+    targets = model.trainable_variables if layer is None else layer
+    result = api.jacobian(
+        model,
+        data,
+        targets,
+        outputs=MARGIN,
+        reduce=project,
+        memory_budget=memory_budget,
+        out=out,
+        progress=bool(progress),
+    )
+    return np.asarray(result.projection, np.float64)
+
+
+def _out_to_loss(model: Any, data: Any) -> np.ndarray:
+    """``1 - p`` of each example's label, in data order."""
+    batches = data if isinstance(data, tf.data.Dataset) else [tuple(data)]
+    found = []
+    for batch in batches:
+        x, y = batch[0], batch[1]
+        probabilities = tf.nn.softmax(tf.cast(model(x, training=False), tf.float64))
+        labels = tf.cast(tf.reshape(y, (-1,)), tf.int32)
+        found.append(1.0 - tf.gather(probabilities, labels, batch_dims=1).numpy())
+    return np.concatenate(found)
