@@ -176,3 +176,30 @@ def test_tracin_on_a_keras_hub_text_classifier():
     test = ({k: v[3:] for k, v in x.items()}, y[3:])
     want = _grads(model, test, loss) @ _grads(model, train, loss).T
     _close(explain.tracin(model, train, test, loss=loss).scores, want)
+
+
+def test_plot_influence_draws_each_test_beside_its_strongest():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    models, train, test = _checkpoints("conv")
+    result = explain.tracin(models[0], train, test, loss=LOSS)
+    fig = explain.plot_influence(
+        result,
+        test[0][..., 0],
+        train[0][..., 0],
+        tests=[0, 2],
+        k=1,
+        train_labels=train[1],
+    )
+    axes = fig.axes
+    assert len(axes) == 2 * 3  # a row per test: itself, 1 proponent, 1 opponent
+    best = int(np.argmax(result.scores[2]))
+    assert axes[4].get_title().startswith(f"+{best} ({train[1][best]})")
+    top = explain.tracin(models[0], train, test, loss=LOSS, top_k=1)
+    again = explain.plot_influence(top, test[0][..., 0], train[0][..., 0], k=1)
+    assert (
+        again.axes[1].get_title().split("\n")[0]
+        == f"+{int(np.argmax(result.scores[0]))}"
+    )
+    with pytest.raises(ValueError, match="top_k=1"):
+        explain.plot_influence(top, test[0][..., 0], train[0][..., 0], k=2)

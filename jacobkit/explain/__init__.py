@@ -39,7 +39,7 @@ from jacobkit.explain.input_maps import (
     saliency,
     smoothgrad,
 )
-from jacobkit.explain.plot import plot
+from jacobkit.explain.plot import plot, plot_influence
 from jacobkit.explain.trak import trak
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "gradient_x_input",
     "integrated_gradients",
     "plot",
+    "plot_influence",
     "saliency",
     "self_influence",
     "smoothgrad",

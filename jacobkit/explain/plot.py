@@ -74,3 +74,130 @@ def _displayable(x: np.ndarray) -> np.ndarray:
         x = x[..., 0]
     low, high = x.min(), x.max()
     return (x - low) / (high - low) if high > low else np.zeros_like(x)
+
+
+def plot_influence(
+    result: Any,
+    test_x: Any,
+    train_x: Any,
+    *,
+    tests: Sequence[int] = (0,),
+    k: int = 4,
+    image_shape: tuple[int, ...] | None = None,
+    test_labels: Any = None,
+    train_labels: Any = None,
+    size: float = 1.4,
+) -> Any:
+    """Each test example beside its ``k`` strongest proponents and opponents
+    among the training examples, from an
+    :class:`~jacobkit.explain.influence.InfluenceResult` (its full scores, or
+    its ``top``): one row per test example, the test image first, then the
+    proponents (highest score first), then the opponents (lowest first),
+    each titled with its index, label and score.
+
+    Args:
+        result: what :func:`~jacobkit.explain.tracin` (or ``grad_cos``,
+            ``trak``) returned.
+        test_x, train_x: the sets' images ``(N, H, W[, C])``, or flat features
+            with ``image_shape``.
+        tests: the test examples to draw.
+        k: proponents and opponents per test example (at most ``top_k``).
+        image_shape: ``(H, W)`` or ``(H, W, C)`` of flat inputs (digits:
+            ``(8, 8)``).
+        test_labels, train_labels: shown in the titles where given.
+        size: inches per cell.
+
+    Returns:
+        The ``matplotlib.figure.Figure``.
+    """
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError(
+            "explain.plot_influence draws with matplotlib, which is not "
+            "installed: pip install 'jacobkit[plots]'"
+        ) from err
+    best, best_scores, worst, worst_scores = _strongest(result, k)
+    test_images = _images(test_x, image_shape)
+    train_images = _images(train_x, image_shape)
+    rows = list(tests)
+    fig, axes = plt.subplots(
+        len(rows),
+        1 + 2 * k,
+        figsize=(size * (1 + 2 * k), size * len(rows) * 1.15),
+        squeeze=False,
+    )
+    for r, t in enumerate(rows):
+        _cell(axes[r, 0], test_images[t], f"test {t}", test_labels, t, None)
+        for j in range(k):
+            i = int(best[t, j])
+            _cell(
+                axes[r, 1 + j],
+                train_images[i],
+                f"+{i}",
+                train_labels,
+                i,
+                best_scores[t, j],
+            )
+            i = int(worst[t, j])
+            _cell(
+                axes[r, 1 + k + j],
+                train_images[i],
+                f"−{i}",
+                train_labels,
+                i,
+                worst_scores[t, j],
+            )
+    fig.suptitle("test | proponents | opponents", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _strongest(result: Any, k: int) -> tuple[np.ndarray, ...]:
+    top = getattr(result, "top", None)
+    if top is not None:
+        if top.proponents.shape[1] < k:
+            raise ValueError(
+                f"plot_influence(k={k}): the result kept top_k="
+                f"{top.proponents.shape[1]}; pass k <= that."
+            )
+        return (
+            top.proponents[:, :k],
+            top.proponent_scores[:, :k],
+            top.opponents[:, :k],
+            top.opponent_scores[:, :k],
+        )
+    scores = np.asarray(result)
+    high = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    low = np.argsort(scores, axis=1, kind="stable")[:, :k]
+    return (
+        high,
+        np.take_along_axis(scores, high, 1),
+        low,
+        np.take_along_axis(scores, low, 1),
+    )
+
+
+def _images(x: Any, shape: tuple[int, ...] | None) -> np.ndarray:
+    x = np.asarray(x)
+    if shape is not None:
+        x = x.reshape((len(x), *shape))
+    if x.ndim not in (3, 4):
+        raise ValueError(
+            f"explain.plot_influence: images must be (N, H, W[, C]), got "
+            f"{x.shape}; pass image_shape= for flat inputs."
+        )
+    return _displayable(x)
+
+
+def _cell(
+    ax: Any, image: np.ndarray, title: str, labels: Any, i: int, score: float | None
+) -> None:
+    ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
+    if labels is not None:
+        title += f" ({np.asarray(labels)[i]})"
+    if score is not None:
+        title += f"\n{score:.3g}"
+    ax.set_title(title, fontsize=7)
+    ax.set_xticks([])
+    ax.set_yticks([])
