@@ -32,12 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import runs
 
 HERE = Path(__file__).resolve().parent
 DIM = 2048
@@ -59,7 +59,7 @@ PEERS = {
     "PyTorch vmap(grad) gram": "gram_vmap",
     "PyTorch vmap(grad) projection": "project_vmap",
 }
-SIZES = (64, 256)
+SIZES = (64, 256, 1024)
 
 
 def child(case: str, method: str, repeats: int) -> None:
@@ -158,6 +158,7 @@ def child_over(method: str, examples: int) -> None:
 
     memory.enable_cpu_memory_stats()
     sys.path.insert(0, str(HERE))
+    import numpy as np
     import reductions_models
     import tensorflow as tf
 
@@ -168,31 +169,20 @@ def child_over(method: str, examples: int) -> None:
     loss = jk.Loss(reductions_models.loss())
     model = built.model
 
-    def call():
+    def call() -> list:
         if method == "gram":
-            return jk.gram(model, data, outputs=loss, chunk_examples=32).matrix
+            return [jk.gram(model, data, outputs=loss, chunk_examples=32).matrix]
         found = jk.jacobian(
             model, data, model.trainable_variables, outputs=loss, reduce=jk.Project(DIM)
         )
-        return found.projection
+        # each target's part, and their sum: the result holds both
+        return [*found.values(), found.projection]
 
     call()  # traced
     with memory.PeakMemory("CPU:0") as peak:
         result = call()
-    result_mib = result.size * 4 / 2**20
+    result_mib = sum(np.asarray(r).size for r in result) * 4 / 2**20
     print(json.dumps({"peak_mib": peak.extra_bytes / 2**20, "result_mib": result_mib}))
-
-
-def _pinned(command: list[str]) -> list[str]:
-    return (["taskset", "-c", "0"] if shutil.which("taskset") else []) + command
-
-
-def _run(command: list[str]) -> dict:
-    out = subprocess.run(_pinned(command), capture_output=True, text=True, check=False)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode or not lines:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
-    return json.loads(lines[-1])
 
 
 def main() -> None:
@@ -204,16 +194,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cases", default="convnet,bert")
     parser.add_argument("--out", default="benchmarks/results/cpu")
+    parser.add_argument(
+        "--over-only",
+        action="store_true",
+        help="rerun the peaks over datasets only, keeping --out's timings",
+    )
     args = parser.parse_args()
     if args.child:
         return child(*args.child, args.repeats)
     if args.over:
         return child_over(args.over[0], int(args.over[1]))
     me = [sys.executable, str(Path(__file__).resolve())]
-    runs: dict[str, list[str]] = {}
+    out = Path(args.out)
+    if args.over_only:
+        data = json.loads((out / "reductions.json").read_text())
+        data["over"] = _over(me)
+        return _write(data, out)
+    commands: dict[str, list[str]] = {}
     for case in args.cases.split(","):
         for method in METHODS:
-            runs[f"{case}|{method}"] = [
+            commands[f"{case}|{method}"] = [
                 *me,
                 "--child",
                 case,
@@ -235,7 +235,7 @@ def main() -> None:
             capture_output=True,
         )
         for label, method in PEERS.items():
-            runs[f"convnet|{label}"] = [
+            commands[f"convnet|{label}"] = [
                 args.peers_python,
                 str(HERE / "peers/reductions_torch.py"),
                 "--npz",
@@ -245,32 +245,32 @@ def main() -> None:
                 "--method",
                 method,
             ]
-    rounds: dict[str, list[dict]] = {k: [] for k in runs}
+    rounds: dict[str, list[dict]] = {k: [] for k in commands}
     for r in range(args.rounds):
-        for key, command in runs.items():
-            found = _run(command)
+        for key, command in commands.items():
+            found = runs.run(command)
             rounds[key].append(found)
             print(f"round {r + 1} {key}: {found}", file=sys.stderr)
-    over = {
-        f"{method} over {n}": _run([*me, "--over", method, str(n)])
+    data = {
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "runs": {},
+        "over": _over(me),
+    }
+    for key, found in rounds.items():
+        data["runs"][key] = runs.medians(found)
+    _write(data, out)
+
+
+def _over(me: list[str]) -> dict[str, dict]:
+    return {
+        f"{method} over {n}": runs.run([*me, "--over", method, str(n)])
         for method in ("gram", "projection")
         for n in SIZES
     }
-    data = {"rounds": args.rounds, "repeats": args.repeats, "runs": {}, "over": over}
-    for key, found in rounds.items():
-        good = [f for f in found if "error" not in f]
-        if not good:
-            data["runs"][key] = {"error": found[-1].get("error")}
-            continue
-        row = {
-            k: statistics.median(f[k] for f in good)
-            for k in ("first_s", "first_three_s", "steady_s", "first_growth_mib")
-            if k in good[0]
-        }
-        row["peak_growth_mib"] = statistics.median(f["peak_growth_mib"] for f in good)
-        row["strategy"] = good[-1].get("strategy")
-        data["runs"][key] = row
-    out = Path(args.out)
+
+
+def _write(data: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reductions.json").write_text(json.dumps(data, indent=1))
     (out / "reductions.md").write_text(_markdown(data))
@@ -278,7 +278,7 @@ def main() -> None:
 
 
 def _markdown(data: dict) -> str:
-    runs = data["runs"]
+    measured = data["runs"]
     lines = [
         "# Reductions of per-example gradients against materializing them",
         "",
@@ -288,8 +288,8 @@ def _markdown(data: dict) -> str:
         "steady calls. Ratios are within a model's rows of this one run.",
         "",
     ]
-    for case in sorted({k.split("|")[0] for k in runs}):
-        base = runs.get(f"{case}|plain step", {}).get("steady_s")
+    for case in sorted({k.split("|")[0] for k in measured}):
+        base = measured.get(f"{case}|plain step", {}).get("steady_s")
         lines += [
             f"## {case}",
             "",
@@ -297,7 +297,7 @@ def _markdown(data: dict) -> str:
             "first 3 calls s | steady growth MiB | first-call growth MiB | strategy |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for key, row in runs.items():
+        for key, row in measured.items():
             if not key.startswith(case + "|"):
                 continue
             label = key.split("|", 1)[1]
@@ -306,8 +306,9 @@ def _markdown(data: dict) -> str:
                 continue
             steady = row["steady_s"]
             versus = ""
-            twin = runs.get(f"{case}|materialized {label.split()[-1]}", {})
-            if not label.startswith("materialized") and twin.get("steady_s"):
+            twin = measured.get(f"{case}|materialized {label.split()[-1]}", {})
+            own = label in METHODS and not label.startswith("materialized")
+            if own and twin.get("steady_s"):
                 versus = f"{steady / twin['steady_s']:.2f}"
             lines.append(
                 f"| {label} | {steady * 1e3:.1f} | "
@@ -323,7 +324,8 @@ def _markdown(data: dict) -> str:
         "## Peak over a dataset (conv net, batches of 32)",
         "",
         "TensorFlow's allocator peak during the call (its pooled CPU allocator), "
-        "beside the result's own size:",
+        "beside the result's own size (a projection's result holds each "
+        "target's part and their sum; the Gram matrix is float64, in NumPy):",
         "",
         "| run | peak MiB | result MiB |",
         "|---|---|---|",

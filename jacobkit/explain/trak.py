@@ -14,10 +14,15 @@ For each checkpoint ``m`` (an ensemble of models, or checkpoints of one):
 - the out-to-loss reweighting ``Q_m = 1 - p`` per training example.
 
 TRAK's scores are ``mean_m(τ_m) * mean_m(Q_m)``, here ``(N_test,
-N_train)`` (the reference code stores their transpose). The reference code
-also divides the gradients by ``sqrt(parameters)`` before ``ΦᵀΦ`` for
-numerical range; the scores do not change by it (with ``λ = 0``), and here
-``ΦᵀΦ`` is formed and inverted in float64.
+N_train)`` (the reference code stores their transpose). Two steps of the
+reference code (TRAK 0.3.2) are left out, as the paper has neither: it
+divides the gradients by ``sqrt(parameters)`` (the scores do not change by
+it with ``λ = 0``; here ``ΦᵀΦ`` is formed and inverted in float64), and it
+divides each model's ``(ΦᵀΦ)⁻¹`` by its mean magnitude, a float16 safeguard
+that weighs the ensemble's models unequally and scales the scores (on
+notebook 07's ensemble by 0.41-0.57 per model; with the same maps, the
+reference code's scores then differ from the paper's formula by 1.07
+relative, Spearman 0.992; ``benchmarks/peers/influence_torch.py``).
 
 With ``out=DIR`` each checkpoint's training features and ``Q`` are written
 once (``DIR/checkpoint-<m>``, by ``jacobian(out=...)``, resumable) and read

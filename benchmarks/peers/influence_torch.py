@@ -1,0 +1,443 @@
+"""PyTorch on the training-data attribution benchmark: captum's TracInCP
+(scores and self-influence), TRAK's reference ``TRAKer`` and a hand-written
+``torch.func.vmap(grad)`` TracIn, on the digits MLP's checkpoints and
+ensemble that ``export_influence.py`` wrote, checked against jacobkit's
+scores in that file.
+
+Runs in its own virtual environment (see README.md), with ``captum`` and
+``traker``; prints one JSON line per method:
+
+    python influence_torch.py --npz influence.npz --method tracin_captum
+
+Methods (``--method``, repeatable; default all whose package imports):
+
+- ``tracin_captum``: ``captum.influence.TracInCP`` over the 3 checkpoints
+  (saved to files, read back by a ``checkpoints_load_func`` that returns each
+  checkpoint's learning rate), every parameter,
+  ``influence((x_test, y_test), k=None)``: the ``(N_test, N_train)`` scores.
+  ``--captum-grads batch`` (the default) takes per-example gradients from
+  captum's per-layer hooks (``sample_wise_grads_per_batch=True``, loss
+  ``CrossEntropyLoss(reduction="sum")``), ``loop`` from one backward pass per
+  example (``reduction="none"``);
+- ``self_influence_captum``: ``TracInCP.self_influence()`` of the training
+  set, ``(N_train,)``;
+- ``trak``: TRAK's ``TRAKer`` on the CPU (its ``BasicProjector``, Gaussian,
+  ``proj_dim`` from the file, float32 as ``use_half_precision=False``) over
+  the 10 ensemble models: ``featurize`` the training set, ``finalize_features``,
+  ``score`` the test set, ``finalize_scores``; a fresh ``TRAKer`` in a fresh
+  directory each call (it keeps its features on disk and would reuse them);
+- ``trak_jacobkit_maps``: the same ``TRAKer`` run with jacobkit's projection
+  maps (the file's ``trak_map_*``, as a custom projector) and a score
+  computer that inverts ``ΦᵀΦ`` as the paper writes it: TRAK's
+  ``BasicScoreComputer`` (traker 0.3.2) divides each model's ``(ΦᵀΦ)⁻¹`` by
+  its mean magnitude (a float16 safeguard), which scales each model's scores
+  by its own factor, and so weights the ensemble's models unequally;
+  jacobkit, as the paper, does not. With the same maps and this one step
+  undone, TRAK's own code must give jacobkit's scores;
+- ``tracin_vmap``: per checkpoint ``torch.func.vmap(grad)`` per-example
+  gradients of the test and the training set, flattened, ``G_test G_trainᵀ``
+  times the learning rate, summed (what one writes by hand).
+
+Each method's last timed result is checked: the TracIn scores and
+self-influence against jacobkit's ``explain.tracin`` and
+``explain.self_influence`` (the largest absolute difference over the largest
+magnitude; one above ``--tolerance`` ends the run with an error and no line
+for that method). TRAK's projections differ from jacobkit's, so only the
+ranking can agree: its Spearman correlations with ``explain.trak``'s scores
+(over the whole matrix, and the mean over the test examples' rows) are
+reported, not checked; ``trak_jacobkit_maps``'s scores are checked as the
+TracIn scores are. ``scores_per_s`` is the scores one call computes
+(``N_test * N_train``; ``N_train`` for self-influence) over ``steady_s``.
+
+Run each method in a fresh process where first calls compare: the methods
+share PyTorch's and ``vmap``'s first-call setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+# TRAKer's progress bars (tqdm reads its defaults from TQDM_*)
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from protocol import measure  # noqa: E402
+from torch.func import functional_call, grad, vmap  # noqa: E402
+
+METHODS = (
+    "tracin_captum",
+    "self_influence_captum",
+    "trak",
+    "trak_jacobkit_maps",
+    "tracin_vmap",
+)
+#: the package each method needs beyond torch
+NEEDS = {
+    "tracin_captum": "captum",
+    "self_influence_captum": "captum",
+    "trak": "traker",
+    "trak_jacobkit_maps": "traker",
+}
+#: how each TRAK method inverts ``ΦᵀΦ``: TRAK's ``BasicScoreComputer``, or
+#: without its per-model rescaling (as the paper, and jacobkit)
+TRAK_INVERSE = {"trak": "reference", "trak_jacobkit_maps": "unscaled"}
+
+#: a method: its call (timed) and the check of the call's result (errors
+#: ``*_err``, checked; anything else reported)
+Run = tuple[Callable[[], Any], Callable[[Any], dict[str, float]]]
+
+
+def version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def build() -> torch.nn.Sequential:
+    """The MLP, Dense 64→32 relu → 10 logits, weights to be loaded."""
+    return torch.nn.Sequential(
+        OrderedDict(
+            hidden=torch.nn.Linear(64, 32),
+            relu=torch.nn.ReLU(),
+            logits=torch.nn.Linear(32, 10),
+        )
+    )
+
+
+def state(arrays: dict[str, np.ndarray], prefix: str, i: int) -> dict[str, Any]:
+    """Model ``i`` of ``prefix`` (``checkpoint`` or ``ensemble``) as a
+    state dict (Keras kernels ``(in, out)`` turned into weights ``(out,
+    in)``)."""
+    found = {}
+    for layer in ("hidden", "logits"):
+        kernel = torch.from_numpy(arrays[f"{prefix}_{layer}_kernel"][i])
+        found[f"{layer}.weight"] = kernel.T.contiguous()
+        found[f"{layer}.bias"] = torch.from_numpy(arrays[f"{prefix}_{layer}_bias"][i])
+    return found
+
+
+def error(got: Any, want: np.ndarray) -> float:
+    """The largest absolute difference over the largest magnitude."""
+    got = np.asarray(got, "float64")
+    want = np.asarray(want, "float64")
+    if got.shape != want.shape:
+        raise SystemExit(f"influence_torch: shape {got.shape} != {want.shape}")
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def spearman(got: Any, want: np.ndarray) -> dict[str, float]:
+    """Rank agreement: over every score, and the mean over test rows."""
+    from scipy.stats import spearmanr
+
+    got = np.asarray(got, "float64")
+    rows = [spearmanr(g, w)[0] for g, w in zip(got, want)]
+    return {
+        "spearman": float(spearmanr(got.ravel(), want.ravel())[0]),
+        "spearman_per_test": float(np.nanmean(rows)),
+    }
+
+
+class Methods:
+    """Each method's call (what is timed) and its check of the result."""
+
+    def __init__(
+        self, arrays: dict[str, np.ndarray], batch_size: int | None, captum_grads: str
+    ) -> None:
+        self.arrays = arrays
+        self.x_train = torch.from_numpy(arrays["x_train"])
+        self.y_train = torch.from_numpy(arrays["y_train"]).long()
+        self.x_test = torch.from_numpy(arrays["x_test"])
+        self.y_test = torch.from_numpy(arrays["y_test"]).long()
+        self.n_train = len(self.x_train)
+        self.n_test = len(self.x_test)
+        self.batch_size = batch_size or self.n_train
+        self.rates = [float(r) for r in arrays["learning_rates"]]
+        self.checkpoints = len(self.rates)
+        self.ensemble = len(arrays["ensemble_hidden_kernel"])
+        self.dim = int(arrays["dim"])
+        self.captum_grads = captum_grads
+        self.directory = tempfile.TemporaryDirectory(prefix="influence_torch-")
+
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (
+                self.x_train[b : b + self.batch_size],
+                self.y_train[b : b + self.batch_size],
+            )
+            for b in range(0, self.n_train, self.batch_size)
+        ]
+
+    def captum(self) -> Any:
+        """captum's TracInCP over the checkpoints, saved as files."""
+        from captum.influence import TracInCP
+
+        rates = {}
+        for c, rate in enumerate(self.rates):
+            path = os.path.join(self.directory.name, f"checkpoint-{c}.pt")
+            torch.save(state(self.arrays, "checkpoint", c), path)
+            rates[path] = rate
+
+        def load(model: torch.nn.Module, path: str) -> float:
+            model.load_state_dict(torch.load(path))
+            return rates[path]
+
+        batch = self.captum_grads == "batch"
+        return TracInCP(
+            build(),
+            torch.utils.data.TensorDataset(self.x_train, self.y_train),
+            list(rates),
+            checkpoints_load_func=load,
+            loss_fn=torch.nn.CrossEntropyLoss(reduction="sum" if batch else "none"),
+            batch_size=self.batch_size,
+            sample_wise_grads_per_batch=batch,
+        )
+
+    def tracin_captum(self) -> Run:
+        tracin = self.captum()
+
+        def call() -> torch.Tensor:
+            return tracin.influence((self.x_test, self.y_test), k=None)
+
+        return call, lambda result: {
+            "tracin_err": error(result.detach(), self.arrays["tracin"])
+        }
+
+    def self_influence_captum(self) -> Run:
+        tracin = self.captum()
+
+        def call() -> torch.Tensor:
+            return tracin.self_influence()
+
+        return call, lambda result: {
+            "self_influence_err": error(result.detach(), self.arrays["self_influence"])
+        }
+
+    def traker(
+        self,
+        projector: Callable[[], Any] | None = None,
+        score_computer: Any = None,
+    ) -> Callable[[], np.ndarray]:
+        """One TRAKer run over the ensemble: a fresh ``TRAKer`` (its
+        ``BasicProjector``, or ``projector()``; its ``BasicScoreComputer``,
+        or the class ``score_computer``), the training set featurized, the test set
+        scored; the scores ``(N_test, N_train)``."""
+        from trak import TRAKer
+        from trak.projectors import BasicProjector
+
+        ensemble = [state(self.arrays, "ensemble", m) for m in range(self.ensemble)]
+
+        def call() -> np.ndarray:
+            save_dir = tempfile.mkdtemp(prefix="trak-", dir=self.directory.name)
+            traker = TRAKer(
+                model=build(),
+                task="image_classification",
+                train_set_size=self.n_train,
+                save_dir=save_dir,
+                device="cpu",
+                projector=None if projector is None else projector(),
+                score_computer=score_computer,
+                proj_dim=self.dim,
+                use_half_precision=False,
+                logging_level=logging.WARNING,
+            )
+            if projector is None:
+                assert isinstance(traker.projector, BasicProjector), traker.projector
+            for m, weights in enumerate(ensemble):
+                traker.load_checkpoint(weights, model_id=m)
+                for batch in self.batches():
+                    traker.featurize(batch=batch, num_samples=len(batch[0]))
+            traker.finalize_features()
+            for m, weights in enumerate(ensemble):
+                traker.start_scoring_checkpoint(
+                    exp_name="test",
+                    checkpoint=weights,
+                    model_id=m,
+                    num_targets=self.n_test,
+                )
+                traker.score(batch=(self.x_test, self.y_test), num_samples=self.n_test)
+            # (N_train, N_test), a memory map in save_dir
+            scores: np.ndarray = np.array(traker.finalize_scores(exp_name="test")).T
+            return scores
+
+        return call
+
+    def trak(self) -> Run:
+        return self.traker(), lambda result: spearman(result, self.arrays["trak"])
+
+    def trak_jacobkit_maps(self) -> Run:
+        from trak.projectors import AbstractProjector, ProjectionType
+        from trak.score_computers import BasicScoreComputer
+
+        # model m's map of each parameter's gradient, in its Keras layout
+        maps = [
+            {
+                f"{layer}.{part}": torch.from_numpy(
+                    self.arrays[f"trak_map_{layer}_{keras}"][m]
+                )
+                for layer in ("hidden", "logits")
+                for part, keras in (("weight", "kernel"), ("bias", "bias"))
+            }
+            for m in range(self.ensemble)
+        ]
+        size = sum(int(v.shape[0]) for v in maps[0].values())
+        dim = self.dim
+
+        class JacobkitMaps(AbstractProjector):
+            """``sum_v g_v M_v`` with jacobkit's maps of model ``model_id``."""
+
+            def __init__(self) -> None:
+                super().__init__(size, dim, 0, ProjectionType.normal, "cpu")
+
+            def project(self, grads: Any, model_id: int) -> torch.Tensor:
+                total = torch.zeros(next(iter(grads.values())).shape[0], dim)
+                for name, g in grads.items():
+                    if g.ndim == 3:  # (B, out, in) -> Keras's (B, in, out)
+                        g = g.transpose(1, 2)
+                    total += g.reshape(len(g), -1) @ maps[model_id][name]
+                return total
+
+            def free_memory(self) -> None:
+                pass
+
+        class Unscaled(BasicScoreComputer):
+            """``Φ (ΦᵀΦ)⁻¹`` as the paper writes it: ``BasicScoreComputer``
+            divides each model's ``(ΦᵀΦ)⁻¹`` by its mean magnitude, which
+            weights the ensemble's models unequally."""
+
+            def get_x_xtx_inv(self, grads: torch.Tensor, xtx: torch.Tensor) -> Any:
+                eye = torch.eye(len(xtx), dtype=xtx.dtype)
+                inverse = torch.linalg.inv(xtx.float() + self.lambda_reg * eye)
+                return grads @ inverse.to(self.dtype)
+
+        def check(result: np.ndarray) -> dict[str, float]:
+            return {
+                "trak_err": error(result, self.arrays["trak"]),
+                **spearman(result, self.arrays["trak"]),
+            }
+
+        return self.traker(JacobkitMaps, Unscaled), check
+
+    def tracin_vmap(self) -> Run:
+        model = build()
+        params = [
+            {k: v.detach() for k, v in state(self.arrays, "checkpoint", c).items()}
+            for c in range(self.checkpoints)
+        ]
+
+        def loss(
+            p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+        ) -> torch.Tensor:
+            logits = functional_call(model, p, (x[None],))
+            return F.cross_entropy(logits, y[None])
+
+        grads = vmap(grad(loss), in_dims=(None, 0, 0))
+
+        def flat(g: dict[str, torch.Tensor]) -> torch.Tensor:
+            return torch.cat([v.flatten(1) for v in g.values()], 1)
+
+        def call() -> torch.Tensor:
+            total = torch.zeros(self.n_test, self.n_train)
+            for p, rate in zip(params, self.rates):
+                test = flat(grads(p, self.x_test, self.y_test))
+                train = flat(grads(p, self.x_train, self.y_train))
+                total += rate * (test @ train.T)
+            return total
+
+        return call, lambda result: {"tracin_err": error(result, self.arrays["tracin"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--npz", default="influence.npz")
+    parser.add_argument("--method", choices=METHODS, action="append")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="training examples per batch (captum, TRAK; default: all)",
+    )
+    parser.add_argument("--captum-grads", choices=("batch", "loop"), default="batch")
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    versions = {p: version(p) for p in ("torch", "captum", "traker")}
+    methods = args.method or [
+        m for m in METHODS if m not in NEEDS or versions[NEEDS[m]]
+    ]
+    for method in methods:
+        if method in NEEDS and versions[NEEDS[method]] is None:
+            raise SystemExit(f"influence_torch: {method} needs {NEEDS[method]}")
+    skipped = [m for m in METHODS if m not in methods]
+    if args.method is None and skipped:
+        print(f"influence_torch: not installed, skipped {skipped}", file=sys.stderr)
+    runs = Methods(dict(np.load(args.npz)), args.batch_size, args.captum_grads)
+    failed = []
+    for method in methods:
+        call, check = getattr(runs, method)()
+        timings, result = measure(call, args.repeats)
+        checks = check(result)
+        count = int(np.prod(np.shape(result)))
+        del result
+        print(
+            f"influence_torch: {method}: "
+            + ", ".join(f"{k} {v:.2e}" for k, v in checks.items()),
+            file=sys.stderr,
+        )
+        errors = [v for k, v in checks.items() if k.endswith("_err")]
+        if any(not v <= args.tolerance for v in errors):
+            failed.append(method)
+            continue
+        print(
+            json.dumps(
+                {
+                    "peer": "torch",
+                    "method": method,
+                    **versions,
+                    "n_train": runs.n_train,
+                    "n_test": runs.n_test,
+                    "models": (
+                        runs.ensemble if method in TRAK_INVERSE else runs.checkpoints
+                    ),
+                    "batch_size": runs.batch_size,
+                    "threads": args.threads,
+                    **(
+                        {"dim": runs.dim, "trak_inverse": TRAK_INVERSE[method]}
+                        if method in TRAK_INVERSE
+                        else {}
+                    ),
+                    **(
+                        {"captum_grads": args.captum_grads}
+                        if method.endswith("_captum")
+                        else {}
+                    ),
+                    **checks,
+                    **timings,
+                    "scores_per_s": count / timings["steady_s"],
+                }
+            ),
+            flush=True,
+        )
+    runs.directory.cleanup()
+    if failed:
+        raise SystemExit(
+            f"influence_torch: {', '.join(failed)} disagree with jacobkit's "
+            f"results in {args.npz} (tolerance {args.tolerance:g})"
+        )
+
+
+if __name__ == "__main__":
+    main()

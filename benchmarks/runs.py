@@ -1,0 +1,39 @@
+"""How the benchmark scripts run each measurement: a fresh process pinned
+to one core (``taskset -c 0`` where it exists), its last JSON line read back,
+and the median over rounds of the runs that did not fail."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+
+FIELDS = ("first_s", "first_three_s", "steady_s", "first_growth_mib", "peak_growth_mib")
+
+
+def pinned(command: list[str]) -> list[str]:
+    return (["taskset", "-c", "0"] if shutil.which("taskset") else []) + command
+
+
+def run(command: list[str]) -> dict:
+    """One fresh process; its last JSON line, or ``{"error": ...}``."""
+    out = subprocess.run(pinned(command), capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    found: dict = json.loads(lines[-1])
+    return found
+
+
+def medians(found: list[dict]) -> dict:
+    """The median of each timing field over the rounds that ran, and the
+    last round's other fields."""
+    good = [f for f in found if "error" not in f]
+    if not good:
+        return {"error": found[-1].get("error")}
+    row = {k: v for k, v in good[-1].items() if k not in FIELDS}
+    for key in FIELDS:
+        if key in good[0]:
+            row[key] = statistics.median(f[key] for f in good)
+    return row
