@@ -1,0 +1,235 @@
+"""Training-data attribution, timed: jacobkit's ``explain.tracin``,
+``grad_cos``, ``self_influence`` and ``trak`` against materializing every
+example's loss gradient in TensorFlow (``jk.jacobian`` per-example loss rows,
+then the products in NumPy), and against PyTorch on identical weights
+(``peers/influence_torch.py``: captum's ``TracInCP``, TRAK's ``TRAKer``,
+``torch.func.vmap(grad)``).
+
+The setup is notebook 07's: scikit-learn's digits, an MLP of 2,410
+parameters, 1,000 training and 100 test examples, 3 checkpoints (TracIn) and
+an ensemble of 10 models on random halves (TRAK, 64 dimensions), written by
+``peers/export_influence.py``. Every run is a fresh process pinned to one
+core, timed by ``peers/protocol.py``: the first call (tracing included) and
+its growth of the peak resident memory, the median of ``--repeats`` steady
+calls and one steady call's growth; each figure the median over rounds.
+
+    python benchmarks/influence.py --peers-python /path/to/peers/bin/python \\
+        --rounds 2 --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import runs
+
+HERE = Path(__file__).resolve().parent
+METHODS = (
+    "tracin",
+    "grad_cos",
+    "self_influence",
+    "trak",
+    "materialized tracin",
+)
+#: PyTorch's runs: label -> the peer script's arguments
+PEERS = {
+    "captum TracInCP": ["--method", "tracin_captum"],
+    "captum TracInCP (loop)": ["--method", "tracin_captum", "--captum-grads", "loop"],
+    "captum self_influence": ["--method", "self_influence_captum"],
+    "TRAK TRAKer (BasicProjector)": ["--method", "trak"],
+    "PyTorch vmap(grad) TracIn": ["--method", "tracin_vmap"],
+}
+
+
+def child(npz: str, method: str, repeats: int) -> None:
+    """One run; prints one JSON line."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.path.insert(0, str(HERE / "peers"))
+    import keras
+    import numpy as np
+    from protocol import measure
+
+    import jacobkit as jk
+    from jacobkit import explain
+
+    d = np.load(npz)
+    train = (d["x_train"], d["y_train"])
+    test = (d["x_test"], d["y_test"])
+
+    def models(prefix: str) -> list:
+        found = []
+        for m in range(d[f"{prefix}_hidden_kernel"].shape[0]):
+            model = keras.Sequential(
+                [
+                    keras.Input((64,)),
+                    keras.layers.Dense(32, activation="relu", name="hidden"),
+                    keras.layers.Dense(10, name="logits"),
+                ]
+            )
+            model.set_weights(
+                [
+                    d[f"{prefix}_{layer}_{part}"][m]
+                    for layer in ("hidden", "logits")
+                    for part in ("kernel", "bias")
+                ]
+            )
+            found.append(model)
+        return found
+
+    checkpoints, ensemble = models("checkpoint"), models("ensemble")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    rows = jk.Loss(loss)
+    want = None
+    if method == "tracin":
+
+        def call():
+            return explain.tracin(checkpoints, train, test, loss=loss).scores
+
+        want = d["tracin"]
+    elif method == "grad_cos":
+
+        def call():
+            return explain.grad_cos(checkpoints, train, test, loss=loss).scores
+    elif method == "self_influence":
+
+        def call():
+            return explain.self_influence(checkpoints, train, loss=loss)
+
+        want = d["self_influence"]
+    elif method == "trak":
+
+        def call():
+            return explain.trak(ensemble, train, test, dim=int(d["dim"])).scores
+
+        want = d["trak"]
+    elif method == "materialized tracin":
+
+        def flat(model, data):
+            found = jk.jacobian(model, data, model.trainable_variables, outputs=rows)
+            return np.concatenate(
+                [np.asarray(v).reshape(len(data[1]), -1) for v in found.values()], 1
+            )
+
+        def call():
+            return sum(flat(m, test) @ flat(m, train).T for m in checkpoints)
+
+        want = d["tracin"]
+    else:
+        raise SystemExit(f"unknown method {method!r}")
+    timings, result = measure(call, repeats)
+    scores = int(np.asarray(result).size)
+    row = {**timings, "scores_per_s": scores / timings["steady_s"]}
+    if want is not None:
+        row["error"] = float(np.abs(result - want).max() / np.abs(want).max())
+        row["agreement"] = row.pop("error")
+    print(json.dumps(row))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=2, metavar=("NPZ", "METHOD"))
+    parser.add_argument("--peers-python")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/cpu")
+    args = parser.parse_args()
+    if args.child:
+        return child(*args.child, args.repeats)
+    work = Path(tempfile.mkdtemp())
+    npz = str(work / "influence.npz")
+    subprocess.run(
+        [sys.executable, str(HERE / "peers" / "export_influence.py"), "--out", npz],
+        check=True,
+        capture_output=True,
+    )
+    me = [sys.executable, str(Path(__file__).resolve())]
+    repeats = ["--repeats", str(args.repeats)]
+    commands = {m: [*me, "--child", npz, m, *repeats] for m in METHODS}
+    if args.peers_python:
+        script = str(HERE / "peers" / "influence_torch.py")
+        for label, extra in PEERS.items():
+            commands[label] = [
+                args.peers_python,
+                script,
+                "--npz",
+                npz,
+                *repeats,
+                *extra,
+            ]
+    rounds: dict[str, list[dict]] = {k: [] for k in commands}
+    for r in range(args.rounds):
+        for key, command in commands.items():
+            found = runs.run(command)
+            rounds[key].append(found)
+            print(f"round {r + 1} {key}: {found}", file=sys.stderr)
+    data = {
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "runs": {k: runs.medians(v) for k, v in rounds.items()},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "influence.json").write_text(json.dumps(data, indent=1))
+    (out / "influence.md").write_text(_markdown(data))
+    print(_markdown(data))
+
+
+def _markdown(data: dict) -> str:
+    measured = data["runs"]
+    lines = [
+        "# Training-data attribution: jacobkit, materializing, PyTorch",
+        "",
+        "Written by `benchmarks/influence.py`: notebook 07's digits MLP (2,410 "
+        "parameters), 100 test x 1,000 training examples, 3 checkpoints "
+        "(TracIn, Grad-Cos, self-influence; self-influence scores 1,000 "
+        "examples) and 10 ensemble models (TRAK, 64 dimensions); one core "
+        "(`taskset -c 0`), fresh processes, median of "
+        f"{data['rounds']} rounds of {data['repeats']} steady calls.",
+        "",
+        "| run | steady ms | scores/s | × jacobkit | first call s | "
+        "first 3 calls s | steady growth MiB | first-call growth MiB | "
+        "agreement with jacobkit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    ours = {
+        "captum TracInCP": "tracin",
+        "captum TracInCP (loop)": "tracin",
+        "PyTorch vmap(grad) TracIn": "tracin",
+        "materialized tracin": "tracin",
+        "captum self_influence": "self_influence",
+        "TRAK TRAKer (BasicProjector)": "trak",
+    }
+    for key, row in measured.items():
+        if "error" in row:
+            lines.append(f"| {key} | error: {row['error']} | | | | | | | |")
+            continue
+        versus = ""
+        twin = measured.get(ours.get(key, ""), {})
+        if twin.get("steady_s"):
+            versus = f"{row['steady_s'] / twin['steady_s']:.2f}"
+        # jacobkit's own runs are compared with the exported reference, its
+        # own numbers: only the materializing run's agreement says anything
+        agreement = row.get("agreement") if key == "materialized tracin" else None
+        if agreement is None:
+            for name in ("tracin_err", "self_influence_err", "spearman"):
+                if name in row:
+                    agreement = f"{name} {row[name]:.3g}"
+        elif isinstance(agreement, float):
+            agreement = f"{agreement:.2g}"
+        lines.append(
+            f"| {key} | {row['steady_s'] * 1e3:.1f} | "
+            f"{row.get('scores_per_s', 0):,.0f} | {versus} | {row['first_s']:.2f} | "
+            f"{row['first_three_s']:.2f} | {row['peak_growth_mib']:.1f} | "
+            f"{row.get('first_growth_mib', float('nan')):.1f} | {agreement or ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
