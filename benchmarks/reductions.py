@@ -192,8 +192,13 @@ def main() -> None:
     parser.add_argument("--peers-python")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", default="convnet,bert")
+    parser.add_argument("--cases", default="convnet,mlp,bert")
     parser.add_argument("--out", default="benchmarks/results/cpu")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep --out's other runs, replacing those of --cases",
+    )
     parser.add_argument(
         "--over-only",
         action="store_true",
@@ -255,10 +260,14 @@ def main() -> None:
         "rounds": args.rounds,
         "repeats": args.repeats,
         "runs": {},
-        "over": _over(me),
+        "over": {} if args.merge else _over(me),
     }
     for key, found in rounds.items():
         data["runs"][key] = runs.medians(found)
+    if args.merge:
+        kept = json.loads((out / "reductions.json").read_text())
+        data["runs"] = {**kept["runs"], **data["runs"]}
+        data["over"] = kept["over"]
     _write(data, out)
 
 

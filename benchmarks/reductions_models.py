@@ -5,6 +5,9 @@ fixed random weights so both sides differentiate the same function.
 - ``convnet``: 32×32×3 images → Conv2D 3→32 (3×3, relu, ``conv1``) → Conv2D
   32→64 (3×3, stride 2, relu, ``conv2``) → global average pooling → Dense
   64→10 (``head``), logits; batch 32, integer labels.
+- ``mlp``: a wide MLP, 512 → 1024 (relu) → 1024 (tanh) → 10 logits (1.6 M
+  parameters, every per-example gradient 6.3 MiB), batch 32: where the
+  per-example gradients are large against the layers' inputs and cotangents;
 - ``bert``: a keras_hub BERT text classifier (2 layers, hidden 64, 4 heads,
   vocabulary 1000, 32 tokens), random init, integer labels over 4 classes.
 """
@@ -46,6 +49,25 @@ def convnet(batch: int = BATCH, seed: int = 0) -> Case:
     return Case("convnet", model, x, y)
 
 
+def mlp(batch: int = BATCH, seed: int = 0) -> Case:
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((512,)),
+            keras.layers.Dense(1024, activation="relu", name="hidden1"),
+            keras.layers.Dense(1024, activation="tanh", name="hidden2"),
+            keras.layers.Dense(CLASSES, name="head"),
+        ],
+        name="mlp",
+    )
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, 512)).astype("float32")
+    y = rng.integers(0, CLASSES, batch).astype("int64")
+    return Case("mlp", model, x, y)
+
+
 def bert(batch: int = BATCH, seed: int = 0) -> Case:
     import keras
     import keras_hub
@@ -79,4 +101,4 @@ def loss() -> Any:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
 
-CASES = {"convnet": convnet, "bert": bert}
+CASES = {"convnet": convnet, "mlp": mlp, "bert": bert}
