@@ -105,8 +105,8 @@ def tracin(
             opponents only (:attr:`InfluenceResult.top`).
         memory_budget: bytes (or ``"2GiB"``) for each Gram call's chunks.
         chunk_examples: examples per chunk (default: sized by the budget).
-        progress: a progress bar over the checkpoints (default: when a
-            terminal is attached and there are several).
+        progress: progress bars of the Gram calls over their chunks (shown
+            after a second, where stderr is a terminal).
 
     Returns:
         :class:`InfluenceResult`, scores ``(N_test, N_train)``.
@@ -281,7 +281,15 @@ def _scored(
             train_norms = _inverse(squared_norms(model, train, layer, loss, None))
         offset = 0
         for part in _parts(train, k):
-            found = gram(model, test, part, targets, outputs=loss, **options).matrix
+            found = gram(
+                model,
+                test,
+                part,
+                targets,
+                outputs=loss,
+                progress=progress is not False,
+                **options,
+            ).matrix
             if normalized:
                 assert test_norms is not None and train_norms is not None
                 found = (
