@@ -303,3 +303,40 @@ def test_projection_agrees_with_float64(case, name):
     want = _projected_reference(project, list(result.jacobians), variables, grads)
     assert result.projection.shape == (inputs[0].shape[0], project.dim)
     _close([result.projection], [want])
+
+
+def _sequence() -> tuple[keras.Model, tuple[np.ndarray, ...]]:
+    """Per-token outputs ``(B, T, classes)``, labels and a 0/1 weight per
+    token (padding)."""
+    rng = np.random.default_rng(6)
+    keras.utils.set_random_seed(6)
+    ids = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(11, 4, name="embed")(ids)
+    h = keras.layers.Dense(6, activation="tanh", name="mix")(h)
+    out = keras.layers.Dense(11, name="head")(h)
+    model = keras.Model(ids, out)
+    x = rng.integers(0, 11, size=(4, 5)).astype("int32")
+    y = rng.integers(0, 11, size=(4, 5))
+    w = np.ones((4, 5), "float32")
+    w[2, 3:] = 0
+    return model, (x, y, w)
+
+
+@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+def test_loss_rows_of_each_token(case):
+    """``jk.Loss(fn, each=True)``: every token's loss its own row, ``(B,
+    T)``, a padded token's row exactly zero."""
+    model, inputs = _sequence()
+    strategy = case.make(inputs[0].shape[0])
+    each = jk.Loss(LOSS.fn, each=True)
+    variables = model.trainable_variables
+    if _refuses(strategy):
+        with pytest.raises(ValueError):
+            jk.jacobian(model, inputs, variables, strategy=strategy, outputs=each)
+        return
+    want = testing.float64_reference(model, inputs, variables, outputs=each)
+    want = [np.asarray(w, np.float64) for w in want]
+    result = jk.jacobian(model, inputs, variables, strategy=strategy, outputs=each)
+    assert result.rows_shape == (4, 5)
+    _close(list(result.jacobians.values()), want)
+    assert all(np.all(np.asarray(g)[2, 3:] == 0) for g in result.jacobians.values())

@@ -47,7 +47,8 @@ def fingerprint(
     if isinstance(outputs, str):
         mode = outputs
     elif isinstance(outputs, Loss):
-        mode = f"Loss({getattr(outputs.fn, '__qualname__', type(outputs.fn).__name__)})"
+        name = getattr(outputs.fn, "__qualname__", type(outputs.fn).__name__)
+        mode = f"Loss({name}{', each=True' if outputs.each else ''})"
     else:
         mode = getattr(outputs, "__qualname__", type(outputs).__name__)
     features = problem.rows_spec.features

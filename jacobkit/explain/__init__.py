@@ -40,10 +40,12 @@ from jacobkit.explain.input_maps import (
     smoothgrad,
 )
 from jacobkit.explain.plot import plot, plot_influence
+from jacobkit.explain.tokens import TokenAttribution, token_attribution
 from jacobkit.explain.trak import trak
 
 __all__ = [
     "InfluenceResult",
+    "TokenAttribution",
     "TopK",
     "grad_cam",
     "grad_cos",
@@ -54,6 +56,7 @@ __all__ = [
     "saliency",
     "self_influence",
     "smoothgrad",
+    "token_attribution",
     "tracin",
     "trak",
 ]

@@ -26,6 +26,11 @@ class Loss:
             (``keras.losses.SparseCategoricalCrossentropy(from_logits=True,
             reduction=None)``) or any function. A loss with more axes (one per
             token of a sequence) is summed over them: one row per example.
+        each: keep every element of such a loss as its own row: rows
+            ``(B, K)``, ``K`` the product of the loss's axes after the batch
+            (each token's loss of a sequence model, each its own gradient).
+            A ``sample_weight`` of the loss's shape weighs each element (0:
+            a padded token's row is exactly zero).
 
     Example:
         >>> import keras, numpy as np, jacobkit as jk
@@ -40,6 +45,7 @@ class Loss:
     """
 
     fn: Callable[[Any, Any], Any]
+    each: bool = False
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -50,8 +56,8 @@ class Loss:
             )
 
     def rows(self, y_pred: tf.Tensor, labels: tuple[Any, ...]) -> tf.Tensor:
-        """The per-example losses ``(B,)`` of ``y_pred`` against ``labels``
-        (``(y,)`` or ``(y, sample_weight)``)."""
+        """The per-example losses ``(B,)`` (``(B, K)`` with :attr:`each`) of
+        ``y_pred`` against ``labels`` (``(y,)`` or ``(y, sample_weight)``)."""
         y_true = labels[0]
         losses = tf.convert_to_tensor(self.fn(y_true, y_pred))
         if losses.dtype != y_pred.dtype:
@@ -62,10 +68,16 @@ class Loss:
                 "number for the whole batch; rows need one loss per example. "
                 "Make the Keras loss with reduction=None."
             )
-        if losses.shape.rank > 1:
-            losses = tf.reduce_sum(losses, axis=list(range(1, losses.shape.rank)))
         if len(labels) > 1:
-            losses = losses * tf.cast(labels[1], losses.dtype)
+            weights = tf.cast(labels[1], losses.dtype)
+            if weights.shape.rank < losses.shape.rank:  # one weight per example
+                extra = [1] * (losses.shape.rank - weights.shape.rank)
+                weights = tf.reshape(weights, (*weights.shape, *extra))
+            losses = losses * weights
+        if losses.shape.rank > 1:
+            if self.each:
+                return tf.reshape(losses, (losses.shape[0], -1))
+            losses = tf.reduce_sum(losses, axis=list(range(1, losses.shape.rank)))
         return losses
 
 

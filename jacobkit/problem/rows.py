@@ -81,7 +81,8 @@ class Rows:
         losses).
         """
         if isinstance(self.mode, Loss):
-            return self.mode.rows(selected, labels)[:, None]
+            losses = self.mode.rows(selected, labels)
+            return losses if losses.shape.rank == 2 else losses[:, None]
         if self.mode == "full":
             return tf.reshape(selected, (selected.shape[0], -1))
         middle = list(range(1, selected.shape.rank - 1))

@@ -122,7 +122,7 @@ def _jacobians(
                 y = tf.stack([y[..., f] for f in features], axis=-1)
             losses = outputs.rows(y, labels)
             rows_shape = tuple(losses.shape)
-            rows = [losses[b] for b in range(rows_shape[0])]
+            rows = [losses[index] for index in np.ndindex(*rows_shape)]
         else:
             rows_shape, rows = _row_tensors(y, outputs, features)
     result = []

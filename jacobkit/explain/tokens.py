@@ -1,0 +1,276 @@
+"""Which input tokens explain each output of a language model: every target
+position (or class) against every input token, in one
+:func:`jacobkit.jacobian` call.
+
+- A causal LM (keras_hub ``*CausalLM``, or any model whose output is ``(B,
+  T, vocabulary)`` logits): row ``[b, t]`` is the log-probability that
+  position ``t`` gives its target token, by default the next input token
+  (teacher forcing), ``targets[b, t]`` where given. Rows are per-token losses
+  (``jk.Loss(..., each=True)``), so a padded target's row is weighted 0.
+- A text classifier (``(B, classes)`` logits): row ``[b, k]`` is class
+  ``k``'s logit.
+
+Each row is differentiated at the token embedding layer's output
+(``jk.Output``), each example against its own tokens only: ``(B, rows, T,
+D)``, reduced over the embedding axis ``D`` as the method defines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobkit import api
+from jacobkit.problem.loss import Loss
+from jacobkit.problem.tensor_targets import Output
+
+METHODS = ("gradient", "gradient_x_input")
+
+
+@dataclass(frozen=True)
+class TokenAttribution:
+    """Attributions of a language model's outputs to its input tokens.
+
+    Attributes:
+        scores: ``(B, rows, T)``: row ``[b, t]``'s attribution to input token
+            ``s``: the L2 norm over the embedding of the gradient
+            (``"gradient"``), or the sum of gradient x embedding
+            (``"gradient_x_input"``). A causal LM's row ``t`` is its target at
+            position ``t`` (``T - 1`` rows by default: position ``t``
+            predicts token ``t + 1``); a classifier's rows are its classes.
+            Zero above the causal diagonal (``s > t``) and at padding.
+        gradients: ``(B, rows, T, D)`` the per-dimension gradients, when asked
+            for (``per_dimension=True``), else ``None``.
+        kind: ``"causal_lm"`` or ``"classifier"``.
+        method: the method.
+        embedding: the embedding layer's name.
+        embedding_output: the layer whose output was differentiated: the
+            embedding's, or (a tied embedding) the ``Add`` of its lookup.
+        targets: a causal LM's target token per row, ``(B, rows)``.
+    """
+
+    scores: np.ndarray
+    gradients: np.ndarray | None
+    kind: str
+    method: str
+    embedding: str
+    embedding_output: str
+    targets: np.ndarray | None
+
+
+def token_attribution(
+    model: Any,
+    inputs: Any,
+    *,
+    method: str = "gradient",
+    targets: Any = None,
+    embedding: str | None = None,
+    per_dimension: bool = False,
+    memory_budget: int | float | str | None = None,
+    strategy: Any = "auto",
+) -> TokenAttribution:
+    """Every target position (or class) of each example against every input
+    token, in one call (see the module docstring).
+
+    Args:
+        model: a keras_hub causal LM or text classifier (``preprocessor=None``:
+            token ids in), or any Keras model of integer tokens whose output
+            is ``(B, T, vocabulary)`` or ``(B, classes)`` logits.
+        inputs: what the model takes: a dict with ``"token_ids"`` (and
+            ``"padding_mask"``, ``"segment_ids"``), or ``(B, T)`` token ids.
+        method: ``"gradient"`` (the gradient's L2 norm over the embedding) or
+            ``"gradient_x_input"`` (the sum of gradient x embedding).
+        targets: a causal LM's target token per position ``(B, T)`` (each
+            position's log-probability of ``targets[b, t]``); default: the
+            next input token, rows ``0 .. T - 2``.
+        embedding: the token embedding layer's name (found for keras_hub
+            models, and where the model has one ``Embedding``).
+        per_dimension: keep the gradients ``(B, rows, T, D)`` too.
+        memory_budget, strategy: as :func:`jacobkit.jacobian`.
+
+    Returns:
+        :class:`TokenAttribution`.
+    """
+    if method not in METHODS:
+        raise ValueError(
+            f"token_attribution(method={method!r}): expected one of "
+            f"{', '.join(map(repr, METHODS))}."
+        )
+    layer = embedding_layer(model, embedding)
+    ids, mask = _tokens(inputs)
+    width = _output_rank(model, inputs)
+    kwargs: dict[str, Any] = dict(memory_budget=memory_budget, strategy=strategy)
+    differentiated = differentiated_layer(model, layer).name
+    target = Output(differentiated)
+    if width == 3:
+        kind = "causal_lm"
+        wanted, weights = _targets(ids, mask, targets)
+        rows = Loss(_log_likelihood, each=True)
+        result = api.jacobian(
+            model, (inputs, wanted, weights), target, outputs=rows, **kwargs
+        )
+    else:
+        kind, wanted = "classifier", None
+        result = api.jacobian(model, inputs, target, outputs="per_example", **kwargs)
+    gradients = np.asarray(
+        tf.convert_to_tensor(result.jacobians[next(iter(result.jacobians))])
+    )
+    gradients = gradients * mask[:, None, :, None]  # padding: exactly 0
+    if method == "gradient":
+        scores = np.sqrt(np.sum(np.square(gradients), axis=-1))
+    else:
+        embedded = np.asarray(layer(tf.convert_to_tensor(ids)))
+        scores = np.einsum("bktd,btd->bkt", gradients, embedded)
+    return TokenAttribution(
+        scores=scores,
+        gradients=gradients if per_dimension else None,
+        kind=kind,
+        method=method,
+        embedding=layer.name,
+        embedding_output=differentiated,
+        targets=None if wanted is None else np.asarray(wanted),
+    )
+
+
+def _log_likelihood(y_true: Any, logits: Any) -> tf.Tensor:
+    """Each position's log-probability of its target token, ``(B, rows)``;
+    the logits of the last position (no target) are left out."""
+    y_true = tf.cast(y_true, tf.int32)
+    rows = y_true.shape[1]
+    log_p = tf.nn.log_softmax(tf.convert_to_tensor(logits)[:, :rows], axis=-1)
+    return tf.gather(log_p, y_true, batch_dims=2)
+
+
+def _targets(
+    ids: np.ndarray, mask: np.ndarray, targets: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """The target tokens ``(B, rows)`` and their weights (0 where the target
+    or its position is padding)."""
+    if targets is None:
+        wanted = ids[:, 1:]
+        weights = mask[:, 1:] * mask[:, :-1]
+    else:
+        wanted = np.asarray(targets)
+        if wanted.shape != ids.shape:
+            raise ValueError(
+                f"token_attribution(targets=...): shape {wanted.shape}, expected "
+                f"the token ids' {ids.shape} (one target token per position)."
+            )
+        weights = mask.copy()
+    return wanted.astype("int32"), weights.astype("float32")
+
+
+def _tokens(inputs: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids ``(B, T)`` and the padding mask (1 for real tokens)."""
+    if isinstance(inputs, dict):
+        if "token_ids" not in inputs:
+            raise ValueError(
+                "token_attribution(inputs=...): a dict of inputs needs "
+                f"'token_ids'; got {sorted(inputs)}."
+            )
+        ids = np.asarray(inputs["token_ids"])
+        mask = np.asarray(inputs.get("padding_mask", np.ones_like(ids)))
+    else:
+        ids = np.asarray(inputs)
+        mask = np.ones_like(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            "token_attribution(inputs=...): expected integer token ids of shape "
+            f"(B, T), got {ids.dtype} of shape {ids.shape}."
+        )
+    return ids, mask.astype("float32")
+
+
+def _output_rank(model: Any, inputs: Any) -> int:
+    shape = getattr(model, "output_shape", None)
+    if not isinstance(shape, tuple) or not shape:
+        first = (
+            {k: v[:1] for k, v in inputs.items()}
+            if isinstance(inputs, dict)
+            else inputs[:1]
+        )
+        shape = tuple(model(first).shape)
+    if len(shape) not in (2, 3):
+        raise ValueError(
+            f"token_attribution(model=...): the output has shape {shape}; "
+            "expected (B, T, vocabulary) logits (a causal LM) or (B, classes) "
+            "(a classifier)."
+        )
+    return len(shape)
+
+
+def embedding_layer(model: Any, name: str | None = None) -> Any:
+    """The token embedding layer: ``name``'s, a keras_hub backbone's
+    ``token_embedding``, or the model's one ``Embedding``."""
+    import keras
+
+    if name is not None:
+        found = _find(model, name)
+        if found is None:
+            raise ValueError(
+                f"token_attribution(embedding={name!r}): the model has no layer "
+                "of that name."
+            )
+        return found
+    backbone = getattr(model, "backbone", model)
+    found = getattr(backbone, "token_embedding", None)
+    if found is not None:
+        return found
+    embeddings = [
+        layer
+        for layer in getattr(model, "_flatten_layers", lambda: [])()
+        if isinstance(layer, keras.layers.Embedding)
+    ]
+    if len(embeddings) == 1:
+        return embeddings[0]
+    raise ValueError(
+        "token_attribution(embedding=None): "
+        + (
+            "the model has no Embedding layer"
+            if not embeddings
+            else f"the model has {len(embeddings)} Embedding layers ("
+            + ", ".join(e.name for e in embeddings)
+            + ")"
+        )
+        + "; name the token embedding: embedding='...'."
+    )
+
+
+def differentiated_layer(model: Any, layer: Any) -> Any:
+    """Where the token embeddings are differentiated: the embedding layer's
+    own output, or, where it is tied (called again for the logits, as
+    keras_hub's causal LMs call it), the ``Add`` its lookup feeds (the
+    token and position embeddings' sum: the same gradient)."""
+    import keras
+
+    nodes = list(getattr(layer, "_inbound_nodes", ()) or ())
+    if len(nodes) <= 1:
+        return layer
+    lookup = [n for n in nodes if n.input_tensors and n.input_tensors[0].dtype in _INTS]
+    if len(lookup) == 1:
+        output = lookup[0].output_tensors[0]
+        for other in getattr(model, "_flatten_layers", lambda: [])():
+            for node in getattr(other, "_inbound_nodes", ()) or ():
+                fed = any(t is output for t in node.input_tensors)
+                add = isinstance(other, keras.layers.Add)
+                if fed and add and len(other._inbound_nodes) == 1:
+                    return other
+    raise ValueError(
+        f"token_attribution: the embedding {layer.name!r} is called "
+        f"{len(nodes)} times (tied to the logits), and its lookup does not "
+        "feed an Add layer whose output has the same gradient; name a layer "
+        "that takes the token embeddings: embedding='...'."
+    )
+
+
+_INTS = ("int32", "int64", "uint8", "int16")
+
+
+def _find(model: Any, name: str) -> Any:
+    for layer in getattr(model, "_flatten_layers", lambda: [])():
+        if layer.name == name:
+            return layer
+    return None
