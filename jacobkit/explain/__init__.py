@@ -39,8 +39,12 @@ from jacobkit.explain.input_maps import (
     saliency,
     smoothgrad,
 )
-from jacobkit.explain.plot import plot, plot_influence
-from jacobkit.explain.tokens import TokenAttribution, token_attribution
+from jacobkit.explain.plot import plot, plot_influence, plot_tokens
+from jacobkit.explain.tokens import (
+    TokenAttribution,
+    generate_and_attribute,
+    token_attribution,
+)
 from jacobkit.explain.trak import trak
 
 __all__ = [
@@ -48,11 +52,13 @@ __all__ = [
     "TokenAttribution",
     "TopK",
     "grad_cam",
+    "generate_and_attribute",
     "grad_cos",
     "gradient_x_input",
     "integrated_gradients",
     "plot",
     "plot_influence",
+    "plot_tokens",
     "saliency",
     "self_influence",
     "smoothgrad",

@@ -201,3 +201,65 @@ def _cell(
     ax.set_title(title, fontsize=7)
     ax.set_xticks([])
     ax.set_yticks([])
+
+
+def plot_tokens(
+    attribution: Any,
+    *,
+    example: int = 0,
+    tokens: Sequence[str] | None = None,
+    rows: Sequence[str] | None = None,
+    cmap: str = "viridis",
+    size: float = 0.35,
+) -> Any:
+    """A token x token heat map of one example of a
+    :class:`~jacobkit.explain.tokens.TokenAttribution`: a row per target
+    position (or class), a column per input token.
+
+    Args:
+        example: which example of the batch.
+        tokens: the input tokens' strings (a tokenizer's
+            ``id_to_token``), shown under the columns.
+        rows: the rows' labels (default: their indices; a causal LM's row
+            ``t`` predicts the token after input ``t``).
+        cmap: the colormap (``gradient_x_input`` maps diverge: try ``"RdBu_r"``).
+        size: inches per cell.
+
+    Returns:
+        The ``matplotlib.figure.Figure``.
+    """
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError(
+            "explain.plot_tokens draws with matplotlib, which is not installed: "
+            "pip install 'jacobkit[plots]'"
+        ) from err
+    scores = np.asarray(attribution.scores)[example]
+    count, width = scores.shape
+    if tokens is not None and len(tokens) != width:
+        raise ValueError(
+            f"explain.plot_tokens(tokens=...): {len(tokens)} strings for "
+            f"{width} input tokens."
+        )
+    fig, ax = plt.subplots(
+        figsize=(max(3.0, size * width + 1.5), max(2.0, size * count + 1.0))
+    )
+    image = ax.imshow(scores, cmap=cmap, aspect="auto")
+    fig.colorbar(image, ax=ax, label=attribution.method)
+    columns = (
+        [str(t) for t in tokens]
+        if tokens is not None
+        else [str(i) for i in range(width)]
+    )
+    ax.set_xticks(range(width))
+    ax.set_xticklabels(columns, rotation=90, fontsize=7)
+    labels = (
+        [str(r) for r in rows] if rows is not None else [str(i) for i in range(count)]
+    )
+    ax.set_yticks(range(count))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlabel("input token")
+    ax.set_ylabel("target" if attribution.kind == "causal_lm" else "class")
+    fig.tight_layout()
+    return fig

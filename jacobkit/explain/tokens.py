@@ -24,10 +24,11 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import api
+from jacobkit.keras import graph
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.tensor_targets import Output
+from jacobkit.problem.tensor_targets import Inputs, Output
 
-METHODS = ("gradient", "gradient_x_input")
+METHODS = ("gradient", "gradient_x_input", "integrated_gradients")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ def token_attribution(
     targets: Any = None,
     embedding: str | None = None,
     per_dimension: bool = False,
+    steps: int = 16,
+    baseline: int | None = None,
     memory_budget: int | float | str | None = None,
     strategy: Any = "auto",
 ) -> TokenAttribution:
@@ -81,14 +84,21 @@ def token_attribution(
             is ``(B, T, vocabulary)`` or ``(B, classes)`` logits.
         inputs: what the model takes: a dict with ``"token_ids"`` (and
             ``"padding_mask"``, ``"segment_ids"``), or ``(B, T)`` token ids.
-        method: ``"gradient"`` (the gradient's L2 norm over the embedding) or
-            ``"gradient_x_input"`` (the sum of gradient x embedding).
+        method: ``"gradient"`` (the gradient's L2 norm over the embedding),
+            ``"gradient_x_input"`` (the sum of gradient x embedding) or
+            ``"integrated_gradients"`` (the sum over the embedding of ``(e -
+            e0) x`` the mean gradient on ``steps`` points from the baseline
+            ``e0`` to the embedding ``e``, ends included).
         targets: a causal LM's target token per position ``(B, T)`` (each
             position's log-probability of ``targets[b, t]``); default: the
             next input token, rows ``0 .. T - 2``.
         embedding: the token embedding layer's name (found for keras_hub
             models, and where the model has one ``Embedding``).
-        per_dimension: keep the gradients ``(B, rows, T, D)`` too.
+        per_dimension: keep the gradients ``(B, rows, T, D)`` too (integrated
+            gradients: the path's mean gradient).
+        steps: integrated gradients' points on the path (>= 2).
+        baseline: integrated gradients' ``e0``: ``None`` (zeros), or a token
+            id whose embedding every position starts from.
         memory_budget, strategy: as :func:`jacobkit.jacobian`.
 
     Returns:
@@ -103,36 +113,122 @@ def token_attribution(
     ids, mask = _tokens(inputs)
     width = _output_rank(model, inputs)
     kwargs: dict[str, Any] = dict(memory_budget=memory_budget, strategy=strategy)
-    differentiated = differentiated_layer(model, layer).name
-    target = Output(differentiated)
-    if width == 3:
-        kind = "causal_lm"
+    tapped = differentiated_layer(model, layer)
+    kind = "causal_lm" if width == 3 else "classifier"
+    wanted = weights = None
+    if kind == "causal_lm":
         wanted, weights = _targets(ids, mask, targets)
-        rows = Loss(_log_likelihood, each=True)
-        result = api.jacobian(
-            model, (inputs, wanted, weights), target, outputs=rows, **kwargs
+    embedded = np.asarray(layer(tf.convert_to_tensor(ids)))
+    start = embedded
+    if method == "integrated_gradients":
+        start = _baseline(layer, embedded, baseline)
+        gradients = _path_gradients(
+            model, tapped, inputs, (wanted, weights), embedded, start, steps, kwargs
         )
     else:
-        kind, wanted = "classifier", None
-        result = api.jacobian(model, inputs, target, outputs="per_example", **kwargs)
-    gradients = np.asarray(
-        tf.convert_to_tensor(result.jacobians[next(iter(result.jacobians))])
-    )
+        gradients = _gradients(model, tapped, inputs, (wanted, weights), kwargs)
     gradients = gradients * mask[:, None, :, None]  # padding: exactly 0
     if method == "gradient":
         scores = np.sqrt(np.sum(np.square(gradients), axis=-1))
-    else:
-        embedded = np.asarray(layer(tf.convert_to_tensor(ids)))
+    elif method == "gradient_x_input":
         scores = np.einsum("bktd,btd->bkt", gradients, embedded)
+    else:
+        scores = np.einsum("bktd,btd->bkt", gradients, embedded - start)
     return TokenAttribution(
         scores=scores,
         gradients=gradients if per_dimension else None,
         kind=kind,
         method=method,
         embedding=layer.name,
-        embedding_output=differentiated,
+        embedding_output=tapped.name,
         targets=None if wanted is None else np.asarray(wanted),
     )
+
+
+def _gradients(
+    model: Any, tapped: Any, inputs: Any, labels: tuple[Any, Any], kwargs: Any
+) -> np.ndarray:
+    """Every row's gradient at ``tapped``'s output, ``(B, rows, T, D)``."""
+    target = Output(tapped.name)
+    wanted, weights = labels
+    if wanted is None:
+        result = api.jacobian(model, inputs, target, outputs="per_example", **kwargs)
+    else:
+        rows = Loss(_log_likelihood, each=True)
+        data = (inputs, wanted, weights)
+        result = api.jacobian(model, data, target, outputs=rows, **kwargs)
+    (found,) = result.jacobians.values()
+    return np.asarray(tf.convert_to_tensor(found))
+
+
+#: the wrapping function's extra input (integrated gradients' shift)
+OFFSET = "jacobkit_embedding_offset"
+#: the token ids' key where the model takes an array
+TOKENS = "token_ids"
+
+
+def _path_gradients(
+    model: Any,
+    tapped: Any,
+    inputs: Any,
+    labels: tuple[Any, Any],
+    embedded: np.ndarray,
+    start: np.ndarray,
+    steps: int,
+    kwargs: Any,
+) -> np.ndarray:
+    """The mean over ``steps`` points ``e0 + a (e - e0)`` (``a`` from 0 to
+    1) of every row's gradient there, ``(B, rows, T, D)``: all points in one
+    call, the batch repeated per point. The model runs with ``tapped``'s
+    output shifted by ``-(1 - a)(e - e0)``, an input of a wrapping function
+    and the target (its gradient is the embedding's)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"token_attribution(steps={steps!r}): need an int >= 2.")
+    tap = graph.LayerTap(model, tapped)
+
+    def shifted(data: dict[str, Any]) -> Any:
+        given = {k: v for k, v in data.items() if k != OFFSET}
+        model_inputs = given if not plain else given[TOKENS]
+
+        def hook(call: Any, args: Any, kwargs: Any) -> Any:
+            outputs = call(*args, **kwargs)
+            return outputs + tf.cast(data[OFFSET], outputs.dtype)
+
+        return tap(model_inputs, False, hook)
+
+    plain = not isinstance(inputs, dict)
+    alphas = np.linspace(0.0, 1.0, steps)
+    offsets = np.concatenate([-(1 - a) * (embedded - start) for a in alphas])
+    given = {TOKENS: inputs} if plain else inputs
+    data = {k: np.concatenate([np.asarray(v)] * steps) for k, v in given.items()}
+    data[OFFSET] = offsets.astype("float32")
+    wanted, weights = labels
+    rows: Any = "per_example"
+    call_inputs: Any = data
+    if wanted is not None:
+        rows = Loss(_log_likelihood, each=True)
+        repeated = [np.concatenate([a] * steps) for a in (wanted, weights)]
+        call_inputs = (data, *repeated)
+    result = api.jacobian(shifted, call_inputs, Inputs(OFFSET), outputs=rows, **kwargs)
+    (found,) = result.jacobians.values()
+    grads = np.asarray(tf.convert_to_tensor(found))
+    batch = embedded.shape[0]
+    mean: np.ndarray = grads.reshape(steps, batch, *grads.shape[1:]).mean(axis=0)
+    return mean
+
+
+def _baseline(layer: Any, embedded: np.ndarray, baseline: int | None) -> np.ndarray:
+    """Integrated gradients' start: zeros, or token ``baseline``'s embedding
+    at every position."""
+    if baseline is None:
+        return np.zeros_like(embedded)
+    if isinstance(baseline, bool) or not isinstance(baseline, (int, np.integer)):
+        raise ValueError(
+            f"token_attribution(baseline={baseline!r}): expected None (zeros) "
+            "or a token id."
+        )
+    row = np.asarray(layer(tf.constant([[int(baseline)]], tf.int32)))[0, 0]
+    return np.broadcast_to(row, embedded.shape).astype(embedded.dtype)
 
 
 def _log_likelihood(y_true: Any, logits: Any) -> tf.Tensor:
@@ -274,3 +370,80 @@ def _find(model: Any, name: str) -> Any:
         if layer.name == name:
             return layer
     return None
+
+
+def generate_and_attribute(
+    model: Any,
+    prompt: Any,
+    *,
+    new_tokens: int,
+    method: str = "gradient",
+    **kwargs: Any,
+) -> tuple[np.ndarray, TokenAttribution]:
+    """Greedy decoding of ``new_tokens`` tokens after ``prompt`` (token ids
+    ``(B, P)``, or a dict with ``"token_ids"``: every prompt the same length),
+    then every generated token attributed to the prompt and the earlier
+    generated tokens in one :func:`token_attribution` call.
+
+    Returns:
+        ``(tokens, attribution)``: the ``(B, P + new_tokens)`` token ids, and
+        the attribution of its rows ``P - 1 ..`` (each the position that
+        generated the next token) against every token, ``(B, new_tokens, P +
+        new_tokens)``.
+    """
+    if (
+        isinstance(new_tokens, bool)
+        or not isinstance(new_tokens, int)
+        or new_tokens < 1
+    ):
+        raise ValueError(
+            f"generate_and_attribute(new_tokens={new_tokens!r}): need an int >= 1."
+        )
+    ids, _ = _tokens(prompt)
+    extra = (
+        {k: v for k, v in prompt.items() if k != TOKENS}
+        if isinstance(prompt, dict)
+        else {}
+    )
+    if any(np.any(np.asarray(v) == 0) for k, v in extra.items() if k == "padding_mask"):
+        raise ValueError(
+            "generate_and_attribute(prompt=...): prompts must be unpadded (one "
+            "length for the batch)."
+        )
+    tokens = ids.astype("int32")
+    for _ in range(new_tokens):
+        logits = model(_model_inputs(prompt, tokens), training=False)
+        following = np.asarray(tf.argmax(logits[:, -1], axis=-1), "int32")
+        tokens = np.concatenate([tokens, following[:, None]], axis=1)
+    inputs = _model_inputs(prompt, tokens)
+    targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+    found = token_attribution(model, inputs, method=method, targets=targets, **kwargs)
+    start = ids.shape[1] - 1
+    kept = slice(start, start + new_tokens)
+    return tokens, TokenAttribution(
+        scores=found.scores[:, kept],
+        gradients=None if found.gradients is None else found.gradients[:, kept],
+        kind=found.kind,
+        method=found.method,
+        embedding=found.embedding,
+        embedding_output=found.embedding_output,
+        targets=None if found.targets is None else found.targets[:, kept],
+    )
+
+
+def _model_inputs(prompt: Any, tokens: np.ndarray) -> Any:
+    """What the model takes for ``tokens``: the prompt's dict (its masks
+    and segments extended) or the ids."""
+    if not isinstance(prompt, dict):
+        return tokens
+    found = {}
+    for key, value in prompt.items():
+        value = np.asarray(value)
+        if key == TOKENS:
+            found[key] = tokens
+        elif key == "padding_mask":
+            found[key] = np.ones_like(tokens, value.dtype)
+        else:  # segment ids and the like: the last one continued
+            width = tokens.shape[1] - value.shape[1]
+            found[key] = np.concatenate([value, np.repeat(value[:, -1:], width, 1)], 1)
+    return found
