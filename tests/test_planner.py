@@ -507,3 +507,46 @@ def test_the_eager_start_answers_the_first_call_only():
     switch = calls[1].plan.switches[0]
     assert (switch.call, switch.old.name, switch.new) == (2, "loop", While(3))
     assert "answers the first 1 call(s) only" in switch.reason
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_auto_leaves_pfor_out_where_onednn_crashes_on_it(monkeypatch, onednn):
+    """An EinsumDense on sequences (as attention's projections) is a rank-3
+    einsum: vectorized over rows (pfor) it becomes a rank-4 product, which
+    oneDNN (TF 2.21, an AMX Xeon) crashed the process on. auto does not
+    offer chunked there under oneDNN (planner.selection.ONEDNN_PFOR); a
+    Dense (a 2-D matmul, even on sequences) keeps it."""
+    from dataclasses import replace
+
+    from jacobkit import runtime
+    from jacobkit.planner import selection
+
+    kind = runtime.cpu_kind()
+    monkeypatch.setattr(runtime, "cpu_kind", lambda: replace(kind, onednn=onednn))
+    keras.utils.set_random_seed(0)
+    sequences = keras.Sequential(
+        [
+            keras.Input((5, 4)),
+            keras.layers.EinsumDense("abc,cd->abd", (None, 3), name="dense"),
+        ]
+    )
+    flat = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
+    x_seq = np.ones((2, 5, 4), "float32")
+    x_flat = np.ones((2, 4), "float32")
+    on_sequences = jk.jacobian(
+        sequences,
+        x_seq,
+        "dense",
+        outputs="per_example",
+        strategy=jk.planner.Auto(cache=False),
+    ).plan
+    on_flat = jk.jacobian(
+        flat,
+        x_flat,
+        "dense",
+        outputs="per_example",
+        strategy=jk.planner.Auto(cache=False),
+    ).plan
+    said = [r.reason for r in on_sequences.rejected if r.label == "chunked"]
+    assert (said == [selection.ONEDNN_PFOR]) == onednn, on_sequences.summary()
+    assert not [r for r in on_flat.rejected if r.reason == selection.ONEDNN_PFOR]

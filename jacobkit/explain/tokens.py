@@ -70,6 +70,7 @@ def token_attribution(
     targets: Any = None,
     embedding: str | None = None,
     per_dimension: bool = False,
+    positions: tuple[int, int] | None = None,
     steps: int = 16,
     baseline: int | None = None,
     memory_budget: int | float | str | None = None,
@@ -94,6 +95,8 @@ def token_attribution(
             next input token, rows ``0 .. T - 2``.
         embedding: the token embedding layer's name (found for keras_hub
             models, and where the model has one ``Embedding``).
+        positions: a causal LM's target positions ``(start, stop)`` to
+            attribute (rows ``start .. stop - 1`` only; default: all).
         per_dimension: keep the gradients ``(B, rows, T, D)`` too (integrated
             gradients: the path's mean gradient).
         steps: integrated gradients' points on the path (>= 2).
@@ -116,24 +119,38 @@ def token_attribution(
     tapped = differentiated_layer(model, layer)
     kind = "causal_lm" if width == 3 else "classifier"
     wanted = weights = None
+    rows_fn = _log_likelihood
     if kind == "causal_lm":
         wanted, weights = _targets(ids, mask, targets)
+        if positions is not None:
+            start, stop = _positions(positions, wanted.shape[1])
+            wanted, weights = wanted[:, start:stop], weights[:, start:stop]
+            rows_fn = LogLikelihood(start)
     embedded = np.asarray(layer(tf.convert_to_tensor(ids)))
-    start = embedded
+    origin = embedded
     if method == "integrated_gradients":
-        start = _baseline(layer, embedded, baseline)
+        origin = _baseline(layer, embedded, baseline)
         gradients = _path_gradients(
-            model, tapped, inputs, (wanted, weights), embedded, start, steps, kwargs
+            model,
+            tapped,
+            inputs,
+            (wanted, weights, rows_fn),
+            embedded,
+            origin,
+            steps,
+            kwargs,
         )
     else:
-        gradients = _gradients(model, tapped, inputs, (wanted, weights), kwargs)
+        gradients = _gradients(
+            model, tapped, inputs, (wanted, weights, rows_fn), kwargs
+        )
     gradients = gradients * mask[:, None, :, None]  # padding: exactly 0
     if method == "gradient":
         scores = np.sqrt(np.sum(np.square(gradients), axis=-1))
     elif method == "gradient_x_input":
         scores = np.einsum("bktd,btd->bkt", gradients, embedded)
     else:
-        scores = np.einsum("bktd,btd->bkt", gradients, embedded - start)
+        scores = np.einsum("bktd,btd->bkt", gradients, embedded - origin)
     return TokenAttribution(
         scores=scores,
         gradients=gradients if per_dimension else None,
@@ -146,15 +163,15 @@ def token_attribution(
 
 
 def _gradients(
-    model: Any, tapped: Any, inputs: Any, labels: tuple[Any, Any], kwargs: Any
+    model: Any, tapped: Any, inputs: Any, labels: tuple[Any, Any, Any], kwargs: Any
 ) -> np.ndarray:
     """Every row's gradient at ``tapped``'s output, ``(B, rows, T, D)``."""
     target = Output(tapped.name)
-    wanted, weights = labels
+    wanted, weights, fn = labels
     if wanted is None:
         result = api.jacobian(model, inputs, target, outputs="per_example", **kwargs)
     else:
-        rows = Loss(_log_likelihood, each=True)
+        rows = Loss(fn, each=True)
         data = (inputs, wanted, weights)
         result = api.jacobian(model, data, target, outputs=rows, **kwargs)
     (found,) = result.jacobians.values()
@@ -171,7 +188,7 @@ def _path_gradients(
     model: Any,
     tapped: Any,
     inputs: Any,
-    labels: tuple[Any, Any],
+    labels: tuple[Any, Any, Any],
     embedded: np.ndarray,
     start: np.ndarray,
     steps: int,
@@ -202,11 +219,11 @@ def _path_gradients(
     given = {TOKENS: inputs} if plain else inputs
     data = {k: np.concatenate([np.asarray(v)] * steps) for k, v in given.items()}
     data[OFFSET] = offsets.astype("float32")
-    wanted, weights = labels
+    wanted, weights, fn = labels
     rows: Any = "per_example"
     call_inputs: Any = data
     if wanted is not None:
-        rows = Loss(_log_likelihood, each=True)
+        rows = Loss(fn, each=True)
         repeated = [np.concatenate([a] * steps) for a in (wanted, weights)]
         call_inputs = (data, *repeated)
     result = api.jacobian(shifted, call_inputs, Inputs(OFFSET), outputs=rows, **kwargs)
@@ -231,13 +248,24 @@ def _baseline(layer: Any, embedded: np.ndarray, baseline: int | None) -> np.ndar
     return np.broadcast_to(row, embedded.shape).astype(embedded.dtype)
 
 
-def _log_likelihood(y_true: Any, logits: Any) -> tf.Tensor:
-    """Each position's log-probability of its target token, ``(B, rows)``;
-    the logits of the last position (no target) are left out."""
-    y_true = tf.cast(y_true, tf.int32)
-    rows = y_true.shape[1]
-    log_p = tf.nn.log_softmax(tf.convert_to_tensor(logits)[:, :rows], axis=-1)
-    return tf.gather(log_p, y_true, batch_dims=2)
+@dataclass(frozen=True)
+class LogLikelihood:
+    """Rows of a causal LM: position ``start + k``'s log-probability of its
+    target token ``y_true[:, k]``, ``(B, rows)`` (a value, so equal rows
+    share one compiled computation)."""
+
+    start: int = 0
+
+    def __call__(self, y_true: Any, logits: Any) -> tf.Tensor:
+        y_true = tf.cast(y_true, tf.int32)
+        rows = y_true.shape[1]
+        chosen = tf.convert_to_tensor(logits)[:, self.start : self.start + rows]
+        log_p = tf.nn.log_softmax(chosen, axis=-1)
+        return tf.gather(log_p, y_true, batch_dims=2)
+
+
+#: every position's log-probability of its target (the last has none)
+_log_likelihood = LogLikelihood(0)
 
 
 def _targets(
@@ -257,6 +285,19 @@ def _targets(
             )
         weights = mask.copy()
     return wanted.astype("int32"), weights.astype("float32")
+
+
+def _positions(positions: Any, count: int) -> tuple[int, int]:
+    try:
+        start, stop = (int(p) for p in positions)
+    except (TypeError, ValueError):
+        start = stop = -1
+    if not 0 <= start < stop <= count:
+        raise ValueError(
+            f"token_attribution(positions={positions!r}): expected (start, stop) "
+            f"with 0 <= start < stop <= {count}, the target positions."
+        )
+    return start, stop
 
 
 def _tokens(inputs: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -417,18 +458,16 @@ def generate_and_attribute(
         tokens = np.concatenate([tokens, following[:, None]], axis=1)
     inputs = _model_inputs(prompt, tokens)
     targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-    found = token_attribution(model, inputs, method=method, targets=targets, **kwargs)
     start = ids.shape[1] - 1
-    kept = slice(start, start + new_tokens)
-    return tokens, TokenAttribution(
-        scores=found.scores[:, kept],
-        gradients=None if found.gradients is None else found.gradients[:, kept],
-        kind=found.kind,
-        method=found.method,
-        embedding=found.embedding,
-        embedding_output=found.embedding_output,
-        targets=None if found.targets is None else found.targets[:, kept],
+    found = token_attribution(
+        model,
+        inputs,
+        method=method,
+        targets=targets,
+        positions=(start, start + new_tokens),
+        **kwargs,
     )
+    return tokens, found
 
 
 def _model_inputs(prompt: Any, tokens: np.ndarray) -> Any:

@@ -68,7 +68,9 @@ def start(
         prior=prior,
     )
     found, rejected = selection.candidates(
-        num_rows, footprint.fits, lambda s: s.cannot_run(problem)
+        num_rows,
+        footprint.fits,
+        lambda s: s.cannot_run(problem) or selection.onednn_hazard(s, problem),
     )
     every = list(found)
     # which strategy starts is a property of the problem (what vectorizing

@@ -36,6 +36,7 @@ class Chunked(Strategy):
     """
 
     name = "chunked"
+    vectorizes_rows = True
     chunk_size: int = 16
     supports_norm = True
 

@@ -21,6 +21,7 @@ class Jacobian(Strategy):
     pass holds R times the activations after the target layer at once."""
 
     name = "jacobian"
+    vectorizes_rows = True
 
     trace_weight = 2.5
 

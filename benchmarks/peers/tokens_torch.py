@@ -1,0 +1,363 @@
+"""PyTorch on the token-attribution benchmark: captum's gradient attributions
+of a generated continuation (``LLMGradientAttribution`` and its
+``LayerGradientXActivation`` per generated token) and a plain
+``torch.autograd`` loop, on the GPT-2 that ``export_gpt2.py`` wrote, run as
+Hugging Face's ``GPT2LMHeadModel``, checked against jacobkit's
+``explain.generate_and_attribute`` scores in that file.
+
+Runs in its own virtual environment (see README.md), with ``captum`` and
+``transformers``; prints one JSON line per method:
+
+    python tokens_torch.py --npz gpt2.npz --method captum_gradient_x_input
+
+The model: ``GPT2LMHeadModel`` of the file's shape (``activation_function=
+"gelu_new"``, keras_hub's ``gelu_approximate``; its layer-norm epsilon;
+dropout 0; ``lm_head`` tied to ``transformer.wte``), loaded with the file's
+weights; its logits on the file's 96 tokens are checked against the Keras
+model's (``logits_err``; after the first method's timing, which it would
+warm up).
+
+Every method attributes each of the 32 generated tokens (the log-probability
+that its position gives it, softmax over the vocabulary) to the token
+embeddings (``transformer.wte``'s output) of every earlier token, as captum
+does (pytorch/captum#1201): one forward pass on the prefix (the prompt and
+the tokens generated before it) and one backward pass per generated token.
+jacobkit takes all 32 rows from one pass over the whole sequence (causal
+masking): the gradients at the earlier tokens are the same, and its entries
+at later tokens are 0. Methods (``--method``, repeatable; default all):
+
+- ``captum_gradient``: ``LayerGradientXActivation(multiply_by_inputs=False)``
+  on ``transformer.wte`` (the plain gradient), its forward function captum's
+  ``LLMGradientAttribution``'s (the prefix's last log-probability of the
+  target token), called per generated token; the L2 norm over the embedding
+  (jacobkit's ``"gradient"``);
+- ``captum_gradient_x_input``: the same with ``multiply_by_inputs=True``
+  (gradient x embedding), summed over the embedding (jacobkit's
+  ``"gradient_x_input"``);
+- ``captum_llm_gradient_x_input``: captum's ``LLMGradientAttribution``
+  itself, wrapping ``LayerGradientXActivation`` on ``transformer.wte``, on a
+  ``TextTokenInput`` of the prompt (an id-per-word tokenizer made here: the
+  model has no text) with the generated tokens as ``target``. captum keeps
+  only the prompt's columns (it computes the earlier generated tokens'
+  gradients too, then cuts them), so its ``(32, 64)`` ``token_attr`` is
+  checked against jacobkit's first 64 columns. (Its ``"gradient"`` would sum
+  the plain gradient over the embedding, not take its norm: no counterpart);
+- ``torch_loop``: the same loop with ``torch.autograd.grad`` and no captum
+  (the model run from ``inputs_embeds``): both the gradient's norm and
+  gradient x embedding, checked against both of jacobkit's.
+
+Each method's last timed result is checked (the largest absolute difference
+over the largest magnitude; one above ``--tolerance`` ends the run with an
+error and no line for that method). ``scores_per_s`` is the generated tokens
+attributed (32) over ``steady_s``; generation is not timed (the tokens come
+from the file).
+
+Run each method in a fresh process where first calls compare: the methods
+share PyTorch's first-call setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from protocol import measure
+
+METHODS = (
+    "captum_gradient",
+    "captum_gradient_x_input",
+    "captum_llm_gradient_x_input",
+    "torch_loop",
+)
+
+#: a method: its call (timed) and the check of the call's result (the errors)
+Run = tuple[Callable[[], Any], Callable[[Any], dict[str, float]]]
+
+
+def build(arrays: dict[str, np.ndarray]) -> Any:
+    """``GPT2LMHeadModel`` of the file's shape, with its weights, in eval
+    mode."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=int(arrays["vocabulary_size"]),
+        n_positions=int(arrays["max_sequence_length"]),
+        n_embd=int(arrays["hidden_dim"]),
+        n_layer=int(arrays["num_layers"]),
+        n_head=int(arrays["num_heads"]),
+        n_inner=int(arrays["intermediate_dim"]),
+        activation_function="gelu_new",  # keras_hub's gelu_approximate (tanh)
+        layer_norm_epsilon=float(arrays["layer_norm_epsilon"]),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,  # GPT-2's 50256 is outside this vocabulary
+        eos_token_id=None,
+    )
+    model = GPT2LMHeadModel(config)
+    names = [k for k in arrays if k.startswith("transformer.")]
+    weights = {k: torch.from_numpy(arrays[k]) for k in names}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise SystemExit(
+            f"tokens_torch: weights missing {missing}, unexpected {unexpected}"
+        )
+    if model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr():
+        raise SystemExit("tokens_torch: lm_head is not tied to transformer.wte")
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+def error(got: Any, want: np.ndarray) -> float:
+    """The largest absolute difference over the largest magnitude."""
+    got = np.asarray(got, "float64")
+    want = np.asarray(want, "float64")
+    if got.shape != want.shape:
+        raise SystemExit(f"tokens_torch: shape {got.shape} != {want.shape}")
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+class IdTokenizer:
+    """The least tokenizer captum's ``TextTokenInput`` and
+    ``LLMGradientAttribution`` take: the text ``"t12 t7"`` is the token ids
+    ``[12, 7]``."""
+
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        return_tensors: str | None = None,
+    ) -> Any:
+        ids = [int(word[1:]) for word in text.split()]
+        return torch.tensor([ids]) if return_tensors == "pt" else ids
+
+    def decode(self, token_ids: Any) -> str:
+        ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        return " ".join(f"t{i}" for i in ids)
+
+    def convert_ids_to_tokens(self, token_ids: Any) -> Any:
+        if isinstance(token_ids, int):
+            return f"t{token_ids}"
+        return [f"t{i}" for i in token_ids]
+
+    def convert_tokens_to_ids(self, tokens: Any) -> Any:
+        if isinstance(tokens, str):
+            return int(tokens[1:])
+        return [int(t[1:]) for t in tokens]
+
+    def __call__(
+        self, text: str, return_offsets_mapping: bool = False, **kwargs: Any
+    ) -> dict[str, Any]:
+        ids, offsets, start = [], [], 0
+        for word in text.split(" "):
+            ids.append(int(word[1:]))
+            offsets.append((start, start + len(word)))
+            start += len(word) + 1
+        found: dict[str, Any] = {"input_ids": ids}
+        if return_offsets_mapping:
+            found["offset_mapping"] = offsets
+        return found
+
+
+class Methods:
+    """Each method's call (what is timed) and its check of the result."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+        self.model = build(arrays)
+        self.tokens = torch.from_numpy(arrays["tokens"].astype("int64"))  # (1, T)
+        self.prompt = arrays["prompt"].shape[1]
+        self.length = self.tokens.shape[1]
+        self.new = self.length - self.prompt
+
+    def logits_err(self) -> float:
+        with torch.no_grad():
+            logits = self.model(self.tokens).logits
+        return error(logits.numpy(), self.arrays["logits"])
+
+    def scores(self, rows: list[torch.Tensor]) -> np.ndarray:
+        """Row ``k`` (``prompt + k`` tokens long) padded with zeros to the
+        whole sequence: ``(1, new, T)``, as jacobkit's."""
+        found = np.zeros((1, self.new, self.length))
+        for k, row in enumerate(rows):
+            found[0, k, : row.shape[-1]] = row.reshape(-1).double().numpy()
+        return found
+
+    def check(self, name: str) -> Callable[[Any], dict[str, float]]:
+        want = self.arrays[f"scores_{name}"]
+        return lambda result: {"scores_err": error(self.scores(result), want)}
+
+    def log_prob(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """captum's ``LLMGradientAttribution`` forward function for generated
+        token ``k``: the prefix's last position's log-probability of it."""
+        target = int(self.tokens[0, self.prompt + k])
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            logits = self.model(ids).logits[:, -1]
+            return torch.log_softmax(logits, dim=-1)[:, target]
+
+        return forward
+
+    def captum_layer(self, multiply: bool) -> Callable[[], list[torch.Tensor]]:
+        from captum.attr import LayerGradientXActivation
+
+        layer = self.model.transformer.wte
+        methods = [
+            LayerGradientXActivation(
+                self.log_prob(k), layer, multiply_by_inputs=multiply
+            )
+            for k in range(self.new)
+        ]
+
+        def call() -> list[torch.Tensor]:
+            rows = []
+            for k, method in enumerate(methods):
+                prefix = self.tokens[:, : self.prompt + k]
+                attr = method.attribute(prefix).detach()  # (1, prefix, D)
+                rows.append(attr.sum(-1) if multiply else attr.norm(dim=-1))
+            return rows
+
+        return call
+
+    def captum_gradient(self) -> Run:
+        return self.captum_layer(False), self.check("gradient")
+
+    def captum_gradient_x_input(self) -> Run:
+        return self.captum_layer(True), self.check("gradient_x_input")
+
+    def captum_llm_gradient_x_input(self) -> Run:
+        from captum.attr import (
+            LayerGradientXActivation,
+            LLMGradientAttribution,
+            TextTokenInput,
+        )
+
+        tokenizer: Any = IdTokenizer()  # captum's TokenizerLike, in part
+        method = LLMGradientAttribution(
+            LayerGradientXActivation(self.model, self.model.transformer.wte),
+            tokenizer,
+        )
+        prompt = tokenizer.decode(self.tokens[0, : self.prompt])
+        target = self.tokens[0, self.prompt :]
+
+        def call() -> torch.Tensor:
+            text = TextTokenInput(prompt, tokenizer)
+            result = method.attribute(text, target=target)
+            return result.token_attr.detach()  # (new, prompt)
+
+        def check(result: torch.Tensor) -> dict[str, float]:
+            want = self.arrays["scores_gradient_x_input"][0, :, : self.prompt]
+            return {"scores_err": error(result.numpy(), want)}
+
+        return call, check
+
+    def torch_loop(self) -> Run:
+        model = self.model
+        embedded = model.transformer.wte(self.tokens)  # (1, T, D)
+
+        def call() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            norms, products = [], []
+            for k in range(self.new):
+                end = self.prompt + k
+                inputs = embedded[:, :end].detach().requires_grad_(True)
+                logits = model(inputs_embeds=inputs).logits[:, -1]
+                log_p = torch.log_softmax(logits, dim=-1)[0, self.tokens[0, end]]
+                (gradient,) = torch.autograd.grad(log_p, inputs)
+                norms.append(gradient.norm(dim=-1))
+                products.append((gradient * inputs.detach()).sum(-1))
+            return norms, products
+
+        def check(result: Any) -> dict[str, float]:
+            return {
+                "scores_err": error(
+                    self.scores(result[0]), self.arrays["scores_gradient"]
+                ),
+                "scores_x_input_err": error(
+                    self.scores(result[1]), self.arrays["scores_gradient_x_input"]
+                ),
+            }
+
+        return call, check
+
+
+def version(name: str) -> str | None:
+    try:
+        module = __import__(name)
+    except ImportError:
+        return None
+    return str(module.__version__)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--npz", default="gpt2.npz")
+    parser.add_argument("--method", choices=METHODS, action="append")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    captum = version("captum")
+    methods = args.method or [m for m in METHODS if captum or m == "torch_loop"]
+    if captum is None and any(m.startswith("captum") for m in methods):
+        raise SystemExit("tokens_torch: the captum methods need captum installed")
+    runs = Methods(dict(np.load(args.npz)))
+    logits_err = None
+    failed = []
+    for method in methods:
+        call, check = getattr(runs, method)()
+        timings, result = measure(call, args.repeats)
+        if logits_err is None:  # after the first timing: it runs the model
+            logits_err = runs.logits_err()
+            print(f"tokens_torch: logits_err {logits_err:.2e}", file=sys.stderr)
+            if not logits_err <= args.tolerance:
+                raise SystemExit(
+                    f"tokens_torch: GPT2LMHeadModel's logits differ from the "
+                    f"Keras model's in {args.npz} (error {logits_err:.2e})"
+                )
+        errors = check(result)
+        del result
+        print(
+            f"tokens_torch: {method}: "
+            + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()),
+            file=sys.stderr,
+        )
+        if any(not v <= args.tolerance for v in errors.values()):
+            failed.append(method)
+            continue
+        print(
+            json.dumps(
+                {
+                    "peer": "torch",
+                    "method": method,
+                    "torch": torch.__version__,
+                    "captum": captum,
+                    "transformers": version("transformers"),
+                    "prompt": runs.prompt,
+                    "new_tokens": runs.new,
+                    "threads": args.threads,
+                    "logits_err": logits_err,
+                    **errors,
+                    **timings,
+                    "scores_per_s": runs.new / timings["steady_s"],
+                }
+            ),
+            flush=True,
+        )
+    if failed:
+        raise SystemExit(
+            f"tokens_torch: {', '.join(failed)} disagree with jacobkit's "
+            f"scores in {args.npz} (tolerance {args.tolerance:g})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Every generated token of a language model attributed to every earlier
+token: jacobkit's one call (``explain.token_attribution``) against the
+per-target loop (captum's semantics: one backward pass per generated token)
+in TensorFlow, and against captum / PyTorch on a GPT-2 with identical
+weights (``peers/tokens_torch.py``).
+
+The setting is the issue's: a tiny keras_hub GPT-2 (2 layers, hidden 64,
+vocabulary 1,000, random init), one prompt of 64 tokens and 32 greedily
+generated ones; each of the 32 generated tokens' log-probability is
+attributed to the 95 tokens before it (gradient and gradient x input at the
+token embeddings). Every run is a fresh process pinned to one core, timed by
+``peers/protocol.py``; each figure is the median over rounds.
+
+    python benchmarks/token_attribution.py --peers-python /path/to/peers/bin/python \\
+        --rounds 2 --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import runs
+
+HERE = Path(__file__).resolve().parent
+PROMPT, NEW = 64, 32
+METHODS = ("jacobkit", "jacobkit gradient_x_input", "TF per-target loop")
+PEERS = {
+    "captum, per target": ["--method", "captum_gradient"],
+    "captum gradient x input, per target": ["--method", "captum_gradient_x_input"],
+    "PyTorch per-target loop": ["--method", "torch_loop"],
+}
+
+
+def build() -> tuple:
+    """The model, the 96 tokens and the 32 targets' rows."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    from jacobkit import explain
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=1000,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=64,
+        intermediate_dim=128,
+        max_sequence_length=128,
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    ids = np.random.default_rng(0).integers(1, 1000, (1, PROMPT)).astype("int32")
+    prompt = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    tokens, _ = explain.generate_and_attribute(model, prompt, new_tokens=NEW)
+    return model, tokens
+
+
+def child(method: str, repeats: int) -> None:
+    """One run; prints one JSON line."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.path.insert(0, str(HERE / "peers"))
+    import numpy as np
+    import tensorflow as tf
+    from protocol import measure
+
+    from jacobkit import explain
+    from jacobkit.explain import tokens as token_rows
+    from jacobkit.keras import graph
+
+    model, tokens = build()
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+    rows = slice(PROMPT - 1, PROMPT - 1 + NEW)
+    if method.startswith("jacobkit"):
+        kind = "gradient_x_input" if "input" in method else "gradient"
+
+        def call():
+            found = explain.token_attribution(
+                model,
+                x,
+                method=kind,
+                targets=targets,
+                positions=(rows.start, rows.stop),
+            )
+            return found.scores
+    elif method == "TF per-target loop":
+        layer = token_rows.differentiated_layer(model, model.backbone.token_embedding)
+        tap = graph.LayerTap(model, layer)
+
+        @tf.function
+        def one(position, target):
+            held = []
+
+            with tf.GradientTape() as tape:
+
+                def hook(call, args, kwargs):
+                    out = call(*args, **kwargs)
+                    tape.watch(out)
+                    held.append(out)
+                    return out
+
+                logits = tap(x, False, hook)
+                log_p = tf.nn.log_softmax(logits[0, position])[target]
+            return tape.gradient(log_p, held[0])
+
+        def call():
+            found = []
+            for t in range(rows.start, rows.stop):
+                grads = one(tf.constant(t), tf.constant(int(targets[0, t])))
+                found.append(tf.norm(grads[0], axis=-1).numpy())
+            return np.stack(found)[None]
+    else:
+        raise SystemExit(f"unknown method {method!r}")
+    timings, result = measure(call, repeats)
+    reference = explain.token_attribution(model, x, targets=targets).scores[:, rows]
+    row = dict(timings)
+    if method != "jacobkit gradient_x_input":
+        scale = float(np.abs(reference).max())
+        row["agreement"] = float(np.abs(np.asarray(result) - reference).max() / scale)
+    print(json.dumps(row))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child")
+    parser.add_argument("--peers-python")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/cpu")
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.repeats)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    repeats = ["--repeats", str(args.repeats)]
+    commands = {m: [*me, "--child", m, *repeats] for m in METHODS}
+    if args.peers_python:
+        npz = str(Path(tempfile.mkdtemp()) / "gpt2.npz")
+        export = [sys.executable, str(HERE / "peers" / "export_gpt2.py")]
+        subprocess.run([*export, "--out", npz], check=True, capture_output=True)
+        script = str(HERE / "peers" / "tokens_torch.py")
+        for label, extra in PEERS.items():
+            commands[label] = [
+                args.peers_python,
+                script,
+                "--npz",
+                npz,
+                *repeats,
+                *extra,
+            ]
+    rounds: dict[str, list[dict]] = {k: [] for k in commands}
+    for r in range(args.rounds):
+        for key, command in commands.items():
+            found = runs.run(command)
+            rounds[key].append(found)
+            print(f"round {r + 1} {key}: {found}", file=sys.stderr)
+    data = {
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "runs": {k: runs.medians(v) for k, v in rounds.items()},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "token_attribution.json").write_text(json.dumps(data, indent=1))
+    (out / "token_attribution.md").write_text(_markdown(data))
+    print(_markdown(data))
+
+
+def _markdown(data: dict) -> str:
+    measured = data["runs"]
+    ours = measured.get("jacobkit", {}).get("steady_s")
+    lines = [
+        "# Token attribution: one call against the per-target loop",
+        "",
+        "Written by `benchmarks/token_attribution.py`: a keras_hub GPT-2 (2 "
+        "layers, hidden 64, vocabulary 1,000, random init), a 64-token prompt "
+        "and 32 generated tokens, each attributed to every earlier token; one "
+        "core (`taskset -c 0`), fresh processes, median of "
+        f"{data['rounds']} rounds of {data['repeats']} steady calls.",
+        "",
+        "| run | steady ms | × jacobkit | first call s | first 3 calls s | "
+        "steady growth MiB | first-call growth MiB | agreement |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, row in measured.items():
+        if "error" in row:
+            lines.append(f"| {key} | error: {row['error']} | | | | | | |")
+            continue
+        versus = f"{row['steady_s'] / ours:.1f}" if ours else ""
+        agreement = row.get("agreement", row.get("scores_err", ""))
+        if isinstance(agreement, float):
+            agreement = f"{agreement:.2g}"
+        lines.append(
+            f"| {key} | {row['steady_s'] * 1e3:.1f} | {versus} | "
+            f"{row['first_s']:.2f} | {row['first_three_s']:.2f} | "
+            f"{row['peak_growth_mib']:.1f} | "
+            f"{row.get('first_growth_mib', float('nan')):.1f} | {agreement} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
