@@ -70,8 +70,7 @@ def child(method: str, repeats: int) -> None:
     from protocol import measure
 
     from jacobkit import explain
-    from jacobkit.explain import tokens as token_rows
-    from jacobkit.keras import graph
+    from jacobkit.keras import embeddings, graph
 
     model, tokens = build()
     x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
@@ -90,7 +89,7 @@ def child(method: str, repeats: int) -> None:
             )
             return found.scores
     elif method == "TF per-target loop":
-        layer = token_rows.differentiated_layer(model, model.backbone.token_embedding)
+        layer = embeddings.differentiated_layer(model, model.backbone.token_embedding)
         tap = graph.LayerTap(model, layer)
 
         @tf.function

@@ -26,6 +26,7 @@ methods (Grad-CAM needs a layer of a functional or Sequential model).
 from __future__ import annotations
 
 from jacobkit.explain.cam import grad_cam
+from jacobkit.explain.generation import generate_and_attribute
 from jacobkit.explain.influence import (
     InfluenceResult,
     TopK,
@@ -40,11 +41,7 @@ from jacobkit.explain.input_maps import (
     smoothgrad,
 )
 from jacobkit.explain.plot import plot, plot_influence, plot_tokens
-from jacobkit.explain.tokens import (
-    TokenAttribution,
-    generate_and_attribute,
-    token_attribution,
-)
+from jacobkit.explain.tokens import TokenAttribution, token_attribution
 from jacobkit.explain.trak import trak
 
 __all__ = [

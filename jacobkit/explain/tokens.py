@@ -24,9 +24,10 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import api
-from jacobkit.keras import graph
+from jacobkit.explain.token_paths import baseline_embeddings, path_gradients
+from jacobkit.keras.embeddings import differentiated_layer, embedding_layer
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.tensor_targets import Inputs, Output
+from jacobkit.problem.tensor_targets import Output
 
 METHODS = ("gradient", "gradient_x_input", "integrated_gradients")
 
@@ -113,7 +114,7 @@ def token_attribution(
             f"{', '.join(map(repr, METHODS))}."
         )
     layer = embedding_layer(model, embedding)
-    ids, mask = _tokens(inputs)
+    ids, mask = tokens_of(inputs)
     width = _output_rank(model, inputs)
     kwargs: dict[str, Any] = dict(memory_budget=memory_budget, strategy=strategy)
     tapped = differentiated_layer(model, layer)
@@ -129,8 +130,8 @@ def token_attribution(
     embedded = np.asarray(layer(tf.convert_to_tensor(ids)))
     origin = embedded
     if method == "integrated_gradients":
-        origin = _baseline(layer, embedded, baseline)
-        gradients = _path_gradients(
+        origin = baseline_embeddings(layer, embedded, baseline)
+        gradients = path_gradients(
             model,
             tapped,
             inputs,
@@ -176,76 +177,6 @@ def _gradients(
         result = api.jacobian(model, data, target, outputs=rows, **kwargs)
     (found,) = result.jacobians.values()
     return np.asarray(tf.convert_to_tensor(found))
-
-
-#: the wrapping function's extra input (integrated gradients' shift)
-OFFSET = "jacobkit_embedding_offset"
-#: the token ids' key where the model takes an array
-TOKENS = "token_ids"
-
-
-def _path_gradients(
-    model: Any,
-    tapped: Any,
-    inputs: Any,
-    labels: tuple[Any, Any, Any],
-    embedded: np.ndarray,
-    start: np.ndarray,
-    steps: int,
-    kwargs: Any,
-) -> np.ndarray:
-    """The mean over ``steps`` points ``e0 + a (e - e0)`` (``a`` from 0 to
-    1) of every row's gradient there, ``(B, rows, T, D)``: all points in one
-    call, the batch repeated per point. The model runs with ``tapped``'s
-    output shifted by ``-(1 - a)(e - e0)``, an input of a wrapping function
-    and the target (its gradient is the embedding's)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"token_attribution(steps={steps!r}): need an int >= 2.")
-    tap = graph.LayerTap(model, tapped)
-
-    def shifted(data: dict[str, Any]) -> Any:
-        given = {k: v for k, v in data.items() if k != OFFSET}
-        model_inputs = given if not plain else given[TOKENS]
-
-        def hook(call: Any, args: Any, kwargs: Any) -> Any:
-            outputs = call(*args, **kwargs)
-            return outputs + tf.cast(data[OFFSET], outputs.dtype)
-
-        return tap(model_inputs, False, hook)
-
-    plain = not isinstance(inputs, dict)
-    alphas = np.linspace(0.0, 1.0, steps)
-    offsets = np.concatenate([-(1 - a) * (embedded - start) for a in alphas])
-    given = {TOKENS: inputs} if plain else inputs
-    data = {k: np.concatenate([np.asarray(v)] * steps) for k, v in given.items()}
-    data[OFFSET] = offsets.astype("float32")
-    wanted, weights, fn = labels
-    rows: Any = "per_example"
-    call_inputs: Any = data
-    if wanted is not None:
-        rows = Loss(fn, each=True)
-        repeated = [np.concatenate([a] * steps) for a in (wanted, weights)]
-        call_inputs = (data, *repeated)
-    result = api.jacobian(shifted, call_inputs, Inputs(OFFSET), outputs=rows, **kwargs)
-    (found,) = result.jacobians.values()
-    grads = np.asarray(tf.convert_to_tensor(found))
-    batch = embedded.shape[0]
-    mean: np.ndarray = grads.reshape(steps, batch, *grads.shape[1:]).mean(axis=0)
-    return mean
-
-
-def _baseline(layer: Any, embedded: np.ndarray, baseline: int | None) -> np.ndarray:
-    """Integrated gradients' start: zeros, or token ``baseline``'s embedding
-    at every position."""
-    if baseline is None:
-        return np.zeros_like(embedded)
-    if isinstance(baseline, bool) or not isinstance(baseline, (int, np.integer)):
-        raise ValueError(
-            f"token_attribution(baseline={baseline!r}): expected None (zeros) "
-            "or a token id."
-        )
-    row = np.asarray(layer(tf.constant([[int(baseline)]], tf.int32)))[0, 0]
-    return np.broadcast_to(row, embedded.shape).astype(embedded.dtype)
 
 
 @dataclass(frozen=True)
@@ -300,7 +231,7 @@ def _positions(positions: Any, count: int) -> tuple[int, int]:
     return start, stop
 
 
-def _tokens(inputs: Any) -> tuple[np.ndarray, np.ndarray]:
+def tokens_of(inputs: Any) -> tuple[np.ndarray, np.ndarray]:
     """The token ids ``(B, T)`` and the padding mask (1 for real tokens)."""
     if isinstance(inputs, dict):
         if "token_ids" not in inputs:
@@ -337,152 +268,3 @@ def _output_rank(model: Any, inputs: Any) -> int:
             "(a classifier)."
         )
     return len(shape)
-
-
-def embedding_layer(model: Any, name: str | None = None) -> Any:
-    """The token embedding layer: ``name``'s, a keras_hub backbone's
-    ``token_embedding``, or the model's one ``Embedding``."""
-    import keras
-
-    if name is not None:
-        found = _find(model, name)
-        if found is None:
-            raise ValueError(
-                f"token_attribution(embedding={name!r}): the model has no layer "
-                "of that name."
-            )
-        return found
-    backbone = getattr(model, "backbone", model)
-    found = getattr(backbone, "token_embedding", None)
-    if found is not None:
-        return found
-    embeddings = [
-        layer
-        for layer in getattr(model, "_flatten_layers", lambda: [])()
-        if isinstance(layer, keras.layers.Embedding)
-    ]
-    if len(embeddings) == 1:
-        return embeddings[0]
-    raise ValueError(
-        "token_attribution(embedding=None): "
-        + (
-            "the model has no Embedding layer"
-            if not embeddings
-            else f"the model has {len(embeddings)} Embedding layers ("
-            + ", ".join(e.name for e in embeddings)
-            + ")"
-        )
-        + "; name the token embedding: embedding='...'."
-    )
-
-
-def differentiated_layer(model: Any, layer: Any) -> Any:
-    """Where the token embeddings are differentiated: the embedding layer's
-    own output, or, where it is tied (called again for the logits, as
-    keras_hub's causal LMs call it), the ``Add`` its lookup feeds (the
-    token and position embeddings' sum: the same gradient)."""
-    import keras
-
-    nodes = list(getattr(layer, "_inbound_nodes", ()) or ())
-    if len(nodes) <= 1:
-        return layer
-    lookup = [n for n in nodes if n.input_tensors and n.input_tensors[0].dtype in _INTS]
-    if len(lookup) == 1:
-        output = lookup[0].output_tensors[0]
-        for other in getattr(model, "_flatten_layers", lambda: [])():
-            for node in getattr(other, "_inbound_nodes", ()) or ():
-                fed = any(t is output for t in node.input_tensors)
-                add = isinstance(other, keras.layers.Add)
-                if fed and add and len(other._inbound_nodes) == 1:
-                    return other
-    raise ValueError(
-        f"token_attribution: the embedding {layer.name!r} is called "
-        f"{len(nodes)} times (tied to the logits), and its lookup does not "
-        "feed an Add layer whose output has the same gradient; name a layer "
-        "that takes the token embeddings: embedding='...'."
-    )
-
-
-_INTS = ("int32", "int64", "uint8", "int16")
-
-
-def _find(model: Any, name: str) -> Any:
-    for layer in getattr(model, "_flatten_layers", lambda: [])():
-        if layer.name == name:
-            return layer
-    return None
-
-
-def generate_and_attribute(
-    model: Any,
-    prompt: Any,
-    *,
-    new_tokens: int,
-    method: str = "gradient",
-    **kwargs: Any,
-) -> tuple[np.ndarray, TokenAttribution]:
-    """Greedy decoding of ``new_tokens`` tokens after ``prompt`` (token ids
-    ``(B, P)``, or a dict with ``"token_ids"``: every prompt the same length),
-    then every generated token attributed to the prompt and the earlier
-    generated tokens in one :func:`token_attribution` call.
-
-    Returns:
-        ``(tokens, attribution)``: the ``(B, P + new_tokens)`` token ids, and
-        the attribution of its rows ``P - 1 ..`` (each the position that
-        generated the next token) against every token, ``(B, new_tokens, P +
-        new_tokens)``.
-    """
-    if (
-        isinstance(new_tokens, bool)
-        or not isinstance(new_tokens, int)
-        or new_tokens < 1
-    ):
-        raise ValueError(
-            f"generate_and_attribute(new_tokens={new_tokens!r}): need an int >= 1."
-        )
-    ids, _ = _tokens(prompt)
-    extra = (
-        {k: v for k, v in prompt.items() if k != TOKENS}
-        if isinstance(prompt, dict)
-        else {}
-    )
-    if any(np.any(np.asarray(v) == 0) for k, v in extra.items() if k == "padding_mask"):
-        raise ValueError(
-            "generate_and_attribute(prompt=...): prompts must be unpadded (one "
-            "length for the batch)."
-        )
-    tokens = ids.astype("int32")
-    for _ in range(new_tokens):
-        logits = model(_model_inputs(prompt, tokens), training=False)
-        following = np.asarray(tf.argmax(logits[:, -1], axis=-1), "int32")
-        tokens = np.concatenate([tokens, following[:, None]], axis=1)
-    inputs = _model_inputs(prompt, tokens)
-    targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-    start = ids.shape[1] - 1
-    found = token_attribution(
-        model,
-        inputs,
-        method=method,
-        targets=targets,
-        positions=(start, start + new_tokens),
-        **kwargs,
-    )
-    return tokens, found
-
-
-def _model_inputs(prompt: Any, tokens: np.ndarray) -> Any:
-    """What the model takes for ``tokens``: the prompt's dict (its masks
-    and segments extended) or the ids."""
-    if not isinstance(prompt, dict):
-        return tokens
-    found = {}
-    for key, value in prompt.items():
-        value = np.asarray(value)
-        if key == TOKENS:
-            found[key] = tokens
-        elif key == "padding_mask":
-            found[key] = np.ones_like(tokens, value.dtype)
-        else:  # segment ids and the like: the last one continued
-            width = tokens.shape[1] - value.shape[1]
-            found[key] = np.concatenate([value, np.repeat(value[:, -1:], width, 1)], 1)
-    return found
