@@ -878,6 +878,10 @@ def test_a_model_named_after_a_private_class():
     model(x)  # eager Keras calls take the name
     with pytest.raises(ValueError, match=r"cannot trace a model named '__net'"):
         jk.jacobian(model, x, model.dense, strategy="chunked")
+    # the failed trace leaves no Keras name scope open: a model built later
+    # in the process gets its own paths (not "__net/...")
+    later = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
+    assert not any(v.path.startswith("__net") for v in later.weights)
 
 
 # -- strategies that cannot run through a layer --------------------------------------

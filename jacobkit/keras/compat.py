@@ -9,7 +9,9 @@ and outputs). The one place jacobkit probes Keras objects: code outside
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -270,3 +272,29 @@ def output_names(model: Any) -> list[Any] | None:
         return list(getattr(model, "output_names", None) or [])
     except (AttributeError, ValueError):
         return None
+
+
+@contextlib.contextmanager
+def name_scopes_kept() -> Iterator[None]:
+    """Keras 3's stack of open name scopes as it was, after the block: a
+    model call that fails inside ``tf.function`` leaves its scopes open.
+
+    NOTE (why). A model named after a private class (``"__net"``) fails
+    TensorFlow's root name scope check after Keras pushed its own scope; the
+    scope stayed on Keras's global stack, and every variable built later in
+    the process got the ``__net/`` prefix in its path (plan-cache and
+    ``out=`` fingerprints then differed between processes)."""
+    keras = keras3()
+    if keras is None:
+        yield
+        return
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack")
+    depth = len(stack) if stack else 0
+    try:
+        yield
+    finally:
+        stack = global_state.get_global_attribute("name_scope_stack")
+        if stack and len(stack) > depth:
+            del stack[depth:]

@@ -15,6 +15,7 @@ from typing import Any, NoReturn, Protocol
 
 import tensorflow as tf
 
+from jacobkit.keras import compat
 from jacobkit.layers import convolutions
 from jacobkit.problem import liveness
 from jacobkit.problem import outputs as model_outputs
@@ -111,7 +112,8 @@ def trace(problem: Traceable) -> Inspection:
     """One forward and backward pass of the problem, traced."""
     found: dict[str, Any] = {}
     probe = _probe(problem, found)
-    graph = problem.function(probe).get_concrete_function(problem.inputs).graph
+    with compat.name_scopes_kept():
+        graph = problem.function(probe).get_concrete_function(problem.inputs).graph
     if "call_failed" in found:
         problem.raise_call_error(found["call_failed"])
     if "invalid" in found:
