@@ -127,6 +127,16 @@ class LayerTap:
     """
 
     def __init__(self, model: Any, layer: Any) -> None:
+        calls = len(getattr(layer, "_inbound_nodes", ()) or ())
+        if calls > 1:
+            # NOTE (why counted over every graph): a tied embedding (keras_hub's
+            # CausalLM: the lookup inside the backbone, the logits in the
+            # task's own graph) runs once per graph level, and was tapped at
+            # the outer call, the logits, alone
+            raise TapError(
+                f"layer {layer.name!r} runs {calls} times per forward pass (a "
+                "shared or tied layer), so its output is not one tensor"
+            )
         path = _path(model, layer)
         if path is None:
             raise TapError(

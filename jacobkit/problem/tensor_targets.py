@@ -161,16 +161,6 @@ class TensorTargets:
             if isinstance(layer, str):
                 layer = find_layer(layer)
             try:
-                calls = len(getattr(layer, "_inbound_nodes", ()) or ())
-                if calls > 1:
-                    # NOTE (why refused): a tied embedding (keras_hub's
-                    # CausalLM: the lookup in the backbone, the logits in the
-                    # task) was tapped at its last call, the logits, silently
-                    raise taps.TapError(
-                        f"layer {layer.name!r} is called {calls} times in the "
-                        "model's graph (a shared or tied layer), so its output "
-                        "is not one tensor"
-                    )
                 self._tap = taps.LayerTap(model, layer)
             except taps.TapError as err:
                 raise ValueError(
