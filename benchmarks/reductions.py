@@ -250,20 +250,12 @@ def main() -> None:
                 "--method",
                 method,
             ]
-    rounds: dict[str, list[dict]] = {k: [] for k in commands}
-    for r in range(args.rounds):
-        for key, command in commands.items():
-            found = runs.run(command)
-            rounds[key].append(found)
-            print(f"round {r + 1} {key}: {found}", file=sys.stderr)
     data = {
         "rounds": args.rounds,
         "repeats": args.repeats,
-        "runs": {},
+        "runs": runs.rounds(commands, args.rounds),
         "over": {} if args.merge else _over(me),
     }
-    for key, found in rounds.items():
-        data["runs"][key] = runs.medians(found)
     if args.merge:
         kept = json.loads((out / "reductions.json").read_text())
         data["runs"] = {**kept["runs"], **data["runs"]}

@@ -37,3 +37,17 @@ def medians(found: list[dict]) -> dict:
         if key in good[0]:
             row[key] = statistics.median(f[key] for f in good)
     return row
+
+
+def rounds(commands: dict[str, list[str]], count: int) -> dict[str, dict]:
+    """Every command run ``count`` times, the runs alternating within each
+    round (each logged to stderr as it ends), and each one's medians."""
+    import sys
+
+    found: dict[str, list[dict]] = {k: [] for k in commands}
+    for r in range(count):
+        for key, command in commands.items():
+            result = run(command)
+            found[key].append(result)
+            print(f"round {r + 1} {key}: {result}", file=sys.stderr)
+    return {k: medians(v) for k, v in found.items()}

@@ -154,16 +154,10 @@ def main() -> None:
                 *repeats,
                 *extra,
             ]
-    rounds: dict[str, list[dict]] = {k: [] for k in commands}
-    for r in range(args.rounds):
-        for key, command in commands.items():
-            found = runs.run(command)
-            rounds[key].append(found)
-            print(f"round {r + 1} {key}: {found}", file=sys.stderr)
     data = {
         "rounds": args.rounds,
         "repeats": args.repeats,
-        "runs": {k: runs.medians(v) for k, v in rounds.items()},
+        "runs": runs.rounds(commands, args.rounds),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,13 +30,7 @@ def plot(
     Returns:
         The ``matplotlib.figure.Figure``.
     """
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError(
-            "explain.plot draws with matplotlib, which is not installed: "
-            "pip install 'jacobkit[plots]'"
-        ) from err
+    plt = _pyplot("explain.plot")
 
     maps = np.asarray(maps)
     if maps.ndim != 4:
@@ -65,6 +59,18 @@ def plot(
                 ax.set_title(str(titles[k]), fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _pyplot(caller: str) -> Any:
+    """``matplotlib.pyplot``, or jacobkit's message naming the extra."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError(
+            f"{caller} draws with matplotlib, which is not installed: "
+            "pip install 'jacobkit[plots]'"
+        ) from err
+    return plt
 
 
 def _displayable(x: np.ndarray) -> np.ndarray:
@@ -110,13 +116,7 @@ def plot_influence(
     Returns:
         The ``matplotlib.figure.Figure``.
     """
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError(
-            "explain.plot_influence draws with matplotlib, which is not "
-            "installed: pip install 'jacobkit[plots]'"
-        ) from err
+    plt = _pyplot("explain.plot_influence")
     best, best_scores, worst, worst_scores = _strongest(result, k)
     test_images = _images(test_x, image_shape)
     train_images = _images(train_x, image_shape)
@@ -228,13 +228,7 @@ def plot_tokens(
     Returns:
         The ``matplotlib.figure.Figure``.
     """
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError(
-            "explain.plot_tokens draws with matplotlib, which is not installed: "
-            "pip install 'jacobkit[plots]'"
-        ) from err
+    plt = _pyplot("explain.plot_tokens")
     scores = np.asarray(attribution.scores)[example]
     count, width = scores.shape
     if tokens is not None and len(tokens) != width:
