@@ -61,10 +61,7 @@ class EmbeddingRule(MaterializedNorms):
         ids = tf.reshape(tf.cast(x, tf.int32), (batch, -1))  # (B, P)
         positions = ids.shape[1]
         # (B * P, K, D): the cotangent rows of every position
-        data = tf.reshape(
-            tf.transpose(tf.reshape(dz, (batch, rows, positions, dim)), (0, 2, 1, 3)),
-            (batch * positions, rows, dim),
-        )
+        data = _by_position(dz, positions)
         if summed:
             table = tf.math.unsorted_segment_sum(
                 data, tf.reshape(ids, (-1,)), vocabulary
@@ -110,10 +107,7 @@ class EmbeddingRule(MaterializedNorms):
         same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.int32)
         first = tf.argmax(same, axis=-1, output_type=tf.int32)  # (B, P)
         segments = first + positions * tf.range(batch)[:, None]
-        data = tf.reshape(
-            tf.transpose(tf.reshape(dz, (batch, rows, positions, dim)), (0, 2, 1, 3)),
-            (batch * positions, rows, dim),
-        )
+        data = _by_position(dz, positions)
         by_id = tf.math.unsorted_segment_sum(
             data, tf.reshape(segments, (-1,)), batch * positions
         )  # (B * P, K, D)
@@ -121,6 +115,16 @@ class EmbeddingRule(MaterializedNorms):
             tf.square(tf.reshape(by_id, (batch, positions, rows, dim))), axis=(1, 3)
         )  # (B, K)
         return tf.reshape(tf.sqrt(squares), (-1,)), tf.zeros((batch * rows,), dz.dtype)
+
+
+def _by_position(dz: tf.Tensor, positions: int) -> tf.Tensor:
+    """``dz`` ``(B, K, ..., D)`` as the cotangent rows of every position,
+    ``(B * P, K, D)``."""
+    batch, rows, dim = dz.shape[0], dz.shape[1], dz.shape[-1]
+    by_example = tf.reshape(dz, (batch, rows, positions, dim))
+    return tf.reshape(
+        tf.transpose(by_example, (0, 2, 1, 3)), (batch * positions, rows, dim)
+    )
 
 
 class ReversibleEmbeddingRule(EmbeddingRule):
