@@ -72,7 +72,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from protocol import measure  # noqa: E402
+from protocol import measure, relative_error  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
 METHODS = (
@@ -130,11 +130,7 @@ def state(arrays: dict[str, np.ndarray], prefix: str, i: int) -> dict[str, Any]:
 
 def error(got: Any, want: np.ndarray) -> float:
     """The largest absolute difference over the largest magnitude."""
-    got = np.asarray(got, "float64")
-    want = np.asarray(want, "float64")
-    if got.shape != want.shape:
-        raise SystemExit(f"influence_torch: shape {got.shape} != {want.shape}")
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return relative_error(got, want, "influence_torch")
 
 
 def spearman(got: Any, want: np.ndarray) -> dict[str, float]:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from memory import PeakRss
 
 
@@ -51,3 +52,13 @@ def measure(
         "first_growth_mib": first_growth,
         "peak_growth_mib": rss.growth(),
     }, result
+
+
+def relative_error(got: Any, want: Any, script: str) -> float:
+    """The largest absolute difference over the largest magnitude (``script``
+    names the peer in the error for mismatched shapes)."""
+    got = np.asarray(got, "float64")
+    want = np.asarray(want, "float64")
+    if got.shape != want.shape:
+        raise SystemExit(f"{script}: shape {got.shape} != {want.shape}")
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from protocol import measure
+from protocol import measure, relative_error
 from torch.func import functional_call, grad, vmap
 
 METHODS = ("plain", "clipped_opacus", "clipped_vmap", "gram_vmap", "project_vmap")
@@ -110,11 +110,7 @@ def keras_name(name: str) -> str:
 
 def error(got: Any, want: np.ndarray) -> float:
     """The largest absolute difference over the largest magnitude."""
-    got = np.asarray(got, "float64")
-    want = np.asarray(want, "float64")
-    if got.shape != want.shape:
-        raise SystemExit(f"reductions_torch: shape {got.shape} != {want.shape}")
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return relative_error(got, want, "reductions_torch")
 
 
 def clipped_errors(

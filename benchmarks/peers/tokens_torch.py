@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from protocol import measure
+from protocol import measure, relative_error
 
 METHODS = (
     "captum_gradient",
@@ -118,11 +118,7 @@ def build(arrays: dict[str, np.ndarray]) -> Any:
 
 def error(got: Any, want: np.ndarray) -> float:
     """The largest absolute difference over the largest magnitude."""
-    got = np.asarray(got, "float64")
-    want = np.asarray(want, "float64")
-    if got.shape != want.shape:
-        raise SystemExit(f"tokens_torch: shape {got.shape} != {want.shape}")
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return relative_error(got, want, "tokens_torch")
 
 
 class IdTokenizer:
