@@ -72,7 +72,7 @@ def child(method: str, repeats: int) -> None:
     from protocol import measure
 
     from jacobkit import explain
-    from jacobkit.keras import embeddings, graph
+    from jacobkit.keras import graph
 
     model, tokens = build()
     x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
@@ -91,8 +91,8 @@ def child(method: str, repeats: int) -> None:
             )
             return found.scores
     elif method == "TF per-target loop":
-        layer = embeddings.differentiated_layer(model, model.backbone.token_embedding)
-        tap = graph.LayerTap(model, layer)
+        # the tied embedding tapped at its lookup call
+        tap = graph.LayerTap(model, model.backbone.token_embedding, lookup=True)
 
         @tf.function
         def one(position, target):

@@ -2,7 +2,7 @@
 keras_hub language model against every input token in one call, against
 float64 computed the obvious way (a float64 tape per row: each position's
 log-probability of its target token, or each class's logit, differentiated
-at the token embeddings), on tiny random-init GPT-2 and BERT.
+at the token embeddings), on tiny random-init GPT-2, Gemma and BERT.
 
 Tolerance: 1e-4 of the largest value (the issue's bound); measured at most
 2.1e-7 (float32, oneDNN on).
@@ -47,6 +47,23 @@ def gpt2():
 
 
 @pytest.fixture(scope="module")
+def gemma():
+    """Gemma: the tied embedding's lookup is scaled by sqrt(hidden_dim)
+    before the first block (no Add), RMS norms, grouped attention."""
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCABULARY,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=8,
+    )
+    return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+
+
+@pytest.fixture(scope="module")
 def bert():
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.BertBackbone(
@@ -62,28 +79,33 @@ def _close(got, want) -> None:
 
 
 @pytest.mark.parametrize("method", ["gradient", "gradient_x_input"])
-def test_causal_lm_equals_float64_per_row(gpt2, method):
+@pytest.mark.parametrize("name", ["gpt2", "gemma"])
+def test_causal_lm_equals_float64_per_row(request, name, method):
+    model = request.getfixturevalue(name)
     x = _tokens()
-    found = explain.token_attribution(gpt2, x, method=method, per_dimension=True)
+    found = explain.token_attribution(model, x, method=method, per_dimension=True)
     assert found.kind == "causal_lm" and found.scores.shape == (B, T - 1, T)
+    assert found.embedding == "token_embedding"
     ids, mask = x["token_ids"], x["padding_mask"].astype("float32")
     wanted, weights = _targets(ids, mask, None)
     rows = jk.Loss(_log_likelihood, each=True)
-    # the tied embedding's lookup feeds this Add: the same gradient
-    target = jk.Output(found.embedding_output)
-    want = testing.float64_reference(gpt2, (x, wanted, weights), target, outputs=rows)
+    target = jk.Output(found.embedding)
+    want = testing.float64_reference(model, (x, wanted, weights), target, outputs=rows)
     want = np.asarray(want[0])
     _close(found.gradients, want)
     if method == "gradient":
         _close(found.scores, np.linalg.norm(want, axis=-1))
     else:
-        embedded = np.asarray(gpt2.backbone.token_embedding(ids))
+        embedded = np.asarray(model.backbone.token_embedding(ids))
         _close(found.scores, np.einsum("bktd,btd->bkt", want, embedded))
 
 
-def test_causal_structure_and_padding_give_exact_zeros(gpt2):
+@pytest.mark.parametrize("name", ["gpt2", "gemma"])
+def test_causal_structure_and_padding_give_exact_zeros(request, name):
     x = _tokens()
-    found = explain.token_attribution(gpt2, x, per_dimension=True)
+    found = explain.token_attribution(
+        request.getfixturevalue(name), x, per_dimension=True
+    )
     later = np.triu(np.ones((T - 1, T), bool), 1)  # input s after target t
     assert np.all(found.gradients[:, later] == 0)
     # example 1 has 6 tokens: its padded inputs, and its rows whose target
@@ -101,7 +123,7 @@ def test_given_targets(gpt2):
     np.testing.assert_array_equal(found.targets, targets)
     rows = jk.Loss(_log_likelihood, each=True)
     weights = x["padding_mask"].astype("float32")
-    target = jk.Output(found.embedding_output)
+    target = jk.Output(found.embedding)
     want = testing.float64_reference(gpt2, (x, targets, weights), target, outputs=rows)
     _close(found.gradients, np.asarray(want[0]))
 
@@ -110,7 +132,7 @@ def test_text_classifier_every_class_against_every_token(bert):
     x = _tokens(segment=True)
     found = explain.token_attribution(bert, x, per_dimension=True)
     assert found.kind == "classifier" and found.scores.shape == (B, 3, T)
-    target = jk.Output(found.embedding_output)
+    target = jk.Output(found.embedding)
     want = testing.float64_reference(bert, x, target, outputs="per_example")
     want = np.asarray(want[0]) * x["padding_mask"][:, None, :, None]
     _close(found.gradients, want)
@@ -129,13 +151,21 @@ def test_bad_arguments_are_refused(gpt2):
         explain.token_attribution(gpt2, x, targets=np.ones((B, 2), "int32"))
 
 
-def test_a_tied_layer_is_refused_as_an_output_target(gpt2):
-    """The tied embedding runs twice (the lookup, the logits): an Output
-    target of it has no one tensor, and is refused rather than tapped at one
-    call silently."""
+def test_a_tied_embeddings_output_is_its_lookups(gpt2):
+    """The tied embedding runs twice (the lookup, the logits): its Output is
+    the lookup's, whose gradient is that of the Add it feeds (token plus
+    position embeddings). A layer that runs twice on floats (shared) has no
+    one output tensor and is refused."""
     x = _tokens()
+    rows = dict(outputs="per_example", strategy="loop")
+    found = jk.jacobian(gpt2, x, jk.Output("token_embedding"), **rows)
+    added = jk.jacobian(gpt2, x, jk.Output("embeddings_add"), **rows)
+    np.testing.assert_array_equal(np.asarray(found[0]), np.asarray(added[0]))
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, name="shared")
+    model = keras.Model(inputs, shared(shared(inputs)))
     with pytest.raises(ValueError, match="runs 2 times per forward pass"):
-        jk.jacobian(gpt2, x, jk.Output("token_embedding"), outputs="per_example")
+        jk.jacobian(model, np.ones((2, 4), "float32"), jk.Output("shared"))
 
 
 def _row_values(model, x, layer_name, offset, wanted):
@@ -148,7 +178,7 @@ def _row_values(model, x, layer_name, offset, wanted):
     def hook(call, args, kwargs):
         return call(*args, **kwargs) + offset
 
-    logits = graph.LayerTap(model, layer)(x, False, hook)
+    logits = graph.LayerTap(model, layer, lookup=True)(x, False, hook)
     logp = tf.nn.log_softmax(tf.cast(logits, tf.float64), axis=-1)[:, : T - 1]
     return np.take_along_axis(logp.numpy(), wanted[..., None], -1)[..., 0]
 
@@ -168,8 +198,8 @@ def test_integrated_gradients_complete_the_path(gpt2):
     e = np.asarray(embedding(x["token_ids"]))
     e0 = np.asarray(embedding(np.full_like(x["token_ids"], 7)))
     wanted = x["token_ids"][:, 1:]
-    end = _row_values(gpt2, x, found.embedding_output, 0.0, wanted)
-    begin = _row_values(gpt2, x, found.embedding_output, e0 - e, wanted)
+    end = _row_values(gpt2, x, found.embedding, 0.0, wanted)
+    begin = _row_values(gpt2, x, found.embedding, e0 - e, wanted)
     change = end - begin
     np.testing.assert_allclose(
         found.scores.sum(-1), change, rtol=0, atol=5e-3 * np.abs(change).max()
@@ -199,7 +229,7 @@ def test_generation_then_every_generated_token_attributed(gpt2):
     targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)
     rows = jk.Loss(_log_likelihood, each=True)
     weights = np.ones(tokens.shape, "float32")
-    target = jk.Output(found.embedding_output)
+    target = jk.Output(found.embedding)
     want = testing.float64_reference(gpt2, (x, targets, weights), target, outputs=rows)
     _close(found.gradients, np.asarray(want[0])[:, 3:6])
     for j in range(3):
@@ -210,9 +240,7 @@ def test_plot_tokens_draws_one_example():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
     scores = np.arange(2 * 3 * 4, dtype=float).reshape(2, 3, 4)
-    found = explain.TokenAttribution(
-        scores, None, "causal_lm", "gradient", "e", "e", None
-    )
+    found = explain.TokenAttribution(scores, None, "causal_lm", "gradient", "e", None)
     fig = explain.plot_tokens(found, example=1, tokens=["a", "b", "c", "d"])
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c", "d"]

@@ -38,7 +38,7 @@ def path_gradients(
     and the target (its gradient is the embedding's)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"token_attribution(steps={steps!r}): need an int >= 2.")
-    tap = graph.LayerTap(model, tapped)
+    tap = graph.LayerTap(model, tapped, lookup=True)
 
     def shifted(data: dict[str, Any]) -> Any:
         given = {k: v for k, v in data.items() if k != OFFSET}

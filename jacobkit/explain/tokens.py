@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from jacobkit import api
 from jacobkit.explain.token_paths import baseline_embeddings, path_gradients
-from jacobkit.keras.embeddings import differentiated_layer, embedding_layer
+from jacobkit.keras.embeddings import embedding_layer
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.tensor_targets import Output
 
@@ -49,8 +49,6 @@ class TokenAttribution:
         kind: ``"causal_lm"`` or ``"classifier"``.
         method: the method.
         embedding: the embedding layer's name.
-        embedding_output: the layer whose output was differentiated: the
-            embedding's, or (a tied embedding) the ``Add`` of its lookup.
         targets: a causal LM's target token per row, ``(B, rows)``.
     """
 
@@ -59,7 +57,6 @@ class TokenAttribution:
     kind: str
     method: str
     embedding: str
-    embedding_output: str
     targets: np.ndarray | None
 
 
@@ -117,7 +114,6 @@ def token_attribution(
     ids, mask = tokens_of(inputs)
     width = _output_rank(model, inputs)
     kwargs: dict[str, Any] = dict(memory_budget=memory_budget, strategy=strategy)
-    tapped = differentiated_layer(model, layer)
     kind = "causal_lm" if width == 3 else "classifier"
     wanted = weights = None
     rows_fn = _log_likelihood
@@ -133,7 +129,7 @@ def token_attribution(
         origin = baseline_embeddings(layer, embedded, baseline)
         gradients = path_gradients(
             model,
-            tapped,
+            layer,
             inputs,
             (wanted, weights, rows_fn),
             embedded,
@@ -142,9 +138,7 @@ def token_attribution(
             kwargs,
         )
     else:
-        gradients = _gradients(
-            model, tapped, inputs, (wanted, weights, rows_fn), kwargs
-        )
+        gradients = _gradients(model, layer, inputs, (wanted, weights, rows_fn), kwargs)
     gradients = gradients * mask[:, None, :, None]  # padding: exactly 0
     if method == "gradient":
         scores = np.sqrt(np.sum(np.square(gradients), axis=-1))
@@ -158,7 +152,6 @@ def token_attribution(
         kind=kind,
         method=method,
         embedding=layer.name,
-        embedding_output=tapped.name,
         targets=None if wanted is None else np.asarray(wanted),
     )
 
@@ -167,7 +160,7 @@ def _gradients(
     model: Any, tapped: Any, inputs: Any, labels: tuple[Any, Any, Any], kwargs: Any
 ) -> np.ndarray:
     """Every row's gradient at ``tapped``'s output, ``(B, rows, T, D)``."""
-    target = Output(tapped.name)
+    target = Output(tapped)
     wanted, weights, fn = labels
     if wanted is None:
         result = api.jacobian(model, inputs, target, outputs="per_example", **kwargs)

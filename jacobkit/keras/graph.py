@@ -78,19 +78,24 @@ def _operation(node: Any) -> Any:
     return getattr(node, "operation", None) or getattr(node, "layer", None)
 
 
-def _path(model: Any, layer: Any) -> list[tuple[Any, Any, bool]] | None:
+def _path(
+    model: Any, layer: Any, node: Any = None
+) -> list[tuple[Any, Any, bool]] | None:
     """``[(graph, op, is_keras3), ...]`` from ``model`` down to the graph that
-    calls ``layer``; ``op`` is what to intercept at that level (a nested model
-    on the way, then the layer). ``None`` when ``layer`` is not in a graph."""
+    calls ``layer`` (that holds ``node``, one of its calls, where given);
+    ``op`` is what to intercept at that level (a nested model on the way, then
+    the layer). ``None`` when ``layer`` is not in a graph."""
     graph = _keras3_graph(model)
     keras3 = graph is not None
     if graph is None:
         graph = _tf_keras_graph(model)
     if graph is None:
         return None
-    operations = [_operation(node) for node in _nodes(graph)]
+    nodes = _nodes(graph)
+    operations = [_operation(n) for n in nodes]
     count = sum(op is layer for op in operations)
-    if count:
+    here = count if node is None else any(n is node for n in nodes)
+    if here:
         if count > 1:
             raise TapError(
                 f"layer {layer.name!r} runs {count} times per forward pass (a "
@@ -102,7 +107,7 @@ def _path(model: Any, layer: Any) -> list[tuple[Any, Any, bool]] | None:
         if any(op is s for s in seen) or op is model:
             continue
         seen.append(op)
-        inner = _path(op, layer)
+        inner = _path(op, layer, node)
         if inner is not None:
             if sum(o is op for o in operations) > 1:
                 raise TapError(
@@ -120,15 +125,21 @@ class LayerTap:
         model: a functional or Sequential Keras 3 / ``tf_keras`` model; the
             layer may sit in a functional model nested inside it.
         layer: the layer to tap; it must run once per forward pass.
+        lookup: a tied embedding (a layer that runs more than once, exactly
+            one of its calls on integer ids) is tapped at that lookup call.
+            For its output only: its variables are used by every call.
 
     Raises:
         TapError: ``layer`` runs more than once per forward pass, or ``model``
             (or the model around ``layer``) is subclassed or a plain function.
     """
 
-    def __init__(self, model: Any, layer: Any) -> None:
+    def __init__(self, model: Any, layer: Any, *, lookup: bool = False) -> None:
         calls = len(getattr(layer, "_inbound_nodes", ()) or ())
-        if calls > 1:
+        node = None
+        if calls > 1 and lookup:
+            node = lookup_node(layer)
+        if calls > 1 and node is None:
             # NOTE (why counted over every graph): a tied embedding (keras_hub's
             # CausalLM: the lookup inside the backbone, the logits in the
             # task's own graph) runs once per graph level, and was tapped at
@@ -137,7 +148,7 @@ class LayerTap:
                 f"layer {layer.name!r} runs {calls} times per forward pass (a "
                 "shared or tied layer), so its output is not one tensor"
             )
-        path = _path(model, layer)
+        path = _path(model, layer, node)
         if path is None:
             raise TapError(
                 f"layer {layer.name!r} is called from the Python code of a "
@@ -166,6 +177,27 @@ class LayerTap:
 
         run = _run_keras3 if keras3 else _run_tf_keras
         return run(graph, inputs, training, target, replace)
+
+
+def lookup_node(layer: Any) -> Any:
+    """A tied embedding's lookup: the one call of ``layer`` on integer ids,
+    or ``None`` (no such call, or several)."""
+    found = [
+        node
+        for node in getattr(layer, "_inbound_nodes", ()) or ()
+        if node.input_tensors and _dtype(node.input_tensors[0]) in INTEGERS
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _dtype(tensor: Any) -> str:
+    """A symbolic tensor's dtype name (Keras 3: a string; tf_keras: a DType)."""
+    dtype = tensor.dtype
+    return str(getattr(dtype, "name", dtype))
+
+
+#: the dtypes of token ids
+INTEGERS = ("int32", "int64", "uint8", "int16", "uint16", "uint32", "int8")
 
 
 def _run_keras3(graph, inputs, training, target, replace):

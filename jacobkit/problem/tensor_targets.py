@@ -66,7 +66,9 @@ class Output:
     named ``"conv3/output"`` and has shape ``rows_shape + a.shape``, or
     ``(B, K, *a.shape[1:])`` for per-example rows. The layer must run once per
     forward pass, in a functional or Sequential model (subclassed models have
-    no graph to tap without changing the layer).
+    no graph to tap without changing the layer). A tied embedding (called
+    once on token ids, and again for the logits, as keras_hub's causal LMs
+    call it) is the one exception: its output is its lookup's.
     """
 
     layer: Any
@@ -161,7 +163,7 @@ class TensorTargets:
             if isinstance(layer, str):
                 layer = find_layer(layer)
             try:
-                self._tap = taps.LayerTap(model, layer)
+                self._tap = taps.LayerTap(model, layer, lookup=True)
             except taps.TapError as err:
                 raise ValueError(
                     f"jacobian(layer=Output({layer.name!r})): {err}. Choose a "

@@ -91,7 +91,7 @@ class ReferenceTarget:
                 found.append(activation)
                 return activation
 
-            tap = graph.LayerTap(model, self.layer)
+            tap = graph.LayerTap(model, self.layer, lookup=True)
             training = bool(call_kwargs.get("training", False))
             return tap(inputs, training, hook), found
         watched = [compat.as_tf_variable(v) for v in self.variables]
@@ -120,7 +120,7 @@ def resolve(layer: Any, model: Any, inputs: Any) -> ReferenceTarget:
             _build(model, inputs)
             found = layer_targets.find_layer(model, found, with_variables=False)
         try:
-            graph.LayerTap(model, found)
+            graph.LayerTap(model, found, lookup=True)
         except graph.TapError as err:
             raise ValueError(
                 f"float64_reference(layer=Output({found.name!r})): {err}. Choose "
