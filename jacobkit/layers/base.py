@@ -192,6 +192,13 @@ class LayerRule:
             self.unfold(x), dz, summed=summed, map_chunks=map_chunks, form=form
         )
 
+    def forms_rows(self, dz: tf.Tensor, *, summed: bool) -> bool:
+        """Whether :meth:`norms` forms every row's gradient, all at once, for
+        the cotangents ``dz`` (``(B, K, *z.shape[1:])``): then a clipped sum
+        weights those gradients (:meth:`gradients`) instead of contracting the
+        scaled cotangents a second time. Rules that do not say: ``False``."""
+        return False
+
 
 class UnfoldedMatmul(LayerRule):
     """A rule whose gradients are :meth:`LayerRule.gradients`' one matmul
@@ -206,6 +213,25 @@ class UnfoldedMatmul(LayerRule):
 
     def factored(self) -> bool:
         return True
+
+    def forms_rows(self, dz: tf.Tensor, *, summed: bool) -> bool:
+        """Where :func:`jacobkit.layers.norms.kernel_and_bias_norms` forms the
+        rows' gradients (not the Gram form) in one chunk."""
+        kernel = tuple(self.weight("kernel").shape)
+        inputs = 1
+        for size in kernel[:-1]:
+            inputs *= int(size)
+        positions = 1
+        for size in dz.shape[2:-1]:
+            positions *= int(size)
+        return norms.forms_rows(
+            int(dz.shape[0]),
+            positions,
+            inputs,
+            int(kernel[-1]),
+            int(dz.shape[1]),
+            summed=summed,
+        )
 
 
 class MaterializedNorms(LayerRule):
@@ -229,6 +255,9 @@ class MaterializedNorms(LayerRule):
             x, dz, tuple(self.weight("kernel").shape), summed=summed
         )
         return row_norms(kernel), row_norms(bias)
+
+    def forms_rows(self, dz: tf.Tensor, *, summed: bool) -> bool:
+        return True
 
 
 def row_norms(jacobians: tf.Tensor) -> tf.Tensor:

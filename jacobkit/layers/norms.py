@@ -106,6 +106,17 @@ def kernel_and_bias_norms(
     )
 
 
+def forms_rows(
+    batch: int, positions: int, inputs: int, units: int, rows: int, *, summed: bool
+) -> bool:
+    """Whether :func:`kernel_and_bias_norms` forms the rows' gradients (no
+    Gram form) in one chunk of :data:`CHUNK_ELEMENTS`: ``(1 if summed else
+    B) × K × I × O`` elements."""
+    gram = not summed and use_gram(positions, inputs, units, rows)
+    size = (1 if summed else batch) * rows * inputs * units
+    return not gram and size <= CHUNK_ELEMENTS
+
+
 def ghost_pairs(positions: int, inputs: int, units: int, rows: int) -> bool:
     """True where the exact Gram between two sets' rows of a Dense/Conv
     kernel is cheaper from the layer's unfolded inputs and cotangents than

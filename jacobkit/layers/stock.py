@@ -106,3 +106,19 @@ ELEMENTWISE_ACTIVATIONS = frozenset(
         "leaky_relu",
     }
 )
+#: the stock activations that TensorFlow computes as one op of the
+#: pre-activation ``z`` (its type): a layer's ``z`` is that op's input in a
+#: traced pass (:func:`jacobkit.keras.calls.pre_activation`). Read from the
+#: traced Keras 3 layers (gelu, silu, mish and hard_sigmoid are several ops)
+ONE_OP_ACTIVATIONS = {
+    "relu": "Relu",
+    "relu6": "Relu6",
+    "elu": "Elu",
+    "selu": "Selu",
+    "sigmoid": "Sigmoid",
+    "tanh": "Tanh",
+    "softplus": "Softplus",
+    "softsign": "Softsign",
+    "exponential": "Exp",
+    "leaky_relu": "LeakyRelu",
+}

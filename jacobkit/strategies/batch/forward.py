@@ -38,6 +38,7 @@ from jacobkit.keras import calls as layer_calls
 from jacobkit.keras.graph import TapError
 from jacobkit.layers import LayerRule
 from jacobkit.layers.base import Tapped
+from jacobkit.layers.stock import ONE_OP_ACTIVATIONS
 from jacobkit.problem import Problem
 from jacobkit.problem.forms import LayerForm
 from jacobkit.problem.targets import Projection
@@ -185,6 +186,8 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
     outputs: list[Any] = []
     own: list[Any] = []
     spans: list[tuple[int, int]] = []  # each call's taps: [start, stop)
+    z_own: list[tf.Tensor] = []  # (checks) the model's z beside the rule's
+    z_rule: list[tf.Tensor] = []
     batch = int(per_example.shape[0])
     for unit in _units(problem):
         mine = [weights[i] for i in unit.parts]
@@ -204,9 +207,17 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
             with beside:
                 output, call_taps = unit.rule.tapped_call((x,), {}, mine, watch)
             y = _call_output(unit.layer, call, output)
-            if not check and unit.rule.output_is_z() and y.dtype.size >= 4:
-                # the call's output is its z: no detour through the rule's
-                call_taps, output = [Tapped(x, y)], None
+            z = _own_z(unit, y, call_taps)
+            if check:
+                if z is not None and z is not y:
+                    # the first call's checks compare the model's z with the
+                    # rule's
+                    z_own.append(z)
+                    z_rule.append(call_taps[0].z)
+            elif z is not None:
+                # the call's own z (its output, or its activation's input):
+                # no detour through the rule's
+                call_taps, output, y = [Tapped(x, z)], None, z
             spans.append((len(taps), len(taps) + len(call_taps)))
             taps.extend(call_taps)
             parts.extend(unit.parts)
@@ -233,12 +244,24 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
         taps=taps,
         parts=parts,
         rows=per_example,
-        output=outputs,
-        own=own,
+        output=[*outputs, *z_rule],
+        own=[*own, *z_own],
         tape=tape,
         ends=own,
         through=through,
     )
+
+
+def _own_z(unit: _Unit, y: tf.Tensor, taps: list[Tapped]) -> tf.Tensor | None:
+    """A call's own pre-activation ``z`` in the traced pass, where it has one
+    part: its output where that is ``z``, else its one-op activation's input
+    (:func:`jacobkit.keras.calls.pre_activation`); ``None`` elsewhere, and
+    for a float16/bfloat16 output (the rule's ``z`` is float32)."""
+    if len(taps) != 1 or y.dtype.size < 4:
+        return None
+    if unit.rule.output_is_z():
+        return y
+    return layer_calls.pre_activation(unit.layer, y, ONE_OP_ACTIVATIONS)
 
 
 def _call_input(unit: _Unit, call: layer_calls.LayerCall, batch: int) -> tf.Tensor:
