@@ -133,30 +133,60 @@ def _parsed(tensors: list[tf.Tensor]) -> tuple[Feature, ...]:
 
 def inner_products(a: ChunkFeatures, b: ChunkFeatures) -> tf.Tensor:
     """``(R_a, R_b)``: the inner products of every row of ``a`` with every
-    row of ``b``, summed over the targets, in float32."""
-    total = None
+    row of ``b``, summed over the targets, in float32: one compiled call
+    (:func:`_inner_products`) over the targets' tensors."""
+    pairs = []
     for fa, fb in zip(a.features, b.features, strict=True):
-        part = _pair(fa, fb)
+        if isinstance(fa, Ghost) != isinstance(fb, Ghost):
+            # the form follows the positions: rows summed over chunks of
+            # different sizes may get different forms
+            fa, fb = _flat(fa), _flat(fb)
+        pairs.append((fa, fb))
+    kinds = tuple("ghost" if isinstance(fa, Ghost) else "flat" for fa, _ in pairs)
+    found: tf.Tensor = _inner_products(
+        kinds,
+        [_tensors(fa) for fa, _ in pairs],
+        [_tensors(fb) for _, fb in pairs],
+    )
+    return found
+
+
+def _tensors(feature: Feature) -> tuple[tf.Tensor, ...]:
+    if isinstance(feature, Ghost):
+        return (feature.patches, feature.cotangents)
+    return (feature.rows,)
+
+
+#: each target's tensors: a ghost form's two, a flat one's one
+_Parts = list[tuple[tf.Tensor, ...]]
+
+
+@tf.function(reduce_retracing=True, autograph=False)
+def _inner_products(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
+    """The sum over the targets of each pair's inner products, compiled:
+    eager, its 20 small ops took 1.6 ms of each 5.5 ms Gram call of
+    notebook 07's MLP (100 x 1,000 examples). Shapes are read at run time
+    (``reduce_retracing``: chunks of other sizes reuse the trace)."""
+    total = None
+    for kind, ta, tb in zip(kinds, a, b, strict=True):
+        if kind == "flat":
+            part = tf.matmul(
+                tf.cast(ta[0], tf.float32), tf.cast(tb[0], tf.float32), transpose_b=True
+            )
+        else:
+            part = _ghost_pair(Ghost(*ta), Ghost(*tb))
         total = part if total is None else total + part
     assert total is not None, "at least one target"
     return total
 
 
-def _pair(fa: Feature, fb: Feature) -> tf.Tensor:
-    if isinstance(fa, Ghost) != isinstance(fb, Ghost):
-        # the form follows the positions: rows summed over chunks of
-        # different sizes may get different forms
-        fa, fb = _flat(fa), _flat(fb)
-    if isinstance(fa, Flat) and isinstance(fb, Flat):
-        rows_a = tf.cast(fa.rows, tf.float32)
-        return tf.matmul(rows_a, tf.cast(fb.rows, tf.float32), transpose_b=True)
-    assert isinstance(fa, Ghost) and isinstance(fb, Ghost), "one form per target"
+def _ghost_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
     if fa.patches.shape[1] == 1 and fb.patches.shape[1] == 1:
         return _rank_one_pair(fa, fb)
     patches = tf.einsum("bpi,cqi->bcpq", fa.patches, fb.patches)
     cotangents = tf.einsum("bkpo,clqo->bkclpq", fa.cotangents, fb.cotangents)
     both = tf.einsum("bcpq,bkclpq->bkcl", patches, cotangents)
-    shape = both.shape
+    shape = tf.shape(both)
     return tf.cast(tf.reshape(both, (shape[0] * shape[1], -1)), tf.float32)
 
 
@@ -166,16 +196,19 @@ def _rank_one_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
     matrix products. NOTE (why): the general einsums took 2 ms each for 100
     x 1,000 examples of notebook 07's MLP, most of a TracIn call."""
     inputs = tf.matmul(fa.patches[:, 0], fb.patches[:, 0], transpose_b=True)  # (B, C)
-    batch, rows = fa.cotangents.shape[0], fa.cotangents.shape[1]
-    other, others = fb.cotangents.shape[0], fb.cotangents.shape[1]
+    a_shape, b_shape = tf.shape(fa.cotangents), tf.shape(fb.cotangents)
+    units = a_shape[-1]
     outputs = tf.matmul(
-        tf.reshape(fa.cotangents, (batch * rows, -1)),
-        tf.reshape(fb.cotangents, (other * others, -1)),
+        tf.reshape(fa.cotangents, (-1, units)),
+        tf.reshape(fb.cotangents, (-1, units)),
         transpose_b=True,
     )
-    outputs = tf.reshape(outputs, (batch, rows, other, others))
+    outputs = tf.reshape(outputs, (a_shape[0], a_shape[1], b_shape[0], b_shape[1]))
     both = outputs * tf.cast(inputs, outputs.dtype)[:, None, :, None]
-    return tf.cast(tf.reshape(both, (batch * rows, other * others)), tf.float32)
+    return tf.cast(
+        tf.reshape(both, (a_shape[0] * a_shape[1], b_shape[0] * b_shape[1])),
+        tf.float32,
+    )
 
 
 def _flat(feature: Feature) -> Flat:
