@@ -70,6 +70,16 @@ def chosen(call: Call) -> strategies.Strategy | planner.Auto:
     return planner.Auto(device=call.device)
 
 
+def planned(
+    chosen: strategies.Strategy | planner.Auto, problem: Problem
+) -> strategies.Strategy:
+    """The strategy that computes ``problem``: ``chosen``, or the one
+    ``auto`` plans for it (every replica of ``distribute=`` runs it)."""
+    if isinstance(chosen, planner.Auto):
+        return chosen.plan(problem).strategy
+    return chosen
+
+
 def wrap(problem: Problem, solution: strategies.Solution) -> JacobianResult:
     """The strategy's flat ``(R, *v.shape)`` Jacobians, shaped and named."""
     jacobians = {

@@ -211,3 +211,72 @@ def test_clipped_sums_and_projections_on_two_replicas(tmp_path):
             for key in one.files:
                 assert one[key].shape == two[key].shape
                 assert testing.max_relative_difference(two[key], one[key]) <= 1e-5
+
+
+_GRAMS = textwrap.dedent(
+    """
+    import sys
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    import jacobkit as jk
+    from jacobkit import explain
+    from tests.test_reductions import LOSS, _wide
+
+    model, inputs = _wide()  # 5 examples: chunks of 4 and 1
+    test = tuple(a[:3] for a in inputs)
+    keras.utils.set_random_seed(4)
+    lstm = keras.Sequential(
+        [keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(2)])
+    rng = np.random.default_rng(4)
+    data = (rng.normal(size=(5, 5, 3)).astype("float32"), rng.integers(0, 2, 5))
+    for where, spread in (("one", None), ("two", strategy)):
+        found = {
+            "gram": jk.gram(model, inputs, outputs=LOSS, chunk_examples=4,
+                            distribute=spread).matrix,
+            "between": jk.gram(model, inputs, test, outputs=LOSS,
+                               chunk_examples=4, distribute=spread).matrix,
+            "features": jk.gram(model, inputs[0], outputs="features",
+                                chunk_examples=4, distribute=spread).matrix,
+            "no closed form": jk.gram(lstm, data, outputs=LOSS,
+                                      distribute=spread).matrix,
+            "tracin": explain.tracin(model, inputs, test, loss=LOSS,
+                                     distribute=spread).scores,
+            "grad_cos": explain.grad_cos(model, inputs, test, loss=LOSS,
+                                         distribute=spread).scores,
+            "self_influence": explain.self_influence(model, inputs, loss=LOSS,
+                                                     distribute=spread),
+            "trak": explain.trak(model, inputs, test, dim=64,
+                                 distribute=spread).scores,
+        }
+        np.savez(f"{sys.argv[1]}/grams-{where}.npz", **found)
+    """
+)
+
+
+def test_grams_and_influence_on_two_replicas(tmp_path):
+    """gram(distribute=) and the influence methods on it: each chunk's
+    examples split across two replicas give what one device gives (rows
+    computed by the closed forms, by a strategy where none serves (an LSTM),
+    and summed over the set). Bound 1e-5 of the largest value."""
+    script = tmp_path / "grams.py"
+    script.write_text(_GRAMS)
+    ran = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    one = np.load(tmp_path / "grams-one.npz")
+    two = np.load(tmp_path / "grams-two.npz")
+    assert sorted(one.files) == sorted(two.files)
+    for key in one.files:
+        assert one[key].shape == two[key].shape, key
+        assert testing.max_relative_difference(two[key], one[key]) <= 1e-5, key

@@ -137,3 +137,5 @@ def test_bad_arguments_are_refused():
         jk.gram(model, inputs, outputs=LOSS, chunk_examples=0)
     with pytest.raises(ValueError, match="memory_budget"):
         jk.gram(model, inputs, outputs=LOSS, memory_budget=10)
+    with pytest.raises(TypeError, match="expected a tf.distribute.Strategy"):
+        jk.gram(model, inputs, outputs=LOSS, distribute="two replicas")

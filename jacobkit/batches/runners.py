@@ -257,6 +257,11 @@ class OnReplicas:
                 values.append(np.asarray(f))
             elif isinstance(reduce, Project):
                 values.append(np.reshape(f, (-1, *rows_shape[1:], reduce.dim))[:size])
+            elif reduce == "norm":  # each row's norm, in rows_shape
+                if self.call.summed:
+                    values.append(np.reshape(f, rows_shape))
+                else:
+                    values.append(np.reshape(f, (-1, *rows_shape[1:]))[:size])
             elif self.call.summed:
                 values.append(np.reshape(f, rows_shape + tuple(t.shape)))
             else:

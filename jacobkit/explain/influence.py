@@ -87,6 +87,7 @@ def tracin(
     memory_budget: int | float | str | None = None,
     chunk_examples: int | None = None,
     progress: bool | None = None,
+    distribute: tf.distribute.Strategy | None = None,
 ) -> InfluenceResult:
     """TracInCP: ``scores[i, j] = sum_c lr_c <∇L(test_i; θ_c), ∇L(train_j; θ_c)>``
     over the checkpoints ``θ_c``, exact (:func:`jacobkit.gram`).
@@ -107,6 +108,8 @@ def tracin(
         chunk_examples: examples per chunk (default: sized by the budget).
         progress: progress bars of the Gram calls over their chunks (shown
             after a second, where stderr is a terminal).
+        distribute: a ``tf.distribute.MirroredStrategy``: each chunk's
+            examples split across its replicas (:func:`jacobkit.gram`).
 
     Returns:
         :class:`InfluenceResult`, scores ``(N_test, N_train)``.
@@ -120,7 +123,11 @@ def tracin(
         loss,
         learning_rates,
         top_k,
-        dict(memory_budget=memory_budget, chunk_examples=chunk_examples),
+        dict(
+            memory_budget=memory_budget,
+            chunk_examples=chunk_examples,
+            distribute=distribute,
+        ),
         progress,
         normalized=False,
     )
@@ -138,6 +145,7 @@ def grad_cos(
     memory_budget: int | float | str | None = None,
     chunk_examples: int | None = None,
     progress: bool | None = None,
+    distribute: tf.distribute.Strategy | None = None,
 ) -> InfluenceResult:
     """Grad-Cos: TracIn of unit gradients, ``sum_c lr_c cos(∇L(test_i),
     ∇L(train_j))`` at each checkpoint (the norms from ``reduce="norm"``).
@@ -151,7 +159,11 @@ def grad_cos(
         loss,
         learning_rates,
         top_k,
-        dict(memory_budget=memory_budget, chunk_examples=chunk_examples),
+        dict(
+            memory_budget=memory_budget,
+            chunk_examples=chunk_examples,
+            distribute=distribute,
+        ),
         progress,
         normalized=True,
     )
@@ -165,23 +177,32 @@ def self_influence(
     loss: Any,
     learning_rates: Sequence[float] | None = None,
     memory_budget: int | float | str | None = None,
+    distribute: tf.distribute.Strategy | None = None,
 ) -> np.ndarray:
     """Each training example's ``sum_c lr_c |∇L(train_j; θ_c)|²``, ``(N,)``:
     large for examples the model finds hard, mislabelled ones first. From
     per-layer ghost norms where the layers have closed forms (nothing the
-    size of a gradient is formed)."""
+    size of a gradient is formed). ``distribute=``: a
+    ``tf.distribute.Strategy``, as :func:`jacobkit.jacobian` takes it."""
     models = checkpoints(model_or_checkpoints)
     rates = _rates(learning_rates, len(models))
     total = None
     for model, rate in zip(models, rates, strict=True):
-        found = rate * squared_norms(model, train, layer, as_loss(loss), memory_budget)
+        found = rate * squared_norms(
+            model, train, layer, as_loss(loss), memory_budget, distribute
+        )
         total = found if total is None else total + found
     assert total is not None, "at least one checkpoint"
     return total
 
 
 def squared_norms(
-    model: Any, data: Any, layer: Any, loss: Loss, memory_budget: Any
+    model: Any,
+    data: Any,
+    layer: Any,
+    loss: Loss,
+    memory_budget: Any,
+    distribute: Any = None,
 ) -> np.ndarray:
     """Each example's squared gradient norm over every target, ``(N,)``."""
     result = api.jacobian(
@@ -191,6 +212,7 @@ def squared_norms(
         outputs=loss,
         reduce="norm",
         memory_budget=memory_budget,
+        distribute=distribute,
         progress=False,
     )
     norms = [np.asarray(v, np.float64) for v in result.jacobians.values()]
@@ -277,8 +299,11 @@ def _scored(
         targets = _layer(model, layer)
         test_norms = train_norms = None
         if normalized:
-            test_norms = _inverse(squared_norms(model, test, layer, loss, None))
-            train_norms = _inverse(squared_norms(model, train, layer, loss, None))
+            spread = options["distribute"]
+            test_norms = _inverse(squared_norms(model, test, layer, loss, None, spread))
+            train_norms = _inverse(
+                squared_norms(model, train, layer, loss, None, spread)
+            )
         offset = 0
         for part in _parts(train, k):
             found = gram(

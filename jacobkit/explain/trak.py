@@ -88,6 +88,7 @@ def trak(
     out: str | os.PathLike[str] | None = None,
     memory_budget: int | float | str | None = None,
     progress: bool | None = None,
+    distribute: tf.distribute.Strategy | None = None,
 ) -> InfluenceResult:
     """TRAK scores ``(N_test, N_train)`` (see the module docstring).
 
@@ -105,6 +106,8 @@ def trak(
         memory_budget: for each featurizing call.
         progress: progress bars of the featurizing calls (default: a
             terminal).
+        distribute: a ``tf.distribute.Strategy`` for each featurizing call,
+            as :func:`jacobkit.jacobian` takes it.
 
     Returns:
         :class:`~jacobkit.explain.influence.InfluenceResult` ``"trak"``.
@@ -117,10 +120,10 @@ def trak(
         project = Project(dim, seed + m)
         where = None if out is None else Path(out) / f"checkpoint-{m}"
         train_features = featurize(
-            model, train, layer, project, where, memory_budget, progress
+            model, train, layer, project, where, memory_budget, progress, distribute
         )
         test_projected = _projected(
-            model, test, layer, project, None, memory_budget, progress
+            model, test, layer, project, None, memory_budget, progress, distribute
         )
         phi = train_features.projected
         kernel = phi.T @ phi + lambda_reg * np.eye(phi.shape[1])
@@ -142,10 +145,13 @@ def featurize(
     out: Path | None,
     memory_budget: Any = None,
     progress: bool | None = None,
+    distribute: Any = None,
 ) -> Features:
     """One checkpoint's training features (read from ``out`` where they
     were written, else computed, and written there)."""
-    projected = _projected(model, train, layer, project, out, memory_budget, progress)
+    projected = _projected(
+        model, train, layer, project, out, memory_budget, progress, distribute
+    )
     stored = None if out is None else out / "out_to_loss.npy"
     if stored is not None and stored.exists():
         q = np.load(stored)
@@ -164,6 +170,7 @@ def _projected(
     out: Path | None,
     memory_budget: Any,
     progress: bool | None,
+    distribute: Any = None,
 ) -> np.ndarray:
     targets = model.trainable_variables if layer is None else layer
     result = api.jacobian(
@@ -175,6 +182,7 @@ def _projected(
         memory_budget=memory_budget,
         out=out,
         progress=bool(progress),
+        distribute=distribute,
     )
     return np.asarray(result.projection, np.float64)
 

@@ -16,12 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from jacobkit import engine, strategies
+from jacobkit.batches import distribute, source
 from jacobkit.layers import contract
 from jacobkit.problem import Call, Slot, model_state
 from jacobkit.problem.reduce import Factors
+from jacobkit.strategies import reductions
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,73 @@ def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Any]:
         return ChunkFeatures(flat, rows, result.strategy), problem
     tensors, _ = closed.run(problem.with_reduce(Factors()))
     return ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name), problem
+
+
+def of_chunk_on_replicas(
+    call: Call, x: Any, chosen: Any, strategy: tf.distribute.Strategy
+) -> ChunkFeatures:
+    """The chunk ``x``'s features as :func:`of_chunk` gives them, its
+    examples split into one contiguous piece per replica of ``strategy``
+    (``distribute=``; one host): each replica computes its piece's with the
+    same compiled computation (:class:`jacobkit.batches.distribute.Replicas`),
+    and the pieces are joined in order (concatenated along the examples, or
+    for rows summed over the batch, their positions concatenated and their
+    gradients added)."""
+    replicas = strategy.num_replicas_in_sync
+    count = source.batch_size(x)
+    edges = np.linspace(0, count, min(replicas, count) + 1).astype(int)
+    pieces = [
+        tf.nest.map_structure(lambda a, i=i: np.asarray(a)[edges[i] : edges[i + 1]], x)
+        for i in range(len(edges) - 1)
+    ]
+    problem = call.problem(pieces[0])
+    closed = strategies.REGISTRY["batch"]()
+    served = _served(closed, problem)
+    ran, name = closed, closed.name
+    if served:
+        problem = problem.with_reduce(Factors())
+    else:
+        ran = engine.planned(chosen, problem)
+        name = ran.name
+    computed = distribute.Replicas(
+        strategy,
+        reductions.computation(ran, problem),
+        summed=call.summed,
+        batch_size=source.batch_size(pieces[0]),
+    ).run(pieces)
+    size = source.batch_size(pieces[0])
+    # per-example pieces were padded to the first's size: their rows trimmed
+    trimmed = [
+        [
+            t if call.summed else t[: t.shape[0] // size * source.batch_size(piece)]
+            for t in map(np.asarray, found or [])
+        ]
+        for piece, found in zip(pieces, computed, strict=True)
+    ]
+    joined = [
+        _joined([tf.constant(part[k]) for part in trimmed], call.summed)
+        for k in range(len(trimmed[0]))
+    ]
+    rows = problem.num_rows if call.summed else problem.num_rows // size * count
+    if served:
+        return ChunkFeatures(_parsed(joined), rows, name)
+    flat = tuple(Flat(tf.reshape(j, (rows, -1))) for j in joined)
+    return ChunkFeatures(flat, rows, name)
+
+
+def _joined(parts: list[tf.Tensor], summed: bool) -> tf.Tensor:
+    """One tensor of a chunk from its pieces': concatenated along the
+    examples; rows summed over the batch have one leading row, the factors
+    of their positions concatenated (ranks 3 and 4: along the positions) and
+    their gradients added."""
+    if not summed:
+        return tf.concat(parts, axis=0)
+    rank = parts[0].shape.rank
+    if rank == 3:  # patches (1, B * P, I)
+        return tf.concat(parts, axis=1)
+    if rank == 4:  # cotangents (1, K, B * P, O)
+        return tf.concat(parts, axis=2)
+    return tf.add_n(parts)
 
 
 def _served(closed: Any, problem: Any) -> bool:

@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import runtime
-from jacobkit.batches import collect, source
+from jacobkit.batches import collect, distribute, source
 from jacobkit.memory import budget as budgets
 from jacobkit.problem import Call, Slot, arguments, model_state
 from jacobkit.problem.loss import Loss
@@ -87,6 +87,7 @@ def gram(
     memory_budget: int | float | str | None = None,
     chunk_examples: int | None = None,
     progress: bool = True,
+    distribute: tf.distribute.Strategy | None = None,
 ) -> GramResult:
     """The exact inner products between every row's gradient in ``a`` and
     every row's gradient in ``b`` (``b=None``: ``a`` with itself), summed
@@ -111,6 +112,11 @@ def gram(
             or by :data:`DEFAULT_CHUNK_BYTES`, at most
             :data:`MAX_CHUNK_EXAMPLES`).
         progress: show a progress bar over the chunks of ``a``.
+        distribute: a ``tf.distribute.MirroredStrategy`` (the GPUs, or
+            logical CPU devices, of one host): each chunk's examples are
+            split across its replicas, each computing its piece's rows with
+            the same computation; the products are taken on the host. Several
+            workers are refused.
 
     Returns:
         A :class:`GramResult`; ``np.asarray(result)`` is the matrix.
@@ -123,6 +129,8 @@ def gram(
         (15, 15)
     """
     start = time.perf_counter()
+    if distribute is not None:
+        _check_distribute(distribute)
     if layer is None:
         layer = _every_trainable(model)
     call = Call(
@@ -144,7 +152,15 @@ def gram(
         problem = call.problem(probe)
         if size is None:
             size = _sized(call, problem, probe, chosen, allowed)
-        run = _Run(call, chosen, sets, size, symmetric=b is None, progress=progress)
+        run = _Run(
+            call,
+            chosen,
+            sets,
+            size,
+            symmetric=b is None,
+            progress=progress,
+            distribute=distribute,
+        )
         matrix = run.matrix()
     first = run.first
     assert first is not None, "the set has a chunk"
@@ -157,6 +173,16 @@ def gram(
         chunk_examples=size,
         wall_time_s=time.perf_counter() - start,
     )
+
+
+def _check_distribute(strategy: Any) -> None:
+    distribute.check(strategy, out=None)
+    if distribute.is_multi_worker(strategy):
+        raise ValueError(
+            "gram(distribute=MultiWorkerMirroredStrategy): several workers are "
+            "not supported; use MirroredStrategy on one host (its GPUs or "
+            "logical CPU devices), or call gram on each worker's share of a."
+        )
 
 
 def _every_trainable(model: Any) -> list[Any]:
@@ -301,6 +327,7 @@ class _Run:
     size: int
     symmetric: bool
     progress: bool
+    distribute: tf.distribute.Strategy | None = None
     blocks: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     #: the first chunk of ``a``'s features (their forms, what computed them)
     first: feats.ChunkFeatures | None = None
@@ -334,6 +361,10 @@ class _Run:
         return self._assembled(rows_a)
 
     def _features(self, x: Any) -> feats.ChunkFeatures:
+        if self.distribute is not None:
+            return feats.of_chunk_on_replicas(
+                self.call, x, self.chosen, self.distribute
+            )
         found, _ = feats.of_chunk(self.call, x, self.chosen)
         return found
 
