@@ -1076,3 +1076,31 @@ def test_a_pfor_failure_on_an_unknown_layer_is_one_sentence(caplog, capfd):
     assert "DepthwiseConv2dNative" in message and "\n" not in message
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     assert "ERROR" not in capfd.readouterr().err
+
+
+class _ShiftedDense(keras.layers.Dense):
+    """A Dense whose output is shifted after its activation: not the closed
+    form ``activation(x @ kernel + bias)`` its rule computes."""
+
+    def call(self, inputs):
+        return super().call(inputs) + 1.0
+
+
+@pytest.mark.parametrize("every_layer", [False, True])
+def test_batch_refuses_a_layer_that_computes_more_than_its_closed_form(every_layer):
+    """Tapped at its graph node (one target layer), or at its call in the
+    traced pass (every variable of the model): the first call's check finds
+    the output off the closed form and refuses, naming the layer where it
+    is one."""
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            _ShiftedDense(3, activation="relu", name="shifted"),
+            keras.layers.Dense(2, name="head"),
+        ]
+    )
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+    layer = model.trainable_variables if every_layer else "shifted"
+    named = "a target layer" if every_layer else "layer 'shifted'"
+    with pytest.raises(ValueError, match=f"{named}.* computes more than"):
+        jk.jacobian(model, x, layer, outputs="per_example", strategy="batch")

@@ -166,9 +166,14 @@ def _check_closed_form(problem: Problem, checked: Checked) -> None:
         own = tf.cast(own, output.dtype)
         scale = float(tf.reduce_max(tf.abs(own))) + 1e-30
         if float(tf.reduce_max(tf.abs(output - own))) > allowed * scale:
+            layer = problem.layer
+            named = (
+                "a target layer"  # several layers' calls in the traced pass
+                if layer is None
+                else f"layer {layer.name!r} ({type(layer).__name__})"
+            )
             raise ValueError(
-                f"jacobian(strategy='batch'): layer {problem.layer.name!r} "
-                f"({type(problem.layer).__name__}) computes more than "
+                f"jacobian(strategy='batch'): {named} computes more than "
                 "activation(x @ kernel + bias) (or a convolution, or attention "
                 "over its projections): its output differs from that closed "
                 "form. Use strategy='chunked' or 'jacobian'."
