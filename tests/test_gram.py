@@ -69,6 +69,20 @@ def test_the_empirical_ntk_of_per_example_rows():
     _close(result.matrix, rows @ rows.T)
 
 
+@pytest.mark.parametrize("name", list(ALL))
+def test_two_sets_of_arrays_computed_together(name):
+    """Two sets of arrays, each one chunk, are computed in one call and
+    split inside the products: per-example rows (3 per example, some of
+    their kernels ghosted) between 4 and the other examples."""
+    model, inputs = ALL[name]()
+    x = inputs[0]
+    rows = _rows(model, x, "per_example")
+    result = jk.gram(model, x[:4], x[4:])
+    assert result.rows_shape_a == (4, 3)
+    assert result.rows_shape_b == (len(x) - 4, 3)
+    _close(result.matrix, rows[:12] @ rows[12:].T)
+
+
 def test_features_rows_are_summed_over_each_set():
     model, (x, _) = MODELS["conv"]()
     ref = testing.float64_reference(model, x, model.trainable_variables)

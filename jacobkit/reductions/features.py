@@ -221,6 +221,21 @@ def inner_products(a: ChunkFeatures, b: ChunkFeatures) -> tf.Tensor:
     return found
 
 
+def inner_products_within(chunk: ChunkFeatures, count: int, total: int) -> tf.Tensor:
+    """:func:`inner_products` of a chunk's first ``count`` examples' rows
+    with the rest's (a chunk of ``total`` examples, per-example rows: each
+    example's ``K`` in order), split inside the compiled call (split
+    eagerly, its dozen slices cost more than the call they saved)."""
+    kinds = tuple("ghost" if isinstance(f, Ghost) else "flat" for f in chunk.features)
+    found: tf.Tensor = _split_products(
+        kinds,
+        [_tensors(f) for f in chunk.features],
+        tf.constant(count),
+        tf.constant(chunk.num_rows // total),
+    )
+    return found
+
+
 def _tensors(feature: Feature) -> tuple[tf.Tensor, ...]:
     if isinstance(feature, Ghost):
         return (feature.patches, feature.cotangents)
@@ -237,6 +252,26 @@ def _inner_products(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
     eager, its 20 small ops took 1.6 ms of each 5.5 ms Gram call of
     notebook 07's MLP (100 x 1,000 examples). Shapes are read at run time
     (``reduce_retracing``: chunks of other sizes reuse the trace)."""
+    return _sum_of_pairs(kinds, a, b)
+
+
+@tf.function(reduce_retracing=True, autograph=False)
+def _split_products(
+    kinds: tuple[str, ...], parts: _Parts, count: tf.Tensor, per_example: tf.Tensor
+) -> tf.Tensor:
+    """:func:`_inner_products` of the first ``count`` examples of each
+    target's tensors with the rest (a flat target's rows: ``count *
+    per_example``)."""
+    a: _Parts = []
+    b: _Parts = []
+    for kind, tensors in zip(kinds, parts, strict=True):
+        cut = count if kind == "ghost" else count * per_example
+        a.append(tuple(t[:cut] for t in tensors))
+        b.append(tuple(t[cut:] for t in tensors))
+    return _sum_of_pairs(kinds, a, b)
+
+
+def _sum_of_pairs(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
     total = None
     for kind, ta, tb in zip(kinds, a, b, strict=True):
         if kind == "flat":

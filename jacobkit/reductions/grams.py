@@ -290,6 +290,14 @@ class _Set:
             if not self.kept:
                 raise ValueError("gram(a=..., b=...): a set has no examples.")
 
+    def whole(self) -> bool:
+        """Whether the set is arrays (one batch), not batches read in turn."""
+        return self.kept is None and not arguments.is_batches(self.inputs)
+
+    def examples(self) -> int:
+        """The examples of a set of arrays (:meth:`whole`)."""
+        return source.batch_size(tf.nest.map_structure(np.asarray, self.inputs))
+
     def first(self, size: int) -> Any:
         chunk = next(self.chunks(size))
         self.first_size = source.batch_size(chunk)
@@ -335,6 +343,9 @@ class _Run:
     def matrix(self) -> np.ndarray:
         from tqdm import tqdm
 
+        together = self._together()
+        if together is not None:
+            return together
         rows_a: list[int] = []
         bar = tqdm(
             unit="chunk",
@@ -359,6 +370,31 @@ class _Run:
         finally:
             bar.close()
         return self._assembled(rows_a)
+
+    def _together(self) -> np.ndarray | None:
+        """Two sets of arrays, each one chunk: their features from one call
+        on both, split (per-row values are the same; the memory is that of
+        a chunk of each, as streamed; each call costs its fixed part once:
+        0.7 of a 3.7 ms Gram call between notebook 07's 100 test and 1,000
+        training digits); ``None`` where a set is streamed."""
+        a, b = self.sets
+        if self.symmetric or self.call.summed or not (a.whole() and b.whole()):
+            return None
+        xa, xb = next(a.chunks(self.size)), next(b.chunks(self.size))
+        count = source.batch_size(xa)
+        if a.examples() > count or b.examples() > source.batch_size(xb):
+            return None  # a set of several chunks: streamed
+        try:
+            tf.nest.assert_same_structure(xa, xb)
+        except (ValueError, TypeError):
+            return None
+        both = tf.nest.map_structure(lambda u, v: np.concatenate([u, v]), xa, xb)
+        total = count + source.batch_size(xb)
+        self.first = found = self._features(both)
+        block = feats.inner_products_within(found, count, total).numpy()
+        block = block.astype(np.float64)
+        self.blocks[0, 0] = block
+        return block
 
     def _features(self, x: Any) -> feats.ChunkFeatures:
         if self.distribute is not None:
