@@ -322,7 +322,7 @@ def _scored(
                     * test_norms[:, None]
                     * train_norms[None, offset : offset + found.shape[1]]
                 )
-            merged.add(offset, rate * found)
+            merged.add(offset, found if rate == 1.0 else rate * found)
             offset += found.shape[1]
     return InfluenceResult(
         method,
@@ -379,12 +379,20 @@ class _Merged:
         self._parts: dict[int, np.ndarray] = {}
 
     def add(self, offset: int, scores: np.ndarray) -> None:
+        """Adds a part's scores (taken over: the caller's array is summed
+        into in place, with no copy of a full matrix per checkpoint)."""
         kept = self._parts.get(offset)
-        self._parts[offset] = scores if kept is None else kept + scores
+        if kept is None:
+            self._parts[offset] = scores
+        else:
+            kept += scores
 
     def scores(self) -> np.ndarray | None:
         if self.top_k is not None:
             return None
+        if len(self._parts) == 1:
+            (only,) = self._parts.values()
+            return only
         return np.concatenate([self._parts[o] for o in sorted(self._parts)], axis=1)
 
     def top(self) -> TopK | None:

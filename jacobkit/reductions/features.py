@@ -105,14 +105,14 @@ def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Any]:
 
 def of_chunk_on_replicas(
     call: Call, x: Any, chosen: Any, strategy: tf.distribute.Strategy
-) -> ChunkFeatures:
+) -> tuple[ChunkFeatures, Any]:
     """The chunk ``x``'s features as :func:`of_chunk` gives them, its
     examples split into one contiguous piece per replica of ``strategy``
     (``distribute=``; one host): each replica computes its piece's with the
     same compiled computation (:class:`jacobkit.batches.distribute.Replicas`),
     and the pieces are joined in order (concatenated along the examples, or
     for rows summed over the batch, their positions concatenated and their
-    gradients added)."""
+    gradients added). Returns them with the first piece's problem."""
     replicas = strategy.num_replicas_in_sync
     count = source.batch_size(x)
     edges = np.linspace(0, count, min(replicas, count) + 1).astype(int)
@@ -150,9 +150,9 @@ def of_chunk_on_replicas(
     ]
     rows = problem.num_rows if call.summed else problem.num_rows // size * count
     if served:
-        return ChunkFeatures(_parsed(joined), rows, name)
+        return ChunkFeatures(_parsed(joined), rows, name), problem
     flat = tuple(Flat(tf.reshape(j, (rows, -1))) for j in joined)
-    return ChunkFeatures(flat, rows, name)
+    return ChunkFeatures(flat, rows, name), problem
 
 
 def _joined(parts: list[tf.Tensor], summed: bool) -> tf.Tensor:
