@@ -303,10 +303,14 @@ class _Set:
     kept: list[Any] | None = None
     first_size: int = 0
 
+    #: a set of arrays as NumPy, checked once (``None`` for batches)
+    arrays: Any = None
+
     def __post_init__(self) -> None:
-        if arguments.is_batches(self.inputs) and not isinstance(
-            self.inputs, (tf.data.Dataset, source.batches)
-        ):
+        if not arguments.is_batches(self.inputs):
+            self.arrays = tf.nest.map_structure(np.asarray, self.inputs)
+            arguments.check_examples(self.arrays)
+        elif not isinstance(self.inputs, (tf.data.Dataset, source.batches)):
             # a generator: read it once, as NumPy, and keep the batches
             self.kept = list(source.iterate(self.inputs, None, self.reading))
             if not self.kept:
@@ -314,11 +318,11 @@ class _Set:
 
     def whole(self) -> bool:
         """Whether the set is arrays (one batch), not batches read in turn."""
-        return self.kept is None and not arguments.is_batches(self.inputs)
+        return self.arrays is not None
 
     def examples(self) -> int:
         """The examples of a set of arrays (:meth:`whole`)."""
-        return source.batch_size(tf.nest.map_structure(np.asarray, self.inputs))
+        return source.batch_size(self.arrays)
 
     def first(self, size: int) -> Any:
         chunk = next(self.chunks(size))
@@ -333,12 +337,10 @@ class _Set:
     def _batches(self) -> Iterator[Any]:
         if self.kept is not None:
             yield from self.kept
-        elif arguments.is_batches(self.inputs):
+        elif self.arrays is None:
             yield from source.iterate(self.inputs, None, self.reading)
         else:
-            arrays = tf.nest.map_structure(np.asarray, self.inputs)
-            arguments.check_examples(arrays)
-            yield arrays
+            yield self.arrays
 
     def rows_shape(self, problem: Any, summed: bool) -> tuple[int, ...]:
         if summed:
