@@ -19,7 +19,6 @@ import pytest
 import tensorflow as tf
 
 from jacobkit import explain, testing
-from jacobkit.explain import influence
 from jacobkit.explain.trak import MARGIN
 from tests.test_reductions import LOSS, MODELS, _projected_reference
 
@@ -89,7 +88,7 @@ def test_tracin_and_grad_cos_equal_float64(name):
 def test_tracin_streams_datasets_and_keeps_the_top_k(monkeypatch):
     models, train, test = _checkpoints("conv")
     full = explain.tracin(models, train, test, loss=LOSS).scores
-    monkeypatch.setattr(influence, "TOP_K_CHUNK", 2)  # parts of 2: merged
+    monkeypatch.setattr(explain.top, "TOP_K_CHUNK", 2)  # parts of 2: merged
     data = tf.data.Dataset.from_tensor_slices(train).batch(2)
     top = explain.tracin(models, data, test, loss=LOSS, top_k=2)
     assert top.scores is None

@@ -29,7 +29,6 @@ from jacobkit.explain.cam import grad_cam
 from jacobkit.explain.generation import generate_and_attribute
 from jacobkit.explain.influence import (
     InfluenceResult,
-    TopK,
     grad_cos,
     self_influence,
     tracin,
@@ -42,6 +41,7 @@ from jacobkit.explain.input_maps import (
 )
 from jacobkit.explain.plot import plot, plot_influence, plot_tokens
 from jacobkit.explain.tokens import TokenAttribution, token_attribution
+from jacobkit.explain.top import TopK
 from jacobkit.explain.trak import trak
 
 __all__ = [

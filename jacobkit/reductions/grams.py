@@ -15,10 +15,9 @@ closed form serves a target, by the strategy ``auto`` picks.
 from __future__ import annotations
 
 import math
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,8 +26,9 @@ import tensorflow as tf
 from jacobkit import runtime
 from jacobkit.batches import collect, distribute, source
 from jacobkit.memory import budget as budgets
-from jacobkit.problem import Call, Slot, arguments, model_state
+from jacobkit.problem import Call, Slot, model_state
 from jacobkit.problem.loss import Loss
+from jacobkit.reductions import blocks
 from jacobkit.reductions import features as feats
 
 #: what a chunk pair may hold without a memory budget (fixed, not a share of
@@ -145,13 +145,16 @@ def gram(
     chosen = _chosen(strategy, memory_budget)
     allowed = None if memory_budget is None else budgets.parse_budget(memory_budget)
     reading = collect.reading(call)
-    sets = [_Set(a, reading), _Set(a if b is None else b, reading)]
+    sets = [
+        blocks.ExampleSet(a, reading),
+        blocks.ExampleSet(a if b is None else b, reading),
+    ]
     size = _check_chunk(chunk_examples)
     with runtime.tensorflow_warnings():
         probe = sets[0].first(size or PROBE_EXAMPLES)
         if size is None:
             size = _sized(call, probe, chosen, allowed)
-        run = _Run(
+        run = blocks.Blocks(
             call,
             chosen,
             sets,
@@ -291,161 +294,3 @@ def _pair_bytes(chunk: feats.ChunkFeatures) -> float:
             b, k, p = f.cotangents.shape[:3]
             found = max(found, 4.0 * b * b * k * k * p * p)
     return found
-
-
-@dataclass
-class _Set:
-    """One set of examples, read in chunks again and again (a dataset is
-    iterated afresh; a one-shot iterator is read once and kept)."""
-
-    inputs: Any
-    reading: source.Reading
-    kept: list[Any] | None = None
-    first_size: int = 0
-
-    #: a set of arrays as NumPy, checked once (``None`` for batches)
-    arrays: Any = None
-
-    def __post_init__(self) -> None:
-        if not arguments.is_batches(self.inputs):
-            self.arrays = tf.nest.map_structure(np.asarray, self.inputs)
-            arguments.check_examples(self.arrays)
-        elif not isinstance(self.inputs, (tf.data.Dataset, source.batches)):
-            # a generator: read it once, as NumPy, and keep the batches
-            self.kept = list(source.iterate(self.inputs, None, self.reading))
-            if not self.kept:
-                raise ValueError("gram(a=..., b=...): a set has no examples.")
-
-    def whole(self) -> bool:
-        """Whether the set is arrays (one batch), not batches read in turn."""
-        return self.arrays is not None
-
-    def examples(self) -> int:
-        """The examples of a set of arrays (:meth:`whole`)."""
-        return source.batch_size(self.arrays)
-
-    def first(self, size: int) -> Any:
-        chunk = next(self.chunks(size))
-        self.first_size = source.batch_size(chunk)
-        return chunk
-
-    def chunks(self, size: int) -> Iterator[Any]:
-        """Chunks of at most ``size`` examples, in order."""
-        for batch in self._batches():
-            yield from source.batches(batch, size)
-
-    def _batches(self) -> Iterator[Any]:
-        if self.kept is not None:
-            yield from self.kept
-        elif self.arrays is None:
-            yield from source.iterate(self.inputs, None, self.reading)
-        else:
-            yield self.arrays
-
-    def rows_shape(self, problem: Any, summed: bool) -> tuple[int, ...]:
-        if summed:
-            return tuple(problem.rows_shape)
-        examples = sum(source.batch_size(b) for b in self._batches())
-        return (examples, *problem.rows_shape[1:])
-
-
-@dataclass
-class _Run:
-    """The blocks of the matrix, chunk of ``a`` by chunk of ``b``."""
-
-    call: Call
-    chosen: Any
-    sets: list[_Set]
-    size: int
-    symmetric: bool
-    progress: bool
-    distribute: tf.distribute.Strategy | None = None
-    blocks: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    #: the first chunk of ``a``'s features (their forms, what computed them)
-    first: feats.ChunkFeatures | None = None
-    #: the first features call's problem (the rows' shape, the targets' names)
-    problem: Any = None
-
-    def matrix(self) -> np.ndarray:
-        from tqdm import tqdm
-
-        together = self._together()
-        if together is not None:
-            return together
-        rows_a: list[int] = []
-        bar = tqdm(
-            unit="chunk",
-            desc="gram",
-            delay=1.0,
-            disable=collect.progress_disabled(self.progress),
-            file=sys.stderr,
-        )
-        try:
-            for i, xa in enumerate(self.sets[0].chunks(self.size)):
-                fa = self._features(xa)
-                if self.first is None:
-                    self.first = fa
-                rows_a.append(fa.num_rows)
-                for j, xb in enumerate(self.sets[1].chunks(self.size)):
-                    if self.symmetric and j < i:
-                        continue
-                    fb = fa if self.symmetric and i == j else self._features(xb)
-                    block = feats.inner_products(fa, fb).numpy().astype(np.float64)
-                    self.blocks[i, j] = block
-                bar.update(1)
-        finally:
-            bar.close()
-        return self._assembled(rows_a)
-
-    def _together(self) -> np.ndarray | None:
-        """Two sets of arrays, each one chunk: their features from one call
-        on both, split (per-row values are the same; the memory is that of
-        a chunk of each, as streamed; each call costs its fixed part once:
-        0.7 of a 3.7 ms Gram call between notebook 07's 100 test and 1,000
-        training digits); ``None`` where a set is streamed."""
-        a, b = self.sets
-        if self.symmetric or self.call.summed or not (a.whole() and b.whole()):
-            return None
-        xa, xb = next(a.chunks(self.size)), next(b.chunks(self.size))
-        count = source.batch_size(xa)
-        if a.examples() > count or b.examples() > source.batch_size(xb):
-            return None  # a set of several chunks: streamed
-        try:
-            tf.nest.assert_same_structure(xa, xb)
-        except (ValueError, TypeError):
-            return None
-        both = tf.nest.map_structure(lambda u, v: np.concatenate([u, v]), xa, xb)
-        total = count + source.batch_size(xb)
-        self.first = found = self._features(both)
-        block = feats.inner_products_within(found, count, total).numpy()
-        block = block.astype(np.float64)
-        self.blocks[0, 0] = block
-        return block
-
-    def _features(self, x: Any) -> feats.ChunkFeatures:
-        if self.distribute is not None:
-            found, problem = feats.of_chunk_on_replicas(
-                self.call, x, self.chosen, self.distribute
-            )
-        else:
-            found, problem = feats.of_chunk(self.call, x, self.chosen)
-        if self.problem is None:
-            self.problem = problem
-        return found
-
-    def _assembled(self, rows_a: list[int]) -> np.ndarray:
-        if self.symmetric:
-            for (i, j), block in list(self.blocks.items()):
-                self.blocks[j, i] = block.T
-        rows_b = rows_a
-        if not self.symmetric:
-            count = 1 + max(j for _, j in self.blocks)
-            rows_b = [self.blocks[0, j].shape[1] for j in range(count)]
-        if self.call.summed:  # rows summed over the whole set: sum the blocks
-            return sum(self.blocks.values())  # type: ignore[return-value]
-        return np.block(
-            [
-                [self.blocks[i, j] for j in range(len(rows_b))]
-                for i in range(len(rows_a))
-            ]
-        )
