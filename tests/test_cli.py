@@ -452,7 +452,13 @@ def test_interrupted_compare_prints_the_rows_measured_so_far(capsys, monkeypatch
 
     monkeypatch.setattr(processes.ChildPool, "run", interrupted_in_forward)
     argv = ["compare", *WIDE, "--num-features", "2", "--repeats", "1"]
-    code = cli.main([*argv, "--time-limit", "300"])
+    # a test worker process (pytest -n) ignores SIGINT, which its controller
+    # handles: Python's own handler, as a user's terminal has, for this test
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = cli.main([*argv, "--time-limit", "300"])
+    finally:
+        signal.signal(signal.SIGINT, handler)
     out = capsys.readouterr().out
     assert code == 130, out
     rows = _table_rows(out)
