@@ -295,9 +295,10 @@ class ProcessState:
     while the process runs; TensorFlow's memory counters are per process).
 
     Attributes:
-        facts: what was measured once per process, by key (this CPU's kind,
-            its bfloat16 kernels' accuracy, its convolution kernels' scratch
-            space per kind, dtype and device).
+        facts: what was measured or made once per process, by key (this
+            CPU's kind, its bfloat16 kernels' accuracy, its convolution
+            kernels' scratch space per kind, dtype and device; the compiled
+            functions no model owns: the Gram matrix's products).
         notices: the one-time warnings already given, by key.
         meters: the peak-memory blocks open now
             (:class:`jacobkit.memory.PeakMemory`), innermost last.

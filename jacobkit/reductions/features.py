@@ -13,13 +13,14 @@ matrices over positions, multiplied elementwise and summed, never forming
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import engine, strategies
+from jacobkit import engine, runtime, strategies
 from jacobkit.batches import distribute, source
 from jacobkit.layers import contract
 from jacobkit.problem import Call, Slot, model_state
@@ -246,17 +247,34 @@ def _tensors(feature: Feature) -> tuple[tf.Tensor, ...]:
 _Parts = list[tuple[tf.Tensor, ...]]
 
 
-@tf.function(reduce_retracing=True, autograph=False)
+def _compiled(fn: Callable[..., tf.Tensor]) -> Any:
+    """``fn`` compiled once per process and kept in :data:`jacobkit.runtime.
+    PROCESS` (no model owns it: every Gram call's products share its
+    traces). Eager, the products' 20 small ops took 1.6 ms of each 5.5 ms
+    Gram call of notebook 07's MLP (100 x 1,000 examples). Shapes are read
+    at run time (``reduce_retracing``: chunks of other sizes reuse the
+    trace)."""
+    return runtime.measured_once(
+        ("compiled", __name__, fn.__name__),
+        lambda: tf.function(fn, reduce_retracing=True, autograph=False),
+    )
+
+
 def _inner_products(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
-    """The sum over the targets of each pair's inner products, compiled:
-    eager, its 20 small ops took 1.6 ms of each 5.5 ms Gram call of
-    notebook 07's MLP (100 x 1,000 examples). Shapes are read at run time
-    (``reduce_retracing``: chunks of other sizes reuse the trace)."""
-    return _sum_of_pairs(kinds, a, b)
+    """The sum over the targets of each pair's inner products (compiled:
+    :func:`_compiled`)."""
+    found: tf.Tensor = _compiled(_sum_of_pairs)(kinds, a, b)
+    return found
 
 
-@tf.function(reduce_retracing=True, autograph=False)
 def _split_products(
+    kinds: tuple[str, ...], parts: _Parts, count: tf.Tensor, per_example: tf.Tensor
+) -> tf.Tensor:
+    found: tf.Tensor = _compiled(_split_pairs)(kinds, parts, count, per_example)
+    return found
+
+
+def _split_pairs(
     kinds: tuple[str, ...], parts: _Parts, count: tf.Tensor, per_example: tf.Tensor
 ) -> tf.Tensor:
     """:func:`_inner_products` of the first ``count`` examples of each
