@@ -341,6 +341,8 @@ _CONTAINERS = {
     "deque",
     "Counter",
 }
+#: decorators and calls whose function keeps every trace it made
+_TRACED = {"tf.function", "tensorflow.function"}
 _MUTATORS = {
     "append",
     "extend",
@@ -387,8 +389,9 @@ def _module_state(name: str, source: str) -> set[str]:
                 bound[node.target.id] = node.value
         elif isinstance(node, ast.FunctionDef):
             for d in node.decorator_list:
-                text = ast.unparse(d)
-                if text.split("(")[0].split(".")[-1] in ("cache", "lru_cache"):
+                text = ast.unparse(d).split("(")[0]
+                # a module-level tf.function keeps its traces for the process
+                if text.split(".")[-1] in ("cache", "lru_cache") or text in _TRACED:
                     found.add(f"{name}.{node.name}")
     mutated: set[str] = set()
     for node in ast.walk(tree):
@@ -412,9 +415,9 @@ def _module_state(name: str, source: str) -> set[str]:
     for variable, value in bound.items():
         # an empty container made at the top is made to be filled; a table
         # written out (or any other object) counts where it is changed
-        made_empty = (
-            isinstance(value, ast.Call)
-            and ast.unparse(value.func).split(".")[-1] in _CONTAINERS
+        made_empty = isinstance(value, ast.Call) and (
+            ast.unparse(value.func).split(".")[-1] in _CONTAINERS
+            or ast.unparse(value.func) in _TRACED
         )
         changeable = isinstance(
             value,
@@ -436,6 +439,8 @@ def test_the_module_state_reader():
         "def f(k):\n    _CACHE.setdefault(k, {})\n    _SEEN.add(k)\n"
         "    STATE.facts[k] = 1\n"
         "@functools.cache\ndef g():\n    return TABLE['a'], h(_PASSED)\n"
+        "@tf.function(reduce_retracing=True)\ndef traced(x):\n    return x\n"
+        "COMPILED = tf.function(g)\n"
     )
     assert _module_state("m", source) == {
         "m._CACHE",
@@ -443,6 +448,8 @@ def test_the_module_state_reader():
         "m._SEEN",
         "m.STATE",
         "m.g",
+        "m.traced",
+        "m.COMPILED",
     }
 
 
