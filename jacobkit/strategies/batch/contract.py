@@ -160,7 +160,7 @@ def clipped_sum(
     xs, parts = taps
     shared = len(parts) > len(set(parts))
     formed: dict[int, tuple[Any, Any]] = {}
-    found: list[Any] = [None] * len(targets)
+    norms_by_part: list[tuple[Any, Any]] = []
     for i, p in enumerate(projections(problem)):
         calls = [(x, dz) for x, dz, j in zip(xs, dzs, parts) if j == i]
         if shared or all(p.rule.forms_rows(dz, summed=summed) for _, dz in calls):
@@ -169,43 +169,46 @@ def clipped_sum(
             kernel = _summed([k for k, _ in each])
             bias = None if p.bias is None else _summed([b for _, b in each])
             formed[i] = (kernel, bias)
-            norms_of = (row_norms(kernel), None if bias is None else row_norms(bias))
+            norms_by_part.append(
+                (row_norms(kernel), None if bias is None else row_norms(bias))
+            )
         else:
             ((x, dz),) = calls
-            norms_of = p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks)
-        found[p.kernel] = norms_of[0]
-        if p.bias is not None:
-            found[p.bias] = norms_of[1]
+            norms_by_part.append(
+                p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks)
+            )
+    found = _placed(problem, norms_by_part, norms=True)
     total = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in found]))
     scales = reduce.scales(total)
     batch, rows = int(dzs[0].shape[0]), int(dzs[0].shape[1])
     by_row = tf.reshape(scales, (1, rows) if summed else (batch, rows))
-    scaled = [
-        dz
-        * tf.cast(
-            tf.reshape(by_row, (*by_row.shape, *[1] * (dz.shape.rank - 2))), dz.dtype
-        )
-        for dz in dzs
-    ]
-    sums: list[Any] = [None] * len(targets)
+
+    def weighted(rows: Any) -> Any:  # (R, ...) -> (1, ...)
+        return tf.tensordot(tf.cast(scales, rows.dtype), rows, 1)[None]
+
+    # each part's sum with a leading axis of 1, as _placed lays rows out
+    sums: list[tuple[Any, Any]] = []
     for i, p in enumerate(projections(problem)):
-        if i in formed:
-            weighted = [
-                None if g is None else tf.tensordot(tf.cast(scales, g.dtype), g, 1)
-                for g in formed[i]
-            ]
-        else:
-            shape = tuple(targets[p.kernel].shape)
-            ((x, dz),) = [(x, d) for x, d, j in zip(xs, scaled, parts) if j == i]
-            weighted = [
-                None if g is None else tf.reduce_sum(g, axis=0)
-                for g in p.rule.gradients(x, dz, shape, summed=True)
-            ]
-        sums[p.kernel] = tf.cast(weighted[0], targets[p.kernel].dtype)
-        if p.bias is not None:
-            target = targets[p.bias]
-            sums[p.bias] = tf.cast(tf.reshape(weighted[1], target.shape), target.dtype)
-    return [*sums, total]
+        if i in formed:  # the rows' gradients, weighted
+            kernel, bias = formed[i]
+            sums.append((weighted(kernel), None if bias is None else weighted(bias)))
+            continue
+        # the cotangents, each row's scaled, contracted once
+        ((x, dz),) = [(x, d) for x, d, j in zip(xs, dzs, parts) if j == i]
+        scale = tf.reshape(by_row, (*by_row.shape, *[1] * (dz.shape.rank - 2)))
+        kernel, bias = p.rule.gradients(
+            x,
+            dz * tf.cast(scale, dz.dtype),
+            tuple(targets[p.kernel].shape),
+            summed=True,
+        )
+        sums.append(
+            (
+                tf.reduce_sum(kernel, axis=0, keepdims=True),
+                tf.reduce_sum(bias, axis=0, keepdims=True),
+            )
+        )
+    return [s[0] for s in _placed(problem, sums)] + [total]
 
 
 def _factors(rule: Any, x: Any, dz: Any, *, summed: bool) -> tuple[Any, Any]:
