@@ -185,19 +185,9 @@ def lookup_node(layer: Any) -> Any:
     found = [
         node
         for node in getattr(layer, "_inbound_nodes", ()) or ()
-        if node.input_tensors and _dtype(node.input_tensors[0]) in INTEGERS
+        if node.input_tensors and tf.as_dtype(node.input_tensors[0].dtype).is_integer
     ]
     return found[0] if len(found) == 1 else None
-
-
-def _dtype(tensor: Any) -> str:
-    """A symbolic tensor's dtype name (Keras 3: a string; tf_keras: a DType)."""
-    dtype = tensor.dtype
-    return str(getattr(dtype, "name", dtype))
-
-
-#: the dtypes of token ids
-INTEGERS = ("int32", "int64", "uint8", "int16", "uint16", "uint32", "int8")
 
 
 def _run_keras3(graph, inputs, training, target, replace):
