@@ -8,6 +8,7 @@ A rule reads its layer's configuration and never calls or changes the layer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -217,18 +218,12 @@ class UnfoldedMatmul(LayerRule):
     def forms_rows(self, dz: tf.Tensor, *, summed: bool) -> bool:
         """Where :func:`jacobkit.layers.norms.kernel_and_bias_norms` forms the
         rows' gradients (not the Gram form) in one chunk."""
-        kernel = tuple(self.weight("kernel").shape)
-        inputs = 1
-        for size in kernel[:-1]:
-            inputs *= int(size)
-        positions = 1
-        for size in dz.shape[2:-1]:
-            positions *= int(size)
+        kernel = [int(size) for size in self.weight("kernel").shape]
         return norms.forms_rows(
             int(dz.shape[0]),
-            positions,
-            inputs,
-            int(kernel[-1]),
+            math.prod(int(size) for size in dz.shape[2:-1]),
+            math.prod(kernel[:-1]),
+            kernel[-1],
             int(dz.shape[1]),
             summed=summed,
         )
