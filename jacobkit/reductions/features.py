@@ -13,7 +13,7 @@ matrices over positions, multiplied elementwise and summed, never forming
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,13 +130,13 @@ def of_chunk_on_replicas(
     else:
         ran = engine.planned(chosen, problem)
         name = ran.name
+    size = source.batch_size(pieces[0])
     computed = distribute.Replicas(
         strategy,
         reductions.computation(ran, problem),
         summed=call.summed,
-        batch_size=source.batch_size(pieces[0]),
+        batch_size=size,
     ).run(pieces)
-    size = source.batch_size(pieces[0])
     # per-example pieces were padded to the first's size: their rows trimmed
     trimmed = [
         [
@@ -205,7 +205,7 @@ def _parsed(tensors: list[tf.Tensor]) -> tuple[Feature, ...]:
 def inner_products(a: ChunkFeatures, b: ChunkFeatures) -> tf.Tensor:
     """``(R_a, R_b)``: the inner products of every row of ``a`` with every
     row of ``b``, summed over the targets, in float32: one compiled call
-    (:func:`_inner_products`) over the targets' tensors."""
+    (:func:`_compiled`) over the targets' tensors."""
     pairs = []
     for fa, fb in zip(a.features, b.features, strict=True):
         if isinstance(fa, Ghost) != isinstance(fb, Ghost):
@@ -213,9 +213,8 @@ def inner_products(a: ChunkFeatures, b: ChunkFeatures) -> tf.Tensor:
             # different sizes may get different forms
             fa, fb = _flat(fa), _flat(fb)
         pairs.append((fa, fb))
-    kinds = tuple("ghost" if isinstance(fa, Ghost) else "flat" for fa, _ in pairs)
-    found: tf.Tensor = _inner_products(
-        kinds,
+    found: tf.Tensor = _compiled(_sum_of_pairs)(
+        _kinds([fa for fa, _ in pairs]),
         [_tensors(fa) for fa, _ in pairs],
         [_tensors(fb) for _, fb in pairs],
     )
@@ -227,14 +226,18 @@ def inner_products_within(chunk: ChunkFeatures, count: int, total: int) -> tf.Te
     with the rest's (a chunk of ``total`` examples, per-example rows: each
     example's ``K`` in order), split inside the compiled call (split
     eagerly, its dozen slices cost more than the call they saved)."""
-    kinds = tuple("ghost" if isinstance(f, Ghost) else "flat" for f in chunk.features)
-    found: tf.Tensor = _split_products(
-        kinds,
+    found: tf.Tensor = _compiled(_split_pairs)(
+        _kinds(chunk.features),
         [_tensors(f) for f in chunk.features],
         tf.constant(count),
         tf.constant(chunk.num_rows // total),
     )
     return found
+
+
+def _kinds(features: Sequence[Feature]) -> tuple[str, ...]:
+    """Each target's form, as the compiled products take it."""
+    return tuple("ghost" if isinstance(f, Ghost) else "flat" for f in features)
 
 
 def _tensors(feature: Feature) -> tuple[tf.Tensor, ...]:
@@ -260,24 +263,10 @@ def _compiled(fn: Callable[..., tf.Tensor]) -> Any:
     )
 
 
-def _inner_products(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
-    """The sum over the targets of each pair's inner products (compiled:
-    :func:`_compiled`)."""
-    found: tf.Tensor = _compiled(_sum_of_pairs)(kinds, a, b)
-    return found
-
-
-def _split_products(
-    kinds: tuple[str, ...], parts: _Parts, count: tf.Tensor, per_example: tf.Tensor
-) -> tf.Tensor:
-    found: tf.Tensor = _compiled(_split_pairs)(kinds, parts, count, per_example)
-    return found
-
-
 def _split_pairs(
     kinds: tuple[str, ...], parts: _Parts, count: tf.Tensor, per_example: tf.Tensor
 ) -> tf.Tensor:
-    """:func:`_inner_products` of the first ``count`` examples of each
+    """:func:`_sum_of_pairs` of the first ``count`` examples of each
     target's tensors with the rest (a flat target's rows: ``count *
     per_example``)."""
     a: _Parts = []
@@ -290,6 +279,7 @@ def _split_pairs(
 
 
 def _sum_of_pairs(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
+    """The sum over the targets of each pair's inner products."""
     total = None
     for kind, ta, tb in zip(kinds, a, b, strict=True):
         if kind == "flat":
