@@ -26,8 +26,6 @@ class ExampleSet:
     inputs: Any
     reading: source.Reading
     kept: list[Any] | None = None
-    first_size: int = 0
-
     #: a set of arrays as NumPy, checked once (``None`` for batches)
     arrays: Any = None
 
@@ -41,18 +39,8 @@ class ExampleSet:
             if not self.kept:
                 raise ValueError("gram(a=..., b=...): a set has no examples.")
 
-    def whole(self) -> bool:
-        """Whether the set is arrays (one batch), not batches read in turn."""
-        return self.arrays is not None
-
-    def examples(self) -> int:
-        """The examples of a set of arrays (:meth:`whole`)."""
-        return source.batch_size(self.arrays)
-
     def first(self, size: int) -> Any:
-        chunk = next(self.chunks(size))
-        self.first_size = source.batch_size(chunk)
-        return chunk
+        return next(self.chunks(size))
 
     def chunks(self, size: int) -> Iterator[Any]:
         """Chunks of at most ``size`` examples, in order."""
@@ -129,23 +117,21 @@ class Blocks:
         0.7 of a 3.7 ms Gram call between notebook 07's 100 test and 1,000
         training digits); ``None`` where a set is streamed."""
         a, b = self.sets
-        if self.symmetric or self.call.summed or not (a.whole() and b.whole()):
+        if self.symmetric or self.call.summed or a.arrays is None or b.arrays is None:
             return None
-        xa, xb = next(a.chunks(self.size)), next(b.chunks(self.size))
-        count = source.batch_size(xa)
-        if a.examples() > count or b.examples() > source.batch_size(xb):
+        count, other = source.batch_size(a.arrays), source.batch_size(b.arrays)
+        if max(count, other) > self.size:
             return None  # a set of several chunks: streamed
         try:
-            tf.nest.assert_same_structure(xa, xb)
+            tf.nest.assert_same_structure(a.arrays, b.arrays)
         except (ValueError, TypeError):
             return None
-        both = tf.nest.map_structure(lambda u, v: np.concatenate([u, v]), xa, xb)
-        total = count + source.batch_size(xb)
+        both = tf.nest.map_structure(
+            lambda u, v: np.concatenate([u, v]), a.arrays, b.arrays
+        )
         self.first = found = self._features(both)
-        block = feats.inner_products_within(found, count, total).numpy()
-        block = block.astype(np.float64)
-        self.blocks[0, 0] = block
-        return block
+        block = feats.inner_products_within(found, count, count + other)
+        return block.numpy().astype(np.float64)
 
     def _features(self, x: Any) -> feats.ChunkFeatures:
         if self.distribute is not None:
