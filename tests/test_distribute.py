@@ -33,6 +33,43 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3", **extra}
 
 
+#: a script's lines that give it two logical CPU devices and a
+#: MirroredStrategy over them (before TensorFlow starts)
+_TWO_CPUS = """
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+"""
+
+
+def _run_on_two_cpus(tmp_path, name: str, source: str) -> subprocess.CompletedProcess:
+    """Runs ``source`` (after :data:`_TWO_CPUS`) as a script in a fresh
+    process, its first argument ``tmp_path``; it must succeed."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(_TWO_CPUS) + source)
+    ran = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return ran
+
+
+def _assert_same_arrays(one, two) -> None:
+    """Two ``np.load``-ed archives hold the same arrays, within 1e-5 of the
+    largest value."""
+    assert sorted(one.files) == sorted(two.files)
+    for key in one.files:
+        assert one[key].shape == two[key].shape, key
+        assert testing.max_relative_difference(two[key], one[key]) <= 1e-5, key
+
+
 def _single_device() -> dict[str, np.ndarray]:
     ex = examples.build("mlp", batch=EXAMPLES)
     dataset = tf.data.Dataset.from_tensor_slices(ex.inputs).batch(BATCH)
@@ -64,11 +101,6 @@ _RUN = f"""
 _MIRRORED = textwrap.dedent(
     """
     import logging, sys
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     logging.basicConfig(stream=sys.stdout, format="%(message)s")
     logging.getLogger("jacobkit.batches.distribute").setLevel(logging.DEBUG)
     out, name = sys.argv[1], "mirrored"
@@ -99,16 +131,7 @@ def _assert_agree(directory, names) -> None:
 
 
 def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
-    script = tmp_path / "mirrored.py"
-    script.write_text(_MIRRORED)
-    ran = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert ran.returncode == 0, ran.stderr[-3000:]
+    ran = _run_on_two_cpus(tmp_path, "mirrored", _MIRRORED)
     # both replicas computed batches, each on its own device
     devices = {
         line.split(" on ")[-1]
@@ -162,11 +185,6 @@ _REDUCTIONS = textwrap.dedent(
     """
     import sys
     import numpy as np
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     import jacobkit as jk
     from tests.test_reductions import LOSS, _wide
 
@@ -192,25 +210,13 @@ def test_clipped_sums_and_projections_on_two_replicas(tmp_path):
     of one example, not padded into the clipped sum) give what one device
     gives. Measured: equal for ``batch``, 4.3e-7 of the largest value for
     ``loop`` (float32 sums in another order); bound 1e-5."""
-    script = tmp_path / "reductions.py"
-    script.write_text(_REDUCTIONS)
-    ran = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert ran.returncode == 0, ran.stderr[-3000:]
+    _run_on_two_cpus(tmp_path, "reductions", _REDUCTIONS)
     for name in ("batch", "loop"):
         for kind in ("ClippedSum", "Project"):
             one = np.load(tmp_path / f"{name}-{kind}-one.npz")
             two = np.load(tmp_path / f"{name}-{kind}-two.npz")
             assert len(one.files) == len(two.files) == 6 + (kind == "ClippedSum")
-            for key in one.files:
-                assert one[key].shape == two[key].shape
-                assert testing.max_relative_difference(two[key], one[key]) <= 1e-5
+            _assert_same_arrays(one, two)
 
 
 _GRAMS = textwrap.dedent(
@@ -218,11 +224,6 @@ _GRAMS = textwrap.dedent(
     import sys
     import keras
     import numpy as np
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     import jacobkit as jk
     from jacobkit import explain
     from tests.test_reductions import LOSS, _wide
@@ -263,20 +264,7 @@ def test_grams_and_influence_on_two_replicas(tmp_path):
     examples split across two replicas give what one device gives (rows
     computed by the closed forms, by a strategy where none serves (an LSTM),
     and summed over the set). Bound 1e-5 of the largest value."""
-    script = tmp_path / "grams.py"
-    script.write_text(_GRAMS)
-    ran = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
+    _run_on_two_cpus(tmp_path, "grams", _GRAMS)
+    _assert_same_arrays(
+        np.load(tmp_path / "grams-one.npz"), np.load(tmp_path / "grams-two.npz")
     )
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    one = np.load(tmp_path / "grams-one.npz")
-    two = np.load(tmp_path / "grams-two.npz")
-    assert sorted(one.files) == sorted(two.files)
-    for key in one.files:
-        assert one[key].shape == two[key].shape, key
-        assert testing.max_relative_difference(two[key], one[key]) <= 1e-5, key
