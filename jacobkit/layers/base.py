@@ -193,11 +193,12 @@ class LayerRule:
             self.unfold(x), dz, summed=summed, map_chunks=map_chunks, form=form
         )
 
-    def forms_rows(self, dz: tf.Tensor, *, summed: bool) -> bool:
+    def forms_rows(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool) -> bool:
         """Whether :meth:`norms` forms every row's gradient, all at once, for
-        the cotangents ``dz`` (``(B, K, *z.shape[1:])``): then a clipped sum
-        weights those gradients (:meth:`gradients`) instead of contracting the
-        scaled cotangents a second time. Rules that do not say: ``False``."""
+        the tapped input ``x`` and cotangents ``dz`` (``(B, K, *z.shape[1:])``):
+        then a clipped sum weights those gradients (:meth:`gradients`) instead
+        of contracting the scaled cotangents a second time. Rules that do not
+        say: ``False``."""
         return False
 
 
@@ -215,7 +216,7 @@ class UnfoldedMatmul(LayerRule):
     def factored(self) -> bool:
         return True
 
-    def forms_rows(self, dz: tf.Tensor, *, summed: bool) -> bool:
+    def forms_rows(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool) -> bool:
         """Where :func:`jacobkit.layers.norms.kernel_and_bias_norms` forms the
         rows' gradients (not the Gram form) in one chunk."""
         kernel = [int(size) for size in self.weight("kernel").shape]
@@ -251,7 +252,7 @@ class MaterializedNorms(LayerRule):
         )
         return row_norms(kernel), row_norms(bias)
 
-    def forms_rows(self, dz: tf.Tensor, *, summed: bool) -> bool:
+    def forms_rows(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool) -> bool:
         return True
 
 

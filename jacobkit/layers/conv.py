@@ -169,9 +169,9 @@ class Conv2DRule(UnfoldedMatmul, ConvRule):
         by_example = tf.experimental.numpy.moveaxis(dz, 0, 1)
         return self.gradients(x, by_example, kernel_shape, summed=True)
 
-    def forms_rows(self, dz: tf.Tensor, *, summed: bool) -> bool:
+    def forms_rows(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool) -> bool:
         if compat.groups(self.layer) == 1:
-            return super().forms_rows(dz, summed=summed)
+            return super().forms_rows(x, dz, summed=summed)
         return True  # its norms form every row's gradient (below)
 
     def norms(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool, **kwargs: Any) -> Any:

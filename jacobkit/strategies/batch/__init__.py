@@ -27,6 +27,7 @@ from typing import Any, final
 
 import tensorflow as tf
 
+from jacobkit.layers.base import Tapped
 from jacobkit.problem import Problem, through
 from jacobkit.problem.reduce import ClippedSum, Factors, Project
 from jacobkit.strategies.base import Strategy, map_chunks
@@ -117,10 +118,7 @@ class Batch(Strategy):
                 )
 
             size = rows_per_chunk(rows, zs)
-            taps = (
-                [tf.cast(tap.inputs, tap.z.dtype) for tap in forward.taps],
-                forward.parts,
-            )
+            taps = ([_in_z_dtype(tap) for tap in forward.taps], forward.parts)
             if summed and problem.reduce is None:
                 # each chunk's cotangents are contracted at once and written
                 # into the result: the peak is the result plus one chunk
@@ -168,3 +166,14 @@ def rows_per_chunk(rows: int, zs: list[tf.Tensor]) -> int:
     most = min(rows, max(ROWS_AT_ONCE, CHUNK_BYTES // per_row))
     chunks = -(-rows // most)
     return int(-(-rows // chunks))
+
+
+def _in_z_dtype(tap: Tapped) -> Any:
+    """A tap's input cast to its ``z``'s dtype where it is floating (mixed
+    precision: a float16 input, a float32 ``z``), so contractions accumulate
+    as the loop's gradient does. Integer ids stay integers: an embedding's
+    rule reads its per-example norms sparsely from them
+    (:meth:`jacobkit.layers.embedding.EmbeddingRule.forms_rows`)."""
+    if tap.inputs.dtype.is_floating:
+        return tf.cast(tap.inputs, tap.z.dtype)
+    return tap.inputs

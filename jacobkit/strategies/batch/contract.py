@@ -163,7 +163,7 @@ def clipped_sum(
     norms_by_part: list[tuple[Any, Any]] = []
     for i, p in enumerate(projections(problem)):
         calls = [(x, dz) for x, dz, j in zip(xs, dzs, parts) if j == i]
-        if shared or all(p.rule.forms_rows(dz, summed=summed) for _, dz in calls):
+        if shared or all(p.rule.forms_rows(x, dz, summed=summed) for x, dz in calls):
             shape = tuple(targets[p.kernel].shape)
             each = [p.rule.gradients(x, dz, shape, summed=summed) for x, dz in calls]
             kernel = _summed([k for k, _ in each])
