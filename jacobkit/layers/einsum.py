@@ -183,3 +183,18 @@ class EinsumDenseRule(LayerRule):
             map_chunks=map_chunks,
             form=form,
         )
+
+    def forms_rows(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool) -> bool:
+        """As a Dense layer's (:func:`jacobkit.layers.norms.forms_rows`) for
+        a Dense-like equation; any other equation's norms form every row."""
+        if self._equation is None:
+            return True
+        inputs, units = self._sizes(tuple(self.weight("kernel").shape))
+        return norms.forms_rows(
+            int(dz.shape[0]),
+            int(np.prod(dz.shape[2:])) // units,
+            inputs,
+            units,
+            int(dz.shape[1]),
+            summed=summed,
+        )

@@ -74,11 +74,17 @@ class _Normalization(MaterializedNorms):
         batch, rows = dz.shape[0], dz.shape[1]
         xhat = tf.reshape(tf.cast(self.normalized(x), dz.dtype), (batch, -1, channels))
         g = tf.reshape(dz, (batch, rows, -1, channels))  # (B, K, P, C)
+        # NOTE (measured, one core): a product and a sum, not
+        # tf.einsum("bpc,bkpc->bkc"), which transposes into a batched matmul:
+        # BERT's LayerNorm at 32 examples of 32 tokens, 64 channels, one row
+        # each, 0.12 against 0.42 ms; 144 rows of 8 examples of 196 positions,
+        # 32 channels, 6.2 against 28.5 ms (summed over the batch: the same)
+        products = xhat[:, None] * g
         if summed:
-            gamma = tf.einsum("bpc,bkpc->kc", xhat, g)
+            gamma = tf.reduce_sum(products, axis=(0, 2))
             beta = tf.reduce_sum(g, axis=(0, 2))
         else:
-            gamma = tf.reshape(tf.einsum("bpc,bkpc->bkc", xhat, g), (-1, channels))
+            gamma = tf.reshape(tf.reduce_sum(products, axis=2), (-1, channels))
             beta = tf.reshape(tf.reduce_sum(g, axis=2), (-1, channels))
         return gamma, beta
 
