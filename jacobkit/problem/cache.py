@@ -30,6 +30,7 @@ class Slot(enum.Enum):
     INDEPENDENT = "problem.tensor_targets: whether examples are independent"
     SESSIONS = "planner.Auto: its planning sessions and norm choices"
     CAM_FORWARD = "explain.cam: Grad-CAM's compiled forward pass"
+    TARGET_KEYS = "problem.targets: the result keys of each set of target variables"
 
 
 #: model -> {slot: {key: value}}; the one module-level per-model cache
