@@ -17,6 +17,7 @@ import tensorflow as tf
 import jacobkit as jk
 from jacobkit import explain, testing
 from jacobkit.explain.tokens import _log_likelihood, _targets
+from jacobkit.keras.lm_head import linear_head
 
 keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
@@ -268,3 +269,36 @@ def test_a_tied_embeddings_gradient_sums_both_calls(gpt2, strategy):
     found = jk.jacobian(gpt2, (x, y), layer, outputs=loss, strategy=strategy)
     want = testing.float64_reference(gpt2, (x, y), layer, outputs=loss)
     _close(np.asarray(found[0]), np.asarray(want[0]))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gemma"])
+def test_a_causal_lm_is_split_at_its_tied_head(request, name):
+    """keras_hub's causal LMs are ``token_embedding(backbone(x),
+    reverse=True)``: token attribution differentiates the backbone alone,
+    from each row's cotangent at the hidden states (what the float64
+    comparisons above check the values of)."""
+    model = request.getfixturevalue(name)
+    split = linear_head(model)
+    assert split is not None
+    assert split.body is model.backbone
+    assert split.head is model.backbone.token_embedding
+    assert split.kwargs == (("reverse", True),)
+    x = _tokens()
+    hidden = model.backbone(x)
+    np.testing.assert_allclose(
+        split.logits(hidden), model(x), rtol=0, atol=1e-5 * np.abs(model(x)).max()
+    )
+
+
+def test_a_model_without_a_head_over_a_body_is_not_split(bert):
+    """A classifier's head reads a pooled, dropped-out state (not a body's
+    one output), and a Sequential's head reads a layer: both run whole."""
+    assert linear_head(bert) is None
+    sequential = keras.Sequential(
+        [
+            keras.Input((T,), dtype="int32"),
+            keras.layers.Embedding(VOCABULARY, 4),
+            keras.layers.Dense(VOCABULARY),
+        ]
+    )
+    assert linear_head(sequential) is None
