@@ -153,3 +153,40 @@ def test_bad_arguments_are_refused():
         jk.gram(model, inputs, outputs=LOSS, memory_budget=10)
     with pytest.raises(TypeError, match="expected a tf.distribute.Strategy"):
         jk.gram(model, inputs, outputs=LOSS, distribute="two replicas")
+
+
+def _vocabulary(length: int = 6, count: int = 7, seed: int = 4):
+    """A token model whose table (300 x 16) is large beside a short
+    sequence's pairs of positions, any length: its per-example lookup rows
+    are ghosted (ids and cotangents). Ids repeat within and across
+    examples (drawn from 20 of the 300)."""
+    keras.utils.set_random_seed(4)
+    ids = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(300, 16, name="embed")(ids)
+    h = keras.layers.Dense(8, activation="tanh", name="ffn")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(ids, keras.layers.Dense(3, name="head")(h))
+    return model, _token_data(length, count, seed)
+
+
+def _token_data(length: int, count: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 20, size=(count, length)).astype("int32")
+    return x, rng.integers(0, 3, count)
+
+
+def test_an_embeddings_lookup_rows_are_ghosted_by_their_ids():
+    """<E_i, E_j> = Σ_{t,s} [id_it = id_js] δ_it · δ_js, the tables never
+    formed; a short sequence's rows are ghosted, a long one's formed, and
+    the two forms meet (the lookup's tables formed for the pair)."""
+    model, short = _vocabulary()
+    rows = _rows(model, short, LOSS)
+    result = jk.gram(model, short, outputs=LOSS, chunk_examples=3)
+    assert result.forms["embed/embeddings"] == "ghost"
+    _close(result.matrix, rows @ rows.T)
+    long = _token_data(40, 4, seed=5)  # 40² position pairs: formed
+    assert jk.gram(model, long, outputs=LOSS).forms["embed/embeddings"] == (
+        "materialized"
+    )
+    mixed = jk.gram(model, short, long, outputs=LOSS)
+    _close(mixed.matrix, rows @ _rows(model, long, LOSS).T)

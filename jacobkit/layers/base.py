@@ -178,6 +178,14 @@ class LayerRule:
         forming it (:mod:`jacobkit.problem.sketch`)."""
         return False
 
+    def lookup_ids(self, x: tf.Tensor) -> tf.Tensor | None:
+        """For a table lookup (an embedding called on ids): the ids ``(B,
+        P)``, the positions of the one-hot rows that :meth:`factored`'s
+        patches would be, so Gram matrices and projections take the table's
+        rows at them instead of a ``(B, vocabulary, D)`` gradient. ``None``
+        for every other call."""
+        return None
+
     def norms(
         self,
         x: tf.Tensor,

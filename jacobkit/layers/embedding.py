@@ -116,6 +116,11 @@ class EmbeddingRule(MaterializedNorms):
         )  # (B, K)
         return tf.reshape(tf.sqrt(squares), (-1,)), tf.zeros((batch * rows,), dz.dtype)
 
+    def lookup_ids(self, x: tf.Tensor) -> tf.Tensor | None:
+        if not x.dtype.is_integer:  # a reverse call's hidden states
+            return None
+        return tf.reshape(tf.cast(x, tf.int32), (x.shape[0], -1))
+
     def forms_rows(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool) -> bool:
         """Only where :meth:`norms` forms the dense table (rows summed over
         the batch, or a reverse call): a per-example lookup's norms are

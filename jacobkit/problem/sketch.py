@@ -100,7 +100,20 @@ class TargetMap:
         assert self.left is not None and self.right is not None, "a Kronecker map"
         # 2-D matmuls only: a rank-4 by rank-2 tf.matmul gave wrong numbers,
         # then std::bad_alloc, on CPU (TF 2.21, oneDNN)
-        left = _times(patches, self.left)  # (B, P, s)
+        return self._of_mapped(_times(patches, self.left), cotangents)
+
+    def of_lookup(self, ids: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+        """:meth:`of_factors` of an embedding lookup, whose patches are the
+        one-hot rows of its ids ``(B, P)``: their product with the left
+        factor is the factor's rows at the ids, gathered."""
+        assert self.left is not None and self.right is not None, "a Kronecker map"
+        return self._of_mapped(tf.gather(tf.constant(self.left), ids), cotangents)
+
+    def _of_mapped(self, left: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+        """``left`` ``(B, P, s)`` (the patches' left factor), ``cotangents``
+        ``(B, K, P, O)`` -> ``(B * K, dim)``."""
+        assert self.right is not None, "a Kronecker map"
+        left = tf.cast(left, cotangents.dtype)
         right = _times(cotangents, self.right)  # (B, K, P, s)
         both = tf.matmul(tf.transpose(left, (0, 2, 1))[:, None], right)  # (B,K,s,s)
         batch, rows = cotangents.shape[0], cotangents.shape[1]

@@ -126,6 +126,11 @@ class Blocks:
             tf.nest.assert_same_structure(a.arrays, b.arrays)
         except (ValueError, TypeError):
             return None
+        if any(
+            np.shape(u)[1:] != np.shape(v)[1:]
+            for u, v in zip(tf.nest.flatten(a.arrays), tf.nest.flatten(b.arrays))
+        ):
+            return None  # other example shapes (sequence lengths): apart
         both = tf.nest.map_structure(
             lambda u, v: np.concatenate([u, v]), a.arrays, b.arrays
         )

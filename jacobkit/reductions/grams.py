@@ -3,13 +3,15 @@ of two sets of examples (data attribution's TracIn and Grad-Cos, the
 empirical NTK), without holding more than two chunks' gradients.
 
 Both sets are read in chunks of examples. For each chunk each target's rows
-are in one of two forms (:mod:`jacobkit.reductions.features`), chosen per
+are in one of three forms (:mod:`jacobkit.reductions.pairs`), chosen per
 target by predicted cost (:func:`jacobkit.layers.norms.ghost_pairs`, mixed
 ghost clipping's rule): a Dense or convolution kernel whose rows' inner
 products are cheaper from the layer's input and output cotangents is kept
-as those factors (the ghost form); every other target's rows are its
-gradients, formed by the ``batch`` strategy's closed forms or, where no
-closed form serves a target, by the strategy ``auto`` picks.
+as those factors (the ghost form); an embedding's per-example lookup as its
+ids and cotangents (:func:`jacobkit.layers.norms.ghost_lookup_pairs`);
+every other target's rows are its gradients, formed by the ``batch``
+strategy's closed forms or, where no closed form serves a target, by the
+strategy ``auto`` picks.
 """
 
 from __future__ import annotations
@@ -290,7 +292,7 @@ def _pair_bytes(chunk: feats.ChunkFeatures) -> float:
     """The ghost form's largest intermediate for the chunk with itself."""
     found = 0.0
     for f in chunk.features:
-        if isinstance(f, feats.Ghost):
+        if isinstance(f, (feats.Ghost, feats.Lookup)):
             b, k, p = f.cotangents.shape[:3]
             found = max(found, 4.0 * b * b * k * k * p * p)
     return found

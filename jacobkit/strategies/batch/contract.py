@@ -215,11 +215,17 @@ def _factors(rule: Any, x: Any, dz: Any, *, summed: bool) -> tuple[Any, Any]:
     """A factored part's unfolded input ``(B, P, I)`` and cotangents ``(B,
     K, P, O)`` from its tap ``x`` and ``dz`` (``(B, K, *z.shape[1:])``); rows
     summed over the batch see one example of ``B * P`` positions."""
-    patches = rule.unfold(x)
+    return _by_position(rule.unfold(x), dz, summed=summed)
+
+
+def _by_position(patches: Any, dz: Any, *, summed: bool) -> tuple[Any, Any]:
+    """``patches`` (``(B, P, I)``, or a lookup's ids ``(B, P)``) with the
+    cotangents ``(B, K, P, O)``; summed rows: one example of ``B * P``
+    positions."""
     batch, positions = patches.shape[0], patches.shape[1]
     cotangents = tf.reshape(dz, (batch, dz.shape[1], positions, dz.shape[-1]))
     if summed:
-        patches = tf.reshape(patches, (1, batch * positions, -1))
+        patches = tf.reshape(patches, (1, batch * positions, *patches.shape[2:]))
         cotangents = tf.transpose(cotangents, (1, 0, 2, 3))
         cotangents = tf.reshape(cotangents, (1, dz.shape[1], batch * positions, -1))
     return patches, cotangents
@@ -243,9 +249,15 @@ def projected(
     out: list[Any] = [None] * len(targets)
     for i, p in enumerate(projections(problem)):
         kernel_map, shape = maps[p.kernel], tuple(targets[p.kernel].shape)
-        kernels, biases = [], []
+        kernels: list[Any] = []
+        biases: list[Any] = []
         for x, dz in (pair[:2] for pair in zip(xs, dzs, parts) if pair[2] == i):
-            if kernel_map.kronecker and p.rule.factored():
+            ids = p.rule.lookup_ids(x) if kernel_map.kronecker else None
+            if ids is not None:  # the one-hot patches' left factor, gathered
+                ids, cotangents = _by_position(ids, dz, summed=summed)
+                kernels.append(kernel_map.of_lookup(ids, cotangents))
+                biases.append(None)  # an embedding has no bias
+            elif kernel_map.kronecker and p.rule.factored():
                 patches, cotangents = _factors(p.rule, x, dz, summed=summed)
                 kernels.append(kernel_map.of_factors(patches, cotangents))
                 bias = tf.reduce_sum(cotangents, axis=2)
@@ -260,6 +272,22 @@ def projected(
     return out
 
 
+def _lookup(rule: Any, calls: list[Any], shape: tuple[int, ...]) -> Any:
+    """An embedding's one lookup call as ``jk.gram``'s ghost form, its ids
+    ``(B, P)`` and cotangents ``(B, K, P, O)``, where
+    :func:`jacobkit.layers.norms.ghost_lookup_pairs` says pairs are cheaper
+    from them than from the formed tables; else ``None``."""
+    if len(calls) != 1:
+        return None
+    ((x, dz),) = calls
+    ids = rule.lookup_ids(x)
+    if ids is None or not layer_norms.ghost_lookup_pairs(
+        int(ids.shape[1]), int(shape[0]), int(shape[-1]), int(dz.shape[1])
+    ):
+        return None
+    return _by_position(ids, dz, summed=False)
+
+
 @_no_autograph
 def factors(
     problem: Problem, taps: Taps, dzs: list[Any], *, summed: bool
@@ -268,14 +296,20 @@ def factors(
     targets: a factored kernel where :func:`jacobkit.layers.norms.ghost_pairs`
     says pairs are cheaper from its factors, as two tensors (its unfolded
     input ``(B, P, I)`` and cotangents ``(B, K, P, O)``, a layer's calls
-    side by side along ``P``); every other target as one ``(R, size)``
-    tensor of its rows' gradients (summed over the layer's calls)."""
+    side by side along ``P``); an embedding's per-example lookup likewise,
+    its ids ``(B, P)`` (integers) in place of the one-hot patches
+    (:func:`_lookup`); every other target as one ``(R, size)`` tensor of its
+    rows' gradients (summed over the layer's calls)."""
     targets = problem.targets
     xs, parts = taps
     out: list[Any] = [None] * len(targets)
     for i, p in enumerate(projections(problem)):
         shape = tuple(targets[p.kernel].shape)
         calls = [pair[:2] for pair in zip(xs, dzs, parts) if pair[2] == i]
+        lookup = None if summed else _lookup(p.rule, calls, shape)
+        if lookup is not None:  # an embedding has no bias
+            out[p.kernel] = lookup
+            continue
         pairs = (
             [_factors(p.rule, x, dz, summed=summed) for x, dz in calls]
             if p.rule.factored()

@@ -1,0 +1,209 @@
+"""The inner products of two chunks' rows from the forms the Gram takes
+them in, per target (:mod:`jacobkit.reductions.features` makes them):
+
+- :class:`Ghost`, a factored kernel's unfolded input and cotangents;
+- :class:`Lookup`, an embedding's ids and cotangents;
+- :class:`Flat`, the rows' gradients formed.
+
+NOTE (the ghost form). A factored kernel's row gradient is
+``G_r = Σ_p U_p Δ_{r,p}ᵀ`` (``U`` the unfolded input of the row's example,
+``P x I``; ``Δ`` its cotangents, ``P x O``), so
+``<G_r, G_s> = Σ_{p,q} (U_p · U'_q) (Δ_{r,p} · Δ'_{s,q})``: two Gram
+matrices over positions, multiplied elementwise and summed, never forming
+``G`` (Opacus's ghost norm, between two examples instead of one with itself).
+A lookup's ``U_p`` is the one-hot row of its id: ``U_p · U'_q`` is whether
+the two ids are equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from jacobkit.layers import contract
+
+
+@dataclass(frozen=True)
+class Ghost:
+    """A factored kernel's rows: ``patches`` ``(B, P, I)`` and
+    ``cotangents`` ``(B, K, P, O)``, ``B * K`` rows."""
+
+    patches: tf.Tensor
+    cotangents: tf.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.patches) + _nbytes(self.cotangents)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """An embedding's per-example lookup rows: ``ids`` ``(B, P)`` and
+    ``cotangents`` ``(B, K, P, O)``; row ``(b, k)``'s gradient is the table
+    ``Σ_p onehot(ids[b, p]) cotangents[b, k, p]ᵀ``, never formed."""
+
+    ids: tf.Tensor
+    cotangents: tf.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.ids) + _nbytes(self.cotangents)
+
+
+@dataclass(frozen=True)
+class Flat:
+    """Rows' gradients ``(R, size)``."""
+
+    rows: tf.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.rows)
+
+
+Feature = Ghost | Lookup | Flat
+
+
+def _nbytes(tensor: tf.Tensor) -> int:
+    return int(tensor.shape.num_elements() or 0) * tensor.dtype.size
+
+
+def kinds(features: Sequence[Feature]) -> tuple[str, ...]:
+    """Each target's form, as the compiled products take it."""
+    return tuple(_KINDS[type(f)] for f in features)
+
+
+_KINDS = {Ghost: "ghost", Lookup: "lookup", Flat: "flat"}
+
+
+def tensors_of(feature: Feature) -> tuple[tf.Tensor, ...]:
+    if isinstance(feature, Ghost):
+        return (feature.patches, feature.cotangents)
+    if isinstance(feature, Lookup):
+        return (feature.ids, feature.cotangents)
+    return (feature.rows,)
+
+
+#: each target's tensors: a ghost form's two, a flat one's one
+_Parts = list[tuple[tf.Tensor, ...]]
+
+
+def split_pairs(
+    kinds: tuple[str, ...], parts: _Parts, count: tf.Tensor, per_example: tf.Tensor
+) -> tf.Tensor:
+    """:func:`sum_of_pairs` of the first ``count`` examples of each
+    target's tensors with the rest (a flat target's rows: ``count *
+    per_example``)."""
+    a: _Parts = []
+    b: _Parts = []
+    for kind, tensors in zip(kinds, parts, strict=True):
+        cut = count * per_example if kind == "flat" else count
+        a.append(tuple(t[:cut] for t in tensors))
+        b.append(tuple(t[cut:] for t in tensors))
+    return sum_of_pairs(kinds, a, b)
+
+
+def sum_of_pairs(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
+    """The sum over the targets of each pair's inner products."""
+    total = None
+    for kind, ta, tb in zip(kinds, a, b, strict=True):
+        if kind == "flat":
+            part = tf.matmul(
+                tf.cast(ta[0], tf.float32), tf.cast(tb[0], tf.float32), transpose_b=True
+            )
+        elif kind == "lookup":
+            part = _lookup_pair(Lookup(*ta), Lookup(*tb))
+        else:
+            part = _ghost_pair(Ghost(*ta), Ghost(*tb))
+        total = part if total is None else total + part
+    assert total is not None, "at least one target"
+    return total
+
+
+def _ghost_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
+    if fa.patches.shape[1] == 1 and fb.patches.shape[1] == 1:
+        return _rank_one_pair(fa, fb)
+    patches = tf.einsum("bpi,cqi->bcpq", fa.patches, fb.patches)
+    cotangents = tf.einsum("bkpo,clqo->bkclpq", fa.cotangents, fb.cotangents)
+    both = tf.einsum("bcpq,bkclpq->bkcl", patches, cotangents)
+    shape = tf.shape(both)
+    return tf.cast(tf.reshape(both, (shape[0] * shape[1], -1)), tf.float32)
+
+
+def _rank_one_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
+    """One position per example (a Dense layer on unbatched features): each
+    row's gradient is ``a δᵀ``, so ``<a δᵀ, a' δ'ᵀ> = (a·a')(δ·δ')``, two
+    matrix products. NOTE (why): the general einsums took 2 ms each for 100
+    x 1,000 examples of notebook 07's MLP, most of a TracIn call."""
+    inputs = tf.matmul(fa.patches[:, 0], fb.patches[:, 0], transpose_b=True)  # (B, C)
+    a_shape, b_shape = tf.shape(fa.cotangents), tf.shape(fb.cotangents)
+    units = a_shape[-1]
+    outputs = tf.matmul(
+        tf.reshape(fa.cotangents, (-1, units)),
+        tf.reshape(fb.cotangents, (-1, units)),
+        transpose_b=True,
+    )
+    outputs = tf.reshape(outputs, (a_shape[0], a_shape[1], b_shape[0], b_shape[1]))
+    both = outputs * tf.cast(inputs, outputs.dtype)[:, None, :, None]
+    return tf.cast(
+        tf.reshape(both, (a_shape[0] * a_shape[1], b_shape[0] * b_shape[1])),
+        tf.float32,
+    )
+
+
+def _lookup_pair(fa: Lookup, fb: Lookup) -> tf.Tensor:
+    """:func:`_ghost_pair` of two lookups: the positions' Gram is whether
+    their ids are equal; the cotangents' one matrix product over every
+    position of both chunks."""
+    a_shape, b_shape = tf.shape(fa.cotangents), tf.shape(fb.cotangents)
+    units = a_shape[-1]
+    outputs = tf.matmul(
+        tf.reshape(fa.cotangents, (-1, units)),
+        tf.reshape(fb.cotangents, (-1, units)),
+        transpose_b=True,
+    )  # (B K P, C L Q)
+    outputs = tf.reshape(
+        outputs, tf.concat([a_shape[:3], b_shape[:3]], axis=0)
+    )  # (B, K, P, C, L, Q)
+    same = tf.equal(
+        fa.ids[:, None, :, None, None, None], fb.ids[None, None, None, :, None, :]
+    )  # (B, 1, P, C, 1, Q)
+    both = tf.reduce_sum(outputs * tf.cast(same, outputs.dtype), axis=(2, 5))
+    return tf.cast(
+        tf.reshape(both, (a_shape[0] * a_shape[1], b_shape[0] * b_shape[1])),
+        tf.float32,
+    )
+
+
+def flat(feature: Feature, like: Feature) -> Flat:
+    """A ghost form's rows' gradients, formed: ``(B * K, I * O)`` (a
+    lookup's tables, as wide as ``like``'s formed rows)."""
+    if isinstance(feature, Flat):
+        return feature
+    if isinstance(feature, Lookup):
+        assert isinstance(like, Flat), "a lookup is paired with formed tables"
+        return _tables(feature, int(like.rows.shape[-1]))
+    patches, cotangents = feature.patches, feature.cotangents
+    formed = contract.per_example_matmul(patches, cotangents)  # (B, K, I, O)
+    shape = formed.shape
+    return Flat(tf.reshape(formed, (shape[0] * shape[1], -1)))
+
+
+def _tables(feature: Lookup, width: int) -> Flat:
+    """A lookup's rows' tables, formed: ``(B * K, vocabulary * O)``."""
+    ids, cotangents = feature.ids, feature.cotangents
+    batch, rows, positions, units = cotangents.shape
+    vocabulary = width // units
+    own = ids + vocabulary * tf.range(batch)[:, None]  # example b's table rows
+    data = tf.reshape(
+        tf.transpose(cotangents, (0, 2, 1, 3)), (batch * positions, rows, units)
+    )
+    table = tf.math.unsorted_segment_sum(
+        data, tf.reshape(own, (-1,)), batch * vocabulary
+    )  # (B * V, K, O)
+    table = tf.transpose(
+        tf.reshape(table, (batch, vocabulary, rows, units)), (0, 2, 1, 3)
+    )
+    return Flat(tf.reshape(table, (batch * rows, width)))
