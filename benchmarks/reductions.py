@@ -19,6 +19,8 @@ runs; each figure is the median over rounds.
   flattened, ``J Jᵀ``;
 - ``projection``: ``reduce=jk.Project(2048)``; ``materialized projection``:
   the per-example gradients times the same maps (``sketch.TargetMap``);
+- ``convnet_medium`` and ``bert_small`` (larger models of the same kinds):
+  the plain step and the clipped sum only;
 - ``gram over N`` / ``projection over N``: a dataset of N examples in batches
   of 32, with TensorFlow's own allocator peak (its pooled CPU allocator):
   the peak must not grow with N.
@@ -192,7 +194,7 @@ def main() -> None:
     parser.add_argument("--peers-python")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", default="convnet,mlp,bert")
+    parser.add_argument("--cases", default="convnet,mlp,bert,convnet_medium,bert_small")
     parser.add_argument("--out", default="benchmarks/results/cpu")
     parser.add_argument(
         "--merge",
@@ -216,8 +218,11 @@ def main() -> None:
         data["over"] = _over(me)
         return _write(data, out)
     commands: dict[str, list[str]] = {}
+    sys.path.insert(0, str(HERE))
+    import reductions_models
+
     for case in args.cases.split(","):
-        for method in METHODS:
+        for method in reductions_models.ONLY.get(case, METHODS):
             commands[f"{case}|{method}"] = [
                 *me,
                 "--child",
