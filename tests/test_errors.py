@@ -1066,6 +1066,25 @@ def test_auto_leaves_chunked_out_through_a_depthwise_conv_and_agrees():
     assert testing.max_relative_difference(res[0], loop[0]) < 1e-5
 
 
+def test_chunked_through_a_conv3d_is_refused_and_auto_leaves_it_out():
+    """pfor has no rule for Conv3DBackpropInputV2 (TF 2.21): refused before
+    the first call, as a depthwise convolution is; auto plans around it and
+    agrees with the float64 reference."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((5, 5, 5, 2))
+    h = keras.layers.Conv3D(3, 2, activation="relu", name="c3")(inp)
+    h = keras.layers.GlobalAveragePooling3D()(h)
+    model = keras.Model(inp, keras.layers.Dense(2, name="head")(h))
+    x = np.random.default_rng(0).normal(size=(3, 5, 5, 5, 2)).astype("float32")
+    with pytest.raises(ValueError, match=r"pfor\) has no rule .* \(Conv3D\)"):
+        jk.jacobian(model, x, "c3", strategy="chunked")
+    res = jk.jacobian(model, x, "c3", cache=False)
+    assert "pfor" in {r.label: r.reason for r in res.plan.rejected}["chunked"]
+    want = testing.float64_reference(model, x, "c3")
+    # float32 against float64: measured 2e-7
+    assert testing.max_relative_difference(res.kernel, want[0]) < 1e-5
+
+
 def test_a_pfor_failure_on_an_unknown_layer_is_one_sentence(caplog, capfd):
     # a layer of no known type: found out while tracing, then refused
     model, x = _depthwise_model(custom=True)

@@ -127,18 +127,9 @@ def test_a_layers_gradient_runs_the_convolutions_it_is_registered_with(kind):
 #: registry says it has, as the depthwise check always did: a Conv3D target
 #: fails on chunked's first call instead of being refused before it. Saying
 #: so changes what chunked and auto do: its own change, not this refactor's.
-_CONV3D_GAP = pytest.mark.xfail(
-    reason="pfor has no rule for Conv3DBackpropInputV2; not refused up front yet",
-    strict=True,
-)
-
-
 @pytest.mark.parametrize(
     "convolution",
-    [
-        pytest.param(c, marks=_CONV3D_GAP) if c.kind == "conv3d" else c
-        for c in convolutions.CONVOLUTIONS
-    ],
+    convolutions.CONVOLUTIONS,
     ids=lambda c: c.kind,
 )
 def test_pfor_has_a_rule_for_a_convolution_kind_where_registered(convolution):

@@ -139,7 +139,7 @@ def rule_for(layer: Any) -> LayerRule | None:
 
 def pfor_cannot_vectorize(layer: Any) -> bool:
     """Whether TensorFlow's vectorization (pfor) has no rule for ``layer``'s
-    gradient (depthwise and separable convolutions, subclasses included)."""
+    gradient (depthwise, separable and 3-D convolutions, subclasses included)."""
     kind = REGISTRY.of(layer)
     return kind is not None and not kind.pfor_vectorizes
 

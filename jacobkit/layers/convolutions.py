@@ -41,7 +41,8 @@ class Convolution:
         pfor_rule: whether TensorFlow's vectorization (pfor) converts its
             gradient ops for a batched cotangent; without a rule it falls
             back to a while loop (``DepthwiseConv2dNativeBackpropInput`` and
-            ``...Filter`` have none, TF 2.21).
+            ``...Filter``, and ``Conv3DBackpropInputV2``, have none, TF
+            2.21).
         forward: ``(x, kernel) -> y``, the op at stride 1 and ``"SAME"``
             padding (the kernel ``(*window, in, out)``; a depthwise one reads
             ``out`` as its channel multiplier).
@@ -67,11 +68,10 @@ CONVOLUTIONS = (
         "conv3d",
         3,
         frozenset({"Conv3DBackpropInputV2", "Conv3DBackpropFilterV2"}),
-        # NOT TRUE (TF 2.21): pfor has no rule for Conv3DBackpropInputV2
-        # either, so chunked fails on a Conv3D at its first call instead of
-        # being refused before it. Kept as the depthwise check always had it;
-        # setting False changes what chunked and auto do (its own change).
-        True,
+        # pfor has no rule for Conv3DBackpropInputV2 (TF 2.21): chunked
+        # refuses a Conv3D before its first call, as it refuses a depthwise
+        # convolution, and auto does not pick it there
+        False,
         _convolution,
     ),
     Convolution(

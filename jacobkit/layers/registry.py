@@ -74,7 +74,7 @@ class LayerKind:
     def pfor_vectorizes(self) -> bool:
         """Whether TensorFlow's vectorization (pfor) converts its gradient
         without a while-loop fallback: not where it runs a convolution
-        without a pfor rule (a depthwise or separable convolution)."""
+        without a pfor rule (a depthwise, separable or 3-D convolution)."""
         return all(convolutions.convolution(k).pfor_rule for k in self.convolutions)
 
     def classes(self, modules: Iterable[ModuleType]) -> tuple[type, ...]:

@@ -1,6 +1,6 @@
 """The layers a problem's gradient passes through that some strategies
 cannot run through, in words for their refusals: recurrent layers (a
-``tf.while_loop`` over time steps) and depthwise or separable convolutions
+``tf.while_loop`` over time steps) and depthwise, separable or 3-D convolutions
 (pfor has no rule for their gradients). What a layer type is, the layer
 registry says (:mod:`jacobkit.layers`)."""
 
@@ -26,7 +26,7 @@ def recurrent_layers(problem: Problem) -> str | None:
 
 
 def depthwise_layers(problem: Problem, *, after_only: bool = False) -> str | None:
-    """``"layer 'dw' (DepthwiseConv2D)"``: the depthwise and separable
+    """``"layer 'dw' (DepthwiseConv2D)"``: the depthwise, separable and 3-D
     convolutions the rows' gradient passes through on its way to the targets,
     or ``None``; ``after_only``: those after the target layer (on the way to
     its output)."""
