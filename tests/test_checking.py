@@ -18,6 +18,7 @@ import pytest
 import jacobkit as jk
 from jacobkit import testing
 from jacobkit.keras import layer_tree
+from tests import hub_models
 from tests.cases import OUTPUTS, TARGETS, example, tensor_reference, two_blocks
 
 keras = pytest.importorskip("keras")
@@ -33,14 +34,7 @@ VIT_DENSE = "vit_encoder/transformer_block_2/mlp/dense_1"
 @functools.cache
 def _gpt2():
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=12,
-    )
+    backbone = hub_models.gpt2(layers=2, hidden=8, intermediate=16)
     tokens = np.random.default_rng(0).integers(0, 50, (2, 6)).astype("int32")
     return backbone, {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
 

@@ -22,6 +22,7 @@ import pytest
 import jacobkit as jk
 from jacobkit import testing
 from jacobkit.problem import Problem
+from tests import hub_models
 
 keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
@@ -39,33 +40,23 @@ def _tokens(segment: bool = False) -> dict:
     return x
 
 
-_TEXT = dict(num_layers=2, hidden_dim=8, intermediate_dim=16)
+_TEXT = dict(layers=2, hidden=8, intermediate=16)
 
 
 def _gpt2():
-    model = keras_hub.models.GPT2Backbone(
-        vocabulary_size=50, num_heads=2, max_sequence_length=12, **_TEXT
-    )
+    model = hub_models.gpt2(**_TEXT)
     return model, _tokens()
 
 
 def _bert():
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=50, num_heads=2, max_sequence_length=12, **_TEXT
-    )
+    backbone = hub_models.bert(**_TEXT)
     # its sequence output alone (the float64 reference takes one output)
     model = keras.Model(backbone.inputs, backbone.output["sequence_output"])
     return model, _tokens(segment=True)
 
 
 def _gemma():
-    model = keras_hub.models.GemmaBackbone(
-        vocabulary_size=50,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        **_TEXT,
-    )
+    model = hub_models.gemma(head_dim=4, **_TEXT)
     return model, _tokens()
 
 

@@ -16,6 +16,7 @@ import pytest
 
 import jacobkit as jk
 from jacobkit import testing
+from tests import hub_models
 from tests.test_reductions import _projected_reference
 
 keras = pytest.importorskip("keras")
@@ -39,14 +40,7 @@ def _tokens(segment: bool) -> dict:
 
 def _bert():
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=LENGTH,
-    )
+    backbone = hub_models.bert(VOCABULARY, length=LENGTH)
     model = keras_hub.models.BertTextClassifier(
         backbone, num_classes=3, preprocessor=None
     )
@@ -65,14 +59,7 @@ def _next_token_loss(y_true, y_pred):
 
 def _gpt2():
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=LENGTH,
-    )
+    backbone = hub_models.gpt2(VOCABULARY, length=LENGTH)
     model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
     x = _tokens(segment=False)
     y = np.roll(x["token_ids"], -1, axis=1)

@@ -17,6 +17,7 @@ import pytest
 import jacobkit as jk
 from jacobkit import testing
 from jacobkit.testing import examples
+from tests import hub_models
 from tests.cases import TARGETS, reference, tensor_reference
 
 ROUNDS = 3
@@ -101,16 +102,7 @@ def test_two_threads_tap_the_same_keras_hub_model_at_once():
     of a graph to tap): two threads computing per-example rows of a GPT-2's
     feed-forward layer, each on its own inputs, while a third runs the model,
     all get their own correct answers; the model's weights never change."""
-    import keras_hub
-
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=12,
-    )
+    backbone = hub_models.gpt2(layers=2, hidden=8, intermediate=16)
     rng = np.random.default_rng(0)
     batches = [
         {

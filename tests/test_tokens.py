@@ -18,12 +18,13 @@ import jacobkit as jk
 from jacobkit import explain, testing
 from jacobkit.explain.tokens import _log_likelihood, _targets
 from jacobkit.keras.lm_head import linear_head
+from tests import hub_models
 
 keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
 
 B, T, VOCABULARY = 3, 8, 50
-SIZES = dict(num_layers=1, hidden_dim=16, intermediate_dim=32, max_sequence_length=T)
+SIZES = dict(layers=1, hidden=16, intermediate=32, length=T)
 
 
 def _tokens(segment: bool = False) -> dict:
@@ -41,9 +42,7 @@ def _tokens(segment: bool = False) -> dict:
 @pytest.fixture(scope="module")
 def gpt2():
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCABULARY, num_heads=2, **SIZES
-    )
+    backbone = hub_models.gpt2(VOCABULARY, **SIZES)
     return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
 
 
@@ -52,24 +51,14 @@ def gemma():
     """Gemma: the tied embedding's lookup is scaled by sqrt(hidden_dim)
     before the first block (no Add), RMS norms, grouped attention."""
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=1,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=16,
-        intermediate_dim=32,
-        head_dim=8,
-    )
+    backbone = hub_models.gemma(VOCABULARY)
     return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
 
 
 @pytest.fixture(scope="module")
 def bert():
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCABULARY, num_heads=2, **SIZES
-    )
+    backbone = hub_models.bert(VOCABULARY, **SIZES)
     return keras_hub.models.BertTextClassifier(
         backbone, num_classes=3, preprocessor=None
     )

@@ -1,0 +1,74 @@
+"""The tiny keras_hub backbones (random init, no downloads) that several
+test files build: one builder per family, sized by its arguments. Seeds are
+the caller's (``keras.utils.set_random_seed`` before the call)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def gpt2(
+    vocabulary: int = 50,
+    *,
+    layers: int = 1,
+    hidden: int = 16,
+    intermediate: int = 32,
+    length: int = 12,
+    heads: int = 2,
+) -> Any:
+    """A ``GPT2Backbone``."""
+    import keras_hub
+
+    return keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocabulary,
+        num_layers=layers,
+        num_heads=heads,
+        hidden_dim=hidden,
+        intermediate_dim=intermediate,
+        max_sequence_length=length,
+    )
+
+
+def bert(
+    vocabulary: int = 50,
+    *,
+    layers: int = 1,
+    hidden: int = 16,
+    intermediate: int = 32,
+    length: int = 12,
+    heads: int = 2,
+) -> Any:
+    """A ``BertBackbone``."""
+    import keras_hub
+
+    return keras_hub.models.BertBackbone(
+        vocabulary_size=vocabulary,
+        num_layers=layers,
+        num_heads=heads,
+        hidden_dim=hidden,
+        intermediate_dim=intermediate,
+        max_sequence_length=length,
+    )
+
+
+def gemma(
+    vocabulary: int = 50,
+    *,
+    layers: int = 1,
+    hidden: int = 16,
+    intermediate: int = 32,
+    head_dim: int = 8,
+) -> Any:
+    """A ``GemmaBackbone`` with grouped attention (2 query heads, 1 key and
+    value head)."""
+    import keras_hub
+
+    return keras_hub.models.GemmaBackbone(
+        vocabulary_size=vocabulary,
+        num_layers=layers,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=hidden,
+        intermediate_dim=intermediate,
+        head_dim=head_dim,
+    )
