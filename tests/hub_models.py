@@ -7,8 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 
-def gpt2(
-    vocabulary: int = 50,
+def gpt2(vocabulary: int = 50, **sizes: int) -> Any:
+    """A ``GPT2Backbone`` (sizes as :func:`_stack`)."""
+    return _stack("GPT2Backbone", vocabulary, **sizes)
+
+
+def bert(vocabulary: int = 50, **sizes: int) -> Any:
+    """A ``BertBackbone`` (sizes as :func:`_stack`)."""
+    return _stack("BertBackbone", vocabulary, **sizes)
+
+
+def _stack(
+    name: str,
+    vocabulary: int,
     *,
     layers: int = 1,
     hidden: int = 16,
@@ -16,32 +27,10 @@ def gpt2(
     length: int = 12,
     heads: int = 2,
 ) -> Any:
-    """A ``GPT2Backbone``."""
+    """keras_hub's backbone ``name`` of ``layers`` transformer layers."""
     import keras_hub
 
-    return keras_hub.models.GPT2Backbone(
-        vocabulary_size=vocabulary,
-        num_layers=layers,
-        num_heads=heads,
-        hidden_dim=hidden,
-        intermediate_dim=intermediate,
-        max_sequence_length=length,
-    )
-
-
-def bert(
-    vocabulary: int = 50,
-    *,
-    layers: int = 1,
-    hidden: int = 16,
-    intermediate: int = 32,
-    length: int = 12,
-    heads: int = 2,
-) -> Any:
-    """A ``BertBackbone``."""
-    import keras_hub
-
-    return keras_hub.models.BertBackbone(
+    return getattr(keras_hub.models, name)(
         vocabulary_size=vocabulary,
         num_layers=layers,
         num_heads=heads,
