@@ -108,11 +108,7 @@ def tracin(
         loss,
         learning_rates,
         top_k,
-        dict(
-            memory_budget=memory_budget,
-            chunk_examples=chunk_examples,
-            distribute=distribute,
-        ),
+        _GramOptions(memory_budget, chunk_examples, distribute),
         progress,
         normalized=False,
     )
@@ -144,11 +140,7 @@ def grad_cos(
         loss,
         learning_rates,
         top_k,
-        dict(
-            memory_budget=memory_budget,
-            chunk_examples=chunk_examples,
-            distribute=distribute,
-        ),
+        _GramOptions(memory_budget, chunk_examples, distribute),
         progress,
         normalized=True,
     )
@@ -260,6 +252,16 @@ def _layer(model: Any, layer: Any) -> Any:
     return model.trainable_variables if layer is None else layer
 
 
+@dataclass(frozen=True)
+class _GramOptions:
+    """What :func:`tracin` and :func:`grad_cos` pass on to each
+    :func:`jacobkit.gram` call."""
+
+    memory_budget: int | float | str | None
+    chunk_examples: int | None
+    distribute: tf.distribute.Strategy | None
+
+
 def _scored(
     method: str,
     model_or_checkpoints: Any,
@@ -269,7 +271,7 @@ def _scored(
     loss: Any,
     learning_rates: Sequence[float] | None,
     top_k: int | None,
-    options: dict[str, Any],
+    options: _GramOptions,
     progress: bool | None,
     *,
     normalized: bool,
@@ -284,7 +286,7 @@ def _scored(
         targets = _layer(model, layer)
         test_norms = train_norms = None
         if normalized:
-            spread = options["distribute"]
+            spread = options.distribute
             test_norms = _inverse(squared_norms(model, test, layer, loss, None, spread))
             train_norms = _inverse(
                 squared_norms(model, train, layer, loss, None, spread)
@@ -298,7 +300,9 @@ def _scored(
                 targets,
                 outputs=loss,
                 progress=progress is not False,
-                **options,
+                memory_budget=options.memory_budget,
+                chunk_examples=options.chunk_examples,
+                distribute=options.distribute,
             ).matrix
             if normalized:
                 assert test_norms is not None and train_norms is not None
