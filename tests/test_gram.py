@@ -61,6 +61,25 @@ def test_gram_between_two_sets_streams_datasets(name):
     _close(result.matrix, rows @ rows[:3].T)
 
 
+@pytest.mark.parametrize("name", [*ALL, "vocabulary"])
+def test_each_rows_norm_from_the_same_features(name):
+    """gram(norms=True): each row's gradient norm from its chunk's features
+    (ghosted, lookups and formed rows alike), streamed and together."""
+    model, inputs = _vocabulary() if name == "vocabulary" else ALL[name]()
+    want = np.linalg.norm(_rows(model, inputs, LOSS), axis=1)
+    streamed = jk.gram(model, inputs, outputs=LOSS, chunk_examples=2, norms=True)
+    _close(streamed.norms_a, want)
+    np.testing.assert_array_equal(streamed.norms_a, streamed.norms_b)
+    first, rest = (tuple(a[:3] for a in inputs), tuple(a[3:] for a in inputs))
+    together = jk.gram(model, first, rest, outputs=LOSS, norms=True)
+    _close(together.norms_a, want[:3])
+    _close(together.norms_b, want[3:])
+    apart = jk.gram(model, inputs, rest, outputs=LOSS, chunk_examples=2, norms=True)
+    _close(apart.norms_a, want)
+    _close(apart.norms_b, want[3:])
+    assert jk.gram(model, inputs, outputs=LOSS).norms_a is None
+
+
 def test_the_empirical_ntk_of_per_example_rows():
     model, (x, _) = MODELS["mlp"]()
     rows = _rows(model, x, "per_example")

@@ -129,7 +129,8 @@ def grad_cos(
     distribute: tf.distribute.Strategy | None = None,
 ) -> InfluenceResult:
     """Grad-Cos: TracIn of unit gradients, ``sum_c lr_c cos(∇L(test_i),
-    ∇L(train_j))`` at each checkpoint (the norms from ``reduce="norm"``).
+    ∇L(train_j))`` at each checkpoint (the norms from the Gram's own features,
+    ``jk.gram(norms=True)``: no second pass over either set).
     Arguments as :func:`tracin`; a zero gradient's cosines are 0."""
     return _scored(
         "grad_cos",
@@ -284,16 +285,9 @@ def _scored(
     merged = top.Merged(k)
     for model, rate in zip(models, rates, strict=True):
         targets = _layer(model, layer)
-        test_norms = train_norms = None
-        if normalized:
-            spread = options.distribute
-            test_norms = _inverse(squared_norms(model, test, layer, loss, None, spread))
-            train_norms = _inverse(
-                squared_norms(model, train, layer, loss, None, spread)
-            )
         offset = 0
         for part in top.parts(train, k):
-            found = gram(
+            result = gram(
                 model,
                 test,
                 part,
@@ -303,13 +297,16 @@ def _scored(
                 memory_budget=options.memory_budget,
                 chunk_examples=options.chunk_examples,
                 distribute=options.distribute,
-            ).matrix
+                norms=normalized,
+            )
+            found = result.matrix
             if normalized:
-                assert test_norms is not None and train_norms is not None
+                # the cosines, from the norms of the Gram's own features
+                assert result.norms_a is not None and result.norms_b is not None
                 found = (
                     found
-                    * test_norms[:, None]
-                    * train_norms[None, offset : offset + found.shape[1]]
+                    * _inverse(result.norms_a)[:, None]
+                    * _inverse(result.norms_b)[None, :]
                 )
             merged.add(offset, found if rate == 1.0 else rate * found)
             offset += found.shape[1]
@@ -322,7 +319,6 @@ def _scored(
     )
 
 
-def _inverse(squared: np.ndarray) -> np.ndarray:
-    norms = np.sqrt(squared)
+def _inverse(norms: np.ndarray) -> np.ndarray:
     found: np.ndarray = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
     return found

@@ -73,7 +73,13 @@ class Blocks:
     symmetric: bool
     progress: bool
     distribute: tf.distribute.Strategy | None = None
+    #: also each row's gradient norm, per set (``gram(norms=True)``)
+    with_norms: bool = False
     blocks: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    #: each set's rows' norms, chunk by chunk (with :attr:`with_norms`)
+    norms: tuple[list[np.ndarray], list[np.ndarray]] = field(
+        default_factory=lambda: ([], [])
+    )
     #: the first chunk of ``a``'s features (their forms, what computed them)
     first: feats.ChunkFeatures | None = None
     #: the first features call's problem (the rows' shape, the targets' names)
@@ -98,11 +104,14 @@ class Blocks:
                 fa = self._features(xa)
                 if self.first is None:
                     self.first = fa
+                self._norms(0, fa)
                 rows_a.append(fa.num_rows)
                 for j, xb in enumerate(self.sets[1].chunks(self.size)):
                     if self.symmetric and j < i:
                         continue
                     fb = fa if self.symmetric and i == j else self._features(xb)
+                    if i == 0 and not self.symmetric:
+                        self._norms(1, fb)
                     block = feats.inner_products(fa, fb).numpy().astype(np.float64)
                     self.blocks[i, j] = block
                 bar.update(1)
@@ -136,7 +145,24 @@ class Blocks:
         )
         self.first = found = self._features(both)
         block = feats.inner_products_within(found, count, count + other)
+        if self.with_norms:
+            norms = feats.row_norms(found)
+            cut = found.num_rows // (count + other) * count
+            self.norms[0].append(norms[:cut])
+            self.norms[1].append(norms[cut:])
         return block.numpy().astype(np.float64)
+
+    def _norms(self, which: int, chunk: feats.ChunkFeatures) -> None:
+        if self.with_norms and not self.call.summed:
+            self.norms[which].append(feats.row_norms(chunk))
+
+    def set_norms(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Each set's rows' gradient norms, in order (``None`` without
+        :attr:`with_norms`, or for rows summed over each set)."""
+        if not self.with_norms or self.call.summed:
+            return None, None
+        a = np.concatenate(self.norms[0])
+        return a, a if self.symmetric else np.concatenate(self.norms[1])
 
     def _features(self, x: Any) -> feats.ChunkFeatures:
         if self.distribute is not None:

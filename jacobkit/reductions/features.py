@@ -203,6 +203,16 @@ def inner_products_within(chunk: ChunkFeatures, count: int, total: int) -> tf.Te
     return found
 
 
+def row_norms(chunk: ChunkFeatures) -> np.ndarray:
+    """Each of the chunk's rows' gradient norm over the targets, ``(R,)``
+    float64, from its features (:func:`jacobkit.reductions.pairs.squared_norms`,
+    one compiled call)."""
+    squared = _compiled(pairs.squared_norms)(
+        pairs.kinds(chunk.features), [pairs.tensors_of(f) for f in chunk.features]
+    )
+    return np.sqrt(np.maximum(squared.numpy().astype(np.float64), 0.0))
+
+
 def _compiled(fn: Callable[..., tf.Tensor]) -> Any:
     """``fn`` compiled once per process and kept in :data:`jacobkit.runtime.
     PROCESS` (no model owns it: every Gram call's products share its

@@ -61,6 +61,9 @@ class GramResult:
             ``auto`` picked where no closed form serves every target).
         chunk_examples: examples per chunk.
         wall_time_s: the whole call.
+        norms_a, norms_b: each set's rows' gradient norms over every
+            target, float64, in the rows' order (``gram(norms=True)``; else,
+            and for rows summed over each set, ``None``).
     """
 
     matrix: np.ndarray
@@ -70,6 +73,8 @@ class GramResult:
     strategy: str
     chunk_examples: int
     wall_time_s: float
+    norms_a: np.ndarray | None = None
+    norms_b: np.ndarray | None = None
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return self.matrix if dtype is None else self.matrix.astype(dtype)
@@ -90,6 +95,7 @@ def gram(
     chunk_examples: int | None = None,
     progress: bool = True,
     distribute: tf.distribute.Strategy | None = None,
+    norms: bool = False,
 ) -> GramResult:
     """The exact inner products between every row's gradient in ``a`` and
     every row's gradient in ``b`` (``b=None``: ``a`` with itself), summed
@@ -119,6 +125,9 @@ def gram(
             split across its replicas, each computing its piece's rows with
             the same computation; the products are taken on the host. Several
             workers are refused.
+        norms: also each row's gradient norm (:attr:`GramResult.norms_a`,
+            ``norms_b``), from the same features: Grad-Cos's cosines
+            without a second pass over either set.
 
     Returns:
         A :class:`GramResult`; ``np.asarray(result)`` is the matrix.
@@ -164,8 +173,10 @@ def gram(
             symmetric=b is None,
             progress=progress,
             distribute=distribute,
+            with_norms=norms,
         )
         matrix = run.matrix()
+    norms_a, norms_b = run.set_norms()
     first, problem = run.first, run.problem
     assert first is not None and problem is not None, "the set has a chunk"
     return GramResult(
@@ -176,6 +187,8 @@ def gram(
         strategy=first.strategy,
         chunk_examples=size,
         wall_time_s=time.perf_counter() - start,
+        norms_a=norms_a,
+        norms_b=norms_b,
     )
 
 

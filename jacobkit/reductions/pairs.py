@@ -122,6 +122,34 @@ def sum_of_pairs(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
     return total
 
 
+def squared_norms(kinds: tuple[str, ...], parts: _Parts) -> tf.Tensor:
+    """Each row's squared gradient norm over the targets, ``(R,)`` float32:
+    a flat target's rows squared and summed; a ghost or lookup target's by
+    its pairs of positions within the row's own example (the ghost norm,
+    :mod:`jacobkit.layers.norms`)."""
+    total = None
+    for kind, tensors in zip(kinds, parts, strict=True):
+        if kind == "flat":
+            part = tf.reduce_sum(tf.square(tf.cast(tensors[0], tf.float32)), axis=-1)
+        else:
+            cotangents = tf.cast(tensors[1], tf.float32)  # (B, K, P, O)
+            if kind == "lookup":
+                ids = tensors[0]
+                positions = tf.cast(
+                    tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32
+                )
+            else:
+                patches = tf.cast(tensors[0], tf.float32)
+                positions = tf.matmul(patches, patches, transpose_b=True)  # (B, P, P)
+            rows = tf.matmul(cotangents, cotangents, transpose_b=True)  # (B, K, P, P)
+            part = tf.reshape(
+                tf.reduce_sum(rows * positions[:, None], axis=(2, 3)), (-1,)
+            )
+        total = part if total is None else total + part
+    assert total is not None, "at least one target"
+    return total
+
+
 def _ghost_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
     if fa.patches.shape[1] == 1 and fb.patches.shape[1] == 1:
         return _rank_one_pair(fa, fb)
