@@ -154,3 +154,22 @@ def test_per_example_rows_and_norms_by_the_closed_form(name, layer):
     assert auto.strategy in ("batch", "structured"), auto.plan
     if auto.strategy == "structured":
         assert auto.strategy_config.resolved_inner().name == "batch", auto.plan
+
+
+@pytest.mark.parametrize(("name", "layer"), [c for c in CASES if not c.marks])
+def test_features_rows_in_several_chunks(name, layer, monkeypatch):
+    """Rows summed over the batch, computed a few at a time
+    (``CHUNK_BYTES`` shrunk so every row is its own chunk): inside the chunk
+    loop, pfor's cotangents lost their static row count, and the einsum
+    rule's reshape of an attention projection failed on it."""
+    from jacobkit.strategies import batch
+
+    model, x = _model(name)
+    monkeypatch.setattr(batch, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(batch, "ROWS_AT_ONCE", 1)
+    targets = list(Problem(model, x, layer).targets)
+    reference = testing.float64_reference(
+        model, x, targets, call_kwargs={"training": False}, baseline=False
+    )
+    rows = jk.jacobian(model, x, layer, strategy="batch", cache=False)
+    testing.assert_close(rows, reference)

@@ -111,11 +111,17 @@ class Batch(Strategy):
                 # each (count, B, *z.shape[1:]): d P[b, k] / d z[b] for the
                 # chunk's rows k, from the batch-summed rows (examples do not
                 # mix)
-                return tf.vectorized_map(
+                found = tf.vectorized_map(
                     forward.cotangents,
                     seeds.of(start, count, batch, forward.rows.dtype),
                     fallback_to_while_loop=fallback,
                 )
+                # pfor's while-loop fallback loses the static row count,
+                # which the rules' reshapes read (an EinsumDense failed so)
+                return [
+                    tf.ensure_shape(d, (count, *z.shape))
+                    for d, z in zip(found, zs, strict=True)
+                ]
 
             size = rows_per_chunk(rows, zs)
             taps = ([_in_z_dtype(tap) for tap in forward.taps], forward.parts)
