@@ -119,7 +119,7 @@ class Batch(Strategy):
                 # pfor's while-loop fallback loses the static row count,
                 # which the rules' reshapes read (an EinsumDense failed so)
                 return [
-                    tf.ensure_shape(d, (count, *z.shape))
+                    d if z.shape.rank is None else tf.ensure_shape(d, (count, *z.shape))
                     for d, z in zip(found, zs, strict=True)
                 ]
 
