@@ -56,26 +56,16 @@ class EmbeddingRule(MaterializedNorms):
     ) -> tuple[tf.Tensor, tf.Tensor]:
         """``dz`` (``(B, K, ..., D)``) scattered into the table by the ids
         ``x`` (``(B, ...)``): ``(R, vocabulary, D)``, one segment sum."""
-        vocabulary, dim = kernel_shape
-        batch, rows = dz.shape[0], dz.shape[1]
-        ids = tf.reshape(tf.cast(x, tf.int32), (batch, -1))  # (B, P)
-        positions = ids.shape[1]
-        # (B * P, K, D): the cotangent rows of every position
-        data = _by_position(dz, positions)
+        vocabulary = kernel_shape[0]
+        ids = _ids(x, dz.shape[0])  # (B, P)
         if summed:
+            # (B * P, K, D): the cotangent rows of every position
             table = tf.math.unsorted_segment_sum(
-                data, tf.reshape(ids, (-1,)), vocabulary
+                _by_position(dz, ids.shape[1]), tf.reshape(ids, (-1,)), vocabulary
             )  # (V, K, D)
             kernel = tf.transpose(table, (1, 0, 2))
         else:
-            own = ids + vocabulary * tf.range(batch)[:, None]  # example b's rows
-            table = tf.math.unsorted_segment_sum(
-                data, tf.reshape(own, (-1,)), batch * vocabulary
-            )  # (B * V, K, D)
-            table = tf.reshape(table, (batch, vocabulary, rows, dim))
-            kernel = tf.reshape(
-                tf.transpose(table, (0, 2, 1, 3)), (batch * rows, vocabulary, dim)
-            )
+            kernel = per_example_tables(ids, dz, vocabulary)
         count = kernel.shape[0]
         return kernel, tf.zeros((count, 0), dz.dtype)
 
@@ -102,7 +92,7 @@ class EmbeddingRule(MaterializedNorms):
         if summed or not x.dtype.is_integer or form is not None:
             return super().norms(x, dz, summed=summed, map_chunks=map_chunks, form=form)
         batch, rows, dim = dz.shape[0], dz.shape[1], dz.shape[-1]
-        ids = tf.reshape(tf.cast(x, tf.int32), (batch, -1))  # (B, P)
+        ids = _ids(x, batch)  # (B, P)
         positions = ids.shape[1]
         same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.int32)
         first = tf.argmax(same, axis=-1, output_type=tf.int32)  # (B, P)
@@ -119,7 +109,7 @@ class EmbeddingRule(MaterializedNorms):
     def lookup_ids(self, x: tf.Tensor) -> tf.Tensor | None:
         if not x.dtype.is_integer:  # a reverse call's hidden states
             return None
-        return tf.reshape(tf.cast(x, tf.int32), (x.shape[0], -1))
+        return _ids(x, x.shape[0])
 
     def forms_rows(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool) -> bool:
         """Only where :meth:`norms` forms the dense table (rows summed over
@@ -132,6 +122,28 @@ class EmbeddingRule(MaterializedNorms):
         ``(32, 1000, 64)`` per-example tables, their norms and their
         weighted sum took 2.6 of the clipped sum's 20.8 ms."""
         return summed or not x.dtype.is_integer
+
+
+def per_example_tables(ids: tf.Tensor, dz: tf.Tensor, vocabulary: int) -> tf.Tensor:
+    """Each per-example row's gradient of the table, formed: the ids ``(B,
+    P)`` and the cotangents ``dz`` (``(B, K, ..., D)``) -> ``(B * K,
+    vocabulary, D)``, row-major, one segment sum (each example's cotangent
+    rows scattered into its own copy of the table)."""
+    batch, rows, dim = dz.shape[0], dz.shape[1], dz.shape[-1]
+    own = ids + vocabulary * tf.range(batch)[:, None]  # example b's rows
+    table = tf.math.unsorted_segment_sum(
+        _by_position(dz, ids.shape[1]), tf.reshape(own, (-1,)), batch * vocabulary
+    )  # (B * V, K, D)
+    table = tf.reshape(table, (batch, vocabulary, rows, dim))
+    return tf.reshape(
+        tf.transpose(table, (0, 2, 1, 3)), (batch * rows, vocabulary, dim)
+    )
+
+
+def _ids(x: tf.Tensor, batch: int) -> tf.Tensor:
+    """A lookup's input as int32 ids, one row of positions per example:
+    ``(B, P)``."""
+    return tf.reshape(tf.cast(x, tf.int32), (batch, -1))
 
 
 def _by_position(dz: tf.Tensor, positions: int) -> tf.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from jacobkit.layers import contract
+from jacobkit.layers import contract, embedding
 
 
 @dataclass(frozen=True)
@@ -155,9 +155,7 @@ def _ghost_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
         return _rank_one_pair(fa, fb)
     patches = tf.einsum("bpi,cqi->bcpq", fa.patches, fb.patches)
     cotangents = tf.einsum("bkpo,clqo->bkclpq", fa.cotangents, fb.cotangents)
-    both = tf.einsum("bcpq,bkclpq->bkcl", patches, cotangents)
-    shape = tf.shape(both)
-    return tf.cast(tf.reshape(both, (shape[0] * shape[1], -1)), tf.float32)
+    return _as_rows(tf.einsum("bcpq,bkclpq->bkcl", patches, cotangents))
 
 
 def _rank_one_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
@@ -166,43 +164,39 @@ def _rank_one_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
     matrix products. NOTE (why): the general einsums took 2 ms each for 100
     x 1,000 examples of notebook 07's MLP, most of a TracIn call."""
     inputs = tf.matmul(fa.patches[:, 0], fb.patches[:, 0], transpose_b=True)  # (B, C)
-    a_shape, b_shape = tf.shape(fa.cotangents), tf.shape(fb.cotangents)
-    units = a_shape[-1]
-    outputs = tf.matmul(
-        tf.reshape(fa.cotangents, (-1, units)),
-        tf.reshape(fb.cotangents, (-1, units)),
-        transpose_b=True,
-    )
-    outputs = tf.reshape(outputs, (a_shape[0], a_shape[1], b_shape[0], b_shape[1]))
-    both = outputs * tf.cast(inputs, outputs.dtype)[:, None, :, None]
-    return tf.cast(
-        tf.reshape(both, (a_shape[0] * a_shape[1], b_shape[0] * b_shape[1])),
-        tf.float32,
-    )
+    outputs = _cotangent_products(fa.cotangents, fb.cotangents)[:, :, 0, :, :, 0]
+    return _as_rows(outputs * tf.cast(inputs, outputs.dtype)[:, None, :, None])
 
 
 def _lookup_pair(fa: Lookup, fb: Lookup) -> tf.Tensor:
     """:func:`_ghost_pair` of two lookups: the positions' Gram is whether
-    their ids are equal; the cotangents' one matrix product over every
-    position of both chunks."""
-    a_shape, b_shape = tf.shape(fa.cotangents), tf.shape(fb.cotangents)
-    units = a_shape[-1]
-    outputs = tf.matmul(
-        tf.reshape(fa.cotangents, (-1, units)),
-        tf.reshape(fb.cotangents, (-1, units)),
-        transpose_b=True,
-    )  # (B K P, C L Q)
-    outputs = tf.reshape(
-        outputs, tf.concat([a_shape[:3], b_shape[:3]], axis=0)
-    )  # (B, K, P, C, L, Q)
+    their ids are equal."""
+    outputs = _cotangent_products(fa.cotangents, fb.cotangents)
     same = tf.equal(
         fa.ids[:, None, :, None, None, None], fb.ids[None, None, None, :, None, :]
     )  # (B, 1, P, C, 1, Q)
-    both = tf.reduce_sum(outputs * tf.cast(same, outputs.dtype), axis=(2, 5))
-    return tf.cast(
-        tf.reshape(both, (a_shape[0] * a_shape[1], b_shape[0] * b_shape[1])),
-        tf.float32,
+    return _as_rows(tf.reduce_sum(outputs * tf.cast(same, outputs.dtype), axis=(2, 5)))
+
+
+def _cotangent_products(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """Every position's cotangent of one chunk's rows against every
+    position's of the other's, one matrix product: ``(B, K, P, O)`` and
+    ``(C, L, Q, O)`` -> ``(B, K, P, C, L, Q)``."""
+    a_shape, b_shape = tf.shape(a), tf.shape(b)
+    found = tf.matmul(
+        tf.reshape(a, (-1, a_shape[-1])),
+        tf.reshape(b, (-1, b_shape[-1])),
+        transpose_b=True,
     )
+    return tf.reshape(found, tf.concat([a_shape[:3], b_shape[:3]], axis=0))
+
+
+def _as_rows(both: tf.Tensor) -> tf.Tensor:
+    """Pairs ``(B, K, C, L)`` as the rows' matrix ``(B * K, C * L)``, in
+    float32."""
+    shape = tf.shape(both)
+    rows = tf.reshape(both, (shape[0] * shape[1], shape[2] * shape[3]))
+    return tf.cast(rows, tf.float32)
 
 
 def flat(feature: Feature, like: Feature) -> Flat:
@@ -221,17 +215,7 @@ def flat(feature: Feature, like: Feature) -> Flat:
 
 def _tables(feature: Lookup, width: int) -> Flat:
     """A lookup's rows' tables, formed: ``(B * K, vocabulary * O)``."""
-    ids, cotangents = feature.ids, feature.cotangents
-    batch, rows, positions, units = cotangents.shape
-    vocabulary = width // units
-    own = ids + vocabulary * tf.range(batch)[:, None]  # example b's table rows
-    data = tf.reshape(
-        tf.transpose(cotangents, (0, 2, 1, 3)), (batch * positions, rows, units)
-    )
-    table = tf.math.unsorted_segment_sum(
-        data, tf.reshape(own, (-1,)), batch * vocabulary
-    )  # (B * V, K, O)
-    table = tf.transpose(
-        tf.reshape(table, (batch, vocabulary, rows, units)), (0, 2, 1, 3)
-    )
-    return Flat(tf.reshape(table, (batch * rows, width)))
+    cotangents = feature.cotangents
+    units = cotangents.shape[-1]
+    tables = embedding.per_example_tables(feature.ids, cotangents, width // units)
+    return Flat(tf.reshape(tables, (-1, width)))
