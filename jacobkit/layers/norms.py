@@ -124,8 +124,7 @@ def ghost_pairs(positions: int, inputs: int, units: int, rows: int) -> bool:
     of examples): ``GRAM_WEIGHT × P² (I + K² O)`` multiply-adds for the
     ``K²`` row pairs of two examples against ``K² I O`` for theirs formed
     (:func:`jacobkit.strategies.batch.contract.factors`)."""
-    ghost = GRAM_WEIGHT * positions * positions * (inputs + rows * rows * units)
-    return ghost < rows * rows * inputs * units
+    return _pairs_cheaper(positions, inputs, inputs, units, rows)
 
 
 def ghost_lookup_pairs(positions: int, vocabulary: int, units: int, rows: int) -> bool:
@@ -137,5 +136,15 @@ def ghost_lookup_pairs(positions: int, vocabulary: int, units: int, rows: int) -
     NOTE (why it matters). A formed per-example table is the whole
     embedding: a BERT base's 30,522 x 768 is 94 MB a row, and a chunk of 32
     rows 3 GB, for a gradient non-zero on at most ``P`` of its rows."""
-    ghost = GRAM_WEIGHT * positions * positions * (1 + rows * rows * units)
-    return ghost < rows * rows * vocabulary * units
+    return _pairs_cheaper(positions, 1, vocabulary, units, rows)
+
+
+def _pairs_cheaper(
+    positions: int, per_position: int, inputs: int, units: int, rows: int
+) -> bool:
+    """Whether two examples' row pairs cost less from their positions
+    (``GRAM_WEIGHT × P² (per_position + K² O)``, ``per_position`` the cost
+    of one pair of positions' inputs) than from their formed gradients
+    (``K² I O``)."""
+    ghost = GRAM_WEIGHT * positions * positions * (per_position + rows * rows * units)
+    return ghost < rows * rows * inputs * units
