@@ -164,10 +164,9 @@ def _gradients(
     """Every row's gradient at ``tapped``'s output, ``(B, rows, T, D)``."""
     target = Output(tapped)
     wanted, weights, fn = labels
-    split = linear_head(model) if isinstance(fn, LogLikelihood) else None
     if wanted is None:
         result = api.jacobian(model, inputs, target, outputs="per_example", **kwargs)
-    elif split is not None:
+    elif isinstance(fn, LogLikelihood) and (split := linear_head(model)) is not None:
         # each row's cotangent at the hidden states in closed form, then the
         # rows <g, h> of the body alone (jacobkit.keras.lm_head)
         start = tf.constant(fn.start)
