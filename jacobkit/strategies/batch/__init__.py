@@ -116,8 +116,9 @@ class Batch(Strategy):
                     seeds.of(start, count, batch, forward.rows.dtype),
                     fallback_to_while_loop=fallback,
                 )
-                # pfor's while-loop fallback loses the static row count,
-                # which the rules' reshapes read (an EinsumDense failed so)
+                # inside map_chunks' while loop, pfor's outputs lose the
+                # static row count, which the rules' reshapes read (an
+                # EinsumDense's summed rows failed so)
                 return [
                     d if z.shape.rank is None else tf.ensure_shape(d, (count, *z.shape))
                     for d, z in zip(found, zs, strict=True)
