@@ -39,19 +39,29 @@ class Case:
 
 
 def convnet(batch: int = BATCH, seed: int = 0) -> Case:
+    return _convnet("convnet", [(32, 1), (64, 2)], batch, seed)
+
+
+def _convnet(name: str, layers: list[tuple[int, int]], batch: int, seed: int) -> Case:
+    """32×32×3 images → 3×3 relu convolutions of ``(filters, stride)``
+    (``conv1``, ``conv2``, ...) → global average pooling → Dense logits
+    (``head``)."""
     import keras
 
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((32, 32, 3))
-    h = keras.layers.Conv2D(32, 3, activation="relu", name="conv1")(inputs)
-    h = keras.layers.Conv2D(64, 3, strides=2, activation="relu", name="conv2")(h)
+    h = inputs
+    for i, (filters, stride) in enumerate(layers):
+        h = keras.layers.Conv2D(
+            filters, 3, strides=stride, activation="relu", name=f"conv{i + 1}"
+        )(h)
     h = keras.layers.GlobalAveragePooling2D()(h)
     outputs = keras.layers.Dense(CLASSES, name="head")(h)
-    model = keras.Model(inputs, outputs, name="convnet")
+    model = keras.Model(inputs, outputs, name=name)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, 32, 32, 3)).astype("float32")
     y = rng.integers(0, CLASSES, batch).astype("int64")
-    return Case("convnet", model, x, y)
+    return Case(name, model, x, y)
 
 
 def mlp(batch: int = BATCH, seed: int = 0) -> Case:
@@ -74,69 +84,25 @@ def mlp(batch: int = BATCH, seed: int = 0) -> Case:
 
 
 def bert(batch: int = BATCH, seed: int = 0) -> Case:
+    return _bert("bert", 1000, (2, 64, 128), batch, seed)
+
+
+def _bert(
+    name: str, vocabulary: int, sizes: tuple[int, int, int], batch: int, seed: int
+) -> Case:
+    """A keras_hub BERT text classifier (4 heads, 32 tokens) over 4 classes,
+    ``sizes``: its layers, hidden width and feed-forward width."""
     import keras
     import keras_hub
 
     keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=1000,
-        num_layers=2,
-        num_heads=4,
-        hidden_dim=64,
-        intermediate_dim=128,
-        max_sequence_length=32,
-    )
-    model = keras_hub.models.BertTextClassifier(
-        backbone, num_classes=4, preprocessor=None
-    )
-    rng = np.random.default_rng(seed)
-    x = {
-        "token_ids": rng.integers(1, 1000, (batch, 32)).astype("int32"),
-        "segment_ids": np.zeros((batch, 32), "int32"),
-        "padding_mask": np.ones((batch, 32), "int32"),
-    }
-    y = rng.integers(0, 4, batch).astype("int64")
-    return Case("bert", model, x, y)
-
-
-def loss() -> Any:
-    """Each example's cross-entropy of its label, from logits."""
-    import keras
-
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-
-def convnet_medium(batch: int = BATCH, seed: int = 0) -> Case:
-    import keras
-
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((32, 32, 3))
-    h = inputs
-    for i, (filters, stride) in enumerate([(64, 1), (64, 1), (128, 2), (128, 1)]):
-        h = keras.layers.Conv2D(
-            filters, 3, strides=stride, activation="relu", name=f"conv{i + 1}"
-        )(h)
-    h = keras.layers.GlobalAveragePooling2D()(h)
-    outputs = keras.layers.Dense(CLASSES, name="head")(h)
-    model = keras.Model(inputs, outputs, name="convnet_medium")
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, 32, 32, 3)).astype("float32")
-    y = rng.integers(0, CLASSES, batch).astype("int64")
-    return Case("convnet_medium", model, x, y)
-
-
-def bert_small(batch: int = BATCH, seed: int = 0) -> Case:
-    import keras
-    import keras_hub
-
-    keras.utils.set_random_seed(seed)
-    vocabulary = 30522
+    layers, hidden, intermediate = sizes
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=vocabulary,
-        num_layers=4,
+        num_layers=layers,
         num_heads=4,
-        hidden_dim=256,
-        intermediate_dim=1024,
+        hidden_dim=hidden,
+        intermediate_dim=intermediate,
         max_sequence_length=32,
     )
     model = keras_hub.models.BertTextClassifier(
@@ -149,7 +115,24 @@ def bert_small(batch: int = BATCH, seed: int = 0) -> Case:
         "padding_mask": np.ones((batch, 32), "int32"),
     }
     y = rng.integers(0, 4, batch).astype("int64")
-    return Case("bert_small", model, x, y)
+    return Case(name, model, x, y)
+
+
+def loss() -> Any:
+    """Each example's cross-entropy of its label, from logits."""
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+def convnet_medium(batch: int = BATCH, seed: int = 0) -> Case:
+    return _convnet(
+        "convnet_medium", [(64, 1), (64, 1), (128, 2), (128, 1)], batch, seed
+    )
+
+
+def bert_small(batch: int = BATCH, seed: int = 0) -> Case:
+    return _bert("bert_small", 30522, (4, 256, 1024), batch, seed)
 
 
 CASES = {
