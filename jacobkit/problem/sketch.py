@@ -93,38 +93,34 @@ class TargetMap:
         both = tf.einsum("ia,rib->rab", tf.cast(self.left, right.dtype), right)
         return self._kept(tf.reshape(both, (rows, -1)))
 
-    def of_factors(self, patches: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+    def of_mapped(self, left: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
         """A Kronecker map of ``G[b, k] = patches[b]ᵀ cotangents[b, k]``
-        without forming it: ``patches`` ``(B, P, I)``, ``cotangents``
-        ``(B, K, P, O)`` -> ``(B * K, dim)``."""
+        without forming it, from the patches' product with the left factor,
+        ``left = patches @ self.left`` (``(B, P, s)``, as the layer's rule
+        computes it: :meth:`jacobkit.layers.base.LayerRule.unfold_times`),
+        and the cotangents ``(B, K, P, O)`` -> ``(B * K, dim)``."""
         assert self.left is not None and self.right is not None, "a Kronecker map"
-        # 2-D matmuls only: a rank-4 by rank-2 tf.matmul gave wrong numbers,
-        # then std::bad_alloc, on CPU (TF 2.21, oneDNN)
-        return self._of_mapped(_times(patches, self.left), cotangents)
-
-    def of_lookup(self, ids: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
-        """:meth:`of_factors` of an embedding lookup, whose patches are the
-        one-hot rows of its ids ``(B, P)``: their product with the left
-        factor is the factor's rows at the ids, gathered."""
-        assert self.left is not None and self.right is not None, "a Kronecker map"
-        return self._of_mapped(tf.gather(tf.constant(self.left), ids), cotangents)
-
-    def _of_mapped(self, left: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
-        """``left`` ``(B, P, s)`` (the patches' left factor), ``cotangents``
-        ``(B, K, P, O)`` -> ``(B * K, dim)``."""
-        assert self.right is not None, "a Kronecker map"
         left = tf.cast(left, cotangents.dtype)
         right = _times(cotangents, self.right)  # (B, K, P, s)
         both = tf.matmul(tf.transpose(left, (0, 2, 1))[:, None], right)  # (B,K,s,s)
         batch, rows = cotangents.shape[0], cotangents.shape[1]
         return self._kept(tf.reshape(both, (batch * rows, -1)))
 
+    def of_lookup(self, ids: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+        """:meth:`of_mapped` of an embedding lookup, whose patches are the
+        one-hot rows of its ids ``(B, P)``: their product with the left
+        factor is the factor's rows at the ids, gathered."""
+        assert self.left is not None and self.right is not None, "a Kronecker map"
+        return self.of_mapped(tf.gather(tf.constant(self.left), ids), cotangents)
+
     def _kept(self, both: tf.Tensor) -> tf.Tensor:
         return both[:, : self.dim] / tf.cast(math.sqrt(self.dim), both.dtype)
 
 
 def _times(tensor: tf.Tensor, matrix: np.ndarray) -> tf.Tensor:
-    """``tensor @ matrix`` over the last axis, as one 2-D matmul."""
+    """``tensor @ matrix`` over the last axis, as one 2-D matmul (a rank-4 by
+    rank-2 ``tf.matmul`` gave wrong numbers, then std::bad_alloc, on CPU:
+    TF 2.21, oneDNN)."""
     flat = tf.reshape(tensor, (-1, tensor.shape[-1]))
     found = tf.matmul(flat, tf.cast(matrix, tensor.dtype))
     return tf.reshape(found, (*tensor.shape[:-1], matrix.shape[1]))

@@ -258,8 +258,9 @@ def projected(
                 kernels.append(kernel_map.of_lookup(ids, cotangents))
                 biases.append(None)  # an embedding has no bias
             elif kernel_map.kronecker and p.rule.factored():
-                patches, cotangents = _factors(p.rule, x, dz, summed=summed)
-                kernels.append(kernel_map.of_factors(patches, cotangents))
+                left = p.rule.unfold_times(x, kernel_map.left)  # (B, P, s)
+                left, cotangents = _by_position(left, dz, summed=summed)
+                kernels.append(kernel_map.of_mapped(left, cotangents))
                 bias = tf.reduce_sum(cotangents, axis=2)
                 biases.append(tf.reshape(bias, (-1, bias.shape[-1])))
             else:
