@@ -16,11 +16,16 @@ runs; each figure is the median over rounds.
 - ``clipped sum``: ``reduce=jk.ClippedSum(1.0)``; ``materialized clipped``:
   ``outputs=jk.Loss`` per-example gradients, then NumPy norms, clip and sum;
 - ``gram``: ``jk.gram``; ``materialized gram``: the per-example gradients
-  flattened, ``J Jᵀ``;
+  flattened, ``J Jᵀ``; ``budgeted gram`` (``bert_small``):
+  ``jk.gram(memory_budget="2GiB")``, less than materializing holds, where
+  the default 256 MiB cuts a batch into chunks of 5 examples whose features
+  are recomputed for every pair of chunks;
 - ``projection``: ``reduce=jk.Project(2048)``; ``materialized projection``:
   the per-example gradients times the same maps (``sketch.TargetMap``);
 - ``convnet_medium`` and ``bert_small`` (larger models of the same kinds):
-  the plain step and the clipped sum only;
+  the plain step and the clipped sum; on ``bert_small`` (a 30,522-token
+  vocabulary) also the Gram matrix and the projection against materializing,
+  2 steady calls per round (``reductions_models.REPEATS``);
 - ``gram over N`` / ``projection over N``: a dataset of N examples in batches
   of 32, with TensorFlow's own allocator peak (its pooled CPU allocator):
   the peak must not grow with N.
@@ -53,6 +58,8 @@ METHODS = (
     "projection",
     "materialized projection",
 )
+#: every jacobkit run, those of the larger cases too
+OWN = (*METHODS, "budgeted gram")
 #: the conv net's PyTorch runs: label -> the peer script's --method
 PEERS = {
     "PyTorch plain step": "plain",
@@ -119,6 +126,10 @@ def child(case: str, method: str, repeats: int) -> None:
 
         def call():
             return jk.gram(model, (x, y), outputs=loss).matrix
+    elif method == "budgeted gram":  # chunks of what materializing holds
+
+        def call():
+            return jk.gram(model, (x, y), outputs=loss, memory_budget="2GiB").matrix
     elif method == "materialized gram":
 
         def call():
@@ -229,7 +240,7 @@ def main() -> None:
                 case,
                 method,
                 "--repeats",
-                str(args.repeats),
+                str(reductions_models.REPEATS.get(case, args.repeats)),
             ]
     work = Path(tempfile.mkdtemp())
     if args.peers_python and "convnet" in args.cases:
@@ -284,14 +295,18 @@ def _write(data: dict, out: Path) -> None:
 
 
 def _markdown(data: dict) -> str:
+    import reductions_models
+
     measured = data["runs"]
+    fewer = ", ".join(f"{c}: {n}" for c, n in reductions_models.REPEATS.items())
     lines = [
         "# Reductions of per-example gradients against materializing them",
         "",
         "Written by `benchmarks/reductions.py`: batch 32, every trainable "
         "variable, per-example cross-entropy; one core (`taskset -c 0`), fresh "
         f"processes, median of {data['rounds']} rounds of {data['repeats']} "
-        "steady calls. Ratios are within a model's rows of this one run.",
+        f"steady calls ({fewer}). Ratios are within a model's rows of this one "
+        "run.",
         "",
     ]
     for case in sorted({k.split("|")[0] for k in measured}):
@@ -313,7 +328,7 @@ def _markdown(data: dict) -> str:
             steady = row["steady_s"]
             versus = ""
             twin = measured.get(f"{case}|materialized {label.split()[-1]}", {})
-            own = label in METHODS and not label.startswith("materialized")
+            own = label in OWN and not label.startswith("materialized")
             if own and twin.get("steady_s"):
                 versus = f"{steady / twin['steady_s']:.2f}"
             lines.append(

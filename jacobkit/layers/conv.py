@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit import runtime
 from jacobkit.keras import compat
 from jacobkit.layers import grouped
 from jacobkit.layers.base import LayerRule, UnfoldedMatmul, row_norms
@@ -178,11 +179,30 @@ class Conv2DRule(UnfoldedMatmul, ConvRule):
         summed: bool,
     ) -> tuple[tf.Tensor, tf.Tensor]:
         groups = compat.groups(self.layer)
+        if self._by_example(dz, summed=summed):
+            padded, padding = self.padded(x)
+            return example_filters(
+                padded, dz, kernel_shape, list(self.layer.strides), padding
+            )
         if groups == 1:
             return super().gradients(x, dz, kernel_shape, summed=summed)
         return grouped.gradients(
             self.unfold(x), dz, kernel_shape, groups, summed=summed
         )
+
+    def _by_example(self, dz: tf.Tensor, *, summed: bool) -> bool:
+        """Whether per-example rows' kernel gradients are computed by
+        :func:`example_filters` (one filter gradient per example), not by
+        the patches' batched matmul: per example at least
+        :func:`example_filter_macs` multiply-adds, no dilation, no groups."""
+        if summed or compat.groups(self.layer) != 1:
+            return False
+        if any(rate != 1 for rate in self.layer.dilation_rate):
+            return False
+        kernel = [int(size) for size in self.weight("kernel").shape]
+        positions = math.prod(int(size) for size in dz.shape[2:-1])
+        work = positions * math.prod(kernel) * int(dz.shape[1])
+        return work >= example_filter_macs()
 
     def summed_gradients(
         self, x: tf.Tensor, dz: tf.Tensor, kernel_shape: tuple[int, ...]
@@ -198,12 +218,95 @@ class Conv2DRule(UnfoldedMatmul, ConvRule):
         return True  # its norms form every row's gradient (below)
 
     def norms(self, x: tf.Tensor, dz: tf.Tensor, *, summed: bool, **kwargs: Any) -> Any:
-        if compat.groups(self.layer) == 1:
+        # per-example filter gradients where the rows are formed at once
+        formed = kwargs.get("form") is None and self.forms_rows(x, dz, summed=summed)
+        by_example = formed and self._by_example(dz, summed=summed)
+        if compat.groups(self.layer) == 1 and not by_example:
             return super().norms(x, dz, summed=summed, **kwargs)
         kernel, bias = self.gradients(
             x, dz, tuple(self.weight("kernel").shape), summed=summed
         )
         return row_norms(kernel), row_norms(bias)
+
+
+#: under oneDNN, a convolution's per-example kernel gradients are computed
+#: one example at a time (:func:`example_filters`) from this many
+#: multiply-adds per example (positions x kernel size x rows); below it, as
+#: one batched matmul of the unfolded patches.
+#: NOTE (measured, one core, batch 32, 3x3 kernels, ms for the patches'
+#: matmul against one filter gradient per example; the summed filter
+#: gradient beside). oneDNN on: 3->32 at 30x30 (0.8 M) 1.6 / 2.4 (0.9);
+#: 32->64 stride 2 (3.6 M) 2.4 / 4.2 (2.0); 64->128 stride 2 at 13x13
+#: (12.5 M) 11.7 / 10.1 (5.8); 64->64 at 28x28 (29 M) 16.4 / 13.2 (9.4).
+#: With TensorFlow's own kernels (oneDNN off), one filter gradient per
+#: example cost what the summed one did from 0.8 M on (0.8 M: 2.8 / 1.85
+#: (1.8); 29 M: 36 / 29 (31)). The clipped sum of ``convnet_medium``
+#: (``benchmarks/reductions.py``): 157.7 -> 136.8 ms with oneDNN off
+#: (1.27 -> 1.11x its plain step), about 6% less with it on.
+ONEDNN_EXAMPLE_FILTER_MACS = 2**23
+#: the same under TensorFlow's own CPU kernels. NOTE (measured, as above,
+#: oneDNN off): 41 k multiply-adds (32 images 8x8x8 -> 16) 0.34 / 0.54 ms;
+#: 85 k (256 images 16x16x3 -> 16) 3.9 / 4.9; 226 k 1.80 / 1.77; 903 k
+#: 1.83 / 1.59: a loop iteration per example costs what a small
+#: example's arithmetic does.
+EIGEN_EXAMPLE_FILTER_MACS = 2**18
+
+
+def example_filter_macs() -> float:
+    """From how many multiply-adds per example a convolution's per-example
+    kernel gradients are one filter gradient per example: under oneDNN
+    :data:`ONEDNN_EXAMPLE_FILTER_MACS`, under TensorFlow's own CPU kernels
+    :data:`EIGEN_EXAMPLE_FILTER_MACS`; never where a GPU is visible (the
+    batched matmul: a loop of per-example filter gradients there is still
+    to be measured)."""
+    if tf.config.list_logical_devices("GPU"):
+        return math.inf
+    if runtime.cpu_kind().onednn:
+        return ONEDNN_EXAMPLE_FILTER_MACS
+    return EIGEN_EXAMPLE_FILTER_MACS
+
+
+def example_filters(
+    padded: tf.Tensor,
+    dz: tf.Tensor,
+    kernel_shape: tuple[int, ...],
+    strides: list[int],
+    padding: str,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Per-row kernel and bias gradients of a 2-D convolution (no dilation,
+    no groups), each example's by one ``Conv2DBackpropFilter`` of its own
+    input: ``padded`` ``(B, H, W, C)`` (as the layer pads it), ``dz`` ``(B,
+    K, H', W', O)`` -> ``(B * K, *kernel_shape)`` and ``(B * K, O)``. An
+    example's ``K`` rows are one filter gradient's ``K * O`` output
+    channels, so there is one op per example whatever ``K``."""
+    batch, rows, units = int(dz.shape[0]), int(dz.shape[1]), int(dz.shape[-1])
+    spatial = [int(size) for size in dz.shape[2:-1]]
+    # (B, K, H', W', O) -> (B, 1, H', W', K * O): the rows as output channels
+    cotangents = tf.reshape(
+        tf.transpose(dz, (0, 2, 3, 1, 4)), (batch, 1, *spatial, rows * units)
+    )
+    sizes = [*kernel_shape[:-1], rows * units]
+
+    def one(pair: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
+        image, cotangent = pair
+        return tf.raw_ops.Conv2DBackpropFilter(
+            input=image,
+            filter_sizes=sizes,
+            out_backprop=cotangent,
+            strides=[1, *strides, 1],
+            padding=padding,
+        )
+
+    images = tf.cast(padded, dz.dtype)[:, None]
+    found = tf.map_fn(
+        one, (images, cotangents), fn_output_signature=tf.TensorSpec(sizes, dz.dtype)
+    )  # (B, kh, kw, C, K * O)
+    if rows > 1:  # -> (B, K, kh, kw, C, O)
+        found = tf.reshape(found, (batch, *kernel_shape[:-1], rows, units))
+        found = tf.transpose(found, (0, 4, 1, 2, 3, 5))
+    kernel = tf.reshape(found, (batch * rows, *kernel_shape))
+    bias = tf.reduce_sum(dz, axis=list(range(2, 2 + len(spatial))))
+    return kernel, tf.reshape(bias, (batch * rows, units))
 
 
 class Conv1DRule(UnfoldedMatmul, ConvRule):

@@ -110,11 +110,17 @@ def forms_rows(
     batch: int, positions: int, inputs: int, units: int, rows: int, *, summed: bool
 ) -> bool:
     """Whether :func:`kernel_and_bias_norms` forms the rows' gradients (no
-    Gram form) in one chunk of :data:`CHUNK_ELEMENTS`: ``(1 if summed else
-    B) × K × I × O`` elements."""
+    Gram form) in one chunk: ``(1 if summed else B) × K × I × O`` elements
+    within :data:`CHUNK_ELEMENTS`, or one row (``K = 1``), which its chunks
+    of rows cannot split.
+
+    NOTE (why one row). The conv net ``convnet_medium`` of
+    ``benchmarks/reductions.py``: conv4's 32 loss rows (128 -> 128, 4.7 M
+    elements) were formed for their norms all the same, then contracted a
+    second time for the clipped sum (9 ms each, of a 103 ms call)."""
     gram = not summed and use_gram(positions, inputs, units, rows)
     size = (1 if summed else batch) * rows * inputs * units
-    return not gram and size <= CHUNK_ELEMENTS
+    return not gram and (size <= CHUNK_ELEMENTS or rows == 1)
 
 
 def ghost_pairs(positions: int, inputs: int, units: int, rows: int) -> bool:
