@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import tensorflow as tf
 
 from jacobkit.keras import compat
@@ -132,7 +131,7 @@ class LayerRule:
         ``z[b, p] = unfold(x)[b, p] @ kernel.reshape(I, -1) + bias``."""
         raise NotImplementedError
 
-    def unfold_times(self, x: tf.Tensor, matrix: np.ndarray) -> tf.Tensor:
+    def unfold_times(self, x: tf.Tensor, matrix: tf.Tensor) -> tf.Tensor:
         """``unfold(x) @ matrix`` (``matrix`` ``(I, s)``), shape ``(B, P,
         s)``: a Kronecker projection's left factor applied to the patches
         (:meth:`jacobkit.problem.sketch.TargetMap.of_mapped`). Here one 2-D

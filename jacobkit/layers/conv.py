@@ -74,7 +74,7 @@ class ConvRule(LayerRule):
         the kernel's leading axes."""
         return patches(*self.padded(x), *self._window())
 
-    def unfold_times(self, x: tf.Tensor, matrix: np.ndarray) -> tf.Tensor:
+    def unfold_times(self, x: tf.Tensor, matrix: tf.Tensor) -> tf.Tensor:
         """``unfold(x) @ matrix`` as the layer's own convolution of ``x``
         with ``matrix`` (``(I, s)``) as its kernel ``(*kernel_size, C, s)``:
         the patches are never formed.

@@ -258,7 +258,7 @@ def projected(
                 kernels.append(kernel_map.of_lookup(ids, cotangents))
                 biases.append(None)  # an embedding has no bias
             elif kernel_map.left is not None and p.rule.factored():
-                left = p.rule.unfold_times(x, kernel_map.left)  # (B, P, s)
+                left = p.rule.unfold_times(x, kernel_map.held("left"))  # (B, P, s)
                 left, cotangents = _by_position(left, dz, summed=summed)
                 kernels.append(kernel_map.of_mapped(left, cotangents))
                 bias = tf.reduce_sum(cotangents, axis=2)
