@@ -164,6 +164,37 @@ def test_a_memory_budget_sets_the_chunk_size():
     _close(small.matrix, large.matrix)
 
 
+@pytest.mark.parametrize("per_example_mib", [0.5, 5.0, 60.0])
+def test_the_default_budget_is_raised_for_full_chunks(per_example_mib):
+    """Without a budget a chunk holds ``DEFAULT_CHUNK_EXAMPLES`` examples
+    where 256 MiB would cut it shorter (every pair of chunks computes one
+    chunk's features again), up to ``MAX_DEFAULT_CHUNK_BYTES``: chunk sizes
+    from the features of 8 examples of ``per_example_mib`` each, against the
+    half-budget rule solved by hand."""
+    from jacobkit.reductions import features as feats
+    from jacobkit.reductions import grams
+    from jacobkit.reductions.pairs import Flat
+
+    width = int(per_example_mib * 2**20 / 4)
+    first = feats.ChunkFeatures((Flat(tf.zeros((8, width))),), 8, "batch")
+    per_example = 4 * width
+
+    def most(allowed):  # 2 n per_example + 8 n^2 <= allowed / 2
+        n = 1
+        while 2 * (n + 1) * per_example + 8 * (n + 1) ** 2 <= allowed / 2:
+            n += 1
+        return n
+
+    given = grams._chunk_size(first, 8, 256 * 2**20)
+    default = grams._chunk_size(first, 8, None)
+    assert given == min(most(256 * 2**20), grams.MAX_CHUNK_EXAMPLES)
+    if given >= grams.DEFAULT_CHUNK_EXAMPLES:  # 256 MiB holds them already
+        assert default == given
+    else:
+        wanted = min(grams.DEFAULT_CHUNK_EXAMPLES, most(grams.MAX_DEFAULT_CHUNK_BYTES))
+        assert default == wanted > given
+
+
 def test_bad_arguments_are_refused():
     model, inputs = MODELS["mlp"]()
     with pytest.raises(ValueError, match="chunk_examples=0"):

@@ -64,6 +64,14 @@ def check(strategy: Any, *, out: Any) -> None:
         )
 
 
+def piece_rows(num_rows: int, padded: int, size: int, *, summed: bool) -> int:
+    """The rows of a piece of ``size`` examples, where a piece of ``padded``
+    examples (what every replica computes, :class:`Replicas`) has
+    ``num_rows``: per-example rows scale with the examples, the rest of a
+    padded piece's are cut; rows summed over the batch are ``num_rows``."""
+    return num_rows if summed else num_rows // padded * size
+
+
 class Replicas:
     """Runs a compiled Jacobian computation on every replica of ``strategy``.
 

@@ -210,9 +210,9 @@ class OnReplicas:
         first, summed = self.first, self.call.summed
         computed = []
         for p, flat in zip(pending, results, strict=True):
-            rows = first.num_rows
-            if not summed:
-                rows = rows // self.first_size * p.size
+            rows = distribute.piece_rows(
+                first.num_rows, self.first_size, p.size, summed=summed
+            )
             norms = None
             if flat is not None and self._clipping:  # sums, then the rows' norms
                 flat, norms = flat[:-1], flat[-1][:rows]

@@ -103,16 +103,18 @@ def of_chunk_on_replicas(
     # per-example pieces were padded to the first's size: their rows trimmed
     trimmed = [
         [
-            t if call.summed else t[: t.shape[0] // size * source.batch_size(piece)]
+            t[: distribute.piece_rows(len(t), size, n, summed=False)]
+            if not call.summed
+            else t
             for t in map(np.asarray, found or [])
         ]
-        for piece, found in zip(pieces, computed, strict=True)
+        for n, found in zip(map(source.batch_size, pieces), computed, strict=True)
     ]
     joined = [
         _joined([tf.constant(part[k]) for part in trimmed], call.summed)
         for k in range(len(trimmed[0]))
     ]
-    rows = problem.num_rows if call.summed else problem.num_rows // size * count
+    rows = distribute.piece_rows(problem.num_rows, size, count, summed=call.summed)
     if served:
         return ChunkFeatures(_parsed(joined), rows, name), problem
     flat = tuple(Flat(tf.reshape(j, (rows, -1))) for j in joined)
