@@ -80,9 +80,9 @@ class ConvRule(LayerRule):
         the patches are never formed.
 
         NOTE (measured, one core, oneDNN on). ``jk.Project(2048)`` on the
-        conv net of ``benchmarks/reductions.py``: conv2's unfold (a gather,
-        1.2 ms) and its product with the left factor (1.1 ms) became one
-        fused convolution."""
+        conv net of ``benchmarks/reductions.py``: conv2's gather and 2-D
+        matmul became one fused convolution of 1.1 ms (the whole compiled
+        call 11.85 -> 11.7 ms), and its ``k²``-sized patches are not held."""
         if compat.groups(self.layer) != 1:
             return super().unfold_times(x, matrix)
         padded, padding = self.padded(x)
@@ -240,9 +240,11 @@ class Conv2DRule(UnfoldedMatmul, ConvRule):
 #: (12.5 M) 11.7 / 10.1 (5.8); 64->64 at 28x28 (29 M) 16.4 / 13.2 (9.4).
 #: With TensorFlow's own kernels (oneDNN off), one filter gradient per
 #: example cost what the summed one did from 0.8 M on (0.8 M: 2.8 / 1.85
-#: (1.8); 29 M: 36 / 29 (31)). The clipped sum of ``convnet_medium``
-#: (``benchmarks/reductions.py``): 157.7 -> 136.8 ms with oneDNN off
-#: (1.27 -> 1.11x its plain step), about 6% less with it on.
+#: (1.8); 29 M: 36 / 29 (31)). The clipped sums of
+#: ``benchmarks/reductions.py``, oneDNN off, one process each against the
+#: batched matmul: ``convnet_medium`` 155.7 -> 133.0 ms (1.28 -> 1.09x its
+#: plain step), the conv net 15.1 -> 13.7 ms (1.40 -> 1.18x); with oneDNN
+#: on, ``convnet_medium``'s about 6% less.
 ONEDNN_EXAMPLE_FILTER_MACS = 2**23
 #: the same under TensorFlow's own CPU kernels. NOTE (measured, as above,
 #: oneDNN off): 41 k multiply-adds (32 images 8x8x8 -> 16) 0.34 / 0.54 ms;
