@@ -73,10 +73,7 @@ def kernel_and_bias_norms(
     gram = use_gram(positions, inputs, units, rows) if form is None else form == "gram"
     if not summed and gram:
         gram_inputs = tf.einsum("bpi,bqi->bpq", patches, patches)
-        gram_rows = tf.einsum("bkpo,bkqo->bkpq", cotangents, cotangents)
-        kernel = tf.sqrt(
-            tf.maximum(tf.einsum("bpq,bkpq->bk", gram_inputs, gram_rows), 0.0)
-        )
+        kernel = tf.sqrt(tf.maximum(ghost_squared(gram_inputs, cotangents), 0.0))
         bias = tf.norm(tf.reduce_sum(cotangents, axis=2), axis=-1)
         return tf.reshape(kernel, (-1,)), tf.reshape(bias, (-1,))
     per_row = (1 if summed else batch) * inputs * units
@@ -104,6 +101,16 @@ def kernel_and_bias_norms(
         tf.reshape(tf.transpose(kernel), (-1,)),
         tf.reshape(tf.transpose(bias), (-1,)),
     )
+
+
+def ghost_squared(positions: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+    """Each per-example row's squared kernel-gradient norm in the Gram form,
+    ``||Uᵀ G||² = sum_{p,q} (U Uᵀ)[p, q] (G Gᵀ)[p, q]``, from the Gram of
+    the layer's inputs at its positions, ``U Uᵀ`` (``(B, P, P)``; for a
+    lookup, whether two positions' ids are equal), and the cotangents ``G``
+    (``(B, K, P, O)``): ``(B, K)``."""
+    rows = tf.einsum("bkpo,bkqo->bkpq", cotangents, cotangents)
+    return tf.einsum("bpq,bkpq->bk", positions, rows)
 
 
 def forms_rows(

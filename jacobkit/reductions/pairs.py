@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from jacobkit.layers import contract, embedding
+from jacobkit.layers import norms as layer_norms
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,8 @@ def sum_of_pairs(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
 def squared_norms(kinds: tuple[str, ...], parts: _Parts) -> tf.Tensor:
     """Each row's squared gradient norm over the targets, ``(R,)`` float32:
     a flat target's rows squared and summed; a ghost or lookup target's by
-    its pairs of positions within the row's own example (the ghost norm,
-    :mod:`jacobkit.layers.norms`)."""
+    its pairs of positions within the row's own example
+    (:func:`jacobkit.layers.norms.ghost_squared`)."""
     total = None
     for kind, tensors in zip(kinds, parts, strict=True):
         if kind == "flat":
@@ -141,10 +142,7 @@ def squared_norms(kinds: tuple[str, ...], parts: _Parts) -> tf.Tensor:
             else:
                 patches = tf.cast(tensors[0], tf.float32)
                 positions = tf.matmul(patches, patches, transpose_b=True)  # (B, P, P)
-            rows = tf.matmul(cotangents, cotangents, transpose_b=True)  # (B, K, P, P)
-            part = tf.reshape(
-                tf.reduce_sum(rows * positions[:, None], axis=(2, 3)), (-1,)
-            )
+            part = tf.reshape(layer_norms.ghost_squared(positions, cotangents), (-1,))
         total = part if total is None else total + part
     assert total is not None, "at least one target"
     return total
