@@ -85,14 +85,9 @@ class ConvRule(LayerRule):
         call 11.85 -> 11.7 ms), and its ``k²``-sized patches are not held."""
         if compat.groups(self.layer) != 1:
             return super().unfold_times(x, matrix)
-        padded, padding = self.padded(x)
-        sizes, strides, rates = self._window()
-        kernel = tf.reshape(
-            tf.cast(matrix, x.dtype), (*sizes, int(x.shape[-1]), int(matrix.shape[1]))
-        )
-        mapped = tf.nn.convolution(
-            padded, kernel, strides=strides, padding=padding, dilations=rates
-        )
+        shape = (*self.layer.kernel_size, int(x.shape[-1]), int(matrix.shape[1]))
+        kernel = tf.reshape(tf.cast(matrix, x.dtype), shape)
+        mapped = self.pre_activation(x, kernel, None)  # the layer's convolution
         batch, positions = x.shape[0], math.prod(mapped.shape[1:-1])
         return tf.reshape(mapped, (-1 if batch is None else batch, positions, -1))
 
