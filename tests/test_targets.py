@@ -200,10 +200,17 @@ def test_mixed_precision_tensor_targets_come_back_in_float32(
 
     import keras
 
+    # tanh, not relu: a pre-activation within float16's rounding of 0 takes
+    # the other side of relu's kink in the float32 twin, and that entry's
+    # gradient is then wholly different (about 1 random init in 20 put one
+    # there: 0.23 of the largest entry). Seeded, so every run checks the same
+    # weights.
+    seeded = {"kernel_initializer": keras.initializers.GlorotUniform(seed=0)}
     inp = keras.Input((8, 8, 3))
-    h = keras.layers.Conv2D(4, 3, activation="relu", name="c1")(inp)
+    h = keras.layers.Conv2D(4, 3, activation="tanh", name="c1", **seeded)(inp)
     h = keras.layers.GlobalAveragePooling2D()(h)
-    model = keras.Model(inp, keras.layers.Dense(3, name="head", dtype="float32")(h))
+    head = keras.layers.Dense(3, name="head", dtype="float32", **seeded)
+    model = keras.Model(inp, head(h))
     x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype("float32")
     layer = jk.Output("c1") if target == "output" else jk.Inputs()
     with warnings.catch_warnings():
@@ -212,6 +219,6 @@ def test_mixed_precision_tensor_targets_come_back_in_float32(
     assert res[0].dtype == tf.float32
     twin = testing.cast_copy(model, "float32")
     ref = jk.jacobian(twin, x, layer, strategy="loop", outputs="per_example")
-    # float16 activations: measured 4.2e-4 (Output) and 8.8e-4 (Inputs)
-    # against the float32 twin's loop, every strategy alike
+    # float16 activations: measured 4.4e-4 (Output) and 6.2e-4 (Inputs; 1.0e-3
+    # without oneDNN) against the float32 twin's loop, every strategy alike
     assert testing.max_relative_difference(res[0], ref[0]) < 1e-2
