@@ -49,9 +49,10 @@ class LayerCall:
         scope: the call's name scope (``"model/block_1/dense"``).
         inputs: the tensors the call took from outside its scope, resources
             aside, in the order its ops first read them.
-        outputs: the tensors it made that ops outside its scope take (or
-            that nothing takes yet: the pass's result), in the order they
-            were made.
+        outputs: the tensors it made that ops outside its scope take, in
+            the order they were made; where none is taken yet (the pass's
+            result), those that nothing takes, less the arguments that
+            ``tf.custom_gradient`` passes through (:func:`_passed_through`).
     """
 
     scope: str
@@ -119,7 +120,8 @@ def _call(scope: str, operations: Sequence[Any]) -> LayerCall:
     inside = [op for op in operations if op.name.startswith(prefix)]
     members = {id(op) for op in inside}
     inputs: list[tf.Tensor] = []
-    outputs: list[tf.Tensor] = []
+    taken: list[tf.Tensor] = []
+    unused: list[tf.Tensor] = []
     for op in inside:
         for tensor in op.inputs:
             if (
@@ -128,12 +130,23 @@ def _call(scope: str, operations: Sequence[Any]) -> LayerCall:
                 and not any(tensor is t for t in inputs)
             ):
                 inputs.append(tensor)
-        for tensor in op.outputs:
-            # taken outside, or by nothing yet (the traced pass's own result)
+        for index, tensor in enumerate(op.outputs):
             consumers = tensor.consumers()
-            if not consumers or any(id(c) not in members for c in consumers):
-                outputs.append(tensor)
-    return LayerCall(scope, tuple(inputs), tuple(outputs))
+            if any(id(c) not in members for c in consumers):
+                taken.append(tensor)
+            elif not consumers and not _passed_through(op, index):
+                unused.append(tensor)  # the traced pass's own result, or waste
+    return LayerCall(scope, tuple(inputs), tuple(taken or unused))
+
+
+def _passed_through(op: Any, index: int) -> bool:
+    """Whether output ``index`` of ``op`` is an argument that
+    ``tf.custom_gradient`` passes through its ``IdentityN`` (results first,
+    then the arguments and variables, which nothing takes). Keras's ``silu``
+    (``activation="swish"``) is one: its ``IdentityN:1`` is the layer's
+    pre-activation, and was taken for the layer's output, as the last tensor
+    of its shape that nothing took."""
+    return bool(op.type == "IdentityN" and index > 0)
 
 
 def pre_activation(layer: Any, output: tf.Tensor, one_op: dict[str, str]) -> Any:
