@@ -1,6 +1,6 @@
 """``reduce="norm"``: per-row L2 norms of each target's Jacobian, against the
-norms of the materialized float64 reference, for every strategy that
-supports them; the others refuse."""
+norms of the materialized float64 reference, for every registered strategy
+that supports them (``supports_norm``); the others refuse."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ from jacobkit.layers import norms
 from jacobkit.testing import examples
 from tests.cases import call_kwargs, reference, target_variables
 
+#: each registered strategy that computes norms, with its default options
 NORM_STRATEGIES = {
-    "batch": jk.strategies.Batch(),
-    "chunked": jk.strategies.Chunked(),
-    "chunked(3)": jk.strategies.Chunked(3),
-    "auto": "auto",
+    name: cls() for name, cls in jk.strategies.REGISTRY.items() if cls.supports_norm
 }
+NORM_STRATEGIES.update({"chunked(3)": jk.strategies.Chunked(3), "auto": "auto"})
+#: each registered strategy that does not
+MATERIALIZING = [
+    name for name, cls in jk.strategies.REGISTRY.items() if not cls.supports_norm
+]
 
 
 def _norms(jacobians, rows_shape):
@@ -94,7 +97,7 @@ def test_norms_of_own_example_blocks_of_an_input_target():
     testing.assert_close(result, _norms([full["inputs"].numpy()], full.rows_shape))
 
 
-@pytest.mark.parametrize("strategy", ["loop", "jacobian", "while", "forward"])
+@pytest.mark.parametrize("strategy", MATERIALIZING)
 def test_strategies_that_materialize_refuse(strategy):
     ex = examples.build("mlp")
     with pytest.raises(ValueError) as err:
@@ -102,8 +105,9 @@ def test_strategies_that_materialize_refuse(strategy):
     assert str(err.value) == (
         f"jacobian(reduce='norm', strategy={strategy!r}): this strategy "
         "materializes every row's Jacobian at once. Norms are computed chunk by "
-        "chunk by strategy='chunked' (any target) or 'batch' (Dense and Conv "
-        "layer targets), or strategy='auto'."
+        "chunk by strategy='chunked' (any target), row by row by 'while' (where "
+        "pfor cannot run), or by 'batch' (layers with a closed form), or "
+        "strategy='auto'."
     )
 
 

@@ -1,9 +1,10 @@
 """``auto`` and ``memory_budget=`` for reduced calls (``reduce="norm"``,
 ``jk.ClippedSum``, ``jk.Project``): ``batch``'s closed forms where every
 target has one, else ``chunked`` with fewer rows at once under a tighter
-budget; ``res.plan`` says what ran and what was predicted; a budget nothing
-fits is refused before anything runs; a run measured over the budget moves
-later calls to less at once (``jacobkit.planner.reduced``).
+budget (``while`` one row at a time where pfor cannot run); ``res.plan``
+says what ran and what was predicted; a budget nothing fits is refused
+before anything runs; a run measured over the budget moves later calls to
+less at once (``jacobkit.planner.reduced``).
 
 The results are compared with the same call without a budget (each of those
 is checked against float64 in ``test_reductions.py``): equal within 1e-5 of
@@ -19,9 +20,9 @@ import numpy as np
 import pytest
 
 import jacobkit as jk
-from jacobkit import memory
+from jacobkit import memory, testing
 from jacobkit.planner import BudgetWarning
-from tests.test_reductions import LOSS, _wide
+from tests.test_reductions import LOSS, _projected_reference, _wide
 
 REDUCTIONS = {
     "clipped sum": jk.ClippedSum(0.5),
@@ -106,3 +107,51 @@ def test_without_closed_forms_a_tight_budget_holds_fewer_rows(reduce):
     assert len(set(said)) == len(said)
     for result in results:
         _same(result, free)
+
+
+def _pfor_refused():
+    """A depthwise convolution (pfor has no rule for its gradient: ``chunked``
+    refuses) before a PReLU (no closed form: ``batch`` refuses)."""
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.DepthwiseConv2D(3, name="depthwise"),
+            keras.layers.PReLU(name="prelu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(3, name="head"),
+        ]
+    )
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(6, 8, 8, 3)).astype("float32")
+    return model, (x, rng.integers(0, 3, 6))
+
+
+@pytest.mark.parametrize("reduce", REDUCTIONS.values(), ids=list(REDUCTIONS))
+def test_where_pfor_cannot_run_rows_run_one_at_a_time(reduce):
+    # auto had nothing but chunked after batch, and its refusal reached the
+    # user (EfficientNetB0's clipped sum, every variable)
+    model, inputs = _pfor_refused()
+    variables = model.trainable_variables
+    result = jk.jacobian(model, inputs, variables, outputs=LOSS, reduce=reduce)
+    plan = result.plan
+    assert plan.strategy == jk.strategies.While(1), plan.summary()
+    assert {r.label for r in plan.rejected} >= {"batch", "chunked"}
+    reference = testing.float64_reference(
+        model, inputs, variables, outputs=LOSS, baseline=False
+    )
+    grads = [np.asarray(g, np.float64) for g in reference]
+    flat = [g.reshape(len(g), -1) for g in grads]
+    norms = np.linalg.norm(np.concatenate(flat, 1), axis=1)
+    if reduce == "norm":
+        got, want = list(result.values()), [np.linalg.norm(f, axis=1) for f in flat]
+    elif isinstance(reduce, jk.ClippedSum):
+        scales = np.minimum(1.0, reduce.clip_norm / norms)
+        got = [*result.values(), result.norms]
+        want = [*(np.tensordot(scales, g, 1) for g in grads), norms]
+    else:
+        got = [result.projection]
+        want = [_projected_reference(reduce, list(result), variables, grads)]
+    # float32 against float64: measured 5.0e-7 relative to the largest value
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())

@@ -5,7 +5,9 @@ A reduced call never holds its rows' Jacobians: its result is a norm or a
 projection per row, or one sum in each target's shape. The candidates are
 ``batch``'s closed forms where every target has one (rows of one example run
 as one backward pass per row of each example: ``num_rows / B`` passes), then
-``chunked`` with fewer and fewer rows at once (:data:`CHUNKS`). The first
+``chunked`` with fewer and fewer rows at once (:data:`CHUNKS`), or where
+pfor cannot run (a depthwise convolution's gradient, float16 rows)
+``while(1)``, one row at a time. The first
 whose peak, predicted from the memory prior a session uses
 (:func:`jacobkit.planner.estimates.predicted_peak`, with the reduced result
 in place of the Jacobians), fits the budget runs. Where the device reports
@@ -97,7 +99,13 @@ class Reduced:
             found.append((strategies.Batch(), _passes(problem)))
         except ValueError as err:
             self.rejected.append(Rejection("batch", str(err)))
-        found += [(strategies.Chunked(c), problem.num_rows) for c in CHUNKS]
+        try:
+            strategies.Chunked(CHUNKS[0]).check(problem)
+            found += [(strategies.Chunked(c), problem.num_rows) for c in CHUNKS]
+        except ValueError as err:
+            # one row at a time without pfor, norms reduced in the loop
+            self.rejected.append(Rejection("chunked", str(err)))
+            found.append((strategies.While(1), problem.num_rows))
         return [
             Candidate(s, estimates.predicted_peak(s, rows, prior, self.result_bytes))
             for s, rows in found

@@ -191,8 +191,9 @@ class Strategy(abc.ABC):
                     f"jacobian(reduce={problem.reduce!r}, strategy="
                     f"{self.name!r}): this strategy materializes every row's "
                     "Jacobian at once. Norms are computed chunk by chunk by "
-                    "strategy='chunked' (any target) or 'batch' (Dense and "
-                    "Conv layer targets), or strategy='auto'."
+                    "strategy='chunked' (any target), row by row by 'while' "
+                    "(where pfor cannot run), or by 'batch' (layers with a "
+                    "closed form), or strategy='auto'."
                 )
             self.check(problem)
             precision.warn_if_bfloat16_far_off(problem, compiled=self.compiled)
@@ -277,6 +278,18 @@ def _block(tensors: Any) -> None:
 def one_hot_rows(start: Any, count: int, num_rows: int, dtype: tf.DType) -> tf.Tensor:
     """Cotangents selecting rows ``start .. start+count-1``: shape (count, R)."""
     return tf.one_hot(tf.range(start, start + count), num_rows, dtype=dtype)
+
+
+def chunk_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
+    """L2 norms over a chunk's parameter axes: ``(c, *v.shape) -> (c,)``, or
+    ``(c, B, *block) -> (c, B)`` for own-example blocks (``blocked``), in at
+    least float32 (a float16 row's squares overflow from 256 on)."""
+    if jacobians.dtype.size < 4:
+        jacobians = tf.cast(jacobians, tf.float32)
+    first = 2 if blocked else 1
+    axes = list(range(first, jacobians.shape.rank))
+    squares = tf.square(jacobians)
+    return tf.sqrt(tf.reduce_sum(squares, axis=axes) if axes else squares)
 
 
 def check_chunk_size(name: str, chunk_size: Any) -> int:

@@ -17,6 +17,7 @@ from jacobkit.strategies.base import (
     ZERO,
     Strategy,
     check_chunk_size,
+    chunk_norms,
     map_chunks,
     one_hot_rows,
 )
@@ -109,7 +110,7 @@ class Chunked(Strategy):
                         fallback_to_while_loop=False,
                     )
                 if reduce == "norm":  # one chunk of Jacobians held at a time
-                    return [row_norms(j, blocked) for j in jacobians]
+                    return [chunk_norms(j, blocked) for j in jacobians]
                 return jacobians
 
             return map_chunks(chunk, num_rows, self.chunk_size)
@@ -147,12 +148,3 @@ def _pfor_refused() -> Iterator[None]:
         ) from None
     finally:
         logger.removeFilter(dropper)
-
-
-def row_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
-    """L2 norms over a chunk's parameter axes: ``(c, *v.shape) -> (c,)``, or
-    ``(c, B, *block) -> (c, B)`` for own-example blocks (``blocked``)."""
-    first = 2 if blocked else 1
-    axes = list(range(first, jacobians.shape.rank))
-    squares = tf.square(jacobians)
-    return tf.sqrt(tf.reduce_sum(squares, axis=axes) if axes else squares)

@@ -10,7 +10,13 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem
-from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.base import (
+    ZERO,
+    Strategy,
+    chunk_norms,
+    map_chunks,
+    one_hot_rows,
+)
 
 #: TensorFlow's default ``parallel_iterations`` of a while loop
 DEFAULT_PARALLEL_ITERATIONS = 10
@@ -34,6 +40,8 @@ class While(Strategy):
     parallel_iterations: int | None = field(
         default=None, metadata={"label": "parallel"}
     )
+    #: ``reduce="norm"`` one row at a time (:func:`_norms_row_by_row`)
+    supports_norm = True
 
     trace_weight = 1.0
 
@@ -73,6 +81,8 @@ class While(Strategy):
         return While(parallel // 2) if parallel > 1 else None
 
     def build(self, problem: Problem) -> Callable[[Any], Any]:
+        if problem.reduce == "norm":
+            return _norms_row_by_row(problem)
         targets = problem.targets
         parallel = self.parallel_iterations
 
@@ -99,3 +109,31 @@ class While(Strategy):
             return [jacobians[id(t)] for t in targets]
 
         return compute
+
+
+def _norms_row_by_row(problem: Problem) -> Callable[[Any], Any]:
+    """``reduce="norm"``: each row's gradient in turn (a ``tf.while_loop``,
+    one row in flight), reduced to its norms before the next, so that one
+    row's gradients are held at a time. It is the norms' (and so the clipped
+    sum's) way where pfor cannot run: ``chunked`` refuses a depthwise
+    convolution's gradient, and before this ``auto`` had nothing else that
+    does not hold every row's Jacobians."""
+    targets = problem.targets
+    num_rows = problem.num_rows
+    blocked = problem.blocked
+
+    def compute(inputs: Any) -> Any:
+        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+            tape.watch(targets)
+            rows = problem.rows(inputs)
+
+        def one(start: Any, size: int) -> list[tf.Tensor]:
+            cotangent = one_hot_rows(start, size, num_rows, rows.dtype)[0]
+            found = tape.gradient(
+                rows, targets, output_gradients=cotangent, unconnected_gradients=ZERO
+            )
+            return [chunk_norms(g[None], blocked) for g in found]
+
+        return map_chunks(one, num_rows, 1)
+
+    return compute
