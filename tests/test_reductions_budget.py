@@ -18,10 +18,12 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import memory, testing
-from jacobkit.planner import BudgetWarning
+from jacobkit.planner import BudgetWarning, scratch
+from jacobkit.problem import Problem
 from tests.test_reductions import LOSS, _projected_reference, _wide
 
 REDUCTIONS = {
@@ -64,17 +66,33 @@ def _same(got, want) -> None:
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
 
 
+def _scratch(model, inputs, reduce) -> int:
+    """What this CPU's convolution gradient kernels allocate beside the
+    closed forms' own memory: about 0 under oneDNN, 32 MiB for TensorFlow's
+    own kernels (their im2col buffer; see :mod:`jacobkit.planner.scratch`),
+    which the planner measures and adds."""
+    outputs = "per_example" if reduce == "norm" else LOSS
+    x = inputs[0] if reduce == "norm" else inputs
+    problem = Problem(model, x, model.trainable_variables, outputs=outputs)
+    return scratch.scratch_bytes(problem.convolutions, tf.float32, "CPU:0")
+
+
 @pytest.mark.parametrize("reduce", REDUCTIONS.values(), ids=list(REDUCTIONS))
 def test_closed_forms_under_a_budget(reduce):
+    # the budget: 4 MiB beyond the kernels' scratch, of what a plan may use
+    # (a fixed 4 MiB was refused without oneDNN, predicted and measured at
+    # 32.3 MiB)
     model, inputs = _wide()
     free = _call(model, inputs, reduce)
+    safety = jk.planner.Policy().safety
+    budget = int((4 * 2**20 + _scratch(model, inputs, reduce)) / safety)
     with memory.PeakMemory("CPU:0") as peak:
-        result = _call(model, inputs, reduce, memory_budget="4MiB")
+        result = _call(model, inputs, reduce, memory_budget=budget)
     plan = result.plan
     assert plan.strategy == jk.strategies.Batch(), plan.summary()
-    assert plan.predicted_peak_bytes <= 4 * 2**20 * jk.planner.Policy().safety
-    # measured: 0.4-0.7 MiB
-    assert peak.extra_bytes <= 4 * 2**20
+    assert plan.predicted_peak_bytes <= budget * safety
+    # measured: 0.4-0.7 MiB under oneDNN, 32.3 MiB without
+    assert peak.extra_bytes <= budget
     _same(result, free)
 
 
