@@ -84,15 +84,21 @@ def test_gram_form_and_chunked_materialization(sequence):
     testing.assert_close(result, _norms(expected, result.rows_shape))
 
 
-def test_norms_of_own_example_blocks_of_an_input_target():
+@pytest.mark.parametrize("strategy", ["auto", "while"])
+def test_norms_of_own_example_blocks_of_an_input_target(strategy):
     ex = examples.build("generator")
     full = jk.jacobian(
         ex.model, ex.inputs, jk.Inputs(), outputs="per_example", strategy="loop"
     )
     result = jk.jacobian(
-        ex.model, ex.inputs, jk.Inputs(), outputs="per_example", reduce="norm"
+        ex.model,
+        ex.inputs,
+        jk.Inputs(),
+        outputs="per_example",
+        reduce="norm",
+        strategy=strategy,
     )
-    assert result.strategy == "chunked"
+    assert result.strategy == ("chunked" if strategy == "auto" else strategy)
     assert tuple(result["inputs"].shape) == full.rows_shape
     testing.assert_close(result, _norms([full["inputs"].numpy()], full.rows_shape))
 

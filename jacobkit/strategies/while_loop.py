@@ -132,7 +132,9 @@ def _norms_row_by_row(problem: Problem) -> Callable[[Any], Any]:
             found = tape.gradient(
                 rows, targets, output_gradients=cotangent, unconnected_gradients=ZERO
             )
-            return [chunk_norms(g[None], blocked) for g in found]
+            # (an embedding's gradient comes as IndexedSlices)
+            dense = [tf.convert_to_tensor(g) for g in found]
+            return [chunk_norms(g[None], blocked) for g in dense]
 
         return map_chunks(one, num_rows, 1)
 
