@@ -11,6 +11,7 @@ for a rule without an example here.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,23 @@ CASES["GemmaRMSNormalization"] = LayerCase(
     lambda d: keras_hub.src.models.gemma.rms_normalization.RMSNormalization(dtype=d),
     (3, 4),
 )
+
+
+def _hub_rms(module: str, name: str) -> LayerCase:
+    """One of keras_hub's copies of ``LlamaLayerNorm``."""
+    cls = getattr(importlib.import_module(f"keras_hub.src.models.{module}"), name)
+    return LayerCase(lambda d: cls(dtype=d), (3, 4))
+
+
+for _module, _name in (
+    ("llama.llama_layernorm", "LlamaLayerNorm"),
+    ("mistral.mistral_layer_norm", "MistralLayerNormalization"),
+    ("qwen.qwen_layernorm", "QwenLayerNorm"),
+    ("qwen_moe.qwen_moe_layernorm", "QwenMoeLayerNorm"),
+    ("qwen3.qwen3_layernorm", "Qwen3LayerNorm"),
+    ("phi3.phi3_layernorm", "Phi3LayerNorm"),
+):
+    CASES[_name] = _hub_rms(_module, _name)
 
 
 def case_name(kind: Any) -> str:

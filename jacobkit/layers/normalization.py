@@ -1,5 +1,6 @@
 """``LayerNormalization``, inference-mode ``BatchNormalization`` and the RMS
-normalizations (Keras's ``RMSNormalization``, keras_hub Gemma's):
+normalizations (Keras's ``RMSNormalization``, keras_hub Gemma's, and those of
+keras_hub's Llama, Mistral, Qwen and Phi-3):
 ``z = gamma * xhat + beta``, elementwise in the normalized input ``xhat``
 (Gemma's scales by ``1 + scale``, whose gradient is the same)."""
 
@@ -165,6 +166,15 @@ class GemmaRMSNormalizationRule(_RMS):
     ) -> tf.Tensor:
         xhat = self.normalized(x)
         return xhat * (1 + tf.cast(kernel, xhat.dtype))
+
+
+class ScaledRMSRule(_RMS):
+    """The RMS norms of keras_hub's Llama, Mistral, Qwen (Qwen-MoE, Qwen3)
+    and Phi-3 (``LlamaLayerNorm`` and its copies): ``z = xhat * scale`` over
+    the last axis, in float32, the output cast to the layer's compute dtype
+    (Qwen3's: its input's). They ran generically before (no closed form)."""
+
+    kind = "scaled_rms_normalization"
 
 
 class LayerScaleRule(_Normalization):

@@ -18,6 +18,7 @@ from jacobkit.layers.normalization import (
     LayerNormalizationRule,
     LayerScaleRule,
     RMSNormalizationRule,
+    ScaledRMSRule,
 )
 from jacobkit.layers.position import PositionEmbeddingRule
 from jacobkit.layers.registry import LayerKind
@@ -56,6 +57,17 @@ KINDS = (
     LayerKind(
         f"{_HUB}.models.gemma.rms_normalization:RMSNormalization",
         GemmaRMSNormalizationRule,
+    ),
+    *(
+        LayerKind(f"{_HUB}.models.{path}", ScaledRMSRule)
+        for path in (
+            "llama.llama_layernorm:LlamaLayerNorm",
+            "mistral.mistral_layer_norm:MistralLayerNormalization",
+            "qwen.qwen_layernorm:QwenLayerNorm",
+            "qwen_moe.qwen_moe_layernorm:QwenMoeLayerNorm",
+            "qwen3.qwen3_layernorm:Qwen3LayerNorm",
+            "phi3.phi3_layernorm:Phi3LayerNorm",
+        )
     ),
     LayerKind("keras.src.applications.convnext:LayerScale", LayerScaleRule),
     LayerKind(
