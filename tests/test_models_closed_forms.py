@@ -3,11 +3,11 @@ wrote, where their layers are called from Python (keras_hub's transformer
 blocks) or deep in a frozen keras.applications backbone, against float64;
 and ``auto`` runs the closed form for them.
 
-The keras_hub models are tiny random-init configurations (2 blocks, hidden
-size 16, a 50-token vocabulary; nothing downloaded), batch 2. The frozen
-backbones (ConvNeXtTiny, DenseNet121 at 32 px with a Dense head) are slow to
-build and their float64 reference slower (Keras's grouped convolution in
-float64): marked slow.
+The keras_hub models (GPT-2, BERT, Gemma, Llama, ViT) are tiny random-init
+configurations (2 blocks, hidden size 8, a 50-token vocabulary; nothing
+downloaded), batch 2. The frozen backbones (ConvNeXtTiny, DenseNet121 at 32 px
+with a Dense head) are slow to build and their float64 reference slower
+(Keras's grouped convolution in float64): marked slow.
 
 Tolerance: :func:`jacobkit.testing.assert_close`'s float32 floor, 1e-5
 relative to the largest value of the result. Measured: the closed forms are
@@ -60,6 +60,18 @@ def _gemma():
     return model, _tokens()
 
 
+def _llama():
+    model = keras_hub.models.LlamaBackbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=8,
+        intermediate_dim=16,
+    )
+    return model, _tokens()
+
+
 def _vit():
     model = keras_hub.models.ViTBackbone(
         image_shape=(16, 16, 3),
@@ -90,6 +102,7 @@ _BUILDERS = {
     "gpt2": _gpt2,
     "bert": _bert,
     "gemma": _gemma,
+    "llama": _llama,
     "vit": _vit,
     "convnext": _frozen("ConvNeXtTiny"),
     "densenet": _frozen("DenseNet121"),
@@ -103,6 +116,8 @@ CASES = [
     pytest.param("bert", "position_embedding"),
     pytest.param("gemma", "decoder_block_1/query"),
     pytest.param("gemma", "decoder_block_0/pre_attention_norm"),
+    pytest.param("llama", "transformer_layer_1/feedforward_layernorm"),
+    pytest.param("llama", "transformer_layer_0/feedforward_gate_dense"),
     pytest.param("vit", "transformer_block_1/mlp/dense_1"),
     pytest.param("vit", "vit_patching_and_embedding"),
     pytest.param(
