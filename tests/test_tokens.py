@@ -2,10 +2,10 @@
 keras_hub language model against every input token in one call, against
 float64 computed the obvious way (a float64 tape per row: each position's
 log-probability of its target token, or each class's logit, differentiated
-at the token embeddings), on tiny random-init GPT-2, Gemma and BERT.
+at the token embeddings), on tiny random-init GPT-2, Gemma, Llama and BERT.
 
 Tolerance: 1e-4 of the largest value (the issue's bound); measured at most
-2.1e-7 (float32, oneDNN on).
+2.3e-7 (Llama; float32, oneDNN on).
 """
 
 from __future__ import annotations
@@ -56,6 +56,22 @@ def gemma():
 
 
 @pytest.fixture(scope="module")
+def llama():
+    """Llama: untied reverse embeddings, its own RMS norms, grouped
+    attention with rotary positions."""
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCABULARY,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+
+
+@pytest.fixture(scope="module")
 def bert():
     keras.utils.set_random_seed(0)
     backbone = hub_models.bert(VOCABULARY, **SIZES)
@@ -69,7 +85,7 @@ def _close(got, want) -> None:
 
 
 @pytest.mark.parametrize("method", ["gradient", "gradient_x_input"])
-@pytest.mark.parametrize("name", ["gpt2", "gemma"])
+@pytest.mark.parametrize("name", ["gpt2", "gemma", "llama"])
 def test_causal_lm_equals_float64_per_row(request, name, method):
     model = request.getfixturevalue(name)
     x = _tokens()
@@ -90,7 +106,7 @@ def test_causal_lm_equals_float64_per_row(request, name, method):
         _close(found.scores, np.einsum("bktd,btd->bkt", want, embedded))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gemma"])
+@pytest.mark.parametrize("name", ["gpt2", "gemma", "llama"])
 def test_causal_structure_and_padding_give_exact_zeros(request, name):
     x = _tokens()
     found = explain.token_attribution(
@@ -260,7 +276,7 @@ def test_a_tied_embeddings_gradient_sums_both_calls(gpt2, strategy):
     _close(np.asarray(found[0]), np.asarray(want[0]))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gemma"])
+@pytest.mark.parametrize("name", ["gpt2", "gemma", "llama"])
 def test_a_causal_lm_is_split_at_its_tied_head(request, name):
     """keras_hub's causal LMs are ``token_embedding(backbone(x),
     reverse=True)``: token attribution differentiates the backbone alone,
