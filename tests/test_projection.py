@@ -203,16 +203,21 @@ def test_an_embeddings_lookup_is_projected_from_its_ids():
         dict(filters=16, kernel_size=3, strides=2, padding="same"),
         dict(filters=16, kernel_size=(2, 3), dilation_rate=2, padding="valid"),
         dict(filters=32, kernel_size=3, padding="causal", dilation_rate=2, rank=1),
+        dict(filters=96, kernel_size=3, padding="same", separable=True),
     ],
-    ids=["strided-same", "dilated-valid", "causal-conv1d"],
+    ids=["strided-same", "dilated-valid", "causal-conv1d", "separable"],
 )
 def test_a_convolutions_patches_are_mapped_by_a_convolution(conv):
     """A convolution's Kronecker projection convolves its input with the
     left factor (``ConvRule.unfold_times``) instead of unfolding it: equal
     to the map of the formed float64 per-example gradients, for strides,
-    dilation, SAME and causal padding."""
+    dilation, SAME and causal padding, and a separable convolution's
+    pointwise half (a 1x1 convolution: it convolved with the layer's 3x3
+    window, and Xception's projection failed)."""
     conv = dict(conv)
     rank = conv.pop("rank", 2)
+    if conv.pop("separable", False):
+        return _separable_projection(conv)
     layer_class = keras.layers.Conv1D if rank == 1 else keras.layers.Conv2D
     shape = (9, 24) if rank == 1 else (9, 8, 24)
     inputs = keras.Input(shape)
@@ -233,6 +238,35 @@ def test_a_convolutions_patches_are_mapped_by_a_convolution(conv):
         want = want + np.asarray(mapped.of_flat(tf.constant(rows)))
     scale = np.abs(want).max()
     # measured: at most 6.3e-7 of the largest entry
+    np.testing.assert_allclose(
+        np.reshape(found.projection, want.shape), want, rtol=0, atol=1e-5 * scale
+    )
+
+
+def _separable_projection(conv: dict) -> None:
+    """The projection of a ``SeparableConv2D``'s three variables against the
+    maps of its float64 per-example gradients; its pointwise kernel (24 x 96
+    at dim 2,048) takes a Kronecker map."""
+    inputs = keras.Input((9, 8, 24))
+    h = keras.layers.SeparableConv2D(**conv, activation="tanh", name="conv")(inputs)
+    h = keras.layers.Flatten()(h)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+    x = np.random.default_rng(4).normal(size=(3, 9, 8, 24)).astype("float32")
+    layer = model.get_layer("conv")
+    project = jk.Project(2048, seed=5)
+    found = jk.jacobian(model, x, layer, strategy="batch", reduce=project)
+    exact = testing.float64_reference(model, x, layer.trainable_weights)
+    names = list(found.jacobians)
+    want = 0
+    for name, variable, rows in zip(names, layer.trainable_weights, exact):
+        mapped = sketch.target_map(project, name, tuple(variable.shape))
+        rows = np.asarray(rows, np.float32).reshape(-1, *variable.shape)
+        want = want + np.asarray(mapped.of_flat(tf.constant(rows)))
+    assert sketch.target_map(
+        project, names[1], tuple(layer.pointwise_kernel.shape)
+    ).kronecker
+    scale = np.abs(want).max()
+    # measured: 3.4e-7 of the largest entry
     np.testing.assert_allclose(
         np.reshape(found.projection, want.shape), want, rtol=0, atol=1e-5 * scale
     )

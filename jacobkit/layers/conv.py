@@ -85,7 +85,8 @@ class ConvRule(LayerRule):
         call 11.85 -> 11.7 ms), and its ``k²``-sized patches are not held."""
         if compat.groups(self.layer) != 1:
             return super().unfold_times(x, matrix)
-        shape = (*self.layer.kernel_size, int(x.shape[-1]), int(matrix.shape[1]))
+        # the rule's own window: a separable layer's pointwise part is 1x1
+        shape = (*self._window()[0], int(x.shape[-1]), int(matrix.shape[1]))
         kernel = tf.reshape(tf.cast(matrix, x.dtype), shape)
         mapped = self.pre_activation(x, kernel, None)  # the layer's convolution
         batch, positions = x.shape[0], math.prod(mapped.shape[1:-1])
