@@ -103,9 +103,7 @@ def of_chunk_on_replicas(
     # per-example pieces were padded to the first's size: their rows trimmed
     trimmed = [
         [
-            t[: distribute.piece_rows(len(t), size, n, summed=False)]
-            if not call.summed
-            else t
+            t[: distribute.piece_rows(len(t), size, n, summed=call.summed)]
             for t in map(np.asarray, found or [])
         ]
         for n, found in zip(map(source.batch_size, pieces), computed, strict=True)

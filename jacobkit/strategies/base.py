@@ -280,6 +280,38 @@ def one_hot_rows(start: Any, count: int, num_rows: int, dtype: tf.DType) -> tf.T
     return tf.one_hot(tf.range(start, start + count), num_rows, dtype=dtype)
 
 
+#: ``(tape, rows, cotangents (c, R)) -> each target's (c, *v.shape)``
+ChunkGradients = Callable[[tf.GradientTape, tf.Tensor, tf.Tensor], list[tf.Tensor]]
+
+
+def rows_in_chunks(
+    problem: Problem, chunk_size: int, gradients: ChunkGradients
+) -> Callable[[Any], list[tf.Tensor]]:
+    """``inputs -> each target's (R, *v.shape)`` (or with ``reduce="norm"``
+    the rows' norms, one chunk's Jacobians held at a time): one tape over
+    the rows, then ``chunk_size`` rows at a time (:func:`map_chunks`), each
+    chunk's gradients by ``gradients`` (``chunked``: vectorized; ``while``'s
+    norms: one row's ``tape.gradient``)."""
+    targets = problem.targets
+    num_rows = problem.num_rows
+    norms = problem.reduce == "norm"
+    blocked = problem.blocked
+
+    def compute(inputs: Any) -> list[tf.Tensor]:
+        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+            tape.watch(targets)
+            rows = problem.rows(inputs)
+
+        def chunk(start: Any, size: int) -> list[tf.Tensor]:
+            cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
+            jacobians = gradients(tape, rows, cotangents)
+            return [chunk_norms(j, blocked) for j in jacobians] if norms else jacobians
+
+        return map_chunks(chunk, num_rows, chunk_size)
+
+    return compute
+
+
 def chunk_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
     """L2 norms over a chunk's parameter axes: ``(c, *v.shape) -> (c,)``, or
     ``(c, B, *block) -> (c, B)`` for own-example blocks (``blocked``), in at

@@ -17,9 +17,7 @@ from jacobkit.strategies.base import (
     ZERO,
     Strategy,
     check_chunk_size,
-    chunk_norms,
-    map_chunks,
-    one_hot_rows,
+    rows_in_chunks,
 )
 
 
@@ -85,37 +83,18 @@ class Chunked(Strategy):
 
     def build(self, problem: Problem) -> Callable[[Any], Any]:
         targets = problem.targets
-        num_rows = problem.num_rows
-        reduce = problem.reduce
-        blocked = problem.blocked
 
-        def compute(inputs: Any) -> Any:
-            with tf.GradientTape(
-                persistent=True, watch_accessed_variables=False
-            ) as tape:
-                tape.watch(targets)
-                rows = problem.rows(inputs)
+        def vectorized(tape: Any, rows: tf.Tensor, cotangents: tf.Tensor) -> Any:
+            with _pfor_refused():
+                return tf.vectorized_map(
+                    lambda ct: tape.gradient(
+                        rows, targets, output_gradients=ct, unconnected_gradients=ZERO
+                    ),
+                    cotangents,
+                    fallback_to_while_loop=False,
+                )
 
-            def chunk(start: Any, size: Any) -> Any:
-                cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
-                with _pfor_refused():
-                    jacobians = tf.vectorized_map(
-                        lambda ct: tape.gradient(
-                            rows,
-                            targets,
-                            output_gradients=ct,
-                            unconnected_gradients=ZERO,
-                        ),
-                        cotangents,
-                        fallback_to_while_loop=False,
-                    )
-                if reduce == "norm":  # one chunk of Jacobians held at a time
-                    return [chunk_norms(j, blocked) for j in jacobians]
-                return jacobians
-
-            return map_chunks(chunk, num_rows, self.chunk_size)
-
-        return compute
+        return rows_in_chunks(problem, self.chunk_size, vectorized)
 
 
 class _PforErrors(logging.Filter):

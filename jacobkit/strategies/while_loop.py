@@ -10,13 +10,7 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem
-from jacobkit.strategies.base import (
-    ZERO,
-    Strategy,
-    chunk_norms,
-    map_chunks,
-    one_hot_rows,
-)
+from jacobkit.strategies.base import ZERO, Strategy, rows_in_chunks
 
 #: TensorFlow's default ``parallel_iterations`` of a while loop
 DEFAULT_PARALLEL_ITERATIONS = 10
@@ -119,23 +113,12 @@ def _norms_row_by_row(problem: Problem) -> Callable[[Any], Any]:
     convolution's gradient, and before this ``auto`` had nothing else that
     does not hold every row's Jacobians."""
     targets = problem.targets
-    num_rows = problem.num_rows
-    blocked = problem.blocked
 
-    def compute(inputs: Any) -> Any:
-        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-            tape.watch(targets)
-            rows = problem.rows(inputs)
+    def one_row(tape: Any, rows: tf.Tensor, cotangents: tf.Tensor) -> list[tf.Tensor]:
+        found = tape.gradient(
+            rows, targets, output_gradients=cotangents[0], unconnected_gradients=ZERO
+        )
+        # (an embedding's gradient comes as IndexedSlices)
+        return [tf.convert_to_tensor(g)[None] for g in found]
 
-        def one(start: Any, size: int) -> list[tf.Tensor]:
-            cotangent = one_hot_rows(start, size, num_rows, rows.dtype)[0]
-            found = tape.gradient(
-                rows, targets, output_gradients=cotangent, unconnected_gradients=ZERO
-            )
-            # (an embedding's gradient comes as IndexedSlices)
-            dense = [tf.convert_to_tensor(g) for g in found]
-            return [chunk_norms(g[None], blocked) for g in dense]
-
-        return map_chunks(one, num_rows, 1)
-
-    return compute
+    return rows_in_chunks(problem, 1, one_row)
