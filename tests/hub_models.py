@@ -61,3 +61,37 @@ def gemma(
         intermediate_dim=intermediate,
         head_dim=head_dim,
     )
+
+
+def llama(
+    vocabulary: int = 50, *, layers: int = 1, hidden: int = 16, intermediate: int = 32
+) -> Any:
+    """A ``LlamaBackbone`` with grouped attention (2 query heads, 1 key and
+    value head): its own RMS norms, rotary positions, untied reverse
+    embeddings."""
+    import keras_hub
+
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=vocabulary,
+        num_layers=layers,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=hidden,
+        intermediate_dim=intermediate,
+    )
+
+
+def vit(*, layers: int = 2, hidden: int = 8, mlp: int = 16, **kwargs: Any) -> Any:
+    """A ``ViTBackbone`` on 16 x 16 RGB images in patches of 4, 2 heads
+    (``kwargs``: its other arguments, as ``name``)."""
+    import keras_hub
+
+    return keras_hub.models.ViTBackbone(
+        image_shape=(16, 16, 3),
+        patch_size=4,
+        num_layers=layers,
+        num_heads=2,
+        hidden_dim=hidden,
+        mlp_dim=mlp,
+        **kwargs,
+    )

@@ -43,15 +43,7 @@ def _gpt2():
 def _vit():
     """A tiny keras_hub ViT inside a functional model with a Dense head."""
     keras.utils.set_random_seed(0)
-    vit = keras_hub.models.ViTBackbone(
-        image_shape=(16, 16, 3),
-        patch_size=4,
-        num_layers=3,
-        num_heads=2,
-        hidden_dim=8,
-        mlp_dim=16,
-        name="vit",
-    )
+    vit = hub_models.vit(layers=3, name="vit")
     x_in = keras.Input((16, 16, 3))
     head = keras.layers.Dense(3, name="head")(vit(x_in)[:, 0])
     model = keras.Model(x_in, head)

@@ -61,26 +61,12 @@ def _gemma():
 
 
 def _llama():
-    model = keras_hub.models.LlamaBackbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=8,
-        intermediate_dim=16,
-    )
+    model = hub_models.llama(layers=2, hidden=8, intermediate=16)
     return model, _tokens()
 
 
 def _vit():
-    model = keras_hub.models.ViTBackbone(
-        image_shape=(16, 16, 3),
-        patch_size=4,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=8,
-        mlp_dim=16,
-    )
+    model = hub_models.vit()
     return model, _RNG.normal(size=(2, 16, 16, 3)).astype("float32")
 
 

@@ -85,14 +85,7 @@ def _classes(x):
 
 def _vit():
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.ViTBackbone(
-        image_shape=(16, 16, 3),
-        patch_size=4,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        mlp_dim=32,
-    )
+    backbone = hub_models.vit(hidden=16, mlp=32)
     model = keras_hub.models.ViTImageClassifier(
         backbone, num_classes=3, preprocessor=None
     )

@@ -60,14 +60,7 @@ def llama():
     """Llama: untied reverse embeddings, its own RMS norms, grouped
     attention with rotary positions."""
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=1,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=16,
-        intermediate_dim=32,
-    )
+    backbone = hub_models.llama(VOCABULARY)
     return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
