@@ -10,6 +10,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import keras
 import numpy as np
@@ -232,3 +233,14 @@ def two_blocks() -> tuple[keras.Model, np.ndarray]:
     model = keras.Model(x_in, keras.layers.Dense(2, name="head")(h), name="blocks")
     x = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
     return model, x
+
+
+def kernel_scratch(problem: Any) -> int:
+    """What this CPU's convolution gradient kernels allocate in
+    ``problem``'s backward pass beside its tensors, as the planner measures
+    and adds it (:mod:`jacobkit.planner.scratch`): about 0 under oneDNN,
+    32 MiB for TensorFlow's own kernels (their im2col buffer). A test's
+    budget is set beyond it: a fixed one fits no candidate without oneDNN."""
+    from jacobkit.planner import scratch
+
+    return scratch.scratch_bytes(problem.convolutions, problem.output_dtype, "CPU:0")

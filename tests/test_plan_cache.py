@@ -18,7 +18,7 @@ import jacobkit as jk
 from jacobkit import planner, testing
 from jacobkit.planner import cache
 from jacobkit.testing import examples
-from tests.cases import reference
+from tests.cases import kernel_scratch, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -291,14 +291,13 @@ def _per_example_cnn():
 
 def _tight(ex) -> int:
     """32 MiB beyond what this CPU's convolution gradient kernels take
-    (measured: 0 under oneDNN, 32 MiB for TensorFlow's own kernels, which
-    the planner adds to every candidate; a fixed 32 MiB fit none there)."""
-    from jacobkit.planner import scratch
+    (:func:`~tests.cases.kernel_scratch`: a fixed 32 MiB fit no candidate
+    without oneDNN)."""
     from jacobkit.problem import Problem
 
-    problem = Problem(ex.model, ex.inputs, ex.layer, outputs="per_example")
-    kinds = problem.convolutions
-    return 32 * 2**20 + scratch.scratch_bytes(kinds, problem.output_dtype, "CPU:0")
+    return 32 * 2**20 + kernel_scratch(
+        Problem(ex.model, ex.inputs, ex.layer, outputs="per_example")
+    )
 
 
 @pytest.mark.parametrize("written", ["now", "before budgets were kept"])

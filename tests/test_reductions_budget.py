@@ -18,12 +18,12 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import memory, testing
-from jacobkit.planner import BudgetWarning, scratch
+from jacobkit.planner import BudgetWarning
 from jacobkit.problem import Problem
+from tests.cases import kernel_scratch
 from tests.test_reductions import LOSS, _projected_reference, _wide
 
 REDUCTIONS = {
@@ -67,14 +67,10 @@ def _same(got, want) -> None:
 
 
 def _scratch(model, inputs, reduce) -> int:
-    """What this CPU's convolution gradient kernels allocate beside the
-    closed forms' own memory: about 0 under oneDNN, 32 MiB for TensorFlow's
-    own kernels (their im2col buffer; see :mod:`jacobkit.planner.scratch`),
-    which the planner measures and adds."""
+    """The convolution kernels' scratch of this call (:func:`kernel_scratch`)."""
     outputs = "per_example" if reduce == "norm" else LOSS
     x = inputs[0] if reduce == "norm" else inputs
-    problem = Problem(model, x, model.trainable_variables, outputs=outputs)
-    return scratch.scratch_bytes(problem.convolutions, tf.float32, "CPU:0")
+    return kernel_scratch(Problem(model, x, model.trainable_variables, outputs=outputs))
 
 
 @pytest.mark.parametrize("reduce", REDUCTIONS.values(), ids=list(REDUCTIONS))
