@@ -287,11 +287,9 @@ ChunkGradients = Callable[[tf.GradientTape, tf.Tensor, tf.Tensor], list[tf.Tenso
 def rows_in_chunks(
     problem: Problem, chunk_size: int, gradients: ChunkGradients
 ) -> Callable[[Any], list[tf.Tensor]]:
-    """``inputs -> each target's (R, *v.shape)`` (or with ``reduce="norm"``
-    the rows' norms, one chunk's Jacobians held at a time): one tape over
-    the rows, then ``chunk_size`` rows at a time (:func:`map_chunks`), each
-    chunk's gradients by ``gradients`` (``chunked``: vectorized; ``while``'s
-    norms: one row's ``tape.gradient``)."""
+    """``inputs -> each target's (R, *v.shape)``, or the rows' norms
+    (``reduce="norm"``): one tape, then ``chunk_size`` rows at a time
+    (:func:`map_chunks`), by ``gradients`` (``chunked``: vectorized)."""
     targets = problem.targets
     num_rows = problem.num_rows
     norms = problem.reduce == "norm"
