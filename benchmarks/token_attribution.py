@@ -8,8 +8,13 @@ The setting is the issue's: a tiny keras_hub GPT-2 (2 layers, hidden 64,
 vocabulary 1,000, random init), one prompt of 64 tokens and 32 greedily
 generated ones; each of the 32 generated tokens' log-probability is
 attributed to the 95 tokens before it (gradient and gradient x input at the
-token embeddings). Every run is a fresh process pinned to one core, timed by
-``peers/protocol.py``; each figure is the median over rounds.
+token embeddings). ``jacobkit`` is the default call (``auto``, which starts
+on ``while`` and tries the vectorized ``chunked`` only once the calls have
+paid for its tracing); ``strategy='chunked'`` names it from the first call.
+The per-target loop runs compiled (``tf.function``, its fastest) and eager
+(a loop of ``GradientTape`` calls, as captum's PyTorch loop runs). Every run
+is a fresh process pinned to one core, timed by ``peers/protocol.py``; each
+figure is the median over rounds.
 
     python benchmarks/token_attribution.py --peers-python /path/to/peers/bin/python \\
         --rounds 2 --out benchmarks/results/cpu
@@ -29,7 +34,13 @@ import runs
 
 HERE = Path(__file__).resolve().parent
 PROMPT, NEW = 64, 32
-METHODS = ("jacobkit", "jacobkit gradient_x_input", "TF per-target loop")
+METHODS = (
+    "jacobkit",
+    "jacobkit gradient_x_input",
+    "jacobkit strategy='chunked'",
+    "TF per-target loop",
+    "TF per-target loop, eager",
+)
 PEERS = {
     "captum, per target": ["--method", "captum_gradient"],
     "captum gradient x input, per target": ["--method", "captum_gradient_x_input"],
@@ -80,6 +91,10 @@ def child(method: str, repeats: int) -> None:
     rows = slice(PROMPT - 1, PROMPT - 1 + NEW)
     if method.startswith("jacobkit"):
         kind = "gradient_x_input" if "input" in method else "gradient"
+        # auto starts on while (cheapest to trace) and tries the vectorized
+        # strategy only after enough calls to pay for its tracing; named, it
+        # runs from the first call
+        strategy = "chunked" if "chunked" in method else "auto"
 
         def call():
             found = explain.token_attribution(
@@ -88,13 +103,13 @@ def child(method: str, repeats: int) -> None:
                 method=kind,
                 targets=targets,
                 positions=(rows.start, rows.stop),
+                strategy=strategy,
             )
             return found.scores
-    elif method == "TF per-target loop":
+    elif method.startswith("TF per-target loop"):
         # the tied embedding tapped at its lookup call
         tap = graph.LayerTap(model, model.backbone.token_embedding, lookup=True)
 
-        @tf.function
         def one(position, target):
             held = []
 
@@ -109,6 +124,11 @@ def child(method: str, repeats: int) -> None:
                 logits = tap(x, False, hook)
                 log_p = tf.nn.log_softmax(logits[0, position])[target]
             return tape.gradient(log_p, held[0])
+
+        if not method.endswith("eager"):
+            # compiled once: the loop at its fastest; eager, as a loop of
+            # GradientTape calls is written (captum's loop is eager PyTorch)
+            one = tf.function(one)
 
         def call():
             found = []

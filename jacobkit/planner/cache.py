@@ -39,10 +39,10 @@ from jacobkit.keras import compat, layer_tree
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.problem import Problem
 
-#: bumped when an entry's meaning changes; older entries are stale (3: auto
-#: no longer offers pfor where oneDNN crashes on it, and entries written
-#: before may hold such a candidate: see planner.selection.ONEDNN_PFOR)
-FORMAT = 3
+#: bumped when an entry's meaning changes; older entries are stale (4: auto
+#: offers pfor again on models with batched matmuls under oneDNN, where
+#: format 3 left it out: see jacobkit.strategies.vectorize)
+FORMAT = 4
 
 
 class CacheWarning(UserWarning):

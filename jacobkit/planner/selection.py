@@ -29,36 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from jacobkit import memory, runtime, strategies
+from jacobkit import memory, strategies
 from jacobkit.planner import estimates as est
 from jacobkit.planner.plan import Estimate, Rejection
 from jacobkit.planner.policy import Policy
 from jacobkit.strategies import Strategy
-
-#: NOTE (why auto leaves pfor out here). TensorFlow 2.21 with its oneDNN CPU
-#: kernels (measured on an AMX Xeon) crashes the process (segfault) on a
-#: rank-4 by rank-2 matmul, e.g. (32, 1, 96, 64) x (64, 64): what pfor makes
-#: of a rank-3 einsum or batched matmul (attention, EinsumDense) when it
-#: vectorizes rows. chunked(32) on a
-#: keras_hub GPT-2's token attribution died so; with TF_ENABLE_ONEDNN_OPTS=0
-#: it ran (49 ms). The same product gave wrong numbers before (see
-#: jacobkit.problem.sketch). auto does not try such candidates there; a
-#: strategy named by the caller still runs.
-ONEDNN_PFOR = (
-    "TensorFlow's oneDNN kernels crash on the rank-4 matmuls that vectorizing "
-    "(pfor) this model's matmuls on sequences makes (TF 2.21); set "
-    "TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow starts to offer it"
-)
-
-
-def onednn_hazard(strategy: Strategy, problem: Any) -> str | None:
-    """:data:`ONEDNN_PFOR` where ``strategy`` vectorizes rows over a problem
-    with batched matmuls and TensorFlow runs oneDNN; else ``None``."""
-    if not strategy.vectorizes_rows or not getattr(problem, "batched_matmuls", False):
-        return None
-    return ONEDNN_PFOR if runtime.cpu_kind().onednn else None
 
 
 def candidates(

@@ -68,9 +68,7 @@ def start(
         prior=prior,
     )
     found, rejected = selection.candidates(
-        num_rows,
-        footprint.fits,
-        lambda s: s.cannot_run(problem) or selection.onednn_hazard(s, problem),
+        num_rows, footprint.fits, lambda s: s.cannot_run(problem)
     )
     every = list(found)
     # which strategy starts is a property of the problem (what vectorizing

@@ -51,11 +51,6 @@ class Inspection:
             of a Keras model holds at its peak (it keeps them until the
             call returns; measured on a frozen MobileNetV2 at 96 px, 16
             images: 260 MiB held, 319 MiB counted).
-        batched_matmuls: whether the forward pass multiplies a tensor of rank
-            3 or more (attention, ``EinsumDense``; Keras's ``Dense`` flattens
-            sequences to a 2-D matmul): vectorized over rows (pfor), these
-            become the rank-4 products that crash oneDNN on some CPUs (see
-            :data:`jacobkit.planner.selection.ONEDNN_PFOR`).
     """
 
     outputs_shape: tf.TensorShape | None
@@ -66,7 +61,6 @@ class Inspection:
     convolutions: frozenset[str]
     forward_bytes: int = 0
     sequential_memory: SequentialMemory | None = None
-    batched_matmuls: bool = False
 
 
 class Traceable(Protocol):
@@ -148,20 +142,10 @@ def trace(problem: Traceable) -> Inspection:
             op.type for op in operations[forward_ops:]
         ),
         forward_bytes=_float_bytes(operations[:forward_ops]),
-        batched_matmuls=any(
-            op.type in _MATMULS
-            and any(t.shape.rank and t.shape.rank >= 3 for t in op.inputs)
-            for op in operations[:forward_ops]
-        ),
         sequential_memory=(
             None if has_loops else liveness.walk(operations, forward_ops)
         ),
     )
-
-
-_MATMULS = frozenset(
-    {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
-)
 
 
 def _probe(problem: Traceable, found: dict[str, Any]) -> Callable[[Any], tf.Tensor]:

@@ -147,7 +147,6 @@ class Problem:
             layer_outputs = layer_tree.output_bytes(self.model, int(outputs_shape[0]))
         self.forward_bytes = layer_outputs or inspection.forward_bytes
         self.convolutions = inspection.convolutions
-        self.batched_matmuls = inspection.batched_matmuls
         self.rows_shape: tuple[int, ...] = tuple(spec.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
         if self.blocked:  # K batch-summed rows, see :attr:`blocked`

@@ -86,10 +86,6 @@ class Strategy(abc.ABC):
     #: tracing cost relative to ``while`` (1.0), before it was measured. On
     #: CPU, TF 2.21, pfor-based strategies traced 1.4-4x slower than while.
     trace_weight: ClassVar[float] = 2.0
-    #: True where the rows' backward passes are vectorized by pfor into one
-    #: (``chunked``, ``jacobian``): see
-    #: :data:`jacobkit.planner.selection.ONEDNN_PFOR`
-    vectorizes_rows: ClassVar[bool] = False
     #: copies of the result a run holds at its peak: 2 where the rows'
     #: Jacobians are stacked into it, 1 where :func:`map_chunks` writes each
     #: chunk into it in place

@@ -12,7 +12,7 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem, through
-from jacobkit.strategies import precision
+from jacobkit.strategies import precision, vectorize
 from jacobkit.strategies.base import (
     ZERO,
     Strategy,
@@ -35,7 +35,6 @@ class Chunked(Strategy):
     """
 
     name = "chunked"
-    vectorizes_rows = True
     chunk_size: int = 16
     supports_norm = True
 
@@ -86,7 +85,7 @@ class Chunked(Strategy):
 
         def vectorized(tape: Any, rows: tf.Tensor, cotangents: tf.Tensor) -> Any:
             with _pfor_refused():
-                return tf.vectorized_map(
+                return vectorize.vectorized_map(
                     lambda ct: tape.gradient(
                         rows, targets, output_gradients=ct, unconnected_gradients=ZERO
                     ),

@@ -12,6 +12,7 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem, through
+from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import ZERO, Strategy, check_chunk_size, map_chunks
 
 
@@ -125,7 +126,9 @@ class Forward(Strategy):
             tangents = tf.reshape(tangents, (size, *target.shape))
             # pfor has no rule for a convolution whose filter is batched (the
             # JVP of a conv kernel); those chunks fall back to a while loop.
-            return [tf.vectorized_map(jvp, tangents, fallback_to_while_loop=True)]
+            return [
+                vectorize.vectorized_map(jvp, tangents, fallback_to_while_loop=True)
+            ]
 
         (columns,) = map_chunks(chunk, num_params, self.chunk_size)
         # columns: (P, R) -> (R, *target.shape)

@@ -9,7 +9,7 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem
-from jacobkit.strategies import precision
+from jacobkit.strategies import precision, vectorize
 from jacobkit.strategies.base import ZERO, Strategy
 
 
@@ -21,7 +21,6 @@ class Jacobian(Strategy):
     pass holds R times the activations after the target layer at once."""
 
     name = "jacobian"
-    vectorizes_rows = True
 
     trace_weight = 2.5
 
@@ -37,8 +36,6 @@ class Jacobian(Strategy):
             ) as tape:
                 tape.watch(targets)
                 rows = problem.rows(inputs)
-            return tape.jacobian(
-                rows, targets, unconnected_gradients=ZERO, experimental_use_pfor=True
-            )
+            return vectorize.jacobian(tape, rows, targets, unconnected_gradients=ZERO)
 
         return compute

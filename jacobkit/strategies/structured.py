@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state, structure
 from jacobkit.result import Stats
+from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
@@ -265,7 +266,7 @@ def _separable_fn(
                     total = tf.reduce_sum(found.tail(x[None]))
                 return tape.gradient(total, targets, unconnected_gradients=ZERO)
 
-            grads = tf.vectorized_map(
+            grads = vectorize.vectorized_map(
                 one_example, layer_input, fallback_to_while_loop=True
             )
         return [demultiplex(g, t) for g, t in zip(grads, targets)]

@@ -30,6 +30,7 @@ import tensorflow as tf
 from jacobkit.layers.base import Tapped
 from jacobkit.problem import Problem, through
 from jacobkit.problem.reduce import ClippedSum, Factors, Project
+from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import Strategy, map_chunks
 from jacobkit.strategies.batch import checks, contract
 from jacobkit.strategies.batch import seeds as seeding
@@ -111,7 +112,7 @@ class Batch(Strategy):
                 # each (count, B, *z.shape[1:]): d P[b, k] / d z[b] for the
                 # chunk's rows k, from the batch-summed rows (examples do not
                 # mix)
-                found = tf.vectorized_map(
+                found = vectorize.vectorized_map(
                     forward.cotangents,
                     seeds.of(start, count, batch, forward.rows.dtype),
                     fallback_to_while_loop=fallback,
