@@ -207,9 +207,9 @@ def _markdown(data: dict) -> str:
             lines.append(f"| {key} | error: {row['error']} | | | | | | |")
             continue
         versus = f"{row['steady_s'] / ours:.1f}" if ours else ""
-        # jacobkit's own rows are its reference: no agreement to show
+        # jacobkit's default call is the reference: no agreement to show
         agreement = row.get("agreement", row.get("scores_err", ""))
-        if key.startswith("jacobkit"):
+        if key in ("jacobkit", "jacobkit gradient_x_input"):
             agreement = ""
         if isinstance(agreement, float):
             agreement = f"{agreement:.2g}"

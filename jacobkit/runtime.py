@@ -302,11 +302,15 @@ class ProcessState:
         notices: the one-time warnings already given, by key.
         meters: the peak-memory blocks open now
             (:class:`jacobkit.memory.PeakMemory`), innermost last.
+        pfor_rules: TensorFlow's own pfor rules while jacobkit's replace
+            them, by op type, with how many vectorized passes are being
+            converted now (:mod:`jacobkit.strategies.vectorize`).
     """
 
     facts: dict[Hashable, Any] = field(default_factory=dict)
     notices: set[Hashable] = field(default_factory=set)
     meters: list[Any] = field(default_factory=list)
+    pfor_rules: dict[str, tuple[Any, int]] = field(default_factory=dict)
 
 
 #: the one module-level mutable state of this kind (see :class:`ProcessState`)

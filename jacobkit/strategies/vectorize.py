@@ -37,10 +37,10 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import pfor as _pfor
 
+from jacobkit import runtime
+
 _RULE = "BatchMatMulV2"
 _LOCK = threading.Lock()
-#: how many vectorized passes are being converted now, and pfor's own rule
-_ACTIVE: dict[str, Any] = {"depth": 0, "own": None}
 
 
 def vectorized_map(fn: Callable[[Any], Any], elems: Any, **kwargs: Any) -> Any:
@@ -69,18 +69,20 @@ def safe_rules() -> Iterator[None]:
     if registry is None:
         yield
         return
+    held = runtime.PROCESS.pfor_rules  # pfor's own rule and the depth
     with _LOCK:
-        if _ACTIVE["depth"] == 0:
-            _ACTIVE["own"] = registry[_RULE]
-            registry[_RULE] = _batch_matmul
-        _ACTIVE["depth"] += 1
+        own, depth = held.get(_RULE, (registry[_RULE], 0))
+        registry[_RULE] = _batch_matmul
+        held[_RULE] = (own, depth + 1)
     try:
         yield
     finally:
         with _LOCK:
-            _ACTIVE["depth"] -= 1
-            if _ACTIVE["depth"] == 0:
-                registry[_RULE] = _ACTIVE["own"]
+            own, depth = held.pop(_RULE)
+            if depth > 1:
+                held[_RULE] = (own, depth - 1)
+            else:
+                registry[_RULE] = own
 
 
 def _batch_matmul(pfor_input: Any) -> Any:
