@@ -97,6 +97,7 @@ def _products() -> dict[str, tuple]:
 
     rows, matrix, square = normal(4, 1, 16, 16), normal(16, 8), normal(16, 16)
     batched, left = normal(1, 16, 8), normal(5, 16)
+    doubled, pairs = normal(4, 2, 16, 16), normal(2, 16, 8)
     return {
         # a row times a fixed matrix: one 2-D matmul over the rows
         "row @ matrix": (lambda r: tf.matmul(r, matrix), rows, lambda r: r @ matrix),
@@ -107,8 +108,14 @@ def _products() -> dict[str, tuple]:
         ),
         # a fixed matrix times a row: one einsum over the rows
         "matrix @ row": (lambda r: tf.matmul(left, r), rows, lambda r: left @ r),
-        # a row times a fixed batch of matrices: broadcast explicitly
+        # a row times a fixed batch of matrices: broadcast explicitly (a
+        # size-1 axis), or by the product (none)
         "row @ batch": (lambda r: tf.matmul(r, batched), rows, lambda r: r @ batched),
+        "rows of 2 @ batch of 2": (
+            lambda r: tf.matmul(r, pairs),
+            doubled,
+            lambda r: r @ pairs,
+        ),
         # both rows: no broadcasting, pfor's own product
         "row @ row": (lambda r: tf.matmul(r, r), rows, lambda r: r @ r),
     }

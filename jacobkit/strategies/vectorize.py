@@ -17,9 +17,10 @@ rows, ``(rows, B, T, D) @ (D, E)``: with one example (``B = 1``; a prompt, the
 last batch of a dataset) every vectorized strategy, ``batch`` included,
 returned wrong Jacobians or crashed. The rule here multiplies such a product
 as one 2-D matmul over the flattened rows (what pfor's own ``MatMul`` rule
-does), and broadcasts any other mismatched batch axes explicitly before the
-product. The same numbers on every CPU; TensorFlow's kernels without oneDNN
-were right either way.
+does), a fixed matrix times a vectorized operand as one einsum, and
+broadcasts other mismatched batch axes explicitly before the product where
+one has a size-1 axis (:func:`_hazard`). The same numbers on every CPU;
+TensorFlow's kernels without oneDNN were right either way.
 
 The rule is in place only while a strategy's vectorized pass is converted
 (tracing), for every thread then (another thread's pfor gets the same
@@ -90,7 +91,8 @@ def _batch_matmul(pfor_input: Any) -> Any:
     the module's NOTE): a vectorized operand times a fixed matrix is one 2-D
     matmul over the flattened rows; a fixed matrix times a vectorized operand
     one einsum over them; otherwise both operands are broadcast to their
-    common batch shape before the product."""
+    common batch shape before the product where that broadcasting could be
+    miscomputed (:func:`_hazard`)."""
     x, x_stacked, _ = pfor_input.input(0)
     y, y_stacked, _ = pfor_input.input(1)
     adj_x, adj_y = pfor_input.get_attr("adj_x"), pfor_input.get_attr("adj_y")
@@ -112,11 +114,25 @@ def _batch_matmul(pfor_input: Any) -> Any:
         return _pfor.wrap(out, True)
     pfor_input.expanddim_inputs_for_broadcast()
     x, y = pfor_input.input(0)[0], pfor_input.input(1)[0]
-    if not (x.shape[:-2].is_fully_defined() and x.shape[:-2] == y.shape[:-2]):
+    if _hazard(x.shape[:-2], y.shape[:-2]):
         batch = tf.broadcast_dynamic_shape(tf.shape(x)[:-2], tf.shape(y)[:-2])
         x = tf.broadcast_to(x, tf.concat([batch, tf.shape(x)[-2:]], 0))
         y = tf.broadcast_to(y, tf.concat([batch, tf.shape(y)[-2:]], 0))
     return _pfor.wrap(tf.matmul(x, y, adjoint_a=adj_x, adjoint_b=adj_y), True)
+
+
+def _hazard(x: tf.TensorShape, y: tf.TensorShape) -> bool:
+    """Whether a product with these batch shapes broadcasts where oneDNN
+    may miscompute it: they differ, and one has an axis of size 1, or a size
+    unknown while tracing. Measured right without a size-1 axis (``(4, 2,
+    16, 16) @ (2, 16, 8)``, ``(32, 2, 96, 64) @ (2, 64, 64)``), so those keep
+    pfor's product and its memory; copying the broadcast operand costs as
+    much memory as the product's output, or more."""
+    if x == y and x.is_fully_defined():
+        return False
+    if not (x.is_fully_defined() and y.is_fully_defined()):
+        return True
+    return 1 in x.as_list() or 1 in y.as_list()
 
 
 def _times_matrix(x: tf.Tensor, matrix: tf.Tensor, adjoint: bool) -> tf.Tensor:
