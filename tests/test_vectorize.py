@@ -146,3 +146,44 @@ def test_the_rule_is_replaced_only_while_converting():
             pass
         assert registry["BatchMatMulV2"] is not own
     assert registry["BatchMatMulV2"] is own
+
+
+def test_every_vectorized_pass_in_the_package_goes_through_vectorize():
+    """No module but :mod:`jacobkit.strategies.vectorize` calls pfor itself
+    (``tf.vectorized_map``, or ``tape.jacobian``/``batch_jacobian`` with
+    pfor, their default): a new strategy that did would miss the replaced
+    rule."""
+    import ast
+    from pathlib import Path
+
+    import jacobkit
+
+    root = Path(jacobkit.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "vectorize.py" and path.parent.name == "strategies":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(
+                node.func, ast.Attribute
+            ):
+                continue
+            name = node.func.attr
+            pfor_off = any(
+                k.arg == "experimental_use_pfor"
+                and isinstance(k.value, ast.Constant)
+                and k.value.value is False
+                for k in node.keywords
+            )
+            owner = node.func.value
+            if name == "vectorized_map" and not (
+                isinstance(owner, ast.Name) and owner.id == "vectorize"
+            ):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+            elif name in ("jacobian", "batch_jacobian") and not pfor_off:
+                if isinstance(owner, ast.Name) and owner.id in ("vectorize", "jk"):
+                    continue
+                if isinstance(owner, ast.Name) and owner.id == "api":
+                    continue
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, found

@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from jacobkit import runtime
 from jacobkit.keras import compat
+from jacobkit.strategies import vectorize
 
 #: relative errors to the float32-weights result, measured as in the NOTE
 MEASURED = {
@@ -209,7 +210,7 @@ def _cnn2d_jacobian(x: tf.Tensor, weights: list[tf.Tensor]) -> list[tf.Tensor]:
     with tf.GradientTape() as tape:
         tape.watch(weights[:2])
         rows = _cnn2d(x, weights)
-    jacobians: list[tf.Tensor] = tape.jacobian(rows, weights[:2])
+    jacobians: list[tf.Tensor] = vectorize.jacobian(tape, rows, weights[:2])
     return jacobians
 
 
