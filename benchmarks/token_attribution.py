@@ -11,6 +11,7 @@ attributed to the 95 tokens before it (gradient and gradient x input at the
 token embeddings). ``jacobkit`` is the default call (``auto``, which starts
 on ``while`` and tries the vectorized ``chunked`` only once the calls have
 paid for its tracing); ``strategy='chunked'`` names it from the first call.
+Both run under a stated ``memory_budget`` (:data:`BUDGET`).
 The per-target loop runs compiled (``tf.function``, its fastest) and eager
 (a loop of ``GradientTape`` calls, as captum's PyTorch loop runs). Every run
 is a fresh process pinned to one core, timed by ``peers/protocol.py``; each
@@ -34,6 +35,9 @@ import runs
 
 HERE = Path(__file__).resolve().parent
 PROMPT, NEW = 64, 32
+#: every jacobkit call's stated memory budget (auto, and chunked, keep their
+#: predicted peak under it)
+BUDGET = "256MiB"
 METHODS = (
     "jacobkit",
     "jacobkit gradient_x_input",
@@ -104,6 +108,7 @@ def child(method: str, repeats: int) -> None:
                 targets=targets,
                 positions=(rows.start, rows.stop),
                 strategy=strategy,
+                memory_budget=BUDGET,
             )
             return found.scores
     elif method.startswith("TF per-target loop"):
@@ -194,7 +199,8 @@ def _markdown(data: dict) -> str:
         "",
         "Written by `benchmarks/token_attribution.py`: a keras_hub GPT-2 (2 "
         "layers, hidden 64, vocabulary 1,000, random init), a 64-token prompt "
-        "and 32 generated tokens, each attributed to every earlier token; one "
+        "and 32 generated tokens, each attributed to every earlier token; "
+        f"jacobkit's calls under memory_budget={BUDGET!r}; one "
         "core (`taskset -c 0`), fresh processes, median of "
         f"{data['rounds']} rounds of {data['repeats']} steady calls.",
         "",
