@@ -50,16 +50,8 @@ def gemma(
 ) -> Any:
     """A ``GemmaBackbone`` with grouped attention (2 query heads, 1 key and
     value head)."""
-    import keras_hub
-
-    return keras_hub.models.GemmaBackbone(
-        vocabulary_size=vocabulary,
-        num_layers=layers,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=hidden,
-        intermediate_dim=intermediate,
-        head_dim=head_dim,
+    return _grouped(
+        "GemmaBackbone", vocabulary, layers, hidden, intermediate, head_dim=head_dim
     )
 
 
@@ -69,15 +61,29 @@ def llama(
     """A ``LlamaBackbone`` with grouped attention (2 query heads, 1 key and
     value head): its own RMS norms, rotary positions, untied reverse
     embeddings."""
+    return _grouped("LlamaBackbone", vocabulary, layers, hidden, intermediate)
+
+
+def _grouped(
+    name: str,
+    vocabulary: int,
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    **extra: Any,
+) -> Any:
+    """keras_hub's backbone ``name`` with grouped attention: 2 query heads,
+    1 key and value head (``extra``: its other arguments)."""
     import keras_hub
 
-    return keras_hub.models.LlamaBackbone(
+    return getattr(keras_hub.models, name)(
         vocabulary_size=vocabulary,
         num_layers=layers,
         num_query_heads=2,
         num_key_value_heads=1,
         hidden_dim=hidden,
         intermediate_dim=intermediate,
+        **extra,
     )
 
 
