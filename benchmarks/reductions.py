@@ -340,7 +340,7 @@ def _markdown(data: dict) -> str:
                 if base
                 else f"| {label} | {steady * 1e3:.1f} | | | | | | | |"
             )
-        lines.append("")
+        lines += ["", *_floor(case, measured)]
     lines += [
         "## Peak over a dataset (conv net, batches of 32)",
         "",
@@ -357,6 +357,41 @@ def _markdown(data: dict) -> str:
         else:
             lines.append(f"| {key} | {row['peak_mib']:.1f} | {row['result_mib']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+#: the issue's goal for the Gram matrix and the projection: at most this
+#: many times materializing the per-example gradients
+GOAL = 0.5
+
+
+def _floor(case: str, measured: dict) -> list[str]:
+    """The case's floor line: how far below materializing a Gram matrix or
+    a projection can go. Either computes every example's cotangents at
+    every layer, one forward and one backward pass of the batch: about the
+    plain step (whose weight gradients it replaces by its own per-layer
+    products)."""
+    base = measured.get(f"{case}|plain step", {}).get("steady_s")
+    found = {}
+    for kind in ("gram", "projection"):
+        twin = measured.get(f"{case}|materialized {kind}", {}).get("steady_s")
+        if base and twin:
+            found[kind] = base / twin
+    if not found:
+        return []
+    below = [k for k, v in found.items() if v > GOAL]
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in found.items())
+    line = (
+        "Floor: a Gram matrix or a projection computes every example's "
+        "cotangents at every layer, one forward and one backward pass of the "
+        "batch, about the plain step; × materialized cannot go much below "
+        f"plain step ÷ materialized: {shown}."
+    )
+    if below:
+        line += (
+            f" The goal (≤ {GOAL} × materialized) lies below that floor "
+            f"for: {', '.join(below)}."
+        )
+    return [line, ""]
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import jacobkit as jk
 from jacobkit import explain, testing
 from jacobkit.explain.tokens import _log_likelihood, _targets
 from jacobkit.keras.lm_head import linear_head
+from jacobkit.problem.cache import Slot, model_state
 from tests import hub_models
 
 keras = pytest.importorskip("keras")
@@ -97,6 +98,30 @@ def test_causal_lm_equals_float64_per_row(request, name, method):
     else:
         embedded = np.asarray(model.backbone.token_embedding(ids))
         _close(found.scores, np.einsum("bktd,btd->bkt", want, embedded))
+
+
+def test_the_first_call_eager_and_the_next_compiled_agree_with_float64():
+    """A model's first call computes the rows' cotangents at the hidden
+    states eagerly, its later calls compiled (``tokens._cotangents``): both
+    against float64, on a GPT-2 no other test has called."""
+    keras.utils.set_random_seed(1)
+    model = keras_hub.models.GPT2CausalLM(
+        hub_models.gpt2(VOCABULARY, **SIZES), preprocessor=None
+    )
+    x = _tokens()
+    wanted, weights = _targets(x["token_ids"], x["padding_mask"], None)
+    rows = jk.Loss(_log_likelihood, each=True)
+    want = testing.float64_reference(
+        model, (x, wanted, weights), jk.Output("token_embedding"), outputs=rows
+    )
+    kept = model_state(model, Slot.LM_HEAD)
+    for compiled in (False, True):
+        found = explain.token_attribution(model, x, per_dimension=True)
+        assert (
+            isinstance(kept["cotangents"], tf.types.experimental.PolymorphicFunction)
+            == compiled
+        )
+        _close(found.gradients, np.asarray(want[0]))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gemma", "llama"])

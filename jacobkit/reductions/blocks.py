@@ -101,7 +101,7 @@ class Blocks:
         )
         try:
             for i, xa in enumerate(self.sets[0].chunks(self.size)):
-                fa = self._features(xa)
+                fa, own = self._features_with_itself(xa)
                 if self.first is None:
                     self.first = fa
                 self._norms(0, fa)
@@ -109,11 +109,14 @@ class Blocks:
                 for j, xb in enumerate(self.sets[1].chunks(self.size)):
                     if self.symmetric and j < i:
                         continue
-                    fb = fa if self.symmetric and i == j else self._features(xb)
-                    if i == 0 and not self.symmetric:
-                        self._norms(1, fb)
-                    block = feats.inner_products(fa, fb).numpy().astype(np.float64)
-                    self.blocks[i, j] = block
+                    if own is not None and i == j:
+                        block = own
+                    else:
+                        fb = self._features(xb)
+                        if i == 0 and not self.symmetric:
+                            self._norms(1, fb)
+                        block = feats.inner_products(fa, fb)
+                    self.blocks[i, j] = block.numpy().astype(np.float64)
                 bar.update(1)
         finally:
             bar.close()
@@ -163,6 +166,21 @@ class Blocks:
             return None, None
         a = np.concatenate(self.norms[0])
         return a, a if self.symmetric else np.concatenate(self.norms[1])
+
+    def _features_with_itself(
+        self, x: Any
+    ) -> tuple[feats.ChunkFeatures, tf.Tensor | None]:
+        """A chunk of ``a``'s features, and where the sets are one (a
+        symmetric matrix), its diagonal block with them."""
+        if not self.symmetric:
+            return self._features(x), None
+        if self.distribute is not None:
+            found = self._features(x)
+            return found, feats.inner_products(found, found)
+        found, own, problem = feats.of_chunk_with_itself(self.call, x, self.chosen)
+        if self.problem is None:
+            self.problem = problem
+        return found, own
 
     def _features(self, x: Any) -> feats.ChunkFeatures:
         if self.distribute is not None:

@@ -56,15 +56,63 @@ def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Any]:
     problem = call.problem(x)
     closed = strategies.REGISTRY["batch"]()
     if not _served(closed, problem):
-        result = engine.run(problem, chosen)
-        rows = problem.num_rows
-        flat = tuple(
-            Flat(tf.reshape(tf.convert_to_tensor(j), (rows, -1)))
-            for j in result.jacobians.values()
-        )
-        return ChunkFeatures(flat, rows, result.strategy), problem
+        return _of_jacobians(problem, chosen), problem
     tensors, _ = closed.run(problem.with_reduce(Factors()))
     return ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name), problem
+
+
+def of_chunk_with_itself(
+    call: Call, x: Any, chosen: Any
+) -> tuple[ChunkFeatures, tf.Tensor, Any]:
+    """:func:`of_chunk`, and the inner products of the chunk's rows with
+    themselves ``(R, R)`` (a diagonal block of a Gram matrix): one compiled
+    call where ``batch``'s closed forms serve every target, else the two
+    steps.
+
+    NOTE (measured, one core, batch 32 with itself). As two calls the
+    products' call took each target's tensors as its arguments, which
+    TensorFlow inspects one by one on every call (41 targets on the
+    reductions benchmark's BERT); one call: BERT 21.2 -> 16.6 ms, the conv
+    net 12.0 -> 10.0 ms."""
+    problem = call.problem(x)
+    closed = strategies.REGISTRY["batch"]()
+    if not _served(closed, problem):
+        found = _of_jacobians(problem, chosen)
+        return found, inner_products(found, found), problem
+    products, *tensors = _with_products(closed, problem)(problem.inputs)
+    found = ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name)
+    return found, products, problem
+
+
+def _of_jacobians(problem: Any, chosen: Any) -> ChunkFeatures:
+    """Every target's rows flattened, from the per-example Jacobians that
+    ``chosen`` computes."""
+    result = engine.run(problem, chosen)
+    rows = problem.num_rows
+    flat = tuple(
+        Flat(tf.reshape(tf.convert_to_tensor(j), (rows, -1)))
+        for j in result.jacobians.values()
+    )
+    return ChunkFeatures(flat, rows, result.strategy)
+
+
+def _with_products(closed: Any, problem: Any) -> Any:
+    """``inputs -> [products (R, R), *the factors]``: ``closed``'s factors
+    (``reduce=Factors()``) and their products in one compiled call, kept
+    per model and problem."""
+    kept = model_state(problem.model, Slot.COMPILED)
+    key = (problem.key, "factors and their products")
+    if key not in kept:
+        factors = closed.compiled_for(problem.with_reduce(Factors())).fn
+
+        def both(inputs: Any) -> list[tf.Tensor]:
+            tensors = list(factors(inputs))
+            parsed = _parsed(tensors)
+            parts = [pairs.tensors_of(f) for f in parsed]
+            return [pairs.sum_of_pairs(pairs.kinds(parsed), parts, parts), *tensors]
+
+        kept[key] = problem.function(both)
+    return kept[key]
 
 
 def of_chunk_on_replicas(
