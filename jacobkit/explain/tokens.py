@@ -27,7 +27,6 @@ from jacobkit import api
 from jacobkit.explain.token_paths import baseline_embeddings, path_gradients
 from jacobkit.keras.embeddings import embedding_layer
 from jacobkit.keras.lm_head import LinearHead, linear_head
-from jacobkit.problem.cache import Slot, model_state
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.tensor_targets import Output
 
@@ -167,12 +166,10 @@ def _gradients(
     if wanted is None:
         result = api.jacobian(model, inputs, target, outputs="per_example", **kwargs)
     elif isinstance(fn, LogLikelihood) and (split := linear_head(model)) is not None:
-        # each row's cotangent at the hidden states in closed form, then the
-        # rows <g, h> of the body alone (jacobkit.keras.lm_head)
-        start = tf.constant(fn.start)
-        found = _cotangents(model, split)(inputs, start, tf.constant(wanted))
-        data = (inputs, found.numpy(), weights)
-        rows = Loss(HiddenRows(fn.start), each=True)
+        # the rows <g, h> of the body alone, each row's cotangent g at the
+        # hidden states from the head in the same pass (jacobkit.keras.lm_head)
+        rows = Loss(HiddenRows(fn.start, split), each=True)
+        data = (inputs, wanted, weights)
         result = api.jacobian(split.body, data, target, outputs=rows, **kwargs)
     else:
         rows = Loss(fn, each=True)
@@ -198,46 +195,32 @@ class LogLikelihood:
         return tf.gather(log_p, y_true, batch_dims=2)
 
 
-def _cotangents(model: Any, split: LinearHead) -> Any:
-    """``(inputs, start, targets) -> g`` of a causal LM split at its head:
-    the body's hidden states at the rows' positions and each row's cotangent
-    there (:meth:`LinearHead.cotangents`). The model's first call runs it
-    eagerly; from its second on it is compiled (kept per model).
-
-    NOTE (measured, one core, the tiny GPT-2 of
-    ``benchmarks/token_attribution.py``). Compiled, its first call took
-    0.36 s (the trace) and later ones 2.4 ms; eager, 60 ms and then 31 ms.
-    A prompt explained once (each new prompt length is a first call of
-    every trace after it) pays the eager 60 ms, not the 0.36 s trace; a
-    model explained again pays the trace on its second call."""
-    kept = model_state(model, Slot.LM_HEAD)
-
-    def cotangents(inputs: Any, start: Any, targets: Any) -> Any:
-        hidden = split.body(inputs, training=False)
-        at = hidden[:, start : start + tf.shape(targets)[1]]
-        return split.cotangents(at, targets)
-
-    if "cotangents" not in kept:
-        kept["cotangents"] = None  # the first call: eager
-        return cotangents
-    if kept["cotangents"] is None:
-        kept["cotangents"] = tf.function(cotangents, reduce_retracing=True)
-    return kept["cotangents"]
-
-
 @dataclass(frozen=True)
 class HiddenRows:
-    """A causal LM's rows from its hidden states ``h`` (``(B, T, D)``, the
-    body's output, :mod:`jacobkit.keras.lm_head`): row ``k`` is ``<g[:, k],
-    h[:, start + k]>`` with ``g`` (``(B, rows, D)``, passed as the labels)
-    the log-probability's gradient at that position, held fixed: the same
-    gradient as :class:`LogLikelihood`'s at everything before ``h``."""
+    """A causal LM's rows from its body's hidden states ``h`` (``(B, T, D)``,
+    :mod:`jacobkit.keras.lm_head`): row ``k`` is ``<g_k, h[:, start + k]>``
+    with ``g_k`` the gradient of position ``start + k``'s log-probability of
+    its target token (``y_true[:, k]``) at that position, computed by the
+    head from ``h`` with no gradient flowing back through it: the same
+    gradient as :class:`LogLikelihood`'s at everything before ``h``, without
+    the head's backward pass per row. (A value, so equal rows share one
+    compiled computation.)
 
-    start: int = 0
+    NOTE (measured, one core, the tiny GPT-2 of
+    ``benchmarks/token_attribution.py``). ``g`` was a compiled pass of its
+    own before the rows' call, the body's forward pass twice per call: its
+    trace took 0.36 s of the first call, its run 2.4 ms of each later one.
+    """
 
-    def __call__(self, g: Any, hidden: Any) -> tf.Tensor:
-        g = tf.convert_to_tensor(g)
-        at = tf.convert_to_tensor(hidden)[:, self.start : self.start + g.shape[1]]
+    start: int
+    split: LinearHead
+
+    def __call__(self, y_true: Any, hidden: Any) -> tf.Tensor:
+        targets = tf.cast(y_true, tf.int32)
+        at = tf.convert_to_tensor(hidden)[:, self.start : self.start + targets.shape[1]]
+        # from h held fixed: nothing differentiates (or, forward mode,
+        # pushes tangents) through the head's own gradient
+        g = self.split.cotangents(tf.stop_gradient(at), targets)
         return tf.reduce_sum(tf.cast(at, g.dtype) * g, axis=-1)
 
 

@@ -30,7 +30,6 @@ class Slot(enum.Enum):
     INDEPENDENT = "problem.tensor_targets: whether examples are independent"
     SESSIONS = "planner.Auto: its planning sessions and norm choices"
     CAM_FORWARD = "explain.cam: Grad-CAM's compiled forward pass"
-    LM_HEAD = "explain.tokens: a causal LM's compiled pass to its rows' cotangents"
     TARGET_KEYS = "problem.targets: the result keys of each set of target variables"
 
 
