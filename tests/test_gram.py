@@ -135,7 +135,21 @@ def test_targets_without_closed_forms_use_a_strategy():
     _close(result.matrix, rows @ rows.T)
 
 
-def test_a_subclassed_model():
+def test_a_subclassed_model(monkeypatch):
+    """Its layers are called from Python: ``batch``'s checks trace a pass,
+    once for the whole call (its verdict kept: it ran four times, for the
+    sizing probe's problem and the chunk's, each twice)."""
+    from jacobkit.strategies.batch import checks
+
+    passes = []
+    checked_pass = checks._checked_pass
+
+    def counted(problem):
+        passes.append(problem.batch_size)
+        return checked_pass(problem)
+
+    monkeypatch.setattr(checks, "_checked_pass", counted)
+
     class Net(keras.Model):
         def __init__(self):
             super().__init__()
@@ -147,13 +161,14 @@ def test_a_subclassed_model():
 
     keras.utils.set_random_seed(5)
     model = Net()
-    x = np.random.default_rng(5).normal(size=(6, 4)).astype("float32")
-    y = np.arange(6) % 3
+    x = np.random.default_rng(5).normal(size=(12, 4)).astype("float32")
+    y = np.arange(12) % 3
     model(x)
     rows = _rows(model, (x, y), LOSS)
     result = jk.gram(model, (x, y), outputs=LOSS)
     assert result.strategy == "batch"
     _close(result.matrix, rows @ rows.T)
+    assert len(passes) == 1
 
 
 def test_a_memory_budget_sets_the_chunk_size():
