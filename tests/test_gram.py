@@ -255,3 +255,36 @@ def test_an_embeddings_lookup_rows_are_ghosted_by_their_ids():
     )
     mixed = jk.gram(model, short, long, outputs=LOSS)
     _close(mixed.matrix, rows @ _rows(model, long, LOSS).T)
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_chunks_are_sized_from_the_features_shapes(name, monkeypatch):
+    """The chunk size comes from the features' shapes, traced on a first
+    chunk and not run (``features.shapes_of_chunk``): the same forms, rows
+    and bytes as the features computed; and the chunk then runs that trace
+    (one build of ``batch``'s computation: the probe of 8 examples, run,
+    was a second)."""
+    from jacobkit import api
+    from jacobkit.problem import Call
+    from jacobkit.reductions import features as feats
+    from jacobkit.strategies.batch import Batch
+
+    model, inputs = ALL[name]()
+    call = Call(model, model.trainable_variables, outputs=LOSS, strategy=None)
+    shapes = feats.shapes_of_chunk(call, inputs)
+    found, _ = feats.of_chunk(call, inputs, api.solver("auto", None, None, True))
+    assert [type(f) for f in shapes.features] == [type(f) for f in found.features]
+    assert (shapes.num_rows, shapes.nbytes) == (found.num_rows, found.nbytes)
+
+    builds = []
+    build = Batch.build
+
+    def counted(self, problem):
+        builds.append(problem.num_rows)
+        return build(self, problem)
+
+    monkeypatch.setattr(Batch, "build", counted)
+    fresh, inputs = ALL[name]()
+    more = tuple(np.concatenate([t, t]) for t in inputs)  # 9 to 32 examples
+    jk.gram(fresh, more, outputs=LOSS)
+    assert len(builds) == 1

@@ -61,6 +61,32 @@ def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Any]:
     return ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name), problem
 
 
+def shapes_of_chunk(call: Call, x: Any) -> ChunkFeatures:
+    """The chunk ``x``'s features as :func:`of_chunk` gives them, for their
+    forms and sizes only (what sizes a Gram's chunks): traced, not run,
+    and nothing held. Where ``batch``'s closed forms serve every target,
+    its factors' computation traced on ``x`` (a first chunk of the same
+    shape then runs that trace); else each target's formed rows
+    ``(R, size)`` as specs.
+
+    NOTE (measured, one core). The chunks were sized by running the
+    features of a probe of 8 examples: its own trace, at a shape no chunk
+    has, 1.0 s of a first Gram call on the reductions benchmark's BERT
+    tiny (batch 32), and its rows held meanwhile."""
+    problem = call.problem(x)
+    closed = strategies.REGISTRY["batch"]()
+    rows = problem.num_rows
+    if not _served(closed, problem):
+        flat = tuple(
+            Flat(tf.TensorSpec((rows, int(np.prod(t.shape))), t.dtype))
+            for t in problem.targets
+        )
+        return ChunkFeatures(flat, rows, "auto")
+    factors: Any = closed.compiled_for(problem.with_reduce(Factors())).fn
+    traced = factors.get_concrete_function(problem.inputs).outputs
+    return ChunkFeatures(_parsed(list(traced)), rows, closed.name)
+
+
 def of_chunk_with_itself(
     call: Call, x: Any, chosen: Any
 ) -> tuple[ChunkFeatures, tf.Tensor, Any]:

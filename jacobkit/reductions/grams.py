@@ -179,7 +179,7 @@ def gram(
     with runtime.tensorflow_warnings():
         probe = sets[0].first(size or PROBE_EXAMPLES)
         if size is None:
-            size = _sized(call, probe, chosen, allowed)
+            size = _sized(call, probe, allowed)
         run = blocks.Blocks(
             call,
             chosen,
@@ -246,21 +246,23 @@ def _check_chunk(chunk_examples: Any) -> int | None:
     return chunk_examples
 
 
-#: examples whose features size the chunks (measured once per model,
-#: problem, input shapes and budget)
-PROBE_EXAMPLES = 8
+#: examples whose features' shapes size the chunks (traced once per model,
+#: problem, input shapes and budget): a default chunk's, whose trace the
+#: first chunk then runs
+PROBE_EXAMPLES = DEFAULT_CHUNK_EXAMPLES
 
 
-def _sized(call: Call, probe: Any, chosen: Any, allowed: int | None) -> int:
-    """:func:`_chunk_size` from the features of ``probe`` (a first chunk of
-    :data:`PROBE_EXAMPLES`), kept in the model's state: a repeated call
+def _sized(call: Call, probe: Any, allowed: int | None) -> int:
+    """:func:`_chunk_size` from the shapes of the features of ``probe`` (a
+    first chunk of :data:`PROBE_EXAMPLES`, :func:`~jacobkit.reductions.
+    features.shapes_of_chunk`), kept in the model's state: a repeated call
     (TracIn's checkpoints, many test sets) probes nothing, and builds no
     problem for it (0.16 ms of a 3 ms call on notebook 07's digits)."""
     kept = model_state(call.model, Slot.COMPILED)
     shapes = tuple(tuple(np.shape(t)) for t in tf.nest.flatten(probe))
     key = (_call_key(call), "gram chunk examples", shapes, allowed)
     if key not in kept:
-        first, _ = feats.of_chunk(call, probe, chosen)
+        first = feats.shapes_of_chunk(call, probe)
         kept[key] = _chunk_size(first, source.batch_size(probe), allowed)
     size: int = kept[key]
     return size
