@@ -146,8 +146,14 @@ class Blocks:
         both = tf.nest.map_structure(
             lambda u, v: np.concatenate([u, v]), a.arrays, b.arrays
         )
-        self.first = found = self._features(both)
-        block = feats.inner_products_within(found, count, count + other)
+        if self.distribute is not None:
+            self.first = found = self._features(both)
+            block = feats.inner_products_within(found, count, count + other)
+        else:
+            found, block, problem = feats.of_chunk_split(
+                self.call, both, self.chosen, count
+            )
+            self.first, self.problem = found, problem
         if self.with_norms:
             norms = feats.row_norms(found)
             cut = found.num_rows // (count + other) * count
