@@ -146,14 +146,8 @@ class Blocks:
         both = tf.nest.map_structure(
             lambda u, v: np.concatenate([u, v]), a.arrays, b.arrays
         )
-        if self.distribute is not None:
-            self.first = found = self._features(both)
-            block = feats.inner_products_within(found, count, count + other)
-        else:
-            found, block, problem = feats.of_chunk_split(
-                self.call, both, self.chosen, count
-            )
-            self.first, self.problem = found, problem
+        found, block = self._with_block(both, count)
+        self.first = found
         if self.with_norms:
             norms = feats.row_norms(found)
             cut = found.num_rows // (count + other) * count
@@ -180,13 +174,19 @@ class Blocks:
         symmetric matrix), its diagonal block with them."""
         if not self.symmetric:
             return self._features(x), None
-        if self.distribute is not None:
-            found = self._features(x)
-            return found, feats.inner_products(found, found)
-        found, own, problem = feats.of_chunk_with_itself(self.call, x, self.chosen)
+        return self._with_block(x)
+
+    def _with_block(
+        self, x: Any, count: int | None = None
+    ) -> tuple[feats.ChunkFeatures, tf.Tensor]:
+        """A chunk's features and a block of their products
+        (:func:`~jacobkit.reductions.features.with_products`)."""
+        found, block, problem = feats.with_products(
+            self.call, x, self.chosen, count, self.distribute
+        )
         if self.problem is None:
             self.problem = problem
-        return found, own
+        return found, block
 
     def _features(self, x: Any) -> feats.ChunkFeatures:
         if self.distribute is not None:

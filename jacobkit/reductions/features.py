@@ -87,55 +87,51 @@ def shapes_of_chunk(call: Call, x: Any) -> ChunkFeatures:
     return ChunkFeatures(_parsed(list(traced)), rows, closed.name)
 
 
-def of_chunk_with_itself(
-    call: Call, x: Any, chosen: Any
+def with_products(
+    call: Call,
+    x: Any,
+    chosen: Any,
+    count: int | None = None,
+    strategy: tf.distribute.Strategy | None = None,
 ) -> tuple[ChunkFeatures, tf.Tensor, Any]:
-    """:func:`of_chunk`, and the inner products of the chunk's rows with
-    themselves ``(R, R)`` (a diagonal block of a Gram matrix): one compiled
-    call where ``batch``'s closed forms serve every target, else the two
-    steps.
+    """:func:`of_chunk`, and a block of the inner products of the chunk's
+    rows: with themselves ``(R, R)`` (``count=None``: a diagonal block of a
+    Gram matrix), or its first ``count`` examples' rows with the rest's
+    ``(R_a, R_b)`` (two sets' examples together). One compiled call where
+    ``batch``'s closed forms serve every target, else the two steps (and
+    on the replicas of ``strategy``, :func:`of_chunk_on_replicas`).
 
-    NOTE (measured, one core, batch 32 with itself). As two calls the
-    products' call took each target's tensors as its arguments, which
-    TensorFlow inspects one by one on every call (41 targets on the
-    reductions benchmark's BERT); one call: BERT 21.2 -> 16.6 ms, the conv
-    net 12.0 -> 10.0 ms."""
-    problem = call.problem(x)
-    closed = strategies.REGISTRY["batch"]()
-    if not _served(closed, problem):
-        found = _of_jacobians(problem, chosen)
-        return found, inner_products(found, found), problem
-    products, *tensors = _with_products(closed, problem)(problem.inputs)
-    found = ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name)
-    return found, products, problem
-
-
-def of_chunk_split(
-    call: Call, x: Any, chosen: Any, count: int
-) -> tuple[ChunkFeatures, tf.Tensor, Any]:
-    """:func:`of_chunk` of two sets' examples together (``x``: the first
-    ``count`` examples, then the rest), and the inner products of the
-    first's rows with the rest's, ``(R_a, R_b)``: one compiled call where
-    ``batch``'s closed forms serve every target, else the two steps
-    (:func:`inner_products_within`).
-
-    NOTE (measured, one core). Notebook 07's TracIn (100 test x 1,000
-    training digits, 3 checkpoints, a Gram call each): as two calls, the
-    products' call inspected every target's tensors as arguments, and
-    TracIn took 7.8 ms; as one, 6.2 ms (its first call 0.18 s more: the
-    products are traced with each problem's factors, not once per
-    process)."""
-    problem = call.problem(x)
-    closed = strategies.REGISTRY["batch"]()
+    NOTE (measured, one core). As two calls the products' call took each
+    target's tensors as its arguments, which TensorFlow inspects one by one
+    on every call (41 targets on the reductions benchmark's BERT). One call:
+    a batch of 32 with itself, BERT 21.2 -> 16.6 ms, the conv net 12.0 ->
+    10.0 ms; notebook 07's TracIn (100 test x 1,000 training digits, 3
+    checkpoints) 7.8 -> 6.2 ms, its first call 0.18 s more (the products
+    are traced with each problem's factors, not once per process)."""
     total = source.batch_size(x)
+    if strategy is not None:
+        found, problem = of_chunk_on_replicas(call, x, chosen, strategy)
+        return found, _products(found, count, total), problem
+    problem = call.problem(x)
+    closed = strategies.REGISTRY["batch"]()
     if not _served(closed, problem):
         found = _of_jacobians(problem, chosen)
-        return found, inner_products_within(found, count, total), problem
-    split = _with_products(closed, problem, split=True)
-    per_example = problem.num_rows // total
-    products, *tensors = split(problem.inputs, tf.constant(count), per_example)
+        return found, _products(found, count, total), problem
+    compiled = _with_products(closed, problem, split=count is not None)
+    if count is None:
+        products, *tensors = compiled(problem.inputs)
+    else:
+        per_example = problem.num_rows // total
+        products, *tensors = compiled(problem.inputs, tf.constant(count), per_example)
     found = ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name)
     return found, products, problem
+
+
+def _products(found: ChunkFeatures, count: int | None, total: int) -> tf.Tensor:
+    """:func:`with_products`' block from features already computed."""
+    if count is None:
+        return inner_products(found, found)
+    return inner_products_within(found, count, total)
 
 
 def _of_jacobians(problem: Any, chosen: Any) -> ChunkFeatures:
