@@ -12,7 +12,10 @@ the process's peak resident memory during it, then the median of
 runs; each figure is the median over rounds.
 
 - ``plain step``: the gradient of the batch's summed loss (one
-  ``tf.function``: what a Keras train step computes);
+  ``tf.function`` of the batch, what a Keras train step computes; the
+  batch is its argument, as in training: a step that captured it as a
+  constant let TensorFlow's graph optimizer fold what depends on the
+  inputs alone, BERT's attention mask among them, ahead of the call);
 - ``clipped sum``: ``reduce=jk.ClippedSum(1.0)``; ``materialized clipped``:
   ``outputs=jk.Loss`` per-example gradients, then NumPy norms, clip and sum;
 - ``gram``: ``jk.gram``; ``materialized gram``: the per-example gradients
@@ -103,13 +106,13 @@ def child(case: str, method: str, repeats: int) -> None:
         fn = reductions_models.loss()
 
         @tf.function
-        def step():
+        def step(x, y):
             with tf.GradientTape() as tape:
                 total = tf.reduce_sum(fn(y, model(x)))
             return tape.gradient(total, variables)
 
         def call():
-            return [tf.convert_to_tensor(g).numpy() for g in step()]
+            return [tf.convert_to_tensor(g).numpy() for g in step(x, y)]
     elif method == "clipped sum":
 
         def call():

@@ -13,7 +13,6 @@ from typing import Any, TypeVar, cast
 import tensorflow as tf
 
 from jacobkit.layers import norms as layer_norms
-from jacobkit.layers.base import row_norms
 from jacobkit.problem import Problem, sketch
 from jacobkit.problem.reduce import ClippedSum
 from jacobkit.problem.targets import Projection
@@ -160,7 +159,9 @@ def clipped_sum(
     xs, parts = taps
     shared = len(parts) > len(set(parts))
     formed: dict[int, tuple[Any, Any]] = {}
-    norms_by_part: list[tuple[Any, Any]] = []
+    # each target's squared row norms (R,), in float32: a formed row's
+    # squares summed at once (no square root to undo), a rule's norms squared
+    squares: list[Any] = []
     for i, p in enumerate(projections(problem)):
         calls = [(x, dz) for x, dz, j in zip(xs, dzs, parts) if j == i]
         if shared or all(p.rule.forms_rows(x, dz, summed=summed) for x, dz in calls):
@@ -169,16 +170,14 @@ def clipped_sum(
             kernel = _summed([k for k, _ in each])
             bias = None if p.bias is None else _summed([b for _, b in each])
             formed[i] = (kernel, bias)
-            norms_by_part.append(
-                (row_norms(kernel), None if bias is None else row_norms(bias))
-            )
+            squares.extend(_squared_rows(g) for g in (kernel, bias) if g is not None)
         else:
             ((x, dz),) = calls
-            norms_by_part.append(
-                p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks)
-            )
-    found = _placed(problem, norms_by_part, norms=True)
-    total = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in found]))
+            kernel, bias = p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks)
+            squares.append(tf.square(tf.cast(kernel, tf.float32)))
+            if p.bias is not None:
+                squares.append(tf.square(tf.cast(bias, tf.float32)))
+    total = tf.sqrt(tf.add_n(squares))
     scales = reduce.scales(total)
     batch, rows = int(dzs[0].shape[0]), int(dzs[0].shape[1])
     by_row = tf.reshape(scales, (1, rows) if summed else (batch, rows))
@@ -209,6 +208,12 @@ def clipped_sum(
             )
         )
     return [s[0] for s in _placed(problem, sums)] + [total]
+
+
+def _squared_rows(rows: Any) -> Any:
+    """``(R, ...)`` -> ``(R,)`` float32: each row's squared L2 norm."""
+    flat = tf.cast(tf.reshape(rows, (rows.shape[0], -1)), tf.float32)
+    return tf.reduce_sum(tf.square(flat), axis=-1)
 
 
 def _factors(rule: Any, x: Any, dz: Any, *, summed: bool) -> tuple[Any, Any]:
