@@ -270,6 +270,7 @@ def main() -> None:
                 method,
             ]
     data = {
+        "machine": runs.machine(),
         "rounds": args.rounds,
         "repeats": args.repeats,
         "runs": runs.rounds(commands, args.rounds),
@@ -310,6 +311,8 @@ def _markdown(data: dict) -> str:
         f"processes, median of {data['rounds']} rounds of {data['repeats']} "
         f"steady calls ({fewer}). Ratios are within a model's rows of this one "
         "run.",
+        "",
+        f"Machine: {data.get('machine', 'not recorded')}.",
         "",
     ]
     for case in sorted({k.split("|")[0] for k in measured}):

@@ -5,9 +5,11 @@ and the median over rounds of the runs that did not fail."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
+import sys
 
 FIELDS = ("first_s", "first_three_s", "steady_s", "first_growth_mib", "peak_growth_mib")
 
@@ -42,8 +44,6 @@ def medians(found: list[dict]) -> dict:
 def rounds(commands: dict[str, list[str]], count: int) -> dict[str, dict]:
     """Every command run ``count`` times, the runs alternating within each
     round (each logged to stderr as it ends), and each one's medians."""
-    import sys
-
     found: dict[str, list[dict]] = {k: [] for k in commands}
     for r in range(count):
         for key, command in commands.items():
@@ -51,3 +51,21 @@ def rounds(commands: dict[str, list[str]], count: int) -> dict[str, dict]:
             found[key].append(result)
             print(f"round {r + 1} {key}: {result}", file=sys.stderr)
     return {k: medians(v) for k, v in found.items()}
+
+
+def machine() -> str:
+    """The CPU and TensorFlow's kernels this run measured on, as a fresh
+    process of this interpreter reads them (``jacobkit.runtime.cpu_kind``):
+    figures from different kinds of CPU are not comparable."""
+    code = (
+        "import tensorflow as tf; from jacobkit import runtime; "
+        "k = runtime.cpu_kind(); "
+        'print(f"{k.model}; TensorFlow {tf.__version__}, oneDNN '
+        "{'on' if k.onednn else 'off'}\")"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if lines else "unknown"

@@ -104,7 +104,7 @@ class StepReport:
 
     Attributes:
         norms: each example's gradient norm before clipping, shape ``(B,)``.
-        trace_time_s: seconds jacobkit spent tracing in this step (a new
+        trace_time_s: seconds jacobkit spent tracing in this step (a new padded
             batch size traces once); 0.0 where it reused a trace.
         jacobian_time_s: seconds of the whole ``jk.jacobian`` call (0.0 for
             an empty batch).
@@ -158,7 +158,9 @@ def dp_sgd_step(
             (x, y),
             variables,
             outputs=LOSS,
-            reduce=jk.ClippedSum(clip_norm),
+            # padded with examples of weight 0 to a few sizes (exact): the
+            # Poisson samples' sizes trace a few times, not once per size
+            reduce=jk.ClippedSum(clip_norm, pad_batches=True),
         )
         # the clipped sums, one per variable in the order given (keyed
         # "hidden/kernel", ...: the variable's path without the model's name)
@@ -330,7 +332,7 @@ def train_private(digits: Digits, settings: Settings) -> keras.Model:
             f"  {'n/a' if eps is None else f'{eps:7.2f}':>7}  {step_ms:9.1f}"
         )
     print(
-        f"jacobkit traced {traces} times (once per new batch size), "
+        f"jacobkit traced {traces} times (once per new padded batch size), "
         f"{trace_s:.1f} s in all: the step times above include it"
     )
     return model

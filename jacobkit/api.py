@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from jacobkit import engine, planner, runtime, strategies
 from jacobkit.batches import collect
-from jacobkit.problem import Call, arguments
+from jacobkit.problem import Call, arguments, padding
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult
@@ -135,11 +135,19 @@ def jacobian(
         with runtime.tensorflow_warnings():
             return collect.jacobian_batches(call, inputs)
     with engine.device_scope(device), runtime.tensorflow_warnings():
-        problem = call.problem(inputs)
-        arguments.warn_non_finite(problem.inputs)
-        result = engine.run(problem, engine.chosen(call))
+        result = _one_batch(call, inputs)
     total = time.perf_counter() - start
     return replace(result, stats=replace(result.stats, total_time_s=total))
+
+
+def _one_batch(call: Call, inputs: Any) -> JacobianResult:
+    """``call`` on one batch of arrays (padded where the clipped sum asks,
+    :meth:`Call.padded`)."""
+    batch, examples = call.padded(inputs)
+    problem = call.problem(batch)
+    arguments.warn_non_finite(problem.inputs)
+    result = engine.run(problem, engine.chosen(call))
+    return result if examples is None else padding.trimmed(result, examples)
 
 
 def solver(

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from jacobkit import engine, planner, strategies
 from jacobkit.batches import distribute, source
-from jacobkit.problem import Call, Problem
+from jacobkit.problem import Call, Problem, padding
 from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult
 from jacobkit.strategies import reductions
@@ -109,7 +109,9 @@ class OneDevice:
             and not self.call.training
             and n < self.first_size
         )
-        problem = self.call.problem(source.pad(x, self.first_size) if padded else x)
+        # the clipped sum's own padding (weight 0, exact), where it asks
+        x, examples = self.call.padded(source.pad(x, self.first_size) if padded else x)
+        problem = self.call.problem(x)
         if problem.rows_shape != self.first.rows_shape and self.call.summed:
             raise ValueError(
                 f"jacobian(outputs=...): batch {k} gives rows of shape "
@@ -119,6 +121,8 @@ class OneDevice:
             )
         logger.debug("computing batch %d", k)
         result = self._run(problem)
+        if examples is not None:  # the clipped sum's padding: its norms dropped
+            result = padding.trimmed(result, examples)
         self._last = result
         values = [result.jacobians[name] for name in self.first.target_names]
         stats = result.stats

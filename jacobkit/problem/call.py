@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from jacobkit.problem import arguments, rows
+from jacobkit.problem import arguments, padding, rows
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.problem import Problem
@@ -79,6 +79,8 @@ class Call:
         arguments.check_unconnected(self.unconnected)
         arguments.check_training(self.training)
         arguments.check_reduce(self.reduce)
+        if self.pads_batches:
+            padding.check(self.outputs)
         model_outputs.check_output_type(self.output)
 
     @property
@@ -89,6 +91,21 @@ class Call:
         if isinstance(outputs, Loss):
             return False
         return not (isinstance(outputs, str) and outputs in ("per_example", "full"))
+
+    @property
+    def pads_batches(self) -> bool:
+        """Whether each batch is padded with examples of weight 0
+        (``jk.ClippedSum(..., pad_batches=True)``)."""
+        return isinstance(self.reduce, ClippedSum) and self.reduce.pad_batches
+
+    def padded(self, inputs: Any) -> tuple[Any, int | None]:
+        """One batch ``inputs`` padded to its :func:`~jacobkit.problem.
+        padding.bucket` size where the clipped sum asks for it, with the
+        number of examples it had (``None``: not padded)."""
+        if not self.pads_batches:
+            return inputs, None
+        size = padding.size_of(inputs)
+        return padding.padded(inputs, padding.bucket(size)), size
 
     def problem(self, inputs: Any) -> Problem:
         """The :class:`~jacobkit.problem.Problem` of one batch ``inputs``

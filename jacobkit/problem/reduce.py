@@ -32,9 +32,20 @@ class ClippedSum:
     norms), the clipped sum contracted from the same cotangents scaled per
     row; elsewhere the norms chunk by chunk, then one backward pass
     weighted by the scales. No row's gradient is held beside another's.
+
+    Args:
+        clip_norm: the largest L2 norm a row's gradient keeps.
+        pad_batches: pad each batch with examples of sample weight 0 up to
+            one of a few sizes (four per doubling: 32, 40, 48, 56, 64, 80,
+            ...; :mod:`jacobkit.problem.padding`), so that batches of
+            varying size, as DP-SGD's Poisson samples are, trace a few
+            times instead of once per size. Exact: a row of weight 0 has a
+            zero gradient; its norm is left out of ``result.norms``. Needs
+            ``outputs=jk.Loss(...)``.
     """
 
     clip_norm: float
+    pad_batches: bool = False
 
     def __post_init__(self) -> None:
         value = self.clip_norm
@@ -46,6 +57,11 @@ class ClippedSum:
             raise ValueError(
                 f"jk.ClippedSum(clip_norm={value!r}): expected a positive number "
                 "(the largest L2 norm a row's gradient keeps)."
+            )
+        if not isinstance(self.pad_batches, bool):
+            raise ValueError(
+                f"jk.ClippedSum(pad_batches={self.pad_batches!r}): expected True "
+                "or False."
             )
 
     def scales(self, norms: Any) -> Any:

@@ -1,0 +1,179 @@
+"""``jk.ClippedSum(clip_norm, pad_batches=True)``: batches padded with
+examples of sample weight 0 to a few sizes give the clipped sum and the
+norms of the unpadded batch, by every registered strategy, and batches of
+different sizes within one padded size trace once.
+
+Reference: every example's loss gradient in float64 (``jacobkit.testing``),
+then each norm, scale and sum in NumPy, for the batch as given. Tolerance:
+as ``tests/test_reductions.py`` (1e-5 of the largest value, the suite's
+float32 bound; padding adds exact zeros, so the errors are those of the
+unpadded sums, at most 1.9e-7 there).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import jacobkit as jk
+from jacobkit import testing
+from jacobkit.problem import padding
+from tests.cases import STRATEGIES
+
+RTOL = 1e-5
+LOSS = jk.Loss(
+    keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+)
+
+
+def _mlp(size: int, seed: int = 0) -> tuple[keras.Model, tuple[np.ndarray, ...]]:
+    rng = np.random.default_rng(seed)
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh", name="hidden"),
+            keras.layers.Dense(3, name="head"),
+        ]
+    )
+    x = rng.normal(size=(size, 6)).astype("float32")
+    y = rng.integers(0, 3, size)
+    return model, (x, y)
+
+
+def _tokens(size: int) -> tuple[keras.Model, tuple[np.ndarray, ...]]:
+    """Integer ids through an embedding, with a sample weight per example."""
+    rng = np.random.default_rng(1)
+    keras.utils.set_random_seed(1)
+    ids = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(11, 4, name="embed")(ids)
+    h = keras.layers.Dense(6, activation="gelu", name="ffn")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    out = keras.layers.Dense(3, name="head")(h)
+    model = keras.Model(ids, out)
+    x = rng.integers(0, 11, size=(size, 5)).astype("int32")
+    y = rng.integers(0, 3, size)
+    w = rng.uniform(0.5, 2.0, size).astype("float32")
+    return model, (x, y, w)
+
+
+def _reference(model, inputs, clip: float | None = None):
+    """The clipped sums in the variables' shapes, the norms and the clip
+    (``None``: the norms' median, so that some rows are clipped)."""
+    ref = testing.float64_reference(
+        model, inputs, model.trainable_variables, outputs=LOSS
+    )
+    grads = [np.asarray(r, np.float64) for r in ref]
+    flat = np.concatenate([g.reshape(g.shape[0], -1) for g in grads], 1)
+    norms = np.linalg.norm(flat, axis=1)
+    clip = float(np.median(norms)) if clip is None else clip
+    scales = np.minimum(1.0, clip / norms)
+    return [np.tensordot(scales, g, 1) for g in grads], norms, clip
+
+
+def _close(result, sums, norms) -> None:
+    scale = max(float(np.abs(s).max()) for s in sums)
+    for got, want in zip(result.jacobians.values(), sums, strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=RTOL * scale)
+    assert result.rows_shape == norms.shape
+    np.testing.assert_allclose(
+        np.asarray(result.norms), norms, rtol=0, atol=RTOL * norms.max()
+    )
+
+
+@pytest.mark.parametrize("size", [1, 5, 9, 33, 63, 64, 65, 100, 1000])
+def test_a_bucket_holds_the_batch_and_at_most_a_quarter_more(size):
+    found = padding.bucket(size)
+    assert size <= found <= size + size // 4
+    assert padding.bucket(found) == found
+
+
+def test_poisson_sizes_around_64_fall_in_a_few_buckets():
+    """An expected batch of 64 drawn at q = 64 / 1437 (the DP-SGD guide's
+    digits run) gives sizes within about four standard deviations of 64."""
+    sizes = range(32, 97)
+    assert len({padding.bucket(n) for n in sizes}) <= 7 < len(sizes)
+
+
+@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+def test_a_padded_batch_gives_the_unpadded_clipped_sum(case):
+    model, inputs = _mlp(11)  # padded to 12
+    assert padding.bucket(11) == 12
+    sums, norms, clip = _reference(model, inputs)
+    strategy = case.make(len(inputs[1]))
+    reduce = jk.ClippedSum(clip, pad_batches=True)
+    call = dict(strategy=strategy, outputs=LOSS, reduce=reduce)
+    if strategy.name == "structured":  # serves linear heads, not losses
+        with pytest.raises(ValueError):
+            jk.jacobian(model, inputs, model.trainable_variables, **call)
+        return
+    result = jk.jacobian(model, inputs, model.trainable_variables, **call)
+    _close(result, sums, norms)
+
+
+def test_given_sample_weights_are_kept_and_the_padding_weighs_zero():
+    model, inputs = _tokens(13)  # padded to 14
+    sums, norms, clip = _reference(model, inputs)
+    result = jk.jacobian(
+        model,
+        inputs,
+        model.trainable_variables,
+        outputs=LOSS,
+        reduce=jk.ClippedSum(clip, pad_batches=True),
+    )
+    _close(result, sums, norms)
+
+
+def test_sizes_within_one_bucket_trace_once():
+    model, inputs = _mlp(40)
+    _, _, clip = _reference(model, inputs)
+    traced = []
+    for size in (33, 36, 40, 38):  # each padded to 40
+        part = tuple(a[:size] for a in inputs)
+        sums, norms, _ = _reference(model, part, clip)
+        result = jk.jacobian(
+            model,
+            part,
+            model.trainable_variables,
+            strategy="batch",
+            outputs=LOSS,
+            reduce=jk.ClippedSum(clip, pad_batches=True),
+        )
+        _close(result, sums, norms)
+        traced.append(result.stats.traced)
+    assert traced == [True, False, False, False]
+
+
+def test_a_dataset_of_uneven_batches_is_padded_batch_by_batch():
+    model, inputs = _tokens(23)
+    sums, norms, clip = _reference(model, inputs)
+    data = tf.data.Dataset.from_tensor_slices(inputs).batch(10)  # 10 + 10 + 3
+    result = jk.jacobian(
+        model,
+        data,
+        model.trainable_variables,
+        strategy="batch",
+        outputs=LOSS,
+        reduce=jk.ClippedSum(clip, pad_batches=True),
+    )
+    _close(result, sums, norms)
+
+
+@pytest.mark.parametrize("outputs", ["per_example", "features"])
+def test_padding_needs_loss_rows(outputs):
+    model, (x, _) = _mlp(9)
+    with pytest.raises(ValueError, match="only loss rows have"):
+        jk.jacobian(
+            model,
+            x,
+            model.trainable_variables,
+            outputs=outputs,
+            reduce=jk.ClippedSum(1.0, pad_batches=True),
+        )
+
+
+def test_pad_batches_must_be_a_bool():
+    with pytest.raises(ValueError, match="expected True or False"):
+        jk.ClippedSum(1.0, pad_batches="yes")  # type: ignore[arg-type]
