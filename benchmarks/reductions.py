@@ -45,13 +45,22 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import runs
 
 HERE = Path(__file__).resolve().parent
 DIM = 2048
 CLIP = 1.0
+#: the clipped sum against the plain step in one process: rounds, and calls
+#: of each side per round
+PAIRED_ROUNDS = 20
+PAIRED_CALLS = 5
+#: the issue's goal for the clipped sum (fastDP's claim): at most this many
+#: plain steps
+CLIP_GOAL = 1.25
 METHODS = (
     "plain step",
     "clipped sum",
@@ -103,16 +112,7 @@ def child(case: str, method: str, repeats: int) -> None:
         return [np.asarray(v).reshape(len(y), -1) for v in found.values()]
 
     if method == "plain step":
-        fn = reductions_models.loss()
-
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                total = tf.reduce_sum(fn(y, model(x)))
-            return tape.gradient(total, variables)
-
-        def call():
-            return [tf.convert_to_tensor(g).numpy() for g in step(x, y)]
+        call = plain_step(built)
     elif method == "clipped sum":
 
         def call():
@@ -166,6 +166,92 @@ def child(case: str, method: str, repeats: int) -> None:
     print(json.dumps({**timings, "strategy": strategy}))
 
 
+def plain_step(built: Any) -> Callable[[], list]:
+    """One plain summed-gradient step of ``built``'s model on its batch, a
+    ``tf.function`` taking the batch as its argument (as a train step
+    does), its gradients fetched as NumPy arrays."""
+    import reductions_models
+    import tensorflow as tf
+
+    fn, model = reductions_models.loss(), built.model
+    variables = model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(fn(y, model(x)))
+        return tape.gradient(total, variables)
+
+    def call() -> list:
+        return [tf.convert_to_tensor(g).numpy() for g in step(built.x, built.y)]
+
+    return call
+
+
+def child_paired(case: str, rounds: int) -> None:
+    """The clipped sum against the plain step in one process: every round
+    times ``PAIRED_CALLS`` calls of each (the order alternating) and takes
+    the ratio of their medians; prints one JSON line with the median ratio
+    over the rounds, its bootstrap interval and both medians. A busy
+    machine slows both sides of a round alike, which ratios of runs in
+    separate processes (the tables above) do not cancel."""
+    import time
+
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.path.insert(0, str(HERE))
+    import numpy as np
+    import reductions_models
+
+    import jacobkit as jk
+    from jacobkit.bench import stats
+
+    built = reductions_models.CASES[case]()
+    loss = jk.Loss(reductions_models.loss())
+    variables = built.model.trainable_variables
+
+    def clipped() -> list:
+        found = jk.jacobian(
+            built.model,
+            (built.x, built.y),
+            variables,
+            outputs=loss,
+            reduce=jk.ClippedSum(CLIP),
+        )
+        return [np.asarray(v) for v in found.values()]
+
+    sides = {"plain step": plain_step(built), "clipped sum": clipped}
+    for call in sides.values():  # first calls and warm-up
+        for _ in range(3):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    ratios = []
+    for round_ in range(rounds):
+        order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
+        medians = {}
+        for name in order:
+            found = []
+            for _ in range(PAIRED_CALLS):
+                start = time.perf_counter()
+                sides[name]()
+                found.append(time.perf_counter() - start)
+            medians[name] = float(np.median(found))
+            times[name].append(medians[name])
+        ratios.append(medians["clipped sum"] / medians["plain step"])
+    found = stats.ratios(ratios)
+    print(
+        json.dumps(
+            {
+                "ratio": found.median,
+                "low": found.low,
+                "high": found.high,
+                "rounds": found.n,
+                "plain_ms": 1e3 * float(np.median(times["plain step"])),
+                "clipped_ms": 1e3 * float(np.median(times["clipped sum"])),
+            }
+        )
+    )
+
+
 def child_over(method: str, examples: int) -> None:
     """``gram``/``projection`` over a dataset of ``examples`` conv-net
     examples: TensorFlow's allocator peak (the pooled CPU allocator)."""
@@ -205,6 +291,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=2, metavar=("CASE", "METHOD"))
     parser.add_argument("--over", nargs=2, metavar=("METHOD", "EXAMPLES"))
+    parser.add_argument("--paired", metavar="CASE")
     parser.add_argument("--peers-python")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
@@ -216,6 +303,11 @@ def main() -> None:
         help="keep --out's other runs, replacing those of --cases",
     )
     parser.add_argument(
+        "--paired-only",
+        action="store_true",
+        help="rerun the clipped sum against the plain step in one process only",
+    )
+    parser.add_argument(
         "--over-only",
         action="store_true",
         help="rerun the peaks over datasets only, keeping --out's timings",
@@ -225,17 +317,27 @@ def main() -> None:
         return child(*args.child, args.repeats)
     if args.over:
         return child_over(args.over[0], int(args.over[1]))
+    if args.paired:
+        return child_paired(args.paired, PAIRED_ROUNDS)
     me = [sys.executable, str(Path(__file__).resolve())]
     out = Path(args.out)
-    if args.over_only:
+    if args.over_only or args.paired_only:
         data = json.loads((out / "reductions.json").read_text())
-        data["over"] = _over(me)
+        if args.over_only:
+            data["over"] = _over(me)
+        if args.paired_only:
+            data["paired"] = {
+                case: runs.run([*me, "--paired", case])
+                for case in args.cases.split(",")
+            }
+            data["machine"] = runs.machine()
         return _write(data, out)
     commands: dict[str, list[str]] = {}
     sys.path.insert(0, str(HERE))
     import reductions_models
 
-    for case in args.cases.split(","):
+    cases = args.cases.split(",")
+    for case in cases:
         for method in reductions_models.ONLY.get(case, METHODS):
             commands[f"{case}|{method}"] = [
                 *me,
@@ -274,11 +376,13 @@ def main() -> None:
         "rounds": args.rounds,
         "repeats": args.repeats,
         "runs": runs.rounds(commands, args.rounds),
+        "paired": {case: runs.run([*me, "--paired", case]) for case in cases},
         "over": {} if args.merge else _over(me),
     }
     if args.merge:
         kept = json.loads((out / "reductions.json").read_text())
         data["runs"] = {**kept["runs"], **data["runs"]}
+        data["paired"] = {**kept.get("paired", {}), **data["paired"]}
         data["over"] = kept["over"]
     _write(data, out)
 
@@ -347,6 +451,7 @@ def _markdown(data: dict) -> str:
                 else f"| {label} | {steady * 1e3:.1f} | | | | | | | |"
             )
         lines += ["", *_floor(case, measured)]
+    lines += _paired(data.get("paired", {}))
     lines += [
         "## Peak over a dataset (conv net, batches of 32)",
         "",
@@ -368,6 +473,40 @@ def _markdown(data: dict) -> str:
 #: the issue's goal for the Gram matrix and the projection: at most this
 #: many times materializing the per-example gradients
 GOAL = 0.5
+
+
+def _paired(paired: dict) -> list[str]:
+    """The clipped sum ÷ the plain step, both in one process (``--paired``)."""
+    if not paired:
+        return []
+    lines = [
+        "## The clipped sum ÷ the plain step, in one process",
+        "",
+        f"Each model in one fresh process: {PAIRED_ROUNDS} rounds, each timing "
+        f"{PAIRED_CALLS} calls of either side (the order alternating), the "
+        "ratio of their medians per round; the median ratio with its 95% "
+        "bootstrap interval. Where the machine is shared, a round's slowdown "
+        "falls on both sides alike; the runs above, in separate processes, "
+        f"move by ±10% from run to run. Goal: ≤ {CLIP_GOAL}.",
+        "",
+        "| model | clipped sum ÷ plain step | 95% interval | plain step ms | "
+        "clipped sum ms |",
+        "|---|---|---|---|---|",
+    ]
+    for case, found in sorted(paired.items()):
+        if "error" in found:
+            lines.append(f"| {case} | failed: {found['error']} | | | |")
+            continue
+        interval = (
+            f"{found['low']:.2f}–{found['high']:.2f}"
+            if found.get("low") is not None
+            else ""
+        )
+        lines.append(
+            f"| {case} | {found['ratio']:.2f} | {interval} | "
+            f"{found['plain_ms']:.1f} | {found['clipped_ms']:.1f} |"
+        )
+    return [*lines, ""]
 
 
 def _floor(case: str, measured: dict) -> list[str]:

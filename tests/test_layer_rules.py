@@ -314,11 +314,21 @@ def test_tf_keras_layers_called_from_python_get_their_closed_forms(layer):
         ((2, 7, 7, 2), (7, 7), (1, 1), (1, 1), "VALID"),  # one position
     ],
 )
-def test_patches_equal_extract_patches(shape, sizes, strides, rates, padding):
-    """The unfold by slices gives exactly ``tf.image.extract_patches``'
-    numbers, in its order (a copy: no arithmetic)."""
+@pytest.mark.parametrize("identity", [False, True], ids=["gather", "identity"])
+def test_patches_equal_extract_patches(
+    shape, sizes, strides, rates, padding, identity, monkeypatch
+):
+    """Both unfolds give exactly ``tf.image.extract_patches``' numbers, in
+    its order: the gather (a copy) and the convolution with the identity
+    kernel (products by 1 and 0), whichever this machine would choose."""
+    from jacobkit.layers import conv
     from jacobkit.layers.conv import patches
 
+    monkeypatch.setattr(
+        conv,
+        "_by_identity_kernel",
+        lambda x, size, rates: identity and all(rate == 1 for rate in rates),
+    )
     x = tf.constant(np.random.default_rng(0).normal(size=shape).astype("float32"))
     want = tf.image.extract_patches(
         x, [1, *sizes, 1], [1, *strides, 1], [1, *rates, 1], padding
