@@ -327,8 +327,11 @@ def main() -> None:
             data["over"] = _over(me)
         if args.paired_only:
             data["paired"] = {
-                case: runs.run([*me, "--paired", case])
-                for case in args.cases.split(",")
+                **data.get("paired", {}),
+                **{
+                    case: runs.run([*me, "--paired", case])
+                    for case in args.cases.split(",")
+                },
             }
             data["machine"] = runs.machine()
         return _write(data, out)
