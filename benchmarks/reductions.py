@@ -29,6 +29,11 @@ runs; each figure is the median over rounds.
   the plain step and the clipped sum; on ``bert_small`` (a 30,522-token
   vocabulary) also the Gram matrix and the projection against materializing,
   2 steady calls per round (``reductions_models.REPEATS``);
+- ``--paired``: the clipped sum against the plain step in one process,
+  alternating, :data:`PAIRED_ROUNDS` rounds (the median per-round ratio and
+  its bootstrap interval): on a shared machine the separate processes
+  above move by ±10% from run to run, and a round's slowdown falls on both
+  sides alike here;
 - ``gram over N`` / ``projection over N``: a dataset of N examples in batches
   of 32, with TensorFlow's own allocator peak (its pooled CPU allocator):
   the peak must not grow with N.

@@ -177,3 +177,15 @@ def test_padding_needs_loss_rows(outputs):
 def test_pad_batches_must_be_a_bool():
     with pytest.raises(ValueError, match="expected True or False"):
         jk.ClippedSum(1.0, pad_batches="yes")  # type: ignore[arg-type]
+
+
+def test_an_empty_batch_is_refused_as_without_padding():
+    model, (x, y) = _mlp(9)
+    with pytest.raises(ValueError, match="the batch holds 0 examples"):
+        jk.jacobian(
+            model,
+            (x[:0], y[:0]),
+            model.trainable_variables,
+            outputs=LOSS,
+            reduce=jk.ClippedSum(1.0, pad_batches=True),
+        )

@@ -177,7 +177,7 @@ def _by_identity_kernel(x: tf.Tensor, size: int, rates: list[int]) -> bool:
     convolution was slower at every size (32x32x3 by 3x3: 1.76 / 3.14)."""
     if size > IDENTITY_PATCH_SIZE or any(rate != 1 for rate in rates):
         return False
-    if not x.dtype.is_floating or tf.config.list_logical_devices("GPU"):
+    if not tf.as_dtype(x.dtype).is_floating or tf.config.list_logical_devices("GPU"):
         return False
     return runtime.cpu_kind().onednn
 

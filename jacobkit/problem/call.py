@@ -101,10 +101,13 @@ class Call:
     def padded(self, inputs: Any) -> tuple[Any, int | None]:
         """One batch ``inputs`` padded to its :func:`~jacobkit.problem.
         padding.bucket` size where the clipped sum asks for it, with the
-        number of examples it had (``None``: not padded)."""
+        number of examples it had (``None``: not padded; an empty batch
+        is not)."""
         if not self.pads_batches:
             return inputs, None
         size = padding.size_of(inputs)
+        if not size:
+            return inputs, None
         return padding.padded(inputs, padding.bucket(size)), size
 
     def problem(self, inputs: Any) -> Problem:
