@@ -21,42 +21,12 @@ import jacobkit as jk
 from jacobkit import testing
 from jacobkit.problem import padding
 from tests.cases import STRATEGIES
+from tests.test_reductions import _mlp, _tokens
 
 RTOL = 1e-5
 LOSS = jk.Loss(
     keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 )
-
-
-def _mlp(size: int, seed: int = 0) -> tuple[keras.Model, tuple[np.ndarray, ...]]:
-    rng = np.random.default_rng(seed)
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="tanh", name="hidden"),
-            keras.layers.Dense(3, name="head"),
-        ]
-    )
-    x = rng.normal(size=(size, 6)).astype("float32")
-    y = rng.integers(0, 3, size)
-    return model, (x, y)
-
-
-def _tokens(size: int) -> tuple[keras.Model, tuple[np.ndarray, ...]]:
-    """Integer ids through an embedding, with a sample weight per example."""
-    rng = np.random.default_rng(1)
-    keras.utils.set_random_seed(1)
-    ids = keras.Input((5,), dtype="int32")
-    h = keras.layers.Embedding(11, 4, name="embed")(ids)
-    h = keras.layers.Dense(6, activation="gelu", name="ffn")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    out = keras.layers.Dense(3, name="head")(h)
-    model = keras.Model(ids, out)
-    x = rng.integers(0, 11, size=(size, 5)).astype("int32")
-    y = rng.integers(0, 3, size)
-    w = rng.uniform(0.5, 2.0, size).astype("float32")
-    return model, (x, y, w)
 
 
 def _reference(model, inputs, clip: float | None = None):
@@ -71,6 +41,19 @@ def _reference(model, inputs, clip: float | None = None):
     clip = float(np.median(norms)) if clip is None else clip
     scales = np.minimum(1.0, clip / norms)
     return [np.tensordot(scales, g, 1) for g in grads], norms, clip
+
+
+def _padded(model, inputs, clip: float, **kwargs):
+    """``reduce=jk.ClippedSum(clip, pad_batches=True)`` of loss rows over
+    every trainable variable."""
+    return jk.jacobian(
+        model,
+        inputs,
+        model.trainable_variables,
+        outputs=kwargs.pop("outputs", LOSS),
+        reduce=jk.ClippedSum(clip, pad_batches=True),
+        **kwargs,
+    )
 
 
 def _close(result, sums, norms) -> None:
@@ -103,27 +86,17 @@ def test_a_padded_batch_gives_the_unpadded_clipped_sum(case):
     assert padding.bucket(11) == 12
     sums, norms, clip = _reference(model, inputs)
     strategy = case.make(len(inputs[1]))
-    reduce = jk.ClippedSum(clip, pad_batches=True)
-    call = dict(strategy=strategy, outputs=LOSS, reduce=reduce)
     if strategy.name == "structured":  # serves linear heads, not losses
         with pytest.raises(ValueError):
-            jk.jacobian(model, inputs, model.trainable_variables, **call)
+            _padded(model, inputs, clip, strategy=strategy)
         return
-    result = jk.jacobian(model, inputs, model.trainable_variables, **call)
-    _close(result, sums, norms)
+    _close(_padded(model, inputs, clip, strategy=strategy), sums, norms)
 
 
 def test_given_sample_weights_are_kept_and_the_padding_weighs_zero():
     model, inputs = _tokens(13)  # padded to 14
     sums, norms, clip = _reference(model, inputs)
-    result = jk.jacobian(
-        model,
-        inputs,
-        model.trainable_variables,
-        outputs=LOSS,
-        reduce=jk.ClippedSum(clip, pad_batches=True),
-    )
-    _close(result, sums, norms)
+    _close(_padded(model, inputs, clip), sums, norms)
 
 
 def test_sizes_within_one_bucket_trace_once():
@@ -133,14 +106,7 @@ def test_sizes_within_one_bucket_trace_once():
     for size in (33, 36, 40, 38):  # each padded to 40
         part = tuple(a[:size] for a in inputs)
         sums, norms, _ = _reference(model, part, clip)
-        result = jk.jacobian(
-            model,
-            part,
-            model.trainable_variables,
-            strategy="batch",
-            outputs=LOSS,
-            reduce=jk.ClippedSum(clip, pad_batches=True),
-        )
+        result = _padded(model, part, clip, strategy="batch")
         _close(result, sums, norms)
         traced.append(result.stats.traced)
     assert traced == [True, False, False, False]
@@ -150,28 +116,14 @@ def test_a_dataset_of_uneven_batches_is_padded_batch_by_batch():
     model, inputs = _tokens(23)
     sums, norms, clip = _reference(model, inputs)
     data = tf.data.Dataset.from_tensor_slices(inputs).batch(10)  # 10 + 10 + 3
-    result = jk.jacobian(
-        model,
-        data,
-        model.trainable_variables,
-        strategy="batch",
-        outputs=LOSS,
-        reduce=jk.ClippedSum(clip, pad_batches=True),
-    )
-    _close(result, sums, norms)
+    _close(_padded(model, data, clip, strategy="batch"), sums, norms)
 
 
 @pytest.mark.parametrize("outputs", ["per_example", "features"])
 def test_padding_needs_loss_rows(outputs):
     model, (x, _) = _mlp(9)
     with pytest.raises(ValueError, match="only loss rows have"):
-        jk.jacobian(
-            model,
-            x,
-            model.trainable_variables,
-            outputs=outputs,
-            reduce=jk.ClippedSum(1.0, pad_batches=True),
-        )
+        _padded(model, x, 1.0, outputs=outputs)
 
 
 def test_pad_batches_must_be_a_bool():
@@ -182,10 +134,4 @@ def test_pad_batches_must_be_a_bool():
 def test_an_empty_batch_is_refused_as_without_padding():
     model, (x, y) = _mlp(9)
     with pytest.raises(ValueError, match="the batch holds 0 examples"):
-        jk.jacobian(
-            model,
-            (x[:0], y[:0]),
-            model.trainable_variables,
-            outputs=LOSS,
-            reduce=jk.ClippedSum(1.0, pad_batches=True),
-        )
+        _padded(model, (x[:0], y[:0]), 1.0)

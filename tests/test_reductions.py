@@ -26,7 +26,7 @@ LOSS = jk.Loss(
 )
 
 
-def _mlp() -> tuple[keras.Model, tuple[np.ndarray, ...]]:
+def _mlp(size: int = 9) -> tuple[keras.Model, tuple[np.ndarray, ...]]:
     rng = np.random.default_rng(0)
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
@@ -36,12 +36,12 @@ def _mlp() -> tuple[keras.Model, tuple[np.ndarray, ...]]:
             keras.layers.Dense(3, name="head"),
         ]
     )
-    x = rng.normal(size=(9, 6)).astype("float32")
-    y = rng.integers(0, 3, 9)
+    x = rng.normal(size=(size, 6)).astype("float32")
+    y = rng.integers(0, 3, size)
     return model, (x, y)
 
 
-def _tokens() -> tuple[keras.Model, tuple[np.ndarray, ...]]:
+def _tokens(size: int = 7) -> tuple[keras.Model, tuple[np.ndarray, ...]]:
     rng = np.random.default_rng(1)
     keras.utils.set_random_seed(1)
     ids = keras.Input((5,), dtype="int32")
@@ -50,9 +50,9 @@ def _tokens() -> tuple[keras.Model, tuple[np.ndarray, ...]]:
     h = keras.layers.GlobalAveragePooling1D()(h)
     out = keras.layers.Dense(3, name="head")(h)
     model = keras.Model(ids, out)
-    x = rng.integers(0, 11, size=(7, 5)).astype("int32")
-    y = rng.integers(0, 3, 7)
-    w = rng.uniform(0.5, 2.0, 7).astype("float32")
+    x = rng.integers(0, 11, size=(size, 5)).astype("int32")
+    y = rng.integers(0, 3, size)
+    w = rng.uniform(0.5, 2.0, size).astype("float32")
     return model, (x, y, w)
 
 
