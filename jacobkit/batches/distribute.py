@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.batches.source import pad
+from jacobkit.problem.padding import repeat_last
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Replicas:
             for i in range(self.num_replicas)
         ]
         if not self.summed:  # one computation for per-example rows of B examples
-            filled = [pad(x, self.batch_size) for x in filled]
+            filled = [repeat_last(x, self.batch_size) for x in filled]
 
         for x in filled:
             self._trace(x)

@@ -110,7 +110,9 @@ class OneDevice:
             and n < self.first_size
         )
         # the clipped sum's own padding (weight 0, exact), where it asks
-        x, examples = self.call.padded(source.pad(x, self.first_size) if padded else x)
+        x, examples = self.call.padded(
+            padding.repeat_last(x, self.first_size) if padded else x
+        )
         problem = self.call.problem(x)
         if problem.rows_shape != self.first.rows_shape and self.call.summed:
             raise ValueError(

@@ -199,20 +199,6 @@ def check_batch(k: int, x: Any, first: Any, reading: Reading = Reading()) -> Non
             )
 
 
-def pad(x: Any, size: int) -> Any:
-    """``x`` (arrays ``(n, ...)``) with its last example repeated up to
-    ``size`` examples: arrays ``(size, ...)``; arrays of ``size`` or more
-    examples are returned as they are."""
-
-    def pad_one(a: Any) -> np.ndarray:
-        a = np.asarray(a)
-        if a.shape[0] >= size:
-            return a
-        return np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], axis=0)])
-
-    return tf.nest.map_structure(pad_one, x)
-
-
 @dataclass(frozen=True)
 class Source:
     """The batches to compute: ``count`` of them (``None``: unknown), each

@@ -281,3 +281,12 @@ def row_norms(jacobians: tf.Tensor) -> tf.Tensor:
     """``(R, ...)`` -> ``(R,)``: each row's L2 norm."""
     flat = tf.reshape(jacobians, (jacobians.shape[0], -1))
     return tf.norm(flat, axis=-1)
+
+
+def squared_rows(jacobians: tf.Tensor) -> tf.Tensor:
+    """``(R, ...)`` -> ``(R,)`` float32: each row's squared L2 norm (summed
+    over targets, the square of a row's norm over all of them)."""
+    flat = jacobians
+    if jacobians.shape.rank != 2:  # rows already flat keep an unknown count
+        flat = tf.reshape(jacobians, (jacobians.shape[0], -1))
+    return tf.reduce_sum(tf.square(tf.cast(flat, tf.float32)), axis=-1)

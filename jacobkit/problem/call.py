@@ -105,10 +105,7 @@ class Call:
         is not)."""
         if not self.pads_batches:
             return inputs, None
-        size = padding.size_of(inputs)
-        if not size:
-            return inputs, None
-        return padding.padded(inputs, padding.bucket(size)), size
+        return padding.padded(inputs)
 
     def problem(self, inputs: Any) -> Problem:
         """The :class:`~jacobkit.problem.Problem` of one batch ``inputs``

@@ -53,39 +53,43 @@ def check(outputs: Any) -> None:
         )
 
 
-def size_of(inputs: Any) -> int:
-    """The number of examples of a loss's ``(x, y[, sample_weight])``."""
-    _, labels = losses.split(inputs)
-    return int(np.shape(labels[0])[0])
-
-
-def padded(inputs: Any, size: int) -> Any:
+def padded(inputs: Any) -> tuple[Any, int | None]:
     """A loss's inputs ``(x, y)`` or ``(x, y, sample_weight)`` of ``n``
-    examples as ``(x', y', w')`` of ``size``: ``x`` and ``y`` with their
-    last example repeated, ``w'`` the weights (ones where none were given)
-    followed by zeros (a batch of ``size`` gets its weights only)."""
+    examples as ``(x', y', w')`` of ``bucket(n)``: ``x`` and ``y`` with their
+    last example repeated (:func:`repeat_last`), ``w'`` the weights (ones
+    where none were given) followed by zeros; and ``n``. A batch already of
+    its size gets its weights only; an empty batch is returned as it is,
+    with ``None``, for the usual refusal."""
     x, labels = losses.split(inputs)
     n = int(np.shape(labels[0])[0])
+    if not n:
+        return inputs, None
+    size = bucket(n)
     # a batch already of its size still gets weights: every batch of one
     # size is then one structure, one trace
-    extra = max(size - n, 0)
-
-    def repeated(a: Any) -> Any:
-        a = tf.convert_to_tensor(a)
-        if not extra:
-            return a
-        return tf.concat([a, tf.repeat(a[-1:], extra, axis=0)], axis=0)
-
-    if len(labels) > 1:
-        weights = tf.convert_to_tensor(labels[1])
-    else:
-        weights = tf.ones((n,), tf.float32)
-    zeros = tf.zeros((extra, *weights.shape[1:]), weights.dtype)
-    return (
-        tf.nest.map_structure(repeated, x),
-        repeated(labels[0]),
-        tf.concat([weights, zeros], axis=0),
+    weights = np.asarray(labels[1]) if len(labels) > 1 else np.ones((n,), np.float32)
+    zeros = np.zeros((size - n, *weights.shape[1:]), weights.dtype)
+    found = (
+        repeat_last(x, size),
+        repeat_last(labels[0], size),
+        np.concatenate([weights, zeros]),
     )
+    return found, n
+
+
+def repeat_last(x: Any, size: int) -> Any:
+    """``x`` (arrays ``(n, ...)``, nested as a model's inputs) with its last
+    example repeated up to ``size`` examples: arrays ``(size, ...)``; arrays
+    of ``size`` or more examples are returned as they are. (A dataset's
+    short last batch is padded so too: :mod:`jacobkit.batches.runners`.)"""
+
+    def pad_one(a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        if a.shape[0] >= size:
+            return a
+        return np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], axis=0)])
+
+    return tf.nest.map_structure(pad_one, x)
 
 
 def trimmed(result: JacobianResult, size: int) -> JacobianResult:

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from jacobkit.layers import contract, embedding
 from jacobkit.layers import norms as layer_norms
+from jacobkit.layers.base import squared_rows
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def squared_norms(kinds: tuple[str, ...], parts: _Parts) -> tf.Tensor:
     total = None
     for kind, tensors in zip(kinds, parts, strict=True):
         if kind == "flat":
-            part = tf.reduce_sum(tf.square(tf.cast(tensors[0], tf.float32)), axis=-1)
+            part = squared_rows(tensors[0])
         else:
             cotangents = tf.cast(tensors[1], tf.float32)  # (B, K, P, O)
             if kind == "lookup":

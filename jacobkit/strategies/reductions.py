@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from jacobkit.layers.base import squared_rows
 from jacobkit.problem import Problem, Slot, model_state, sketch
 from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import Stats
@@ -48,10 +49,9 @@ def clipped_sum(
 
 def _squared_norms(found: tf.Tensor, norms: bool) -> tf.Tensor:
     """Each row's squared norm ``(R,)`` from its norms or its Jacobians."""
-    found = tf.cast(found, tf.float32)
     if norms:
-        return tf.square(tf.reshape(found, (-1,)))
-    return tf.reduce_sum(tf.square(tf.reshape(found, (found.shape[0], -1))), -1)
+        return tf.square(tf.reshape(tf.cast(found, tf.float32), (-1,)))
+    return squared_rows(found)
 
 
 def _weighted(problem: Problem) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 import tensorflow as tf
 
 from jacobkit.layers import norms as layer_norms
+from jacobkit.layers.base import squared_rows
 from jacobkit.problem import Problem, sketch
 from jacobkit.problem.reduce import ClippedSum
 from jacobkit.problem.targets import Projection
@@ -170,7 +171,7 @@ def clipped_sum(
             kernel = _summed([k for k, _ in each])
             bias = None if p.bias is None else _summed([b for _, b in each])
             formed[i] = (kernel, bias)
-            squares.extend(_squared_rows(g) for g in (kernel, bias) if g is not None)
+            squares.extend(squared_rows(g) for g in (kernel, bias) if g is not None)
         else:
             ((x, dz),) = calls
             kernel, bias = p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks)
@@ -208,12 +209,6 @@ def clipped_sum(
             )
         )
     return [s[0] for s in _placed(problem, sums)] + [total]
-
-
-def _squared_rows(rows: Any) -> Any:
-    """``(R, ...)`` -> ``(R,)`` float32: each row's squared L2 norm."""
-    flat = tf.cast(tf.reshape(rows, (rows.shape[0], -1)), tf.float32)
-    return tf.reduce_sum(tf.square(flat), axis=-1)
 
 
 def _factors(rule: Any, x: Any, dz: Any, *, summed: bool) -> tuple[Any, Any]:
