@@ -26,7 +26,7 @@ import tensorflow as tf  # noqa: E402
 
 from jacobkit import layers  # noqa: E402
 from jacobkit.layers import norms  # noqa: E402
-from jacobkit.strategies.base import map_chunks  # noqa: E402
+from jacobkit.strategies.chunks import map_chunks  # noqa: E402
 
 BATCH, CHANNELS, FILTERS, KERNEL, ROWS = 16, 8, 32, 5, 144
 SEQUENCES = [4, 8, 16, 32, 64, 128]

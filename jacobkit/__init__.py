@@ -27,8 +27,8 @@ NO_TENSORFLOW = (
 
 #: public name -> the module that defines it
 _PUBLIC = {
-    "ClippedSum": "jacobkit.problem.reduce",
-    "Project": "jacobkit.problem.reduce",
+    "ClippedSum": "jacobkit.problem.reduction",
+    "Project": "jacobkit.problem.reduction",
     "Inputs": "jacobkit.problem.tensor_targets",
     "JacobianResult": "jacobkit.result",
     "Loss": "jacobkit.problem.loss",
@@ -86,7 +86,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.problem.loss import Loss
-    from jacobkit.problem.reduce import ClippedSum, Project
+    from jacobkit.problem.reduction import ClippedSum, Project
     from jacobkit.problem.tensor_targets import Inputs, Output
     from jacobkit.reach import coverage
     from jacobkit.reductions.grams import GramResult, gram

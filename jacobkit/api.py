@@ -16,7 +16,7 @@ from jacobkit import engine, planner, runtime, strategies
 from jacobkit.batches import collect
 from jacobkit.problem import Call, arguments, padding
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.reduce import ClippedSum, Project
+from jacobkit.problem.reduction import ClippedSum, Project
 from jacobkit.result import JacobianResult
 
 
@@ -123,7 +123,7 @@ def jacobian(
         unconnected=unconnected,
         output=output,
         reduce=reduce,
-        strategy=solver(strategy, memory_budget, device, cache),
+        strategy=planner.solver(strategy, memory_budget, device, cache),
         device=device,
         steps=steps,
         out=out,
@@ -148,40 +148,6 @@ def _one_batch(call: Call, inputs: Any) -> JacobianResult:
     arguments.warn_non_finite(problem.inputs)
     result = engine.run(problem, engine.chosen(call))
     return result if examples is None else padding.trimmed(result, examples)
-
-
-def solver(
-    strategy: str | strategies.Strategy | planner.Auto,
-    memory_budget: Any,
-    device: str | None,
-    cache: bool,
-) -> strategies.Strategy | planner.Auto:
-    """What computes the rows: ``"auto"`` (or an :class:`~jacobkit.planner.Auto`,
-    given the call's device and cache setting where it names none) or a
-    configured strategy. A memory budget is for ``auto`` only."""
-    if isinstance(strategy, planner.Auto):
-        if memory_budget is not None:
-            raise ValueError(
-                f"jacobian(memory_budget={memory_budget!r}, strategy={strategy!r})"
-                ": the budget is the Auto object's; pass Auto(memory_budget="
-                f"{memory_budget!r}) or drop memory_budget=."
-            )
-        return replace(
-            strategy,
-            device=strategy.device if strategy.device is not None else device,
-            cache=strategy.cache and cache,
-        )
-    if isinstance(strategy, str) and strategy == "auto":
-        return planner.Auto(memory_budget, device, cache)
-    chosen = strategies.get(strategy)
-    if memory_budget is not None:
-        raise ValueError(
-            f"jacobian(memory_budget={memory_budget!r}, strategy={strategy!r}): "
-            "a memory budget is planned for by strategy='auto' only. Drop "
-            "strategy= to let auto fit the budget, or drop memory_budget= and "
-            "size the strategy yourself (e.g. Chunked(chunk_size=8))."
-        )
-    return chosen
 
 
 def plan(

@@ -186,9 +186,9 @@ def test_the_default_budget_is_raised_for_full_chunks(per_example_mib):
     chunk's features again), up to ``MAX_DEFAULT_CHUNK_BYTES``: chunk sizes
     from the features of 8 examples of ``per_example_mib`` each, against the
     half-budget rule solved by hand."""
+    from jacobkit.problem.reduction import Flat
     from jacobkit.reductions import features as feats
     from jacobkit.reductions import grams
-    from jacobkit.reductions.pairs import Flat
 
     width = int(per_example_mib * 2**20 / 4)
     first = feats.ChunkFeatures((Flat(tf.zeros((8, width))),), 8, "batch")
@@ -264,15 +264,16 @@ def test_chunks_are_sized_from_the_features_shapes(name, monkeypatch):
     and bytes as the features computed; and the chunk then runs that trace
     (one build of ``batch``'s computation: the probe of 8 examples, run,
     was a second)."""
-    from jacobkit import api
+    from jacobkit import planner
     from jacobkit.problem import Call
     from jacobkit.reductions import features as feats
     from jacobkit.strategies.batch import Batch
 
     model, inputs = ALL[name]()
     call = Call(model, model.trainable_variables, outputs=LOSS, strategy=None)
-    shapes = feats.shapes_of_chunk(call, inputs)
-    found, _ = feats.of_chunk(call, inputs, api.solver("auto", None, None, True))
+    chosen = planner.solver("auto", None, None, True)
+    shapes = feats.shapes_of_chunk(call, inputs, chosen)
+    found, _ = feats.of_chunk(call, inputs, chosen)
     assert [type(f) for f in shapes.features] == [type(f) for f in found.features]
     assert (shapes.num_rows, shapes.nbytes) == (found.num_rows, found.nbytes)
 

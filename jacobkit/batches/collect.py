@@ -44,7 +44,6 @@ from jacobkit.batches.store import Store
 from jacobkit.keras import compat
 from jacobkit.problem import Call, Problem, arguments
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult, Stats
 
 
@@ -71,7 +70,7 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
         writer = _open_store(call, problem, first, batches.count)
         collector = Collector(
             problem,
-            summed=call.summed or isinstance(call.reduce, ClippedSum),
+            summed=call.summed or problem.reduction.sums_batches,
             writer=writer,
         )
         loop = _Loop(
@@ -88,11 +87,11 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
     jacobians = collector.jacobians()
     tally, ran = loop.tally, loop.runner.ran()
     rows_shape = problem.rows_shape
-    if isinstance(call.reduce, ClippedSum):  # the rows are in the norms
+    if not call.summed or problem.reduction.sums_batches:  # rows follow each other
         rows_shape = (tally.examples, *rows_shape[1:])
     return JacobianResult(
         jacobians=jacobians,
-        rows_shape=rows_shape if call.summed else (tally.examples, *rows_shape[1:]),
+        rows_shape=rows_shape,
         strategy=ran.strategy,
         chunk_size=ran.chunk_size,
         stats=Stats(
@@ -110,36 +109,14 @@ def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
 
 
 def _check_reduce(call: Call) -> None:
-    """Over a dataset, a row's norm (or its clipped gradient) is its own where
-    rows follow each other (per example, or per-example losses); rows summed
-    over the batches are not the batches' rows, so they are refused."""
-    reduce = call.reduce
-    if reduce is None or isinstance(reduce, Project):  # a projection is linear
-        return
-    if call.summed:
-        raise ValueError(
-            f"jacobian(reduce={reduce!r}, outputs={call.outputs!r}): over a "
-            "dataset these rows are summed over the batches, and the norm of a "
-            "sum over batches is not the sum of their norms. Use rows of single "
-            "examples (outputs='per_example', or jk.Loss(...)), or pass one "
-            "batch of arrays."
-        )
-    if isinstance(reduce, ClippedSum) and call.out is not None:
-        raise ValueError(
-            "jacobian(reduce=jk.ClippedSum(...), out=...): a clipped sum is one "
-            "sum in each target's shape, kept in memory; drop out=."
-        )
-    if (
-        isinstance(reduce, ClippedSum)
-        and call.distribute is not None
-        and distribute.is_multi_worker(call.distribute)
-    ):
-        raise ValueError(
-            "jacobian(reduce=jk.ClippedSum(...), distribute=...): a clipped sum "
-            "runs on the replicas of one host (MirroredStrategy); with several "
-            "workers, call it on each worker's share of the data and add the "
-            "sums."
-        )
+    """Over a dataset, what the reduction refuses (:meth:`~jacobkit.problem.
+    reduction.Reduction.check_batches`): a norm of rows summed over the
+    batches is not their norms' sum; a clipped sum is kept in memory, on
+    one host."""
+    multi_worker = call.distribute is not None and distribute.is_multi_worker(
+        call.distribute
+    )
+    call.reduction.check_batches(call, multi_worker=multi_worker)
 
 
 def reading(call: Call) -> source.Reading:
@@ -187,11 +164,9 @@ def _open_store(
 def _row_result(call: Call, target: Any) -> tuple[int, ...]:
     """What ``out=`` holds per row of a target: its Jacobian, its norm (no
     axes), or its part of the row's projection (``dim``)."""
-    if isinstance(call.reduce, Project):
-        return (call.reduce.dim,)
-    if call.reduce == "norm":
-        return ()
-    return tuple(target.shape)
+    per_row = call.reduction.row_shape(target)
+    assert per_row is not None, "a sum is not written out (check_batches)"
+    return per_row
 
 
 def _runner(call: Call, problem: Problem) -> runners.Runner:

@@ -64,7 +64,7 @@ def fingerprint(
             "training": problem.training,
             "unconnected": problem.unconnected,
             # only where set: directories written before reduce= resume
-            **({} if problem.reduce is None else {"reduce": repr(problem.reduce)}),
+            **({"reduce": repr(problem.reduce)} if problem.reduction.reduces else {}),
         },
         strategy=_strategy_name(strategy),
         inputs={

@@ -21,9 +21,7 @@ import tensorflow as tf
 from jacobkit import engine, planner, strategies
 from jacobkit.batches import distribute, source
 from jacobkit.problem import Call, Problem, padding
-from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult
-from jacobkit.strategies import reductions
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +99,7 @@ class OneDevice:
 
     def submit(self, k: int, x: Any, digest: str) -> list[Computed]:
         n = source.batch_size(x)
-        clipping = isinstance(self.call.reduce, ClippedSum)
+        clipping = self.first.reduction.sums_batches
         padded = (
             not self.call.summed
             and not clipping  # a padded example would join the clipped sum
@@ -234,7 +232,9 @@ class OnReplicas:
 
     @property
     def _clipping(self) -> bool:
-        return isinstance(self.call.reduce, ClippedSum)
+        """Whether the batches' results are added up, each row's norm beside
+        (a clipped sum)."""
+        return self.first.reduction.sums_batches
 
     def _started(self) -> distribute.Replicas:
         if self._replicas is None:
@@ -244,7 +244,7 @@ class OnReplicas:
                 ran = self._plan.strategy
             self._replicas = distribute.Replicas(
                 self.strategy,
-                reductions.computation(ran, self.first),
+                ran.flat_computation(self.first),
                 # a clipped sum's batches are not padded: a padded example
                 # would join the sum
                 summed=self.call.summed or self._clipping,
@@ -256,23 +256,16 @@ class OnReplicas:
         """Flat ``(R, *v.shape)`` Jacobians as ``rows_shape + v.shape`` (per
         example: the batch's ``size`` examples only)."""
         rows_shape = self.first.rows_shape
+        kind = self.first.reduction
         values = []
-        reduce = self.call.reduce
         for f, t in zip(flat, self.first.targets, strict=True):
-            if self._clipping:  # the sum, in the target's shape
+            per_row = kind.row_shape(t)
+            if per_row is None:  # a sum, in the target's shape
                 values.append(np.asarray(f))
-            elif isinstance(reduce, Project):
-                values.append(np.reshape(f, (-1, *rows_shape[1:], reduce.dim))[:size])
-            elif reduce == "norm":  # each row's norm, in rows_shape
-                if self.call.summed:
-                    values.append(np.reshape(f, rows_shape))
-                else:
-                    values.append(np.reshape(f, (-1, *rows_shape[1:]))[:size])
             elif self.call.summed:
-                values.append(np.reshape(f, rows_shape + tuple(t.shape)))
+                values.append(np.reshape(f, rows_shape + per_row))
             else:
-                shape = (-1, *rows_shape[1:], *t.shape)
-                values.append(np.reshape(f, shape)[:size])
+                values.append(np.reshape(f, (-1, *rows_shape[1:], *per_row))[:size])
         return values
 
     def all_sum(self, sums: list[np.ndarray] | None) -> list[np.ndarray] | None:

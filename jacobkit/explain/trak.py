@@ -43,7 +43,7 @@ import tensorflow as tf
 from jacobkit import api
 from jacobkit.explain.influence import InfluenceResult, checkpoints
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.reduce import Project
+from jacobkit.problem.reduction import Project
 
 
 def margin(y_true: Any, logits: Any) -> tf.Tensor:

@@ -43,7 +43,7 @@ the memory prior, the disk entry), :mod:`~jacobkit.planner.policy`,
 cache). This package face only hands names on.
 """
 
-from jacobkit.planner.auto import Auto
+from jacobkit.planner.auto import Auto, solver
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.plan import (
     BudgetWarning,
@@ -70,5 +70,6 @@ __all__ = [
     "Session",
     "Switch",
     "current_policy",
+    "solver",
     "use_policy",
 ]

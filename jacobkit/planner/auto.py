@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, final
 
-from jacobkit import memory
+from jacobkit import memory, strategies
 from jacobkit.planner import calls, probes, reduced
 from jacobkit.planner.opening import open_session
 from jacobkit.planner.plan import Plan
@@ -25,7 +25,7 @@ from jacobkit.planner.policy import current_policy
 from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
 from jacobkit.problem.cache import Slot, model_state
-from jacobkit.strategies import Solution
+from jacobkit.strategies import Solution, Strategy
 
 
 @final
@@ -79,7 +79,7 @@ class Auto:
         picks; the solution names what later calls run and the plan.
         ``stats.planning_time_s`` is the time spent outside the run that
         computed the rows (the budget check, the memory prior, the cache)."""
-        if problem.reduce is not None:
+        if problem.reduction.reduces:
             return self.reduced(problem).solve(problem)
         start = time.perf_counter()
         session = self._session(problem)
@@ -93,9 +93,15 @@ class Auto:
         """What the next call on ``problem`` runs and what is known (nothing
         is run: before the first call, the strategy it starts on and its
         predicted peak, or what the disk cache holds)."""
-        if problem.reduce is not None:
+        if problem.reduction.reduces:
             return self.reduced(problem).plan()
         return self._session(problem).plan()
+
+    def planned(self, problem: Problem) -> Strategy:
+        """The strategy the next call on ``problem`` runs (what every replica
+        of ``distribute=`` runs, and what ``jk.gram`` fuses its products
+        with)."""
+        return self.plan(problem).strategy
 
     def reduced(self, problem: Problem) -> reduced.Reduced:
         """For a reduced call (``reduce="norm"``, ``jk.ClippedSum``,
@@ -125,3 +131,37 @@ class Auto:
                 problem, self.memory_budget, device, policy, self.cache
             )
         return sessions[key]
+
+
+def solver(
+    strategy: str | Strategy | Auto,
+    memory_budget: Any,
+    device: str | None,
+    cache: bool,
+) -> Strategy | Auto:
+    """What computes the rows: ``"auto"`` (or an :class:`~jacobkit.planner.Auto`,
+    given the call's device and cache setting where it names none) or a
+    configured strategy. A memory budget is for ``auto`` only."""
+    if isinstance(strategy, Auto):
+        if memory_budget is not None:
+            raise ValueError(
+                f"jacobian(memory_budget={memory_budget!r}, strategy={strategy!r})"
+                ": the budget is the Auto object's; pass Auto(memory_budget="
+                f"{memory_budget!r}) or drop memory_budget=."
+            )
+        return replace(
+            strategy,
+            device=strategy.device if strategy.device is not None else device,
+            cache=strategy.cache and cache,
+        )
+    if isinstance(strategy, str) and strategy == "auto":
+        return Auto(memory_budget, device, cache)
+    chosen = strategies.get(strategy)
+    if memory_budget is not None:
+        raise ValueError(
+            f"jacobian(memory_budget={memory_budget!r}, strategy={strategy!r}): "
+            "a memory budget is planned for by strategy='auto' only. Drop "
+            "strategy= to let auto fit the budget, or drop memory_budget= and "
+            "size the strategy yourself (e.g. Chunked(chunk_size=8))."
+        )
+    return chosen

@@ -20,6 +20,7 @@ from jacobkit.planner import probes
 from jacobkit.planner.plan import Probe
 from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
+from jacobkit.problem.reduction import Output
 from jacobkit.result import Stats
 from jacobkit.strategies import Solution
 
@@ -56,4 +57,4 @@ def run_call(session: Session, problem: Problem) -> Solution:
         peak_bytes=probe.peak_bytes,
         num_rows=probe.rows,
     )
-    return Solution(ran.jacobians, stats, session.current, session.plan())
+    return Solution(Output(ran.jacobians), stats, session.current, session.plan())

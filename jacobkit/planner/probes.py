@@ -36,10 +36,10 @@ def run(strategy: Strategy, problem: Problem, call: int, device: str | None) -> 
     peak = None
     if device is not None:
         with memory.PeakMemory(device) as measured:
-            jacobians, stats = strategy.run(problem)
+            output, stats = strategy.run(problem)
         peak = measured.extra_bytes
     else:
-        jacobians, stats = strategy.run(problem)
+        output, stats = strategy.run(problem)
     seconds = time.perf_counter() - begin
     probe = Probe(
         strategy=strategy,
@@ -50,7 +50,7 @@ def run(strategy: Strategy, problem: Problem, call: int, device: str | None) -> 
         traced=stats.traced,
         peak_bytes=peak,
     )
-    return Ran(tuple(jacobians), probe)
+    return Ran(tuple(output.values), probe)
 
 
 def peak_measurable(device: str) -> bool:

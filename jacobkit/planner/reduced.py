@@ -5,7 +5,7 @@ A reduced call never holds its rows' Jacobians: its result is a norm or a
 projection per row, or one sum in each target's shape. The candidates are
 ``batch``'s closed forms where every target has one (rows of one example run
 as one backward pass per row of each example: ``num_rows / B`` passes), then
-``chunked`` with fewer and fewer rows at once (:data:`CHUNKS`), or where
+``chunked`` with fewer and fewer rows at once, or where
 pfor cannot run (a depthwise convolution's gradient, float16 rows)
 ``while(1)``, one row at a time. The first
 whose peak, predicted from the memory prior a session uses
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from jacobkit import memory, strategies
+from jacobkit import memory
 from jacobkit.planner import estimates
 from jacobkit.planner.footprint import Overruns
 from jacobkit.planner.opening import memory_prior
@@ -31,23 +31,12 @@ from jacobkit.planner.plan import Estimate, Plan, Rejection
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.probes import peak_measurable
 from jacobkit.problem import Problem
-from jacobkit.problem.reduce import ClippedSum, Project
-from jacobkit.strategies import Solution, Strategy
-
-#: the rows ``chunked`` holds at once, tried largest first
-CHUNKS = (16, 8, 4, 2, 1)
+from jacobkit.strategies import REGISTRY, Solution, Strategy
 
 
 def result_bytes(problem: Problem) -> int:
     """Bytes of a reduced call's result."""
-    size = problem.output_dtype.size
-    reduce = problem.reduce
-    if isinstance(reduce, ClippedSum):
-        params = sum(t.shape.num_elements() for t in problem.targets)
-        return (params + problem.num_rows) * size
-    if isinstance(reduce, Project):
-        return problem.num_rows * reduce.dim * len(problem.targets) * size
-    return problem.num_rows * len(problem.targets) * size  # norms
+    return problem.reduction.result_bytes(problem)
 
 
 @dataclass(frozen=True)
@@ -92,20 +81,22 @@ class Reduced:
         self.index = fitting
 
     def _candidates(self, problem: Problem) -> list[Candidate]:
+        """Every registered strategy's configurations for a reduced call
+        (:meth:`~jacobkit.strategies.base.Strategy.for_reduced`), in order of
+        preference, less those that refuse the problem."""
         prior = memory_prior(problem, problem.activation_bytes, self.device)
         found: list[tuple[Strategy, int]] = []
-        try:
-            strategies.Batch().check(problem)
-            found.append((strategies.Batch(), _passes(problem)))
-        except ValueError as err:
-            self.rejected.append(Rejection("batch", str(err)))
-        try:
-            strategies.Chunked(CHUNKS[0]).check(problem)
-            found += [(strategies.Chunked(c), problem.num_rows) for c in CHUNKS]
-        except ValueError as err:
-            # one row at a time without pfor, norms reduced in the loop
-            self.rejected.append(Rejection("chunked", str(err)))
-            found.append((strategies.While(1), problem.num_rows))
+        ordered = sorted(REGISTRY.values(), key=lambda cls: cls.reduced_preference)
+        for cls in ordered:
+            configs = cls.for_reduced(problem)
+            if not configs:
+                continue
+            try:
+                configs[0].check(problem)
+            except ValueError as err:
+                self.rejected.append(Rejection(cls.name, str(err)))
+                continue
+            found += [(s, s.passes(problem)) for s in configs]
         return [
             Candidate(s, estimates.predicted_peak(s, rows, prior, self.result_bytes))
             for s, rows in found
@@ -190,15 +181,6 @@ class Reduced:
             rejected=(*self.rejected, *skipped),
             source="predicted" if self.peak is None else "measured",
         )
-
-
-def _passes(problem: Problem) -> int:
-    """The backward passes ``batch`` makes: one per row of each example where
-    rows are of one example, else one per row."""
-    batch = problem.batch_size
-    if problem.rows_spec.of_one_example and batch:
-        return max(problem.num_rows // batch, 1)
-    return problem.num_rows
 
 
 def _scaled(predicted: int, scale: float) -> str:

@@ -13,11 +13,14 @@ import tensorflow as tf
 
 from jacobkit import runtime
 from jacobkit.keras import layer_tree
-from jacobkit.problem.reduce import REDUCTIONS
+from jacobkit.problem.reduction import Norms, Reduction, Rows
 
 UNCONNECTED_MODES = ("error", "zero")
-#: ``reduce=``: ``None`` (the Jacobians) or ``"norm"`` (each row's L2 norm)
+#: ``reduce=``: ``None`` (the Jacobians) or ``"norm"`` (each row's L2 norm);
+#: the other kinds are objects (``jk.ClippedSum(C)``)
 REDUCE_MODES = (None, "norm")
+#: each kind ``jacobian(reduce=...)`` takes by its spelling there
+_SPELLED = {None: Rows(), "norm": Norms()}
 
 
 def check_model(model: Any) -> None:
@@ -47,12 +50,34 @@ def check_training(training: Any) -> bool:
     return bool(training)
 
 
+def check_output(output: Any) -> int | str | None:
+    """``output`` as given, if it is ``None``, an int or a str."""
+    if output is None or isinstance(output, str):
+        return output
+    if isinstance(output, int) and not isinstance(output, bool):
+        return output
+    if hasattr(output, "__index__") and not isinstance(output, bool):
+        return int(output.__index__())
+    raise TypeError(
+        f"jacobian(output={output!r}): expected the index (0, 1, ...) or the "
+        f"name of one of the model's outputs, got {type(output).__name__}."
+    )
+
+
 def check_reduce(reduce: Any) -> Any:
     """``reduce=`` checked: ``None``, ``"norm"``, or a reduction object
-    (:class:`~jacobkit.problem.reduce.ClippedSum`,
-    :class:`~jacobkit.problem.reduce.Project`)."""
-    if reduce in REDUCE_MODES or isinstance(reduce, REDUCTIONS):
+    (:mod:`jacobkit.problem.reduction`); returned as given."""
+    reduction_of(reduce)
+    return reduce
+
+
+def reduction_of(reduce: Any) -> Reduction:
+    """``reduce=`` as its kind: ``None`` and ``"norm"`` by their spelling, a
+    public reduction object as itself; a clear error for anything else."""
+    if isinstance(reduce, Reduction) and reduce.public:
         return reduce
+    if isinstance(reduce, (str, type(None))) and reduce in _SPELLED:
+        return _SPELLED[reduce]
     raise ValueError(
         f"jacobian(reduce={reduce!r}): expected None (the Jacobians), 'norm' "
         "(the L2 norm of each row's Jacobian per target, shape rows_shape), "

@@ -21,6 +21,10 @@ class Slot(enum.Enum):
     """The kinds of per-model state (the value says who keeps what)."""
 
     COMPILED = "strategies: each strategy's compiled computation per problem"
+    FLAT = "strategies.base: a computation's output flattened, for replicas"
+    PRODUCTS = "reductions.features: a Gram's factors and their products"
+    GRAM_CHUNKS = "reductions.grams: a Gram's examples per chunk"
+    CHECKS = "strategies.batch.checks: batch's numeric checks' verdicts"
     INSPECTED = "problem.inspect: the one traced pass per problem signature"
     STRUCTURE = "problem.structure: the exact shortcut found, or why none"
     HEADS = "problem.structure: the linear head found at any width"

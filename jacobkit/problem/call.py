@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 from jacobkit.problem import arguments, padding, rows
-from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.problem import Problem
-from jacobkit.problem.reduce import ClippedSum, Project
+from jacobkit.problem.reduction import ClippedSum, Project, Reduction
 
 if TYPE_CHECKING:  # the strategy ranks above the problem: named for types only
     from jacobkit.planner.auto import Auto
@@ -81,7 +80,7 @@ class Call:
         arguments.check_reduce(self.reduce)
         if self.pads_batches:
             padding.check(self.outputs)
-        model_outputs.check_output_type(self.output)
+        arguments.check_output(self.output)
 
     @property
     def summed(self) -> bool:
@@ -93,10 +92,15 @@ class Call:
         return not (isinstance(outputs, str) and outputs in ("per_example", "full"))
 
     @property
+    def reduction(self) -> Reduction:
+        """``reduce=``'s kind (:mod:`jacobkit.problem.reduction`)."""
+        return arguments.reduction_of(self.reduce)
+
+    @property
     def pads_batches(self) -> bool:
         """Whether each batch is padded with examples of weight 0
         (``jk.ClippedSum(..., pad_batches=True)``)."""
-        return isinstance(self.reduce, ClippedSum) and self.reduce.pad_batches
+        return self.reduction.pads_batches
 
     def padded(self, inputs: Any) -> tuple[Any, int | None]:
         """One batch ``inputs`` padded to its :func:`~jacobkit.problem.

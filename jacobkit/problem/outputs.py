@@ -21,20 +21,6 @@ class OutputError(ValueError):
     """``output=`` names no output of the model."""
 
 
-def check_output_type(output: Any) -> int | str | None:
-    """``output`` as given, if it is ``None``, an int or a str."""
-    if output is None or isinstance(output, str):
-        return output
-    if isinstance(output, int) and not isinstance(output, bool):
-        return output
-    if hasattr(output, "__index__") and not isinstance(output, bool):
-        return int(output.__index__())
-    raise TypeError(
-        f"jacobian(output={output!r}): expected the index (0, 1, ...) or the "
-        f"name of one of the model's outputs, got {type(output).__name__}."
-    )
-
-
 def _output_names(outputs: Any, model: Any) -> list[str] | None:
     """The outputs' names: a dict's keys, else a Keras model's output names."""
     if isinstance(outputs, dict):

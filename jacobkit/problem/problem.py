@@ -26,7 +26,7 @@ from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.reduce import ClippedSum, Factors, Project
+from jacobkit.problem.reduction import ClippedSum, Project, Reduction
 
 
 class Problem:
@@ -49,8 +49,10 @@ class Problem:
         has_loops: whether the model's computation runs a ``tf.while_loop``
             (a recurrent layer over time steps).
         output: the output picked by ``output=`` (index or name), or ``None``.
-        reduce: ``None`` (Jacobians), ``"norm"`` (each row's L2 norm),
-            ``jk.ClippedSum`` or ``jk.Project``.
+        reduction: what each row's gradient is reduced to
+            (:mod:`jacobkit.problem.reduction`); ``reduce``, as the user
+            spells it: ``None``, ``"norm"``, ``jk.ClippedSum`` or
+            ``jk.Project``.
         activation_bytes: bytes of every floating tensor the forward pass
             makes: an upper bound on what one row's backward pass keeps.
         sequential_memory: what a row's backward pass holds where rows run
@@ -83,9 +85,10 @@ class Problem:
         arguments.check_unconnected(unconnected)
         self.training = arguments.check_training(training)
         self.model = model
-        self.reduce = arguments.check_reduce(reduce)
+        #: what each row's gradient is reduced to (``reduce=``'s kind)
+        self.reduction: Reduction = arguments.reduction_of(reduce)
         self.unconnected = unconnected
-        self.output = model_outputs.check_output_type(output)
+        self.output = arguments.check_output(output)
         self.inputs = arguments.to_tensors(inputs)
         arguments.check_examples(self.inputs)
         self._is_keras = compat.is_keras_layer(model)
@@ -105,7 +108,8 @@ class Problem:
         self.tensor_targets = resolved.tensors
         inspection = inspect.inspect(self)
         self._take(inspection)
-        self._check_connected(resolved, inspection.connected)
+        if self.unconnected == "error":
+            targets.refuse_unconnected(model, resolved, inspection.connected)
         if self.blocked:
             tensors.check_independent(self)
 
@@ -154,19 +158,6 @@ class Problem:
         self.output_dtype = spec.dtype
         self.batch_size = outputs_shape[0] if outputs_shape is not None else None
         self.output_width = outputs_shape[-1] if outputs_shape is not None else None
-
-    def _check_connected(
-        self, resolved: targets.Targets, connected: tuple[bool, ...]
-    ) -> None:
-        unconnected = [n for n, ok in zip(self.target_names, connected) if not ok]
-        if unconnected and self.unconnected == "error":
-            targets.explain_unconnected(self.model, resolved, unconnected)
-            raise ValueError(
-                f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
-                "influence the model's outputs, so their Jacobian is zero (a "
-                "tape would return None). Pick a layer on the path to the "
-                "outputs, or pass unconnected='zero' to get zeros."
-            )
 
     # -- the target layer ---------------------------------------------------
     @functools.cached_property
@@ -282,12 +273,17 @@ class Problem:
         :func:`jacobkit.keras.compat.needs_autograph`)."""
         return tf.function(fn, autograph=compat.needs_autograph(self.model))
 
-    def with_reduce(self, reduce: Any) -> Problem:
-        """This problem with ``reduce=`` in place of its own (a shallow copy:
-        nothing is traced or checked again; ``Factors()`` is jk.gram's)."""
+    @property
+    def reduce(self) -> Any:
+        """``reduce=`` as the user spells it (``None``, ``"norm"``, or the
+        reduction object)."""
+        return self.reduction.argument
+
+    def with_reduction(self, kind: Reduction) -> Problem:
+        """This problem reduced by ``kind`` in place of its own (a shallow
+        copy: nothing is traced or checked again)."""
         other = copy.copy(self)
-        internal = isinstance(reduce, Factors)
-        other.reduce = reduce if internal else arguments.check_reduce(reduce)
+        other.reduction = kind
         return other
 
     def with_inputs(self, inputs: Any) -> Problem:
@@ -326,5 +322,5 @@ class Problem:
             self.training,
             id(self.layer),
             self.output,
-            self.reduce,
+            self.reduction,
         )

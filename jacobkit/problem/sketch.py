@@ -43,7 +43,6 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem.cache import Slot, model_state
-from jacobkit.problem.reduce import Project
 
 #: a map of at most this many numbers is dense (16 MiB of float32); a larger
 #: one is a Kronecker product (a GPT-2 FFN kernel of 768 x 3072 to 2048
@@ -146,11 +145,9 @@ def _times(tensor: tf.Tensor, matrix: tf.Tensor) -> tf.Tensor:
     return tf.reshape(found, (*tensor.shape[:-1], matrix.shape[1]))
 
 
-def maps(problem: Any) -> tuple[TargetMap, ...]:
-    """Each target's map under the problem's ``reduce=jk.Project``, drawn
-    once per model and kept in its state."""
-    project = problem.reduce
-    assert isinstance(project, Project), "a projection is asked for"
+def maps(problem: Any, project: Any) -> tuple[TargetMap, ...]:
+    """Each target's map under ``project`` (a ``jk.Project``), drawn once per
+    model and kept in its state."""
     shapes = tuple(tuple(int(s) for s in t.shape) for t in problem.targets)
     kept = model_state(problem.model, Slot.COMPILED)
     key = ("projection maps", project, problem.target_names, shapes)
@@ -163,7 +160,7 @@ def maps(problem: Any) -> tuple[TargetMap, ...]:
     return found
 
 
-def target_map(project: Project, name: str, shape: tuple[int, ...]) -> TargetMap:
+def target_map(project: Any, name: str, shape: tuple[int, ...]) -> TargetMap:
     """The map of the target ``name`` of ``shape`` under ``project``."""
     dim, seed = project.dim, project.seed
     inputs, units = split(shape)

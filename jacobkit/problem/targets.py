@@ -274,6 +274,22 @@ def _unique_names(variables: list[Any], keys: Sequence[str | None]) -> tuple[str
     return tuple(names)
 
 
+def refuse_unconnected(
+    model: Any, resolved: Targets, connected: tuple[bool, ...]
+) -> None:
+    """Refuse targets that do not influence the outputs (``connected`` says
+    which do, from the traced pass), naming them and what they miss."""
+    unconnected = [n for n, ok in zip(resolved.names, connected) if not ok]
+    if unconnected:
+        explain_unconnected(model, resolved, unconnected)
+        raise ValueError(
+            f"jacobian(layer=...): target(s) {', '.join(unconnected)} do not "
+            "influence the model's outputs, so their Jacobian is zero (a "
+            "tape would return None). Pick a layer on the path to the "
+            "outputs, or pass unconnected='zero' to get zeros."
+        )
+
+
 def explain_unconnected(model: Any, targets: Targets, unconnected: list[str]) -> None:
     """Raise the precise reason where targets that do not reach the rows are
     not the model's at all: a layer of another model, or variables of none."""

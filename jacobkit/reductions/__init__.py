@@ -3,7 +3,7 @@
 products between two sets' per-example gradients.
 
 (``reduce=jk.ClippedSum`` and ``reduce=jk.Project`` reduce within one call:
-:mod:`jacobkit.problem.reduce`.)
+:mod:`jacobkit.problem.reduction`.)
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Each chunk of examples' per-row gradients in the form the Gram needs
-(:mod:`jacobkit.reductions.pairs`): a layer's factors (its unfolded input
-and output cotangents, or an embedding's ids and cotangents) where pairs of
-rows are cheaper from them, else the gradients flattened; and the inner
-products of two chunks' rows, one compiled call."""
+"""Each chunk of examples' per-row gradients in the form the Gram needs, as
+the engine computes them for ``reduce=`` :class:`~jacobkit.problem.reduction.
+Factors` (typed :data:`~jacobkit.problem.reduction.Feature` per target: a
+layer's factors where the strategy ``auto`` plans has closed forms, else the
+rows formed); and the inner products of two chunks' rows
+(:mod:`jacobkit.problem.reduction.products`), one compiled call."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import engine, runtime, strategies
+from jacobkit import runtime
 from jacobkit.batches import distribute, source
-from jacobkit.problem import Call, Slot, model_state
-from jacobkit.problem.reduce import Factors
-from jacobkit.reductions import pairs
-from jacobkit.reductions.pairs import Feature, Flat, Ghost, Lookup
-from jacobkit.strategies import reductions
+from jacobkit.problem import Call, Problem, Slot, model_state
+from jacobkit.problem.reduction import Factors, Feature, Flat, Ghost, Lookup
+from jacobkit.problem.reduction import products as pairs
+
+__all__ = ["ChunkFeatures", "Feature", "Flat", "Ghost", "Lookup"]
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,11 @@ class ChunkFeatures:
     """One chunk's rows, per target.
 
     Attributes:
-        features: each target's :class:`Ghost` or :class:`Flat`, in order.
+        features: each target's :class:`Ghost`, :class:`Lookup` or
+            :class:`Flat`, in order.
         num_rows: the chunk's rows (``B * K``, or ``K`` summed over it).
         strategy: what computed them (``"batch"``'s closed forms, or the
-            strategy ``auto`` picked for the per-example Jacobians).
+            strategy ``auto`` planned where they do not serve every target).
     """
 
     features: tuple[Feature, ...]
@@ -49,42 +51,46 @@ class ChunkFeatures:
         }
 
 
-def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Any]:
-    """The chunk ``x``'s features, and its problem: by ``batch``'s closed
-    forms where it serves every target, else from the per-example Jacobians
-    of ``chosen`` (a strategy, or ``auto``)."""
-    problem = call.problem(x)
-    closed = strategies.REGISTRY["batch"]()
-    if not _served(closed, problem):
-        return _of_jacobians(problem, chosen), problem
-    tensors, _ = closed.run(problem.with_reduce(Factors()))
-    return ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name), problem
+def problem_of(call: Call, x: Any) -> Problem:
+    """The chunk ``x``'s problem, reduced to the Gram's factors."""
+    return call.problem(x).with_reduction(Factors())
 
 
-def shapes_of_chunk(call: Call, x: Any) -> ChunkFeatures:
+def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Problem]:
+    """The chunk ``x``'s features, and its problem, as ``chosen`` (a
+    strategy, or ``auto``) solves the Gram's factors."""
+    problem = problem_of(call, x)
+    solution = chosen.solve(problem)
+    found = ChunkFeatures(
+        tuple(solution.output.values), problem.num_rows, solution.strategy.name
+    )
+    return found, problem
+
+
+def shapes_of_chunk(call: Call, x: Any, chosen: Any) -> ChunkFeatures:
     """The chunk ``x``'s features as :func:`of_chunk` gives them, for their
     forms and sizes only (what sizes a Gram's chunks): traced, not run,
-    and nothing held. Where ``batch``'s closed forms serve every target,
-    its factors' computation traced on ``x`` (a first chunk of the same
-    shape then runs that trace); else each target's formed rows
+    and nothing held. Where the planned strategy computes the factors
+    itself (closed forms), its computation traced on ``x`` (a first chunk
+    of the same shape then runs that trace); else each target's formed rows
     ``(R, size)`` as specs.
 
     NOTE (measured, one core). The chunks were sized by running the
     features of a probe of 8 examples: its own trace, at a shape no chunk
     has, 1.0 s of a first Gram call on the reductions benchmark's BERT
     tiny (batch 32), and its rows held meanwhile."""
-    problem = call.problem(x)
-    closed = strategies.REGISTRY["batch"]()
+    problem = problem_of(call, x)
+    ran = chosen.planned(problem)
     rows = problem.num_rows
-    if not _served(closed, problem):
+    if not (ran.computes(problem) and ran.compiled):
         flat = tuple(
             Flat(tf.TensorSpec((rows, int(np.prod(t.shape))), t.dtype))
             for t in problem.targets
         )
-        return ChunkFeatures(flat, rows, "auto")
-    factors: Any = closed.compiled_for(problem.with_reduce(Factors())).fn
-    traced = factors.get_concrete_function(problem.inputs).outputs
-    return ChunkFeatures(_parsed(list(traced)), rows, closed.name)
+        return ChunkFeatures(flat, rows, ran.name)
+    factors: Any = ran.compiled_for(problem).fn
+    traced = factors.get_concrete_function(problem.inputs).structured_outputs
+    return ChunkFeatures(tuple(traced.values), rows, ran.name)
 
 
 def with_products(
@@ -93,13 +99,13 @@ def with_products(
     chosen: Any,
     count: int | None = None,
     strategy: tf.distribute.Strategy | None = None,
-) -> tuple[ChunkFeatures, tf.Tensor, Any]:
+) -> tuple[ChunkFeatures, tf.Tensor, Problem]:
     """:func:`of_chunk`, and a block of the inner products of the chunk's
     rows: with themselves ``(R, R)`` (``count=None``: a diagonal block of a
     Gram matrix), or its first ``count`` examples' rows with the rest's
-    ``(R_a, R_b)`` (two sets' examples together). One compiled call where
-    ``batch``'s closed forms serve every target, else the two steps (and
-    on the replicas of ``strategy``, :func:`of_chunk_on_replicas`).
+    ``(R_a, R_b)`` (two sets' examples together). One compiled call with
+    the features' own (on the replicas of ``strategy``: the features on
+    each, :func:`of_chunk_on_replicas`, the products on the host).
 
     NOTE (measured, one core). As two calls the products' call took each
     target's tensors as its arguments, which TensorFlow inspects one by one
@@ -112,18 +118,18 @@ def with_products(
     if strategy is not None:
         found, problem = of_chunk_on_replicas(call, x, chosen, strategy)
         return found, _products(found, count, total), problem
-    problem = call.problem(x)
-    closed = strategies.REGISTRY["batch"]()
-    if not _served(closed, problem):
-        found = _of_jacobians(problem, chosen)
+    problem = problem_of(call, x)
+    ran = chosen.planned(problem)
+    if not ran.compiled:  # an eager strategy: its features, then the products
+        found, problem = of_chunk(call, x, ran)
         return found, _products(found, count, total), problem
-    compiled = _with_products(closed, problem, split=count is not None)
+    compiled = _with_products(ran, problem, split=count is not None)
     if count is None:
-        products, *tensors = compiled(problem.inputs)
+        products, output = compiled(problem.inputs)
     else:
         per_example = problem.num_rows // total
-        products, *tensors = compiled(problem.inputs, tf.constant(count), per_example)
-    found = ChunkFeatures(_parsed(tensors), problem.num_rows, closed.name)
+        products, output = compiled(problem.inputs, tf.constant(count), per_example)
+    found = ChunkFeatures(tuple(output.values), problem.num_rows, ran.name)
     return found, products, problem
 
 
@@ -134,42 +140,35 @@ def _products(found: ChunkFeatures, count: int | None, total: int) -> tf.Tensor:
     return inner_products_within(found, count, total)
 
 
-def _of_jacobians(problem: Any, chosen: Any) -> ChunkFeatures:
-    """Every target's rows flattened, from the per-example Jacobians that
-    ``chosen`` computes."""
-    result = engine.run(problem, chosen)
-    rows = problem.num_rows
-    flat = tuple(
-        Flat(tf.reshape(tf.convert_to_tensor(j), (rows, -1)))
-        for j in result.jacobians.values()
-    )
-    return ChunkFeatures(flat, rows, result.strategy)
+#: the factors of a strategy and their products, one compiled call, per
+#: problem, strategy and split
+_WITH_PRODUCTS = Slot.PRODUCTS
 
 
-def _with_products(closed: Any, problem: Any, split: bool = False) -> Any:
-    """``closed``'s factors (``reduce=Factors()``) and their products in one
-    compiled call, kept per model and problem: ``inputs -> [products (R,
-    R), *the factors]``, or where ``split``, ``(inputs, count, per_example)
-    -> [the first count examples' rows against the rest's, *the factors]``
-    (:func:`jacobkit.reductions.pairs.split_pairs`)."""
-    kept = model_state(problem.model, Slot.COMPILED)
-    key = (problem.key, "factors and their products", split)
+def _with_products(ran: Any, problem: Problem, split: bool = False) -> Any:
+    """``ran``'s factors and their products in one compiled call, kept per
+    model, problem and strategy: ``inputs -> (products (R, R), the factors'
+    Output)``, or where ``split``, ``(inputs, count, per_example) -> (the
+    first count examples' rows against the rest's, the factors' Output)``
+    (:func:`jacobkit.problem.reduction.products.split_pairs`)."""
+    kept = model_state(problem.model, _WITH_PRODUCTS)
+    key = (problem.key, ran.key, split)
     if key not in kept:
-        factors = closed.compiled_for(problem.with_reduce(Factors())).fn
+        factors = ran.compiled_for(problem).fn
 
-        def parts_of(inputs: Any) -> tuple[list[tf.Tensor], tuple[str, ...], Any]:
-            tensors = list(factors(inputs))
-            parsed = _parsed(tensors)
-            return tensors, pairs.kinds(parsed), [pairs.tensors_of(f) for f in parsed]
+        def parts_of(inputs: Any) -> tuple[Any, tuple[str, ...], Any]:
+            output = factors(inputs)
+            found = tuple(output.values)
+            return output, pairs.kinds(found), [pairs.tensors_of(f) for f in found]
 
-        def both(inputs: Any) -> list[tf.Tensor]:
-            tensors, kinds, parts = parts_of(inputs)
-            return [pairs.sum_of_pairs(kinds, parts, parts), *tensors]
+        def both(inputs: Any) -> tuple[tf.Tensor, Any]:
+            output, kinds, parts = parts_of(inputs)
+            return pairs.sum_of_pairs(kinds, parts, parts), output
 
-        def apart(inputs: Any, count: Any, per_example: int) -> list[tf.Tensor]:
-            tensors, kinds, parts = parts_of(inputs)
+        def apart(inputs: Any, count: Any, per_example: int) -> tuple[tf.Tensor, Any]:
+            output, kinds, parts = parts_of(inputs)
             cut = pairs.split_pairs(kinds, parts, count, tf.constant(per_example))
-            return [cut, *tensors]
+            return cut, output
 
         kept[key] = problem.function(apart if split else both)
     return kept[key]
@@ -177,104 +176,61 @@ def _with_products(closed: Any, problem: Any, split: bool = False) -> Any:
 
 def of_chunk_on_replicas(
     call: Call, x: Any, chosen: Any, strategy: tf.distribute.Strategy
-) -> tuple[ChunkFeatures, Any]:
+) -> tuple[ChunkFeatures, Problem]:
     """The chunk ``x``'s features as :func:`of_chunk` gives them, its
     examples split into one contiguous piece per replica of ``strategy``
     (``distribute=``; one host): each replica computes its piece's with the
     same compiled computation (:class:`jacobkit.batches.distribute.Replicas`),
-    and the pieces are joined in order (concatenated along the examples, or
-    for rows summed over the batch, their positions concatenated and their
-    gradients added). Returns them with the first piece's problem."""
+    and the pieces are joined in order (:meth:`Factors.joined
+    <jacobkit.problem.reduction.Factors.joined>`). Returns them with the
+    first piece's problem."""
     replicas = strategy.num_replicas_in_sync
     count = source.batch_size(x)
-    edges = np.linspace(0, count, min(replicas, count) + 1).astype(int)
+    # the first piece the largest (array_split's): every piece is padded to
+    # its size, for which the one computation is built
+    sizes = [len(p) for p in np.array_split(np.arange(count), min(replicas, count))]
+    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     pieces = [
         tf.nest.map_structure(lambda a, i=i: np.asarray(a)[edges[i] : edges[i + 1]], x)
         for i in range(len(edges) - 1)
     ]
-    problem = call.problem(pieces[0])
-    closed = strategies.REGISTRY["batch"]()
-    served = _served(closed, problem)
-    ran, name = closed, closed.name
-    if served:
-        problem = problem.with_reduce(Factors())
-    else:
-        ran = engine.planned(chosen, problem)
-        name = ran.name
+    problem = problem_of(call, pieces[0])
+    ran = chosen.planned(problem)
     size = source.batch_size(pieces[0])
-    computed = distribute.Replicas(
+    replicated = distribute.Replicas(
         strategy,
-        reductions.computation(ran, problem),
+        ran.flat_computation(problem),
         summed=call.summed,
         batch_size=size,
-    ).run(pieces)
+    )
+    computed = replicated.run(pieces)
+    # the features' structure (which form each target takes)
+    factors = ran.compiled_for(problem).fn
+    structure = (
+        factors.get_concrete_function(problem.inputs).structured_outputs
+        if ran.compiled
+        else factors(problem.inputs)
+    ).values
     # per-example pieces were padded to the first's size: their rows trimmed
     trimmed = [
-        [
-            t[: distribute.piece_rows(len(t), size, n, summed=call.summed)]
-            for t in map(np.asarray, found or [])
-        ]
+        tf.nest.pack_sequence_as(
+            structure,
+            [
+                tf.constant(
+                    t[: distribute.piece_rows(len(t), size, n, summed=call.summed)]
+                )
+                for t in map(np.asarray, found or [])
+            ],
+        )
         for n, found in zip(map(source.batch_size, pieces), computed, strict=True)
     ]
-    joined = [
-        _joined([tf.constant(part[k]) for part in trimmed], call.summed)
-        for k in range(len(trimmed[0]))
-    ]
+    kind = problem.reduction
+    joined = tuple(
+        kind.joined([piece[k] for piece in trimmed], summed=call.summed)
+        for k in range(len(structure))
+    )
     rows = distribute.piece_rows(problem.num_rows, size, count, summed=call.summed)
-    if served:
-        return ChunkFeatures(_parsed(joined), rows, name), problem
-    flat = tuple(Flat(tf.reshape(j, (rows, -1))) for j in joined)
-    return ChunkFeatures(flat, rows, name), problem
-
-
-def _joined(parts: list[tf.Tensor], summed: bool) -> tf.Tensor:
-    """One tensor of a chunk from its pieces': concatenated along the
-    examples; rows summed over the batch have one leading row, the factors
-    of their positions concatenated (ranks 3 and 4: along the positions) and
-    their gradients added."""
-    if not summed:
-        return tf.concat(parts, axis=0)
-    rank = parts[0].shape.rank
-    if rank == 3:  # patches (1, B * P, I)
-        return tf.concat(parts, axis=1)
-    if rank == 4:  # cotangents (1, K, B * P, O)
-        return tf.concat(parts, axis=2)
-    return tf.add_n(parts)
-
-
-def _served(closed: Any, problem: Any) -> bool:
-    """Whether ``batch``'s closed forms serve every target of ``problem``:
-    checked once per model and problem (the check traces a pass; measured on
-    a tiny BERT classifier, 0.9 s of every 1.1 s call when it was not kept)."""
-    kept = model_state(problem.model, Slot.COMPILED)
-    key = (problem.key, "batch serves the targets")
-    if key not in kept:
-        try:
-            closed.check(problem)
-            kept[key] = True
-        except ValueError:
-            kept[key] = False
-    served: bool = kept[key]
-    return served
-
-
-def _parsed(tensors: list[tf.Tensor]) -> tuple[Feature, ...]:
-    """``contract.factors``' flat list: a ghost target's two tensors (ranks
-    3 and 4), a lookup's two (integer ids of rank 2, then rank 4), every
-    other target's one (rank 2)."""
-    found: list[Feature] = []
-    k = 0
-    while k < len(tensors):
-        if tensors[k].shape.rank == 3:
-            found.append(Ghost(tensors[k], tensors[k + 1]))
-            k += 2
-        elif tensors[k].dtype.is_integer:
-            found.append(Lookup(tensors[k], tensors[k + 1]))
-            k += 2
-        else:
-            found.append(Flat(tensors[k]))
-            k += 1
-    return tuple(found)
+    return ChunkFeatures(joined, rows, ran.name), problem
 
 
 def inner_products(a: ChunkFeatures, b: ChunkFeatures) -> tf.Tensor:
@@ -313,8 +269,8 @@ def inner_products_within(chunk: ChunkFeatures, count: int, total: int) -> tf.Te
 
 def row_norms(chunk: ChunkFeatures) -> np.ndarray:
     """Each of the chunk's rows' gradient norm over the targets, ``(R,)``
-    float64, from its features (:func:`jacobkit.reductions.pairs.squared_norms`,
-    one compiled call)."""
+    float64, from its features (:func:`jacobkit.problem.reduction.products.
+    squared_norms`, one compiled call)."""
     squared = _compiled(pairs.squared_norms)(
         pairs.kinds(chunk.features), [pairs.tensors_of(f) for f in chunk.features]
     )

@@ -3,7 +3,7 @@ of two sets of examples (data attribution's TracIn and Grad-Cos, the
 empirical NTK), without holding more than two chunks' gradients.
 
 Both sets are read in chunks of examples. For each chunk each target's rows
-are in one of three forms (:mod:`jacobkit.reductions.pairs`), chosen per
+are in one of three forms (:mod:`jacobkit.problem.reduction.products`), chosen per
 target by predicted cost (:func:`jacobkit.layers.norms.ghost_pairs`, mixed
 ghost clipping's rule): a Dense or convolution kernel whose rows' inner
 products are cheaper from the layer's input and output cotangents is kept
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import runtime
+from jacobkit import planner, runtime
 from jacobkit.batches import collect, distribute, source
 from jacobkit.memory import budget as budgets
 from jacobkit.problem import Call, Slot, model_state
@@ -179,7 +179,7 @@ def gram(
     with runtime.tensorflow_warnings():
         probe = sets[0].first(size or PROBE_EXAMPLES)
         if size is None:
-            size = _sized(call, probe, allowed)
+            size = _sized(call, probe, allowed, chosen)
         run = blocks.Blocks(
             call,
             chosen,
@@ -228,10 +228,9 @@ def _every_trainable(model: Any) -> list[Any]:
 
 
 def _chosen(strategy: Any, memory_budget: Any) -> Any:
-    """The strategy for rows without closed forms (``auto`` under the budget)."""
-    from jacobkit import api
-
-    return api.solver(strategy, memory_budget, None, True)
+    """What computes the features (``auto`` under the budget: the closed
+    forms where they serve every target)."""
+    return planner.solver(strategy, memory_budget, None, True)
 
 
 def _check_chunk(chunk_examples: Any) -> int | None:
@@ -252,17 +251,17 @@ def _check_chunk(chunk_examples: Any) -> int | None:
 PROBE_EXAMPLES = DEFAULT_CHUNK_EXAMPLES
 
 
-def _sized(call: Call, probe: Any, allowed: int | None) -> int:
+def _sized(call: Call, probe: Any, allowed: int | None, chosen: Any) -> int:
     """:func:`_chunk_size` from the shapes of the features of ``probe`` (a
     first chunk of :data:`PROBE_EXAMPLES`, :func:`~jacobkit.reductions.
     features.shapes_of_chunk`), kept in the model's state: a repeated call
     (TracIn's checkpoints, many test sets) probes nothing, and builds no
     problem for it (0.16 ms of a 3 ms call on notebook 07's digits)."""
-    kept = model_state(call.model, Slot.COMPILED)
+    kept = model_state(call.model, Slot.GRAM_CHUNKS)
     shapes = tuple(tuple(np.shape(t)) for t in tf.nest.flatten(probe))
-    key = (_call_key(call), "gram chunk examples", shapes, allowed)
+    key = (_call_key(call), chosen, shapes, allowed)
     if key not in kept:
-        first = feats.shapes_of_chunk(call, probe)
+        first = feats.shapes_of_chunk(call, probe, chosen)
         kept[key] = _chunk_size(first, source.batch_size(probe), allowed)
     size: int = kept[key]
     return size

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state
-from jacobkit.problem.reduce import ClippedSum, Project
+from jacobkit.problem.reduction import Computation, Output, Rows
 from jacobkit.result import Stats
-from jacobkit.strategies import precision, reductions
+from jacobkit.strategies import precision
 
 if TYPE_CHECKING:  # auto's plan ranks above the strategies: for types only
     from jacobkit.planner.plan import Plan
@@ -32,22 +30,30 @@ class Solution:
     :mod:`jacobkit.engine` wraps into a :class:`~jacobkit.result.JacobianResult`.
 
     Attributes:
-        jacobians: per target, the flat ``(R, *v.shape)`` Jacobians (with
-            ``reduce="norm"``: the norms, ``(R,)``).
+        output: the reduction's :class:`~jacobkit.problem.reduction.Output`:
+            per target, the flat ``(R, *v.shape)`` Jacobians (or what the
+            problem's reduction gives per target), and every row's norm
+            where the reduction has them.
         stats: what the call cost.
         strategy: what computed them (for ``auto``: what later calls run).
         plan: ``auto``'s :class:`~jacobkit.planner.Plan`; ``None`` for a
             configured strategy.
-        norms: with ``reduce=jk.ClippedSum``, every row's gradient norm over
-            all targets, ``(R,)`` (``jacobians`` then holds each target's
-            clipped sum).
     """
 
-    jacobians: tuple[tf.Tensor, ...]
+    output: Output
     stats: Stats
     strategy: Strategy
     plan: Plan | None = None
-    norms: tf.Tensor | None = None
+
+    @property
+    def jacobians(self) -> tuple[Any, ...]:
+        """Per target, what the reduction gives (the Jacobians, unreduced)."""
+        return tuple(self.output.values)
+
+    @property
+    def norms(self) -> Any:
+        """Every row's norm over all targets, where the reduction has them."""
+        return self.output.norms
 
 
 class Strategy(abc.ABC):
@@ -72,17 +78,6 @@ class Strategy(abc.ABC):
     compiled: ClassVar[bool] = True
     #: rows (or tangents) per vectorized pass; a field where a strategy has one
     chunk_size: int | None = None
-    #: True where :meth:`build` honours ``problem.reduce == "norm"`` (returns
-    #: each row's norm, ``(R,)``, holding one chunk of rows' Jacobians)
-    supports_norm: ClassVar[bool] = False
-    #: True where :meth:`build` computes ``reduce=jk.ClippedSum`` itself
-    #: (each target's clipped sum, then the rows' norms); elsewhere
-    #: :meth:`solve` does it from the strategy's norms or Jacobians
-    #: (:mod:`jacobkit.strategies.reductions`)
-    clips: ClassVar[bool] = False
-    #: True where :meth:`build` computes ``reduce=jk.Project`` itself (each
-    #: target's ``(R, dim)``); elsewhere :meth:`solve` maps the Jacobians
-    projects: ClassVar[bool] = False
     #: tracing cost relative to ``while`` (1.0), before it was measured. On
     #: CPU, TF 2.21, pfor-based strategies traced 1.4-4x slower than while.
     trace_weight: ClassVar[float] = 2.0
@@ -98,6 +93,23 @@ class Strategy(abc.ABC):
         ``auto`` never runs this strategy. A new strategy joins ``auto`` by
         returning an instance here."""
         return None
+
+    @classmethod
+    def for_reduced(cls, problem: Problem) -> tuple[Strategy, ...]:
+        """The configurations ``auto`` tries, in order, on a reduced call
+        (``reduce=`` other than the rows: :mod:`jacobkit.planner.reduced`),
+        each holding less than the one before; ``()``: none. Strategies are
+        tried in the order of :attr:`reduced_preference`."""
+        return ()
+
+    #: where this strategy's :meth:`for_reduced` configurations come among
+    #: the registered strategies' (lower first)
+    reduced_preference: ClassVar[int] = 100
+
+    def passes(self, problem: Problem) -> int:
+        """Backward passes a call makes (``auto``'s memory prior for a reduced
+        call): one per row."""
+        return problem.num_rows
 
     def rows_at_once(self, num_rows: int) -> int:
         """Rows whose backward passes are alive at once on ``num_rows`` rows
@@ -121,8 +133,50 @@ class Strategy(abc.ABC):
         return 1
 
     @abc.abstractmethod
-    def build(self, problem: Problem) -> Callable[[Any], list[tf.Tensor]]:
-        """The computation: ``inputs -> [jacobian (R, *v.shape) per target]``."""
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
+        """The computation of a reduction this strategy computes natively
+        (:attr:`native`): ``inputs -> [jacobian (R, *v.shape) per target]``
+        for rows, or the reduction's per-target values, or its
+        :class:`~jacobkit.problem.reduction.Output`."""
+
+    def builds(self) -> Mapping[str, Callable[[Problem], Callable[[Any], Any]]]:
+        """Each reduction kind this strategy computes itself, by the kind's
+        name (:mod:`jacobkit.problem.reduction`), and how: a builder like
+        :meth:`build`. Every strategy computes the rows; any other kind is
+        computed by the kind's generic computation from these."""
+        return {Rows.name: self.build}
+
+    @property
+    def native(self) -> frozenset[str]:
+        """The kinds this strategy computes itself (:meth:`builds`)."""
+        return frozenset(self.builds())
+
+    def builder(
+        self, problem: Problem
+    ) -> Callable[[Problem], Callable[[Any], Any]] | None:
+        """How this strategy computes ``problem``'s reduction itself, or
+        ``None`` where the kind's generic computation does (the one place a
+        strategy looks the kind up)."""
+        return self.builds().get(problem.reduction.name)
+
+    def computes(self, problem: Problem) -> bool:
+        """Whether this strategy computes ``problem``'s reduction itself."""
+        return self.builder(problem) is not None
+
+    def computation(self, problem: Problem) -> Computation:
+        """``inputs -> Output`` for ``problem``'s reduction: this strategy's
+        own where it :meth:`computes` it, else the kind's generic computation
+        composed from this strategy's (its rows or its norms), in one call."""
+        builder = self.builder(problem)
+        if builder is None:
+            return problem.reduction.generic(problem, self.computation, self.native)
+        built = builder(problem)
+
+        def computed(inputs: Any) -> Output:
+            found = built(inputs)
+            return found if isinstance(found, Output) else Output(tuple(found))
+
+        return computed
 
     def check(self, problem: Problem) -> None:  # noqa: B027 - optional hook
         """Raise a clear error if this strategy cannot solve ``problem``."""
@@ -181,54 +235,58 @@ class Strategy(abc.ABC):
         compiled = model_state(problem.model, Slot.COMPILED)
         key = (problem.key, self.key)
         if key not in compiled:
-            reduce = problem.reduce
-            if reduce == "norm" and not self.supports_norm:
-                raise ValueError(
-                    f"jacobian(reduce={problem.reduce!r}, strategy="
-                    f"{self.name!r}): this strategy materializes every row's "
-                    "Jacobian at once. Norms are computed chunk by chunk by "
-                    "strategy='chunked' (any target), row by row by 'while' "
-                    "(where pfor cannot run), or by 'batch' (layers with a "
-                    "closed form), or strategy='auto'."
-                )
+            problem.reduction.check(problem)
             self.check(problem)
             precision.warn_if_bfloat16_far_off(problem, compiled=self.compiled)
             # the cached computation takes the inputs as its argument: closing
             # over this call's would keep them alive for the life of the model
-            fn = self.build(problem.detached())
+            fn = self.computation(problem.detached())
             compiled[key] = _Compiled(problem.function(fn) if self.compiled else fn)
         entry: _Compiled = compiled[key]
         return entry
 
-    def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
-        """Run on ``problem.inputs``: the ``(R, *v.shape)`` Jacobians per
-        target, and what the call cost (:class:`~jacobkit.result.Stats`)."""
+    def run(self, problem: Problem) -> tuple[Output, Stats]:
+        """Run on ``problem.inputs``: the reduction's
+        :class:`~jacobkit.problem.reduction.Output` (for rows: the ``(R,
+        *v.shape)`` Jacobians per target), and what the call cost
+        (:class:`~jacobkit.result.Stats`)."""
         return self.compiled_for(problem)(problem.inputs)
+
+    def planned(self, problem: Problem) -> Strategy:
+        """The strategy that computes ``problem``: this one (``auto`` answers
+        with the one it plans)."""
+        return self
+
+    def flat_computation(self, problem: Problem) -> Callable[[Any], Any]:
+        """``inputs -> the computation's output as a flat list``: the
+        per-target values (a feature's tensors in its order), then every
+        row's norm where the reduction has them, compiled once per model,
+        problem and strategy. What ``tf.distribute`` replicas run: their
+        results are taken back tensor by tensor, and put back together by
+        the caller (:meth:`~jacobkit.problem.reduction.Reduction.joined`)."""
+        kept = model_state(problem.model, Slot.FLAT)
+        key = (problem.key, self.key)
+        if key not in kept:
+            fn = self.compiled_for(problem).fn
+
+            def flat(inputs: Any) -> list[tf.Tensor]:
+                return [t for t in tf.nest.flatten(fn(inputs)) if t is not None]
+
+            kept[key] = problem.function(flat)
+        found: Callable[[Any], Any] = kept[key]
+        return found
 
     def solve(self, problem: Problem) -> Solution:
         """:meth:`run` as a :class:`Solution` (how :mod:`jacobkit.engine`
-        runs every strategy, ``auto`` included); ``reduce=jk.ClippedSum``
-        by the strategy itself where it :attr:`clips`, else from its norms
-        or Jacobians and one weighted backward pass."""
-        if isinstance(problem.reduce, ClippedSum):
-            if not self.clips:
-                sums, norms, stats = reductions.clipped_sum(
-                    self.run, problem, norms=self.supports_norm
-                )
-                return Solution(tuple(sums), stats, self, norms=norms)
-            found, stats = self.run(problem)
-            return Solution(tuple(found[:-1]), stats, self, norms=found[-1])
-        if isinstance(problem.reduce, Project) and not self.projects:
-            jacobians, stats = reductions.projected(self.run, problem)
-        else:
-            jacobians, stats = self.run(problem)
-        return Solution(tuple(jacobians), stats, self)
+        runs every strategy, ``auto`` included)."""
+        output, stats = self.run(problem)
+        return Solution(output, stats, self)
 
 
 class _Compiled:
     """A built computation that remembers how long its first call took."""
 
-    def __init__(self, fn: Callable[[Any], list[tf.Tensor]]) -> None:
+    def __init__(self, fn: Callable[[Any], Output]) -> None:
         self.fn = fn
         self.trace_time_s = 0.0
 
@@ -237,23 +295,32 @@ class _Compiled:
         get = getattr(self.fn, "experimental_get_tracing_count", None)
         return get() if get else 0
 
-    def __call__(self, inputs: Any) -> tuple[list[tf.Tensor], Stats]:
+    def __call__(self, inputs: Any) -> tuple[Output, Stats]:
         before = self.tracing_count
         start = time.perf_counter()
-        jacobians = self.fn(inputs)
-        _block(jacobians)
+        output = self.fn(inputs)
+        _block(tf.nest.flatten(output))
         wall = time.perf_counter() - start
         traced = self.tracing_count > before
         if traced:
             self.trace_time_s = wall
-        jacobians = list(jacobians)
         stats = Stats(
             wall_time_s=wall,
             trace_time_s=self.trace_time_s,
             traced=traced,
-            num_rows=int(jacobians[0].shape[0]) if jacobians else 0,
+            num_rows=_rows_of(output),
         )
-        return jacobians, stats
+        return output, stats
+
+
+def _rows_of(output: Output) -> int:
+    """The rows a computation's output covers: its norms', else its first
+    value's leading axis."""
+    first = output.norms if output.norms is not None else None
+    if first is None:
+        flat = tf.nest.flatten(output.values)
+        first = flat[0] if flat else None
+    return int(first.shape[0]) if first is not None and first.shape.rank else 0
 
 
 def _block(tensors: Any) -> None:
@@ -269,127 +336,3 @@ def _block(tensors: Any) -> None:
             continue
         if tensor.shape.num_elements():
             tf.reshape(tensor, (-1,))[:1].numpy()
-
-
-def one_hot_rows(start: Any, count: int, num_rows: int, dtype: tf.DType) -> tf.Tensor:
-    """Cotangents selecting rows ``start .. start+count-1``: shape (count, R)."""
-    return tf.one_hot(tf.range(start, start + count), num_rows, dtype=dtype)
-
-
-#: ``(tape, rows, cotangents (c, R)) -> each target's (c, *v.shape)``
-ChunkGradients = Callable[[tf.GradientTape, tf.Tensor, tf.Tensor], list[tf.Tensor]]
-
-
-def rows_in_chunks(
-    problem: Problem, chunk_size: int, gradients: ChunkGradients
-) -> Callable[[Any], list[tf.Tensor]]:
-    """``inputs -> each target's (R, *v.shape)``, or the rows' norms
-    (``reduce="norm"``): one tape, then ``chunk_size`` rows at a time
-    (:func:`map_chunks`), by ``gradients`` (``chunked``: vectorized)."""
-    targets = problem.targets
-    num_rows = problem.num_rows
-    norms = problem.reduce == "norm"
-    blocked = problem.blocked
-
-    def compute(inputs: Any) -> list[tf.Tensor]:
-        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-            tape.watch(targets)
-            rows = problem.rows(inputs)
-
-        def chunk(start: Any, size: int) -> list[tf.Tensor]:
-            cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
-            jacobians = gradients(tape, rows, cotangents)
-            return [chunk_norms(j, blocked) for j in jacobians] if norms else jacobians
-
-        return map_chunks(chunk, num_rows, chunk_size)
-
-    return compute
-
-
-def chunk_norms(jacobians: tf.Tensor, blocked: bool) -> tf.Tensor:
-    """L2 norms over a chunk's parameter axes: ``(c, *v.shape) -> (c,)``, or
-    ``(c, B, *block) -> (c, B)`` for own-example blocks (``blocked``), in at
-    least float32 (a float16 row's squares overflow from 256 on)."""
-    if jacobians.dtype.size < 4:
-        jacobians = tf.cast(jacobians, tf.float32)
-    first = 2 if blocked else 1
-    axes = list(range(first, jacobians.shape.rank))
-    squares = tf.square(jacobians)
-    return tf.sqrt(tf.reduce_sum(squares, axis=axes) if axes else squares)
-
-
-def check_chunk_size(name: str, chunk_size: Any) -> int:
-    """``chunk_size`` as an ``int`` >= 1 (NumPy integers accepted)."""
-    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(
-        chunk_size, numbers.Integral
-    ):
-        raise TypeError(
-            f"strategies.{name}(chunk_size={chunk_size!r}): expected a positive "
-            f"int, got {type(chunk_size).__name__}."
-        )
-    size = int(chunk_size)
-    if size < 1:
-        raise ValueError(
-            f"strategies.{name}(chunk_size={size}): chunk_size must be >= 1 "
-            "(the number of rows computed together). Use 1 for the least memory."
-        )
-    return size
-
-
-def map_chunks(
-    fn: Callable[[tf.Tensor, int], list[tf.Tensor]],
-    total: int,
-    chunk_size: int,
-) -> list[tf.Tensor]:
-    """Run ``fn(start, size)`` over ``range(0, total, chunk_size)``, one chunk
-    at a time, and concatenate its outputs along axis 0.
-
-    ``fn`` returns a list of tensors with leading dimension ``size``. Each
-    chunk's outputs are written into result buffers allocated once, so the
-    peak is the result plus one chunk (a ``tf.map_fn`` stacks its chunks into
-    a new tensor while they are all alive: twice the result). The chunks run
-    in a ``tf.while_loop`` with ``parallel_iterations=1``, so only one chunk's
-    intermediates are alive at a time; a last, smaller chunk runs once after
-    the loop, so nothing is padded.
-
-    NOTE (the buffers). ``InplaceUpdate`` writes rows of its input's buffer
-    and returns that buffer (no copy). The buffers are made here by ``Empty``
-    and reach nothing else until the last write, so nothing can see them
-    change. Measured on the MLP's 288 MiB result in chunks of 16 rows: peak
-    337 MiB against 576 MiB for ``tf.map_fn``, same time (2-core CPU).
-    """
-    size = min(chunk_size, total)
-    n_full, rest = divmod(total, size)
-    first = list(fn(tf.constant(0), size))
-    if n_full == 1 and not rest:
-        return first
-    buffers = [
-        _write(tf.raw_ops.Empty(shape=(total, *t.shape[1:]), dtype=t.dtype), 0, t)
-        for t in first
-    ]
-    del first
-
-    def body(index: Any, *buffers: tf.Tensor) -> tuple[Any, ...]:
-        start = index * size
-        parts = fn(start, size)
-        return (index + 1, *(_write(b, start, t) for b, t in zip(buffers, parts)))
-
-    if n_full > 1:
-        _, *buffers = tf.while_loop(
-            lambda index, *_: index < n_full,
-            body,
-            (tf.constant(1), *buffers),
-            parallel_iterations=1,
-        )
-    if rest:
-        start = n_full * size
-        parts = fn(tf.constant(start), rest)
-        buffers = [_write(b, start, t) for b, t in zip(buffers, parts)]
-    return list(buffers)
-
-
-def _write(buffer: tf.Tensor, start: Any, rows: tf.Tensor) -> tf.Tensor:
-    """``buffer`` with rows ``start .. start + len(rows) - 1`` set to ``rows``,
-    written in place (see the NOTE in :func:`map_chunks`)."""
-    index = tf.range(start, start + tf.shape(rows)[0])
-    return tf.raw_ops.InplaceUpdate(x=buffer, i=index, v=rows)

@@ -5,20 +5,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, final
 
 import tensorflow as tf
 
 from jacobkit.problem import Problem, through
+from jacobkit.problem.reduction import Norms, Rows
 from jacobkit.strategies import precision, vectorize
-from jacobkit.strategies.base import (
-    ZERO,
-    Strategy,
+from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.chunks import (
+    PerChunk,
+    as_norms,
+    as_rows,
     check_chunk_size,
     rows_in_chunks,
 )
+
+#: the rows a reduced call's ``chunked`` holds at once, tried largest first
+REDUCED_CHUNKS = (16, 8, 4, 2, 1)
 
 
 @final
@@ -36,7 +42,6 @@ class Chunked(Strategy):
 
     name = "chunked"
     chunk_size: int = 16
-    supports_norm = True
 
     #: measured first call minus steady call, relative to ``while``'s: 1.4x
     #: on both the MLP and the wide generator (2-core CPU)
@@ -51,6 +56,13 @@ class Chunked(Strategy):
     @classmethod
     def for_auto(cls, num_rows: int) -> Chunked:
         return Chunked(num_rows)
+
+    @classmethod
+    def for_reduced(cls, problem: Problem) -> tuple[Strategy, ...]:
+        """Fewer and fewer rows at once (:data:`REDUCED_CHUNKS`)."""
+        return tuple(Chunked(c) for c in REDUCED_CHUNKS)
+
+    reduced_preference = 1
 
     def rows_at_once(self, num_rows: int) -> int:
         return min(self.chunk_size, num_rows)
@@ -80,7 +92,17 @@ class Chunked(Strategy):
             raise ValueError(f"jacobian(strategy='chunked'): {reason}.")
         precision.refuse_float16_vectorized(problem, self.name)
 
+    def builds(self) -> Mapping[str, Callable[[Problem], Callable[[Any], Any]]]:
+        """The rows, and their norms chunk by chunk."""
+        return {
+            Rows.name: self.build,
+            Norms.name: lambda problem: self._in_chunks(problem, as_norms),
+        }
+
     def build(self, problem: Problem) -> Callable[[Any], Any]:
+        return self._in_chunks(problem, as_rows)
+
+    def _in_chunks(self, problem: Problem, per_chunk: PerChunk) -> Callable[[Any], Any]:
         targets = problem.targets
 
         def vectorized(tape: Any, rows: tf.Tensor, cotangents: tf.Tensor) -> Any:
@@ -93,7 +115,7 @@ class Chunked(Strategy):
                     fallback_to_while_loop=False,
                 )
 
-        return rows_in_chunks(problem, self.chunk_size, vectorized)
+        return rows_in_chunks(problem, self.chunk_size, vectorized, per_chunk)
 
 
 class _PforErrors(logging.Filter):

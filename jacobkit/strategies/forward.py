@@ -13,7 +13,8 @@ import tensorflow as tf
 
 from jacobkit.problem import Problem, through
 from jacobkit.strategies import vectorize
-from jacobkit.strategies.base import ZERO, Strategy, check_chunk_size, map_chunks
+from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.chunks import check_chunk_size, map_chunks
 
 
 @final

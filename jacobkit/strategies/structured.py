@@ -22,6 +22,7 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state, structure
+from jacobkit.problem.reduction import Output
 from jacobkit.result import Stats
 from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import ZERO, Strategy
@@ -186,19 +187,24 @@ class Structured(Strategy):
 
         return compute
 
-    def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
-        """Run; on the first call for a model and problem, check the result
-        with :func:`jacobkit.verify` and fall back to ``inner`` if it fails."""
+    def run(self, problem: Problem) -> tuple[Output, Stats]:
+        """Run; on the first call for a model and problem, check the rows
+        with :func:`jacobkit.verify` and fall back to ``inner`` if they fail
+        (a reduction of the rows is checked on its own problem's first call
+        of the rows; it is computed from them)."""
+        if not self.computes(problem):
+            return super().run(problem)
         verified = model_state(problem.model, Slot.VERIFIED)
         key = (problem.key, self.key)
         if verified.get(key) is False:  # failed its check: inner from now on
             return self.resolved_inner().run(problem)
-        jacobians, stats = super().run(problem)
+        output, stats = super().run(problem)
+        jacobians = list(output.values)
         if key in verified or self.probes == 0 or not _all_finite(jacobians):
             # NaN/Inf rows (NaN inputs: the caller warned) pass through as a
             # plain tape gives them; a check on them would compare NaN with
             # NaN and fail, so it waits for a finite call
-            return jacobians, stats
+            return output, stats
         try:
             check(problem, jacobians, probes=self.probes, tolerance=self.tolerance)
         except VerificationError as err:
@@ -214,7 +220,7 @@ class Structured(Strategy):
             )
             return self.resolved_inner().run(problem)
         verified[key] = True
-        return jacobians, stats
+        return output, stats
 
 
 def _all_finite(jacobians: list[tf.Tensor]) -> bool:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, final
 
 import tensorflow as tf
 
 from jacobkit.problem import Problem
-from jacobkit.strategies.base import ZERO, Strategy, rows_in_chunks
+from jacobkit.problem.reduction import Norms, Rows
+from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.chunks import as_norms, rows_in_chunks
 
 #: TensorFlow's default ``parallel_iterations`` of a while loop
 DEFAULT_PARALLEL_ITERATIONS = 10
@@ -34,14 +36,21 @@ class While(Strategy):
     parallel_iterations: int | None = field(
         default=None, metadata={"label": "parallel"}
     )
-    #: ``reduce="norm"`` one row at a time (:func:`_norms_row_by_row`)
-    supports_norm = True
 
     trace_weight = 1.0
 
     @classmethod
     def for_auto(cls, num_rows: int) -> While:
         return While(min(DEFAULT_PARALLEL_ITERATIONS, num_rows))
+
+    @classmethod
+    def for_reduced(cls, problem: Problem) -> tuple[Strategy, ...]:
+        """One row at a time, reduced before the next: where pfor cannot run
+        (a depthwise convolution's gradient, float16 rows), or where nothing
+        vectorized fits."""
+        return (While(1),)
+
+    reduced_preference = 2
 
     def rows_at_once(self, num_rows: int) -> int:
         return min(self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS, num_rows)
@@ -74,9 +83,12 @@ class While(Strategy):
         parallel = self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS
         return While(parallel // 2) if parallel > 1 else None
 
+    def builds(self) -> Mapping[str, Callable[[Problem], Callable[[Any], Any]]]:
+        """The rows, and their norms one row at a time
+        (:func:`_norms_row_by_row`)."""
+        return {Rows.name: self.build, Norms.name: _norms_row_by_row}
+
     def build(self, problem: Problem) -> Callable[[Any], Any]:
-        if problem.reduce == "norm":
-            return _norms_row_by_row(problem)
         targets = problem.targets
         parallel = self.parallel_iterations
 
@@ -121,4 +133,4 @@ def _norms_row_by_row(problem: Problem) -> Callable[[Any], Any]:
         # (an embedding's gradient comes as IndexedSlices)
         return [tf.convert_to_tensor(g)[None] for g in found]
 
-    return rows_in_chunks(problem, 1, one_row)
+    return rows_in_chunks(problem, 1, one_row, as_norms)

@@ -21,7 +21,8 @@ batch): that is checked once, numerically, before the first run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -29,11 +30,13 @@ import tensorflow as tf
 
 from jacobkit.layers.base import Tapped
 from jacobkit.problem import Problem, through
-from jacobkit.problem.reduce import ClippedSum, Factors, Project
+from jacobkit.problem.reduction import Rows
 from jacobkit.strategies import vectorize
-from jacobkit.strategies.base import Strategy, map_chunks
-from jacobkit.strategies.batch import checks, contract
+from jacobkit.strategies.base import Strategy
+from jacobkit.strategies.batch import checks
 from jacobkit.strategies.batch import seeds as seeding
+from jacobkit.strategies.batch.contract import Cotangents
+from jacobkit.strategies.batch.forms import FORMS, Contract
 from jacobkit.strategies.batch.forward import tapped_forward
 
 
@@ -63,9 +66,6 @@ class Batch(Strategy):
     """
 
     name = "batch"
-    supports_norm = True
-    clips = True
-    projects = True
 
     #: measured first call minus steady call, relative to ``while``'s: 3.5x
     #: on the MLP (1.29 s vs 0.37 s), 6x on the wide generator (2-core CPU)
@@ -75,6 +75,21 @@ class Batch(Strategy):
     @classmethod
     def for_auto(cls, num_rows: int) -> Batch:
         return Batch()
+
+    @classmethod
+    def for_reduced(cls, problem: Problem) -> tuple[Strategy, ...]:
+        """The closed forms first, where every target has one."""
+        return (Batch(),)
+
+    reduced_preference = 0
+
+    def passes(self, problem: Problem) -> int:
+        """One per row of each example where rows are of one example (each
+        pass gives that row of every example), else one per row."""
+        batch = problem.batch_size
+        if problem.rows_spec.of_one_example and batch:
+            return max(problem.num_rows // int(batch), 1)
+        return problem.num_rows
 
     def rows_at_once(self, num_rows: int) -> int:
         """:data:`ROWS_AT_ONCE` backward passes (each over the batch) at once
@@ -88,7 +103,17 @@ class Batch(Strategy):
         cannot be tapped or computes more than its closed form."""
         checks.check(problem, self.name)
 
+    def builds(self) -> Mapping[str, Callable[[Problem], Callable[[Any], Any]]]:
+        """Every kind with a closed form (:mod:`.forms`)."""
+        return {
+            name: functools.partial(self._contracted, form=form)
+            for name, form in FORMS.items()
+        }
+
     def build(self, problem: Problem) -> Callable[[Any], Any]:
+        return self._contracted(problem, FORMS[Rows.name])
+
+    def _contracted(self, problem: Problem, form: Contract) -> Callable[[Any], Any]:
         summed = problem.rows_spec.summed_over_batch
         # pfor has no rule for a depthwise convolution's gradient: there, its
         # ops alone run in a while loop inside the vectorized pass (as
@@ -127,28 +152,9 @@ class Batch(Strategy):
 
             size = rows_per_chunk(rows, zs)
             taps = ([_in_z_dtype(tap) for tap in forward.taps], forward.parts)
-            if summed and problem.reduce is None:
-                # each chunk's cotangents are contracted at once and written
-                # into the result: the peak is the result plus one chunk
-                return map_chunks(
-                    lambda start, count: contract.summed_rows(
-                        problem, taps, cotangents(start, count)
-                    ),
-                    rows,
-                    size,
-                )
-            dzs = map_chunks(cotangents, rows, size)
-            # (B, K, *z.shape[1:]), then one contraction writes the result once
-            dzs = [tf.experimental.numpy.moveaxis(dz, 0, 1) for dz in dzs]
-            if problem.reduce == "norm":
-                return contract.norms(problem, taps, dzs, summed=summed)
-            if isinstance(problem.reduce, ClippedSum):
-                return contract.clipped_sum(problem, taps, dzs, summed=summed)
-            if isinstance(problem.reduce, Project):
-                return contract.projected(problem, taps, dzs, summed=summed)
-            if isinstance(problem.reduce, Factors):
-                return contract.factors(problem, taps, dzs, summed=summed)
-            return contract.gradients(problem, taps, dzs, summed=summed)
+            return form(
+                problem, taps, Cotangents(cotangents, rows, size), summed=summed
+            )
 
         return compute
 

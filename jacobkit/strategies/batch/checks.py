@@ -86,7 +86,7 @@ def _numeric_refusal(problem: Problem) -> str | None:
     again before compiling), 2.6 s of its 5.7 s. The verdict does not depend
     on the batch size beyond the :data:`CHECK_EXAMPLES` it reads, nor on
     ``reduce=``."""
-    kept = model_state(problem.model, Slot.COMPILED)
+    kept = model_state(problem.model, Slot.CHECKS)
     batch = problem.batch_size
     key = (
         "batch: the checks on one forward pass",

@@ -1,5 +1,6 @@
 """The inner products of two chunks' rows from the forms the Gram takes
-them in, per target (:mod:`jacobkit.reductions.features` makes them):
+them in, per target (:mod:`.factors`, which any strategy computes: the
+``batch`` strategy's closed forms give the factors, any other its rows):
 
 - :class:`Ghost`, a factored kernel's unfolded input and cotangents;
 - :class:`Lookup`, an embedding's ids and cotangents;
@@ -18,58 +19,13 @@ the two ids are equal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import tensorflow as tf
 
 from jacobkit.layers import contract, embedding
 from jacobkit.layers import norms as layer_norms
 from jacobkit.layers.base import squared_rows
-
-
-@dataclass(frozen=True)
-class Ghost:
-    """A factored kernel's rows: ``patches`` ``(B, P, I)`` and
-    ``cotangents`` ``(B, K, P, O)``, ``B * K`` rows."""
-
-    patches: tf.Tensor
-    cotangents: tf.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.patches) + _nbytes(self.cotangents)
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """An embedding's per-example lookup rows: ``ids`` ``(B, P)`` and
-    ``cotangents`` ``(B, K, P, O)``; row ``(b, k)``'s gradient is the table
-    ``Σ_p onehot(ids[b, p]) cotangents[b, k, p]ᵀ``, never formed."""
-
-    ids: tf.Tensor
-    cotangents: tf.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.ids) + _nbytes(self.cotangents)
-
-
-@dataclass(frozen=True)
-class Flat:
-    """Rows' gradients ``(R, size)``."""
-
-    rows: tf.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.rows)
-
-
-Feature = Ghost | Lookup | Flat
-
-
-def _nbytes(tensor: tf.Tensor) -> int:
-    return int(tensor.shape.num_elements() or 0) * tensor.dtype.size
+from jacobkit.problem.reduction.factors import Feature, Flat, Ghost, Lookup
 
 
 def kinds(features: Sequence[Feature]) -> tuple[str, ...]:
@@ -81,11 +37,8 @@ _KINDS = {Ghost: "ghost", Lookup: "lookup", Flat: "flat"}
 
 
 def tensors_of(feature: Feature) -> tuple[tf.Tensor, ...]:
-    if isinstance(feature, Ghost):
-        return (feature.patches, feature.cotangents)
-    if isinstance(feature, Lookup):
-        return (feature.ids, feature.cotangents)
-    return (feature.rows,)
+    """A feature's tensors, in its fields' order."""
+    return tuple(feature)
 
 
 #: each target's tensors: a ghost form's two, a flat one's one

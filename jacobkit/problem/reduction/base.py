@@ -1,0 +1,166 @@
+"""What every reduction kind is: :class:`Reduction`, and what a computation
+gives back, :class:`Output`.
+
+A reduction says what each row's gradient is reduced to (``reduce=``). Each
+kind is one final frozen class in its own module of this package, and owns
+everything that depends on it:
+
+- its argument checks (:meth:`Reduction.check`, :meth:`Reduction.check_batches`);
+- its result: each target's shape (:meth:`Reduction.shaped`,
+  :meth:`Reduction.row_shape`) and bytes (:meth:`Reduction.result_bytes`,
+  what ``auto`` plans with);
+- how batches combine (:attr:`Reduction.sums_batches`) and how replicas'
+  pieces join (:meth:`Reduction.joined`);
+- its generic computation from a strategy's rows or norms
+  (:meth:`Reduction.generic`), for a strategy that does not compute it
+  natively (a strategy lists the kinds it does in ``Strategy.native``).
+
+Every computation returns one :class:`Output`: the per-target values and,
+for a kind that has them, every row's norm. It is a ``NamedTuple`` because it
+crosses ``tf.function`` and ``tf.distribute`` boundaries, which rebuild
+named tuples (and not dataclasses) from their flat tensors: nothing is
+decoded by position or by rank.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import tensorflow as tf
+
+if TYPE_CHECKING:  # the problem module imports this package
+    from jacobkit.problem.call import Call
+    from jacobkit.problem.problem import Problem
+
+
+class Output(NamedTuple):
+    """What one computation of a reduction gives.
+
+    Attributes:
+        values: per target, in the order of ``problem.targets``: the flat
+            ``(R, *v.shape)`` Jacobians (rows), each row's norm ``(R,)``, the
+            clipped sum in the target's shape, the target's part of every
+            row's projection ``(R, dim)``, or the Gram's per-target features.
+        norms: every row's norm over all targets, ``(R,)``, where the kind
+            has them (the clipped sum); else ``None``.
+    """
+
+    values: tuple[Any, ...]
+    norms: Any = None
+
+
+#: ``inputs -> Output``: one computation of a reduction on a batch
+Computation = Callable[[Any], Output]
+#: ``problem -> Computation``: a strategy's computation of any problem (with
+#: another reduction: ``problem.with_reduction(kind)``)
+Computations = Callable[["Problem"], Computation]
+
+
+class Reduction(abc.ABC):
+    """A kind of ``reduce=``: abstract; every kind is a final frozen
+    dataclass in its own module of :mod:`jacobkit.problem.reduction`."""
+
+    #: the kind's name: its module's, and what strategies and tests call it
+    name: ClassVar[str]
+    #: whether ``jacobian(reduce=...)`` takes it (``jk.gram``'s factors: no)
+    public: ClassVar[bool] = True
+    #: over a dataset, the batches' results are added up (a clipped sum);
+    #: else each batch's rows follow the last's
+    sums_batches: ClassVar[bool] = False
+    #: whether each row's gradient is reduced (every kind but the rows):
+    #: ``auto`` plans such a call by its result's bytes
+    #: (:mod:`jacobkit.planner.reduced`), the rows by measuring
+    reduces: ClassVar[bool] = True
+    #: whether rows summed over a dataset's batches may be reduced (a norm of
+    #: a sum over batches is not a sum of the batches' norms)
+    linear: ClassVar[bool] = False
+
+    @property
+    def argument(self) -> Any:
+        """How the user spells this kind in ``reduce=`` (``None``,
+        ``"norm"``, or the object itself), as results and errors show it."""
+        return self
+
+    #: whether each batch is padded with examples of weight 0
+    #: (``jk.ClippedSum(..., pad_batches=True)``)
+    pads_batches: ClassVar[bool] = False
+
+    # -- checks --------------------------------------------------------------
+    def check(self, problem: Problem) -> None:  # noqa: B027 - optional hook
+        """Refuse, in words, a problem this kind cannot reduce."""
+
+    def check_batches(self, call: Call, *, multi_worker: bool) -> None:  # noqa: B027 - optional hook
+        """Refuse, in words, a dataset call this kind cannot reduce
+        (``multi_worker``: ``distribute=`` spans several workers)."""
+        if call.summed and not self.linear:
+            raise ValueError(
+                f"jacobian(reduce={self.argument!r}, outputs={call.outputs!r}): "
+                "over a dataset these rows are summed over the batches, and the "
+                "norm of a sum over batches is not the sum of their norms. Use "
+                "rows of single examples (outputs='per_example', or "
+                "jk.Loss(...)), or pass one batch of arrays."
+            )
+
+    # -- the result ----------------------------------------------------------
+    @abc.abstractmethod
+    def row_shape(self, target: Any) -> tuple[int, ...] | None:
+        """What the result holds per row of ``target``: its Jacobian
+        (``target.shape``), its norm (``()``), its part of the row's
+        projection (``(dim,)``); ``None`` where the result is not per row
+        (a sum)."""
+
+    def shaped(self, problem: Problem, value: Any, target: Any) -> Any:
+        """A computation's flat value for ``target`` in the result's shape:
+        ``rows_shape + row_shape``, or the target's own shape where the
+        result is not per row. A tensor already in its shape is returned as
+        it is (an eager reshape per target took 0.1 ms, 0.6 ms of a 6.8 ms
+        clipped-sum call on a 3-layer MLP)."""
+        per_row = self.row_shape(target)
+        shape = tuple(target.shape) if per_row is None else problem.rows_shape + per_row
+        if tuple(value.shape) == shape:
+            return value
+        return tf.reshape(value, shape)
+
+    def result_bytes(self, problem: Problem) -> int:
+        """Bytes of the result of one batch (``auto`` plans with it)."""
+        size = problem.output_dtype.size
+        total = 0
+        for target in problem.targets:
+            per_row = self.row_shape(target)
+            if per_row is None:
+                total += int(target.shape.num_elements())
+            else:
+                count = 1
+                for n in per_row:
+                    count *= int(n)
+                total += problem.num_rows * count
+        return total * size
+
+    def joined(self, parts: list[Any], *, summed: bool) -> Any:
+        """One value from the pieces the replicas of ``distribute=`` computed,
+        in order: concatenated along the rows (each piece's own examples), or
+        added up where the rows are summed over the batch."""
+        return tf.add_n(parts) if summed else tf.concat(parts, axis=0)
+
+    # -- computing -----------------------------------------------------------
+    @abc.abstractmethod
+    def generic(
+        self, problem: Problem, computation: Computations, native: frozenset[str]
+    ) -> Computation:
+        """This kind computed from what any strategy computes: ``computation``
+        gives the strategy's computation of ``problem`` with another kind
+        (``problem.with_reduction(...)``), ``native`` names the kinds it
+        computes itself. One computation: what it composes runs in one
+        compiled call."""
+
+
+def refuse_tensor_targets(problem: Problem, kind: Reduction, verb: str) -> None:
+    """Refuse ``Inputs()``/``Output()`` targets: a reduction over every
+    target together is of the variables' gradients."""
+    if problem.tensor_targets is not None:
+        raise ValueError(
+            f"jacobian(reduce={kind.argument!r}): {verb} the gradients of "
+            f"variables, got the tensor target(s) {', '.join(problem.target_names)}."
+        )

@@ -1,0 +1,118 @@
+"""``jk.gram``'s reduction: each row's gradient per target in the form the
+Gram's inner products are cheapest from (:mod:`jacobkit.problem.reduction.products`).
+
+- :class:`Ghost`: a factored kernel's unfolded input and cotangents;
+- :class:`Lookup`: an embedding's ids and cotangents;
+- :class:`Flat`: the rows' gradients formed.
+
+Each is a ``NamedTuple``: a computation returns them through ``tf.function``,
+which rebuilds them, so a form is known by its type, never by a tensor's
+rank or dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, final
+
+import tensorflow as tf
+
+from jacobkit.problem.reduction.base import (
+    Computation,
+    Computations,
+    Output,
+    Reduction,
+    refuse_tensor_targets,
+)
+from jacobkit.problem.reduction.rows import Rows
+
+if TYPE_CHECKING:
+    from jacobkit.problem.problem import Problem
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.shape.num_elements() or 0) * tensor.dtype.size
+
+
+class Ghost(NamedTuple):
+    """A factored kernel's rows: ``patches`` ``(B, P, I)`` and
+    ``cotangents`` ``(B, K, P, O)``, ``B * K`` rows."""
+
+    patches: Any
+    cotangents: Any
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.patches) + _nbytes(self.cotangents)
+
+
+class Lookup(NamedTuple):
+    """An embedding's per-example lookup rows: ``ids`` ``(B, P)`` and
+    ``cotangents`` ``(B, K, P, O)``; row ``(b, k)``'s gradient is the table
+    ``Σ_p onehot(ids[b, p]) cotangents[b, k, p]ᵀ``, never formed."""
+
+    ids: Any
+    cotangents: Any
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.ids) + _nbytes(self.cotangents)
+
+
+class Flat(NamedTuple):
+    """Rows' gradients ``(R, size)``."""
+
+    rows: Any
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.rows)
+
+
+Feature = Ghost | Lookup | Flat
+
+
+@final
+@dataclass(frozen=True)
+class Factors(Reduction):
+    """Internal (``jk.gram``): every row's gradient per target as a
+    :data:`Feature`. The ``batch`` strategy keeps a layer's factors where the
+    exact Gram is cheaper from them; any other strategy gives its rows
+    flattened (:class:`Flat`)."""
+
+    name = "factors"
+    public = False
+
+    def check(self, problem: Problem) -> None:
+        refuse_tensor_targets(problem, self, "pairs")
+
+    def row_shape(self, target: Any) -> tuple[int, ...]:
+        return tuple(target.shape)
+
+    def generic(
+        self, problem: Problem, computation: Computations, native: frozenset[str]
+    ) -> Computation:
+        rows = computation(problem.with_reduction(Rows()))
+
+        def flat(inputs: Any) -> Output:
+            found = rows(inputs).values
+            return Output(
+                tuple(Flat(tf.reshape(j, (tf.shape(j)[0], -1))) for j in found)
+            )
+
+        return flat
+
+    def joined(self, parts: list[Any], *, summed: bool) -> Any:
+        """One feature from the replicas' pieces: concatenated along the
+        examples; rows summed over the batch have one leading row, the
+        factors of their positions concatenated along the positions and
+        formed rows added."""
+        first = parts[0]
+        if not summed:
+            return type(first)(*(tf.concat(p, axis=0) for p in zip(*parts)))
+        if isinstance(first, Flat):
+            return Flat(tf.add_n([p.rows for p in parts]))
+        return type(first)(
+            tf.concat([p[0] for p in parts], axis=1),
+            tf.concat([p[1] for p in parts], axis=2),
+        )

@@ -1,0 +1,87 @@
+"""``reduce=jk.Project(dim, seed)``: each row's gradient mapped to ``dim``
+numbers by a fixed random map."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, final
+
+from jacobkit.problem import sketch
+from jacobkit.problem.reduction.base import (
+    Computation,
+    Computations,
+    Output,
+    Reduction,
+    refuse_tensor_targets,
+)
+from jacobkit.problem.reduction.rows import Rows
+
+if TYPE_CHECKING:
+    from jacobkit.problem.problem import Problem
+
+
+@final
+@dataclass(frozen=True)
+class Project(Reduction):
+    """``reduce=jk.Project(dim, seed=0)``: each row's gradient, over every
+    target together, mapped by a fixed random linear map ``M`` to ``dim``
+    numbers: ``result.projection`` of shape ``rows_shape + (dim,)``, each
+    target's own part ``M_v g_v`` in ``result[v]`` (they sum to it).
+
+    ``M`` depends on ``seed``, ``dim`` and each target's key and shape only
+    (:mod:`jacobkit.problem.sketch`): the same rows give the same numbers in
+    any batching, order, strategy or process, so a dataset can be projected
+    in pieces, on several workers, and resumed with ``out=``. Inner products
+    are kept in expectation: ``E[<M g, M h>] = <g, h>``.
+
+    Where a layer's rule gives its input and output cotangents, a row's
+    gradient is never formed: a large kernel's map is a Kronecker product
+    (LoGra's factors), applied to each factor. See :mod:`~jacobkit.problem.sketch`
+    for the maps and their variance.
+    """
+
+    dim: int
+    seed: int = 0
+
+    name = "project"
+    #: a projection is linear: rows summed over batches project to the sum
+    linear = True
+
+    def __post_init__(self) -> None:
+        for name, value, least in (("dim", self.dim, 1), ("seed", self.seed, 0)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or value < least
+            ):
+                raise ValueError(
+                    f"jk.Project({name}={value!r}): expected an integer >= {least}"
+                    + (
+                        " (the numbers each row is mapped to)."
+                        if name == "dim"
+                        else "."
+                    )
+                )
+
+    def check(self, problem: Problem) -> None:
+        refuse_tensor_targets(problem, self, "maps")
+
+    def row_shape(self, target: Any) -> tuple[int, ...]:
+        return (self.dim,)
+
+    def generic(
+        self, problem: Problem, computation: Computations, native: frozenset[str]
+    ) -> Computation:
+        """Each target's part of every row's projection ``(R, dim)`` from the
+        rows' Jacobians that the strategy computes (one chunk of rows where
+        it chunks; a dataset's batches one by one)."""
+        self.check(problem)
+        rows = computation(problem.with_reduction(Rows()))
+        maps = sketch.maps(problem, self)
+
+        def projected(inputs: Any) -> Output:
+            found = rows(inputs).values
+            return Output(tuple(m.of_flat(j) for m, j in zip(maps, found, strict=True)))
+
+        return projected

@@ -1,0 +1,97 @@
+"""``batch``'s factors for ``jk.gram``: a layer's unfolded input and
+cotangents where pairs of rows are cheaper from them, an embedding's ids and
+cotangents, else the rows' gradients formed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit.layers import norms as layer_norms
+from jacobkit.problem import Problem
+from jacobkit.problem.reduction import Factors, Flat, Ghost, Lookup, Output
+from jacobkit.strategies.batch.contract import (
+    Cotangents,
+    Taps,
+    added,
+    by_position,
+    no_autograph,
+)
+from jacobkit.strategies.batch.forward import projections
+
+KIND = Factors
+
+
+def unfolded(rule: Any, x: Any, dz: Any, *, summed: bool) -> tuple[Any, Any]:
+    """A factored part's unfolded input ``(B, P, I)`` and cotangents ``(B,
+    K, P, O)`` from its tap ``x`` and ``dz`` (``(B, K, *z.shape[1:])``); rows
+    summed over the batch see one example of ``B * P`` positions."""
+    return by_position(rule.unfold(x), dz, summed=summed)
+
+
+def _lookup(rule: Any, calls: list[Any], shape: tuple[int, ...]) -> Any:
+    """An embedding's one lookup call as ``jk.gram``'s ghost form, its ids
+    ``(B, P)`` and cotangents ``(B, K, P, O)``, where
+    :func:`jacobkit.layers.norms.ghost_lookup_pairs` says pairs are cheaper
+    from them than from the formed tables; else ``None``."""
+    if len(calls) != 1:
+        return None
+    ((x, dz),) = calls
+    ids = rule.lookup_ids(x)
+    if ids is None or not layer_norms.ghost_lookup_pairs(
+        int(ids.shape[1]), int(shape[0]), int(shape[-1]), int(dz.shape[1])
+    ):
+        return None
+    return by_position(ids, dz, summed=False)
+
+
+@no_autograph
+def contract(
+    problem: Problem, taps: Taps, cotangents: Cotangents, *, summed: bool
+) -> Output:
+    """``jk.gram``'s view of every row's gradient, in the order of the
+    targets: a factored kernel where :func:`jacobkit.layers.norms.ghost_pairs`
+    says pairs are cheaper from its factors, as two tensors (its unfolded
+    input ``(B, P, I)`` and cotangents ``(B, K, P, O)``, a layer's calls
+    side by side along ``P``); an embedding's per-example lookup likewise,
+    its ids ``(B, P)`` (integers) in place of the one-hot patches
+    (:func:`_lookup`); every other target as one ``(R, size)`` tensor of its
+    rows' gradients (summed over the layer's calls): each a
+    :data:`~jacobkit.problem.reduction.Feature`."""
+    targets = problem.targets
+    xs, parts = taps
+    dzs = cotangents.every_row()
+    out: list[Any] = [None] * len(targets)
+    for i, p in enumerate(projections(problem)):
+        shape = tuple(targets[p.kernel].shape)
+        calls = [pair[:2] for pair in zip(xs, dzs, parts) if pair[2] == i]
+        lookup = None if summed else _lookup(p.rule, calls, shape)
+        if lookup is not None:  # an embedding has no bias
+            out[p.kernel] = Lookup(*lookup)
+            continue
+        pairs = (
+            [unfolded(p.rule, x, dz, summed=summed) for x, dz in calls]
+            if p.rule.factored()
+            else []
+        )
+        ghost = bool(pairs) and layer_norms.ghost_pairs(
+            sum(int(u.shape[1]) for u, _ in pairs),
+            int(pairs[0][0].shape[-1]),
+            int(pairs[0][1].shape[-1]),
+            int(pairs[0][1].shape[1]),
+        )
+        if ghost:
+            patches = tf.concat([u for u, _ in pairs], axis=1)
+            by_positions = tf.concat([g for _, g in pairs], axis=2)
+            out[p.kernel] = Ghost(patches, by_positions)
+            bias = tf.reduce_sum(by_positions, axis=2)
+            bias = tf.reshape(bias, (-1, bias.shape[-1]))
+        else:
+            found = [p.rule.gradients(x, dz, shape, summed=summed) for x, dz in calls]
+            kernel = added([k for k, _ in found])
+            out[p.kernel] = Flat(tf.reshape(kernel, (tf.shape(kernel)[0], -1)))
+            bias = added([b for _, b in found])
+        if p.bias is not None:
+            out[p.bias] = Flat(tf.reshape(bias, (tf.shape(bias)[0], -1)))
+    return Output(tuple(out))
