@@ -14,9 +14,10 @@ import tensorflow as tf
 
 from jacobkit import engine, planner, runtime, strategies
 from jacobkit.batches import collect
-from jacobkit.problem import Call, arguments, padding
+from jacobkit.problem import Call, arguments
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.reduce import ClippedSum, Project
+from jacobkit.problem.solution import Solver
 from jacobkit.result import JacobianResult
 
 
@@ -147,7 +148,7 @@ def _one_batch(call: Call, inputs: Any) -> JacobianResult:
     problem = call.problem(batch)
     arguments.warn_non_finite(problem.inputs)
     result = engine.run(problem, engine.chosen(call))
-    return result if examples is None else padding.trimmed(result, examples)
+    return result if examples is None else engine.trimmed(result, examples)
 
 
 def solver(
@@ -155,10 +156,13 @@ def solver(
     memory_budget: Any,
     device: str | None,
     cache: bool,
-) -> strategies.Strategy | planner.Auto:
+) -> Solver[strategies.Strategy]:
     """What computes the rows: ``"auto"`` (or an :class:`~jacobkit.planner.Auto`,
     given the call's device and cache setting where it names none) or a
-    configured strategy. A memory budget is for ``auto`` only."""
+    configured strategy. A memory budget is for ``auto`` only. The argument
+    is one of those two kinds (any other object is refused by
+    :func:`jacobkit.strategies.get`), and an ``Auto`` is the one whose
+    options the call's arguments fill in."""
     if isinstance(strategy, planner.Auto):
         if memory_budget is not None:
             raise ValueError(
@@ -197,7 +201,7 @@ def plan(
     device: str | None = None,
     output: int | str | None = None,
     cache: bool = True,
-) -> planner.Plan:
+) -> planner.Plan[strategies.Strategy]:
     """What ``jacobian(..., strategy="auto")`` runs next, without running it.
 
     Nothing is computed: before the first call the :class:`Plan` names the

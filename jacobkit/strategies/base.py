@@ -1,5 +1,6 @@
-"""The one interface every strategy implements (:class:`Strategy`), what a
-call returns (:class:`Solution`), and the compile cache."""
+"""The one interface every strategy implements (:class:`Strategy`, a
+:class:`~jacobkit.problem.solution.Solver`), and the compile cache. What a
+call returns, :class:`~jacobkit.problem.solution.Solution`, ranks below."""
 
 from __future__ import annotations
 
@@ -8,46 +9,18 @@ import dataclasses
 import numbers
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state
+from jacobkit.problem.plan import Plan
 from jacobkit.problem.reduce import ClippedSum, Project
-from jacobkit.result import Stats
+from jacobkit.problem.solution import Solution, Stats
 from jacobkit.strategies import precision, reductions
 
-if TYPE_CHECKING:  # auto's plan ranks above the strategies: for types only
-    from jacobkit.planner.plan import Plan
-
-
 ZERO = tf.UnconnectedGradients.ZERO
-
-
-@dataclass(frozen=True)
-class Solution:
-    """One call's answer, as a strategy (or ``auto``) computed it: what
-    :mod:`jacobkit.engine` wraps into a :class:`~jacobkit.result.JacobianResult`.
-
-    Attributes:
-        jacobians: per target, the flat ``(R, *v.shape)`` Jacobians (with
-            ``reduce="norm"``: the norms, ``(R,)``).
-        stats: what the call cost.
-        strategy: what computed them (for ``auto``: what later calls run).
-        plan: ``auto``'s :class:`~jacobkit.planner.Plan`; ``None`` for a
-            configured strategy.
-        norms: with ``reduce=jk.ClippedSum``, every row's gradient norm over
-            all targets, ``(R,)`` (``jacobians`` then holds each target's
-            clipped sum).
-    """
-
-    jacobians: tuple[tf.Tensor, ...]
-    stats: Stats
-    strategy: Strategy
-    plan: Plan | None = None
-    norms: tf.Tensor | None = None
 
 
 class Strategy(abc.ABC):
@@ -139,6 +112,16 @@ class Strategy(abc.ABC):
         planner calls it after an out-of-memory error."""
         return None
 
+    def planned(self, problem: Problem) -> Strategy:
+        """Itself: a configured strategy computes every problem (``auto``
+        answers with the strategy its plan runs)."""
+        return self
+
+    def plan(self, problem: Problem) -> Plan[Strategy] | None:
+        """``None``: a configured strategy decides nothing (``auto``'s
+        :meth:`~jacobkit.planner.Auto.plan` returns what it decided)."""
+        return None
+
     # -- identity, derived from the dataclass fields -------------------------
     @property
     def options(self) -> dict[str, Any]:
@@ -202,10 +185,10 @@ class Strategy(abc.ABC):
 
     def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
         """Run on ``problem.inputs``: the ``(R, *v.shape)`` Jacobians per
-        target, and what the call cost (:class:`~jacobkit.result.Stats`)."""
+        target, and what the call cost (:class:`~jacobkit.problem.solution.Stats`)."""
         return self.compiled_for(problem)(problem.inputs)
 
-    def solve(self, problem: Problem) -> Solution:
+    def solve(self, problem: Problem) -> Solution[Strategy]:
         """:meth:`run` as a :class:`Solution` (how :mod:`jacobkit.engine`
         runs every strategy, ``auto`` included); ``reduce=jk.ClippedSum``
         by the strategy itself where it :attr:`clips`, else from its norms

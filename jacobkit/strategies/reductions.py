@@ -22,7 +22,7 @@ import tensorflow as tf
 from jacobkit.layers.base import squared_rows
 from jacobkit.problem import Problem, Slot, model_state, sketch
 from jacobkit.problem.reduce import ClippedSum, Project
-from jacobkit.result import Stats
+from jacobkit.problem.solution import Stats
 
 ZERO = tf.UnconnectedGradients.ZERO
 

@@ -22,7 +22,7 @@ from typing import Any, final
 import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state, structure
-from jacobkit.result import Stats
+from jacobkit.problem.solution import Stats
 from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.strategies.registry import get as get_strategy
