@@ -4,8 +4,8 @@
 Every configured strategy (:class:`jacobkit.strategies.Strategy`) and
 ``auto`` (:class:`jacobkit.planner.Auto`) is a :class:`Solver`: the engine
 runs either by ``solve(problem)``, and asks either which strategy computes a
-problem (``planned``) and what was decided (``plan``).
-Both rank above the problem: the protocol lets what ranks below them (a
+problem (``planned``) and what was decided (``plan``). Both rank above the
+problem: the protocol lets what ranks below them (a
 :class:`~jacobkit.problem.Call`'s strategy) name them without importing
 them. A :class:`Solution` and a :class:`~jacobkit.problem.plan.Plan` name
 the strategies they hold by the type parameter ``StrategyT``
