@@ -35,7 +35,7 @@ _PUBLIC = {
     "Output": "jacobkit.problem.tensor_targets",
     "Plan": "jacobkit.planner",
     "PrecisionWarning": "jacobkit.strategies.precision",
-    "Stats": "jacobkit.result",
+    "Stats": "jacobkit.problem.solution",
     "VerificationError": "jacobkit.verification",
     "GramResult": "jacobkit.reductions.grams",
     "coverage": "jacobkit.reach",
@@ -87,10 +87,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit.planner import Plan
     from jacobkit.problem.loss import Loss
     from jacobkit.problem.reduction import ClippedSum, Project
+    from jacobkit.problem.solution import Stats
     from jacobkit.problem.tensor_targets import Inputs, Output
     from jacobkit.reach import coverage
     from jacobkit.reductions.grams import GramResult, gram
-    from jacobkit.result import JacobianResult, Stats
+    from jacobkit.result import JacobianResult
     from jacobkit.strategies.precision import PrecisionWarning
     from jacobkit.verification import VerificationError, verify
 

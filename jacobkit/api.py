@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from jacobkit import engine, planner, runtime, strategies
 from jacobkit.batches import collect
-from jacobkit.problem import Call, arguments, padding
+from jacobkit.problem import Call, arguments
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.reduction import ClippedSum, Project
 from jacobkit.result import JacobianResult
@@ -147,7 +147,7 @@ def _one_batch(call: Call, inputs: Any) -> JacobianResult:
     problem = call.problem(batch)
     arguments.warn_non_finite(problem.inputs)
     result = engine.run(problem, engine.chosen(call))
-    return result if examples is None else padding.trimmed(result, examples)
+    return result if examples is None else engine.trimmed(result, examples)
 
 
 def plan(
@@ -163,7 +163,7 @@ def plan(
     device: str | None = None,
     output: int | str | None = None,
     cache: bool = True,
-) -> planner.Plan:
+) -> planner.Plan[strategies.Strategy]:
     """What ``jacobian(..., strategy="auto")`` runs next, without running it.
 
     Nothing is computed: before the first call the :class:`Plan` names the

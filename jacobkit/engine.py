@@ -4,20 +4,23 @@ result.
 :func:`jacobkit.jacobian` (one batch) and the batch loop
 (:mod:`jacobkit.batches`) both come here once they hold a
 :class:`~jacobkit.problem.Problem`: :func:`run` runs what was chosen (a
-configured strategy or a :class:`~jacobkit.planner.Auto`) by the one path
-every strategy takes, ``solve(problem)`` -> :class:`~jacobkit.strategies.Solution`,
-and wraps the flat ``(R, *v.shape)`` Jacobians into a
+:class:`~jacobkit.problem.solution.Solver`: a configured strategy or a
+:class:`~jacobkit.planner.Auto`) by the one path every solver takes,
+``solve(problem)`` -> :class:`~jacobkit.problem.solution.Solution`, and wraps
+the flat ``(R, *v.shape)`` Jacobians into a
 :class:`~jacobkit.result.JacobianResult`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import tensorflow as tf
 
 from jacobkit import memory, planner, runtime, strategies
 from jacobkit.problem import Call, Problem
+from jacobkit.problem.solution import Solution, Solver
 from jacobkit.result import JacobianResult
 
 
@@ -50,7 +53,7 @@ def checked_device(device: str | None) -> str | None:
     return name
 
 
-def run(problem: Problem, chosen: strategies.Strategy | planner.Auto) -> JacobianResult:
+def run(problem: Problem, chosen: Solver[strategies.Strategy]) -> JacobianResult:
     """One call's Jacobians: ``chosen`` solves ``problem`` (TensorFlow's
     warnings about its own internals, such as pfor's "uses a while_loop" or
     the retracing of ``auto``'s candidates, are not for the user: hidden
@@ -61,7 +64,7 @@ def run(problem: Problem, chosen: strategies.Strategy | planner.Auto) -> Jacobia
     return wrap(problem, solution)
 
 
-def chosen(call: Call) -> strategies.Strategy | planner.Auto:
+def chosen(call: Call) -> Solver[strategies.Strategy]:
     """What computes ``call``'s rows: its strategy, or ``auto`` with the
     defaults where it names none."""
     if call.strategy is not None:
@@ -69,17 +72,7 @@ def chosen(call: Call) -> strategies.Strategy | planner.Auto:
     return planner.Auto(device=call.device)
 
 
-def planned(
-    chosen: strategies.Strategy | planner.Auto, problem: Problem
-) -> strategies.Strategy:
-    """The strategy that computes ``problem``: ``chosen``, or the one
-    ``auto`` plans for it (every replica of ``distribute=`` runs it)."""
-    if isinstance(chosen, planner.Auto):
-        return chosen.plan(problem).strategy
-    return chosen
-
-
-def wrap(problem: Problem, solution: strategies.Solution) -> JacobianResult:
+def wrap(problem: Problem, solution: Solution[strategies.Strategy]) -> JacobianResult:
     """The strategy's flat ``(R, *v.shape)`` Jacobians, shaped and named."""
     kind = problem.reduction
     jacobians = {
@@ -105,6 +98,16 @@ def wrap(problem: Problem, solution: strategies.Solution) -> JacobianResult:
             else tf.reshape(solution.output.norms, problem.rows_shape)
         ),
     )
+
+
+def trimmed(result: JacobianResult, size: int) -> JacobianResult:
+    """A padded batch's result (:mod:`jacobkit.problem.padding`) with the
+    rows of its first ``size`` examples only: the norms and the rows' shape
+    (the clipped sum has none of the padding's)."""
+    if result.rows_shape[0] == size:
+        return result
+    norms = None if result.norms is None else result.norms[:size]
+    return replace(result, norms=norms, rows_shape=(size, *result.rows_shape[1:]))
 
 
 def target_roles(problem: Problem) -> dict[str, str]:

@@ -1,4 +1,11 @@
-"""JacobianResult: the single statement of the shapes jacobkit returns."""
+"""JacobianResult: the single statement of the shapes jacobkit returns.
+
+It ranks above the strategies: it holds the configured
+:class:`~jacobkit.strategies.Strategy` that ran and ``auto``'s
+:class:`~jacobkit.planner.Plan` of them. What a call cost,
+:class:`~jacobkit.problem.solution.Stats`, is a strategy's answer too and
+lives below them, beside :class:`~jacobkit.problem.solution.Solution`.
+"""
 
 from __future__ import annotations
 
@@ -9,36 +16,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-
-@dataclass(frozen=True)
-class Stats:
-    """What a call cost.
-
-    Every field has a default, so a strategy (or a test) builds one with only
-    what it measured: ``Stats(wall_time_s=0.2, num_rows=16)``.
-
-    Attributes:
-        wall_time_s: seconds for this call, tracing included if it traced.
-        trace_time_s: seconds of the first (tracing) call of the compiled
-            computation this call reused; 0.0 for the eager ``loop``.
-        traced: whether this call traced (compiled) the computation.
-        peak_bytes: peak device memory during the call, when measured.
-        num_rows: rows this call computed (``R``, or fewer where ``auto``
-            ran a strategy on a range of rows); ``None`` if not known.
-        planning_time_s: seconds ``strategy="auto"`` spent planning in this
-            call (its probes; 0.0 for a cached plan or a named strategy).
-        total_time_s: seconds of the whole ``jacobian()`` call: checking the
-            problem, planning and running (``wall_time_s`` is the run only);
-            ``None`` where the strategy was run without ``jacobian()``.
-    """
-
-    wall_time_s: float = 0.0
-    trace_time_s: float = 0.0
-    traced: bool = False
-    peak_bytes: int | None = None
-    num_rows: int | None = None
-    planning_time_s: float = 0.0
-    total_time_s: float | None = None
+from jacobkit.problem.plan import Plan
+from jacobkit.problem.reduction import ClippedSum, Project
+from jacobkit.problem.solution import Stats
+from jacobkit.strategies.base import Strategy
 
 
 @dataclass(frozen=True)
@@ -91,10 +72,10 @@ class JacobianResult(Mapping[str, Any]):
     chunk_size: int | None
     stats: Stats
     roles: dict[str, str] = field(default_factory=dict)
-    plan: Any = None
-    strategy_config: Any = None
-    reduce: Any = None
-    norms: Any = None
+    plan: Plan[Strategy] | None = None
+    strategy_config: Strategy | None = None
+    reduce: str | ClippedSum | Project | None = None
+    norms: tf.Tensor | np.ndarray | None = None
 
     @property
     def kernel(self) -> tf.Tensor:
@@ -113,7 +94,7 @@ class JacobianResult(Mapping[str, Any]):
         """With ``reduce=jk.Project(dim)``: each row's gradient, over every
         target, mapped to ``dim`` numbers, shape ``rows_shape + (dim,)``
         (the sum of the targets' parts)."""
-        if type(self.reduce).__name__ != "Project":
+        if not isinstance(self.reduce, Project):
             raise AttributeError(
                 "JacobianResult.projection: only with reduce=jk.Project(dim); "
                 f"this result has reduce={self.reduce!r}."

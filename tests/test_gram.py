@@ -278,13 +278,13 @@ def test_chunks_are_sized_from_the_features_shapes(name, monkeypatch):
     assert (shapes.num_rows, shapes.nbytes) == (found.num_rows, found.nbytes)
 
     builds = []
-    build = Batch.build
+    computation = Batch.computation
 
     def counted(self, problem):
         builds.append(problem.num_rows)
-        return build(self, problem)
+        return computation(self, problem)
 
-    monkeypatch.setattr(Batch, "build", counted)
+    monkeypatch.setattr(Batch, "computation", counted)
     fresh, inputs = ALL[name]()
     more = tuple(np.concatenate([t, t]) for t in inputs)  # 9 to 32 examples
     jk.gram(fresh, more, outputs=LOSS)

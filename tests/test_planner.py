@@ -13,9 +13,9 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import memory, planner, testing
-from jacobkit.planner import estimates
-from jacobkit.planner.plan import Probe
+from jacobkit import engine, memory, planner, testing
+from jacobkit.planner import Probe, estimates
+from jacobkit.problem import Call
 from jacobkit.strategies import Batch, Chunked, While
 from jacobkit.strategies.structured import NoShortcut
 from jacobkit.testing import examples
@@ -327,6 +327,23 @@ def test_auto_agrees_with_reference():
     result = jk.jacobian(ex.model, ex.inputs, ex.layer)
     assert result.plan is not None and result.strategy == "while"
     testing.assert_close(result, reference("generator", "features"))
+
+
+def test_auto_is_one_more_solver():
+    """``auto`` and a configured strategy answer the same questions
+    (:class:`~jacobkit.problem.solution.Solver`): which strategy computes a
+    problem (auto's plan's; the strategy itself) and what was decided (the
+    plan; ``None``), and the engine runs either by one path."""
+    ex = examples.build("mlp")
+    problem = Call(ex.model, ex.layer).problem(ex.inputs)
+    auto = planner.Auto(cache=False)
+    assert auto.planned(problem) == auto.plan(problem).strategy
+    chunked = jk.strategies.Chunked(chunk_size=4)
+    assert chunked.planned(problem) is chunked and chunked.plan(problem) is None
+    ran = engine.run(problem, auto)
+    assert ran.plan is not None and ran.strategy_config == ran.plan.strategy
+    ran = engine.run(problem, chunked)
+    assert ran.plan is None and ran.strategy_config is chunked
 
 
 def test_default_budget_is_a_fraction_of_free_memory(generator):

@@ -44,7 +44,8 @@ from jacobkit.batches.store import Store
 from jacobkit.keras import compat
 from jacobkit.problem import Call, Problem, arguments
 from jacobkit.problem.loss import Loss
-from jacobkit.result import JacobianResult, Stats
+from jacobkit.problem.solution import Stats
+from jacobkit.result import JacobianResult
 
 
 def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:

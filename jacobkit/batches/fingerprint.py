@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import planner, strategies
+from jacobkit import strategies
 from jacobkit.batches.manifest import Fingerprint
 from jacobkit.keras import compat
 from jacobkit.problem import Problem
 from jacobkit.problem.loss import Loss
+from jacobkit.problem.solution import Solver
 
 
 def model_fingerprint(model: Any) -> str:
@@ -38,7 +39,7 @@ def fingerprint(
     problem: Problem,
     *,
     outputs: str | Callable[[Any], tf.Tensor] | Loss,
-    strategy: strategies.Strategy | planner.Auto,
+    strategy: Solver[strategies.Strategy],
     first: Any,
     steps: int | None,
 ) -> Fingerprint:
@@ -82,12 +83,11 @@ def fingerprint(
     )
 
 
-def _strategy_name(strategy: strategies.Strategy | planner.Auto) -> str:
-    """How the manifest names the strategy: ``"auto"``, a registered name
-    where the strategy is that name's default configuration (what
-    ``strategy="while"`` gives), else its label (``"chunked(8)"``)."""
-    if isinstance(strategy, planner.Auto):
-        return strategy.name
+def _strategy_name(strategy: Solver[strategies.Strategy]) -> str:
+    """How the manifest names the strategy: a registered name where the
+    strategy is that name's default configuration (what ``strategy="while"``
+    gives), else its label (``"chunked(8)"``). ``auto`` is ``"auto"`` either
+    way (its label is its name)."""
     try:
         default = type(strategy)()
     except TypeError:  # a strategy with a required option

@@ -18,9 +18,11 @@ from typing import Any, Protocol
 import numpy as np
 import tensorflow as tf
 
-from jacobkit import engine, planner, strategies
+from jacobkit import engine, strategies
 from jacobkit.batches import distribute, source
 from jacobkit.problem import Call, Problem, padding
+from jacobkit.problem.plan import Plan
+from jacobkit.problem.solution import Solver
 from jacobkit.result import JacobianResult
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class Ran:
     strategy: str
     chunk_size: int | None
     config: strategies.Strategy | None
-    plan: planner.Plan | None
+    plan: Plan[strategies.Strategy] | None
 
 
 class Runner(Protocol):
@@ -74,12 +76,13 @@ class Runner(Protocol):
 
 
 def _named(
-    chosen: strategies.Strategy | planner.Auto, plan: planner.Plan | None
+    chosen: Solver[strategies.Strategy], plan: Plan[strategies.Strategy] | None
 ) -> Ran:
-    """``chosen`` as what ran."""
-    if isinstance(chosen, planner.Auto):
-        return Ran(chosen.name, None, None, plan)
-    return Ran(chosen.name, chosen.chunk_size, chosen, plan)
+    """``chosen`` as what ran (where no batch ran here): a configured
+    strategy with its options, ``auto`` by its name."""
+    if isinstance(chosen, strategies.Strategy):
+        return Ran(chosen.name, chosen.chunk_size, chosen, plan)
+    return Ran(chosen.name, None, None, plan)
 
 
 class OneDevice:
@@ -95,7 +98,7 @@ class OneDevice:
         self.first = first
         self.first_size = source.batch_size(first.inputs)
         self._last: JacobianResult | None = None
-        self._plan: planner.Plan | None = None
+        self._plan: Plan[strategies.Strategy] | None = None
 
     def submit(self, k: int, x: Any, digest: str) -> list[Computed]:
         n = source.batch_size(x)
@@ -122,7 +125,7 @@ class OneDevice:
         logger.debug("computing batch %d", k)
         result = self._run(problem)
         if examples is not None:  # the clipped sum's padding: its norms dropped
-            result = padding.trimmed(result, examples)
+            result = engine.trimmed(result, examples)
         self._last = result
         values = [result.jacobians[name] for name in self.first.target_names]
         stats = result.stats
@@ -140,19 +143,17 @@ class OneDevice:
 
     def _run(self, problem: Problem) -> JacobianResult:
         chosen = self.chosen
-        if not isinstance(chosen, planner.Auto):
-            return engine.run(problem, chosen)
         if source.shapes(problem.inputs) == source.shapes(self.first.inputs):
             # auto's session for this shape: it keeps planning (and learning)
-            # across the batches as across calls
+            # across the batches as across calls (a strategy has no plan)
             result = engine.run(problem, chosen)
             self._plan = result.plan
             return result
-        # a smaller batch: what auto runs next, not a new session
-        if self._last is not None:
-            following = self._last.strategy_config
-        else:  # (the earlier batches were done by another call)
-            following = chosen.plan(self.first).strategy
+        # a smaller batch: what ran last (auto: what it runs next, not a new
+        # session; a configured strategy: itself)
+        following = None if self._last is None else self._last.strategy_config
+        if following is None:  # (the earlier batches were done by another call)
+            following = chosen.planned(self.first)
         return engine.run(problem, following)
 
     def finish(self) -> list[Computed]:
@@ -194,7 +195,7 @@ class OnReplicas:
         self.strategy = strategy
         self._pending: list[_Pending] = []
         self._replicas: distribute.Replicas | None = None
-        self._plan: planner.Plan | None = None
+        self._plan: Plan[strategies.Strategy] | None = None
 
     def submit(self, k: int, x: Any, digest: str) -> list[Computed]:
         self._pending.append(_Pending(k, x, source.batch_size(x), digest))
@@ -238,10 +239,9 @@ class OnReplicas:
 
     def _started(self) -> distribute.Replicas:
         if self._replicas is None:
-            ran = self.chosen
-            if isinstance(ran, planner.Auto):
-                self._plan = ran.plan(self.first)
-                ran = self._plan.strategy
+            # auto: its plan, and the strategy it plans (a strategy: itself)
+            self._plan = self.chosen.plan(self.first)
+            ran = self.chosen.planned(self.first)
             self._replicas = distribute.Replicas(
                 self.strategy,
                 ran.flat_computation(self.first),

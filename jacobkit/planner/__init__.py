@@ -45,17 +45,11 @@ cache). This package face only hands names on.
 
 from jacobkit.planner.auto import Auto, solver
 from jacobkit.planner.entry import CacheEntry
-from jacobkit.planner.plan import (
-    BudgetWarning,
-    Estimate,
-    Plan,
-    Probe,
-    Rejection,
-    Switch,
-)
+from jacobkit.planner.footprint import BudgetWarning
 from jacobkit.planner.policy import Policy, current_policy, use_policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.planner.session import Session
+from jacobkit.problem.plan import Estimate, Plan, Probe, Rejection, Switch
 
 __all__ = [
     "Auto",

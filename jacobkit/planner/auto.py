@@ -1,9 +1,11 @@
 """``strategy="auto"`` as one object: :class:`Auto`.
 
 ``Auto`` is configured like any strategy (a frozen record of its options:
-the memory budget, the device, the plan cache) and run like one
-(:meth:`Auto.solve`, by :mod:`jacobkit.engine`'s one path). It owns its
-state: the planning sessions it keeps per model (in
+the memory budget, the device, the plan cache) and run like one: it is a
+:class:`~jacobkit.problem.solution.Solver` (:meth:`Auto.solve`, by
+:mod:`jacobkit.engine`'s one path; :meth:`Auto.planned` and
+:meth:`Auto.plan` answer where a strategy answers with itself and ``None``).
+It owns its state: the planning sessions it keeps per model (in
 :class:`~jacobkit.problem.cache.Slot` ``SESSIONS``, keyed by the problem, the
 input shapes, its own options and the policy), and the plans of reduced
 calls (:mod:`jacobkit.planner.reduced`). Two equal ``Auto`` objects share
@@ -20,12 +22,13 @@ from typing import Any, ClassVar, final
 from jacobkit import memory, strategies
 from jacobkit.planner import calls, probes, reduced
 from jacobkit.planner.opening import open_session
-from jacobkit.planner.plan import Plan
 from jacobkit.planner.policy import current_policy
 from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
 from jacobkit.problem.cache import Slot, model_state
-from jacobkit.strategies import Solution, Strategy
+from jacobkit.problem.plan import Plan
+from jacobkit.problem.solution import Solution
+from jacobkit.strategies import Strategy
 
 
 @final
@@ -74,7 +77,7 @@ class Auto:
     def label(self) -> str:
         return self.name
 
-    def solve(self, problem: Problem) -> Solution:
+    def solve(self, problem: Problem) -> Solution[Strategy]:
         """One call: every row of ``problem`` by the strategy the session
         picks; the solution names what later calls run and the plan.
         ``stats.planning_time_s`` is the time spent outside the run that
@@ -89,7 +92,7 @@ class Auto:
         planning = max(time.perf_counter() - start - stats.wall_time_s, 0.0)
         return replace(solved, stats=replace(stats, planning_time_s=planning))
 
-    def plan(self, problem: Problem) -> Plan:
+    def plan(self, problem: Problem) -> Plan[Strategy]:
         """What the next call on ``problem`` runs and what is known (nothing
         is run: before the first call, the strategy it starts on and its
         predicted peak, or what the disk cache holds)."""

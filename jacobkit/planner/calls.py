@@ -17,15 +17,15 @@ import time
 import tensorflow as tf
 
 from jacobkit.planner import probes
-from jacobkit.planner.plan import Probe
 from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
+from jacobkit.problem.plan import Probe
 from jacobkit.problem.reduction import Output
-from jacobkit.result import Stats
-from jacobkit.strategies import Solution
+from jacobkit.problem.solution import Solution, Stats
+from jacobkit.strategies import Strategy
 
 
-def run_call(session: Session, problem: Problem) -> Solution:
+def run_call(session: Session, problem: Problem) -> Solution[Strategy]:
     """One call of ``session`` on ``problem``: the Jacobians, their Stats, the
     strategy later calls run and the plan."""
     call = session.begin_call()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jacobkit import strategies
-from jacobkit.planner.plan import Estimate, Rejection
+from jacobkit.problem.plan import Estimate, Rejection
 from jacobkit.strategies import Strategy
 
 

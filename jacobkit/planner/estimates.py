@@ -5,18 +5,14 @@ tracing time."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from jacobkit import strategies
-from jacobkit.planner.plan import Estimate, Probe
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
+from jacobkit.problem.plan import Estimate, Probe
 from jacobkit.strategies import Strategy
-
-if TYPE_CHECKING:  # the footprint predicts peaks with this module
-    from jacobkit.planner.footprint import Footprint
 
 
 def estimate(
@@ -156,13 +152,17 @@ class Measurements:
 
     Args:
         policy: how many runs are kept and how many make a rate.
-        footprint: the predicted peaks an estimate carries beside its
-            measured one.
+        predicted_peak: a strategy's predicted peak, which its estimate
+            carries beside the measured one (the session's
+            :meth:`~jacobkit.planner.footprint.Footprint.predicted_peak`,
+            which predicts with this module).
     """
 
-    def __init__(self, policy: Policy, footprint: Footprint) -> None:
+    def __init__(
+        self, policy: Policy, predicted_peak: Callable[[Strategy], int]
+    ) -> None:
         self._policy = policy
-        self._footprint = footprint
+        self._predicted_peak = predicted_peak
         self._probes: list[Probe] = []
         self._known: dict[Strategy, Estimate] = {}
 
@@ -202,7 +202,7 @@ class Measurements:
         if not self.ran(strategy):
             return earlier
         found = estimate(strategy, self._probes, earlier, self._policy.rate_runs)
-        peak = self._footprint.predicted_peak(strategy)
+        peak = self._predicted_peak(strategy)
         return replace(found, predicted_peak_bytes=peak)
 
     def estimates(self) -> tuple[Estimate, ...]:

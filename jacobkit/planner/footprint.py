@@ -9,9 +9,14 @@ from dataclasses import dataclass
 
 from jacobkit import memory, runtime
 from jacobkit.planner import estimates as est
-from jacobkit.planner.plan import BudgetWarning
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.strategies import Strategy
+
+
+class BudgetWarning(UserWarning):
+    """``auto`` changed what it runs because memory ran short (a run went
+    over ``memory_budget``, or out of memory), or it cannot hold the budget:
+    a :class:`UserWarning`, shown by default, once per plan each."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class Footprint:
 class Overruns:
     """A session's runs that ran out of memory or over the budget: whether
     running less at once can help, and the warnings
-    (:class:`~jacobkit.planner.plan.BudgetWarning`, each once).
+    (:class:`BudgetWarning`, each once).
 
     Args:
         budget_bytes: the memory budget.

@@ -10,8 +10,8 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import memory
-from jacobkit.planner.plan import Probe
 from jacobkit.problem import Problem
+from jacobkit.problem.plan import Probe
 from jacobkit.strategies import Strategy
 
 

@@ -13,7 +13,7 @@ whose peak, predicted from the memory prior a session uses
 in place of the Jacobians), fits the budget runs. Where the device reports
 its peak, each call measures it; a run over the budget scales every
 candidate's prediction by the measured / predicted ratio and later calls run
-the first that then fits (a :class:`~jacobkit.planner.plan.BudgetWarning`,
+the first that then fits (a :class:`~jacobkit.planner.BudgetWarning`,
 once). Measured, why: on an LSTM the prior predicted ``chunked(16)`` at 2.5
 MiB and its run took 24 MiB (pfor over the recurrent loop keeps every
 step's tensors per row).
@@ -27,11 +27,12 @@ from jacobkit import memory
 from jacobkit.planner import estimates
 from jacobkit.planner.footprint import Overruns
 from jacobkit.planner.opening import memory_prior
-from jacobkit.planner.plan import Estimate, Plan, Rejection
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.probes import peak_measurable
 from jacobkit.problem import Problem
-from jacobkit.strategies import REGISTRY, Solution, Strategy
+from jacobkit.problem.plan import Estimate, Plan, Rejection
+from jacobkit.problem.solution import Solution
+from jacobkit.strategies import REGISTRY, Strategy
 
 
 def result_bytes(problem: Problem) -> int:

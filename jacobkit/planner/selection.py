@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from jacobkit import memory, strategies
 from jacobkit.planner import estimates as est
-from jacobkit.planner.plan import Estimate, Rejection
 from jacobkit.planner.policy import Policy
+from jacobkit.problem.plan import Estimate, Rejection
 from jacobkit.strategies import Strategy
 
 

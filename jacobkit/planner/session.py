@@ -7,7 +7,7 @@ methods, in the order a call takes them (:mod:`jacobkit.planner.calls`):
 
 - :meth:`begin_call`, then :meth:`choose` the strategy of the run (the
   current one, or a candidate being tried, :mod:`jacobkit.planner.selection`);
-- :meth:`record` what the run measured (a :class:`~jacobkit.planner.plan.Probe`),
+- :meth:`record` what the run measured (a :class:`~jacobkit.problem.plan.Probe`),
   or, where it failed, :meth:`back_off` (out of memory, over the budget) or
   :meth:`drop` (a candidate, or a start, that refused);
 - :meth:`end_call`, then :meth:`persist` what was learned to the disk cache.
@@ -29,11 +29,11 @@ from jacobkit.planner import estimates as est
 from jacobkit.planner import selection, trials
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.footprint import Footprint, Overruns
-from jacobkit.planner.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.planner.start import start
 from jacobkit.problem import Problem
+from jacobkit.problem.plan import Estimate, Plan, Probe, Rejection, Switch
 from jacobkit.strategies import Strategy
 
 
@@ -79,7 +79,7 @@ class Session:
         self._device = device
         self._structure = begun.structure
         self._cache_name = cache_name
-        self._measured = est.Measurements(policy, begun.footprint)
+        self._measured = est.Measurements(policy, begun.footprint.predicted_peak)
         self._rejected: list[Rejection] = list(begun.rejected)
         self._current = begun.candidates[0]
         self._pending: list[Strategy] = list(begun.candidates[1:])
@@ -122,7 +122,7 @@ class Session:
         """What is known of ``strategy`` (``None`` if nothing)."""
         return self._measured.estimate(strategy)
 
-    def plan(self) -> Plan:
+    def plan(self) -> Plan[Strategy]:
         """The current state as a frozen :class:`Plan`."""
         current = self.estimate(self._current)
         peak = current.peak if current is not None else None
@@ -212,7 +212,7 @@ class Session:
         a run that computed its rows measured, over the budget): its
         :meth:`~jacobkit.strategies.Strategy.smaller` from now on, or, for a
         candidate at its smallest, the current strategy. Warned once
-        (:class:`~jacobkit.planner.plan.BudgetWarning`). Where a run over the
+        (:class:`~jacobkit.planner.BudgetWarning`). Where a run over the
         budget has nothing smaller, or the last back-off did not lower its
         peak (what takes the memory is not its rows at once), nothing changes
         and nothing is traced again: the budget is not held, warned once.

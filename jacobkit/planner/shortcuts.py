@@ -27,8 +27,8 @@ import math
 from collections.abc import Callable
 
 from jacobkit import strategies
-from jacobkit.planner.plan import Rejection
 from jacobkit.problem import Problem, structure
+from jacobkit.problem.plan import Rejection
 from jacobkit.strategies import Strategy
 
 #: the name the shortcut's rejections are filed under

@@ -11,10 +11,10 @@ from jacobkit.keras import compat
 from jacobkit.planner import estimates as est
 from jacobkit.planner import probes, selection, shortcuts
 from jacobkit.planner.footprint import Footprint
-from jacobkit.planner.plan import Rejection
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.problem import Problem
+from jacobkit.problem.plan import Rejection
 from jacobkit.strategies import Strategy, precision
 
 #: where few rows start: the eager loop traces nothing (Policy.eager_rows)

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from jacobkit.planner import selection
-from jacobkit.planner.plan import Estimate, Probe, Rejection, Switch
 from jacobkit.planner.policy import Policy
+from jacobkit.problem.plan import Estimate, Probe, Rejection, Switch
 from jacobkit.strategies import Strategy
 
 

@@ -9,6 +9,11 @@ is made of; :class:`Call`, one call's arguments, which builds it.
 - :mod:`.cache`: per-model state, in one place (:func:`model_state`).
 - :mod:`.structure`: the exact shortcuts a model's structure allows
   (:mod:`.linear_head`, :mod:`.separable_channels`).
+- :mod:`.solution`: what computes a call and what it answers (the
+  :class:`~.solution.Solver` protocol every strategy and ``auto`` satisfy,
+  :class:`~.solution.Solution`, :class:`~.solution.Stats`); :mod:`.plan`:
+  ``auto``'s :class:`~.plan.Plan` and its records. They rank here, below the
+  strategies they name, so that no type points upward.
 """
 
 from jacobkit.problem.arguments import REDUCE_MODES, UNCONNECTED_MODES

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tensorflow as tf
 
@@ -19,10 +19,7 @@ from jacobkit.problem import arguments, padding, rows
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.problem import Problem
 from jacobkit.problem.reduction import ClippedSum, Project, Reduction
-
-if TYPE_CHECKING:  # the strategy ranks above the problem: named for types only
-    from jacobkit.planner.auto import Auto
-    from jacobkit.strategies.base import Strategy
+from jacobkit.problem.solution import Solver
 
 
 @dataclass(frozen=True)
@@ -44,8 +41,11 @@ class Call:
         output: which output of a multi-output model, or ``None``.
         reduce: ``None`` (Jacobians), ``"norm"``, ``jk.ClippedSum`` or
             ``jk.Project``.
-        strategy: what computes the rows: a configured strategy, or
-            :class:`jacobkit.planner.Auto` (``None``: ``Auto()``).
+        strategy: what computes the rows (a
+            :class:`~jacobkit.problem.solution.Solver`): a configured
+            strategy, or :class:`jacobkit.planner.Auto` (``None``:
+            ``Auto()``). Both rank above the problem: the strategies'
+            type is left open here (``Solver[Any]``).
         device: the device the call runs on (``None``: TensorFlow's
             placement).
         steps: at most this many batches of a dataset.
@@ -63,7 +63,7 @@ class Call:
     unconnected: str = "error"
     output: int | str | None = None
     reduce: str | ClippedSum | Project | None = None
-    strategy: Strategy | Auto | None = None
+    strategy: Solver[Any] | None = None
     device: str | None = None
     steps: int | None = None
     out: str | os.PathLike[str] | None = None

@@ -11,21 +11,20 @@ size it meets. Padded to :func:`bucket`'s sizes (four per doubling: ..., 32,
 NOTE (why it is exact). A padded example is a copy of the batch's last one
 with sample weight 0 (:func:`padded`): its loss row is ``0 * loss``, so its
 gradient is exactly zero, its norm 0, its scale 1, and it adds exactly 0 to
-the clipped sum. Its norm is dropped from the result (:func:`trimmed`). The
-examples must not mix (no batch statistics), which a per-example loss
-gradient needs anyway: ``batch`` checks it before its first run.
+the clipped sum. Its norm is dropped from the result
+(:func:`jacobkit.engine.trimmed`). The examples must not mix (no batch
+statistics), which a per-example loss gradient needs anyway: ``batch``
+checks it before its first run.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem import loss as losses
-from jacobkit.result import JacobianResult
 
 #: sizes per doubling of the batch: a batch is padded by at most a quarter
 #: of its size
@@ -90,13 +89,3 @@ def repeat_last(x: Any, size: int) -> Any:
         return np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], axis=0)])
 
     return tf.nest.map_structure(pad_one, x)
-
-
-def trimmed(result: JacobianResult, size: int) -> JacobianResult:
-    """A padded batch's result with the rows of its first ``size`` examples
-    only: the norms and the rows' shape (the clipped sum has none of the
-    padding's)."""
-    if result.rows_shape[0] == size:
-        return result
-    norms = None if result.norms is None else result.norms[:size]
-    return replace(result, norms=norms, rows_shape=(size, *result.rows_shape[1:]))

@@ -12,7 +12,8 @@ by :mod:`~jacobkit.strategies.builtin`.
 
 from __future__ import annotations
 
-from jacobkit.strategies.base import Solution, Strategy
+from jacobkit.problem.solution import Solution
+from jacobkit.strategies.base import Strategy
 from jacobkit.strategies.builtin import (
     Batch,
     Chunked,

@@ -1,5 +1,6 @@
-"""The one interface every strategy implements (:class:`Strategy`), what a
-call returns (:class:`Solution`), and the compile cache."""
+"""The one interface every strategy implements (:class:`Strategy`, a
+:class:`~jacobkit.problem.solution.Solver`), and the compile cache. What a
+call returns, :class:`~jacobkit.problem.solution.Solution`, ranks below."""
 
 from __future__ import annotations
 
@@ -7,53 +8,17 @@ import abc
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state
+from jacobkit.problem.plan import Plan
 from jacobkit.problem.reduction import Computation, Output, Rows
-from jacobkit.result import Stats
+from jacobkit.problem.solution import Solution, Stats
 from jacobkit.strategies import precision
 
-if TYPE_CHECKING:  # auto's plan ranks above the strategies: for types only
-    from jacobkit.planner.plan import Plan
-
-
 ZERO = tf.UnconnectedGradients.ZERO
-
-
-@dataclass(frozen=True)
-class Solution:
-    """One call's answer, as a strategy (or ``auto``) computed it: what
-    :mod:`jacobkit.engine` wraps into a :class:`~jacobkit.result.JacobianResult`.
-
-    Attributes:
-        output: the reduction's :class:`~jacobkit.problem.reduction.Output`:
-            per target, the flat ``(R, *v.shape)`` Jacobians (or what the
-            problem's reduction gives per target), and every row's norm
-            where the reduction has them.
-        stats: what the call cost.
-        strategy: what computed them (for ``auto``: what later calls run).
-        plan: ``auto``'s :class:`~jacobkit.planner.Plan`; ``None`` for a
-            configured strategy.
-    """
-
-    output: Output
-    stats: Stats
-    strategy: Strategy
-    plan: Plan | None = None
-
-    @property
-    def jacobians(self) -> tuple[Any, ...]:
-        """Per target, what the reduction gives (the Jacobians, unreduced)."""
-        return tuple(self.output.values)
-
-    @property
-    def norms(self) -> Any:
-        """Every row's norm over all targets, where the reduction has them."""
-        return self.output.norms
 
 
 class Strategy(abc.ABC):
@@ -193,6 +158,16 @@ class Strategy(abc.ABC):
         planner calls it after an out-of-memory error."""
         return None
 
+    def planned(self, problem: Problem) -> Strategy:
+        """Itself: a configured strategy computes every problem (``auto``
+        answers with the strategy its plan runs)."""
+        return self
+
+    def plan(self, problem: Problem) -> Plan[Strategy] | None:
+        """``None``: a configured strategy decides nothing (``auto``'s
+        :meth:`~jacobkit.planner.Auto.plan` returns what it decided)."""
+        return None
+
     # -- identity, derived from the dataclass fields -------------------------
     @property
     def options(self) -> dict[str, Any]:
@@ -249,13 +224,8 @@ class Strategy(abc.ABC):
         """Run on ``problem.inputs``: the reduction's
         :class:`~jacobkit.problem.reduction.Output` (for rows: the ``(R,
         *v.shape)`` Jacobians per target), and what the call cost
-        (:class:`~jacobkit.result.Stats`)."""
+        (:class:`~jacobkit.problem.solution.Stats`)."""
         return self.compiled_for(problem)(problem.inputs)
-
-    def planned(self, problem: Problem) -> Strategy:
-        """The strategy that computes ``problem``: this one (``auto`` answers
-        with the one it plans)."""
-        return self
 
     def flat_computation(self, problem: Problem) -> Callable[[Any], Any]:
         """``inputs -> the computation's output as a flat list``: the
@@ -276,7 +246,7 @@ class Strategy(abc.ABC):
         found: Callable[[Any], Any] = kept[key]
         return found
 
-    def solve(self, problem: Problem) -> Solution:
+    def solve(self, problem: Problem) -> Solution[Strategy]:
         """:meth:`run` as a :class:`Solution` (how :mod:`jacobkit.engine`
         runs every strategy, ``auto`` included)."""
         output, stats = self.run(problem)

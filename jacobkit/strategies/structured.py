@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from jacobkit.problem import Problem, Slot, model_state, structure
 from jacobkit.problem.reduction import Output
-from jacobkit.result import Stats
+from jacobkit.problem.solution import Stats
 from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.strategies.registry import get as get_strategy

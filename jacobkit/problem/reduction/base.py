@@ -26,13 +26,9 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import tensorflow as tf
-
-if TYPE_CHECKING:  # the problem module imports this package
-    from jacobkit.problem.call import Call
-    from jacobkit.problem.problem import Problem
 
 
 class Output(NamedTuple):
@@ -55,7 +51,42 @@ class Output(NamedTuple):
 Computation = Callable[[Any], Output]
 #: ``problem -> Computation``: a strategy's computation of any problem (with
 #: another reduction: ``problem.with_reduction(kind)``)
-Computations = Callable[["Problem"], Computation]
+Computations = Callable[[Any], Computation]
+
+
+class Problem(Protocol):
+    """What a reduction reads of the problem it reduces
+    (:class:`jacobkit.problem.Problem` is one; this package ranks below it,
+    which builds its reduction from ``reduce=``)."""
+
+    model: Any
+    targets: tuple[Any, ...]
+    target_names: tuple[str, ...]
+    tensor_targets: Any
+    rows_shape: tuple[int, ...]
+    num_rows: int
+    output_dtype: Any
+
+    @property
+    def blocked(self) -> bool: ...
+
+    def rows(self, inputs: Any) -> Any: ...
+
+    def with_reduction(self, kind: Reduction) -> Any: ...
+
+
+class Call(Protocol):
+    """What a reduction reads of a call over many batches
+    (:class:`jacobkit.problem.Call` is one)."""
+
+    @property
+    def outputs(self) -> Any: ...
+
+    @property
+    def out(self) -> Any: ...
+
+    @property
+    def summed(self) -> bool: ...
 
 
 class Reduction(abc.ABC):

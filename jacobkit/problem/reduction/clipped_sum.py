@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, final
 
 import tensorflow as tf
 
 from jacobkit.layers.base import squared_rows
 from jacobkit.problem.reduction.base import (
+    Call,
     Computation,
     Computations,
     Output,
+    Problem,
     Reduction,
     refuse_tensor_targets,
 )
 from jacobkit.problem.reduction.norms import Norms
 from jacobkit.problem.reduction.rows import Rows
-
-if TYPE_CHECKING:
-    from jacobkit.problem.call import Call
-    from jacobkit.problem.problem import Problem
 
 ZERO = tf.UnconnectedGradients.ZERO
 

@@ -13,7 +13,7 @@ rank or dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, final
+from typing import Any, NamedTuple, final
 
 import tensorflow as tf
 
@@ -21,13 +21,11 @@ from jacobkit.problem.reduction.base import (
     Computation,
     Computations,
     Output,
+    Problem,
     Reduction,
     refuse_tensor_targets,
 )
 from jacobkit.problem.reduction.rows import Rows
-
-if TYPE_CHECKING:
-    from jacobkit.problem.problem import Problem
 
 
 def _nbytes(tensor: Any) -> int:

@@ -4,7 +4,7 @@ Jacobians held together."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, final
 
 import tensorflow as tf
 
@@ -12,12 +12,10 @@ from jacobkit.problem.reduction.base import (
     Computation,
     Computations,
     Output,
+    Problem,
     Reduction,
 )
 from jacobkit.problem.reduction.rows import Rows
-
-if TYPE_CHECKING:
-    from jacobkit.problem.problem import Problem
 
 
 @final

@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, final
 
 from jacobkit.problem import sketch
 from jacobkit.problem.reduction.base import (
     Computation,
     Computations,
     Output,
+    Problem,
     Reduction,
     refuse_tensor_targets,
 )
 from jacobkit.problem.reduction.rows import Rows
-
-if TYPE_CHECKING:
-    from jacobkit.problem.problem import Problem
 
 
 @final

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, final
 
 import tensorflow as tf
 
 from jacobkit.problem import tensor_targets
-from jacobkit.problem.reduction.base import Computation, Computations, Reduction
-
-if TYPE_CHECKING:
-    from jacobkit.problem.call import Call
-    from jacobkit.problem.problem import Problem
+from jacobkit.problem.reduction.base import (
+    Call,
+    Computation,
+    Computations,
+    Problem,
+    Reduction,
+)
 
 
 @final

@@ -1,21 +1,37 @@
-"""What ``auto`` measured and chose: typed records, and the :class:`Plan`."""
+"""What ``auto`` measured and chose: typed records, and the :class:`Plan`.
+
+They name the strategies they are about by a type parameter, ``StrategyT``:
+:mod:`jacobkit.planner` fills them with :class:`jacobkit.strategies.Strategy`
+(its plans are ``Plan[Strategy]``), which ranks above this module. A record
+reads of a strategy only what :class:`Configured` states: its label and its
+chunk size.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from jacobkit import memory
-from jacobkit.strategies import Strategy
 
 
-class BudgetWarning(UserWarning):
-    """``auto`` changed what it runs because memory ran short (a run went
-    over ``memory_budget``, or out of memory), or it cannot hold the budget:
-    a :class:`UserWarning`, shown by default, once per plan each."""
+class Configured(Protocol):
+    """A configured strategy as a record shows it (every
+    :class:`~jacobkit.strategies.Strategy` is one)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def chunk_size(self) -> int | None: ...
+
+
+#: the strategies' type a record names (``Strategy``, for ``auto``'s plans)
+StrategyT = TypeVar("StrategyT", bound=Configured)
 
 
 @dataclass(frozen=True)
-class Probe:
+class Probe(Generic[StrategyT]):
     """One run of a strategy over the rows of a real call.
 
     Every probe is part of an answer: ``auto`` times a strategy while it
@@ -31,7 +47,7 @@ class Probe:
         peak_bytes: peak device memory during the run, when measured.
     """
 
-    strategy: Strategy
+    strategy: StrategyT
     call: int
     start: int
     rows: int
@@ -41,7 +57,7 @@ class Probe:
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(Generic[StrategyT]):
     """What ``auto`` knows of one strategy on this problem.
 
     Attributes:
@@ -55,7 +71,7 @@ class Estimate:
             forward pass's activations and the rows it holds at once).
     """
 
-    strategy: Strategy
+    strategy: StrategyT
     seconds_per_row: float | None = None
     trace_s: float | None = None
     peak_bytes: int | None = None
@@ -78,7 +94,7 @@ class Estimate:
 
 
 @dataclass(frozen=True)
-class Rejection:
+class Rejection(Generic[StrategyT]):
     """A strategy ``auto`` does not run, and why.
 
     Attributes:
@@ -89,7 +105,7 @@ class Rejection:
             in this process or from the plan cache.
     """
 
-    strategy: Strategy | str
+    strategy: StrategyT | str
     reason: str
     memory: bool = False
 
@@ -99,7 +115,7 @@ class Rejection:
 
 
 @dataclass(frozen=True)
-class Switch:
+class Switch(Generic[StrategyT]):
     """``auto`` changed strategy between two runs.
 
     Attributes:
@@ -113,13 +129,13 @@ class Switch:
 
     call: int
     row: int
-    old: Strategy
-    new: Strategy
+    old: StrategyT
+    new: StrategyT
     reason: str
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(Generic[StrategyT]):
     """What ``auto`` runs, what it measured, and why.
 
     Attributes:
@@ -149,17 +165,17 @@ class Plan:
             :mod:`jacobkit.problem.structure`), or ``None``.
     """
 
-    strategy: Strategy
+    strategy: StrategyT
     budget_bytes: int
     result_bytes: int
     num_rows: int
     predicted_time_s: float | None = None
     predicted_peak_bytes: int | None = None
-    estimates: tuple[Estimate, ...] = ()
-    pending: tuple[Strategy, ...] = ()
-    rejected: tuple[Rejection, ...] = ()
-    switches: tuple[Switch, ...] = ()
-    last_call: tuple[Probe, ...] = ()
+    estimates: tuple[Estimate[StrategyT], ...] = ()
+    pending: tuple[StrategyT, ...] = ()
+    rejected: tuple[Rejection[StrategyT], ...] = ()
+    switches: tuple[Switch[StrategyT], ...] = ()
+    last_call: tuple[Probe[StrategyT], ...] = ()
     source: str = "not run yet"
     calls: int = 0
     structure: str | None = None
@@ -179,7 +195,7 @@ class Plan:
         """Nothing left to try: every call runs :attr:`strategy`."""
         return not self.pending
 
-    def estimate(self, strategy: Strategy) -> Estimate | None:
+    def estimate(self, strategy: StrategyT) -> Estimate[StrategyT] | None:
         """What is known of ``strategy``, if it ran."""
         return next((e for e in self.estimates if e.strategy == strategy), None)
 
