@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.problem import Problem, Slot, model_state
+from jacobkit.problem import PerModel, Problem
 from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import Stats
 from jacobkit.strategies import precision, reductions
@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # auto's plan ranks above the strategies: for types only
 
 
 ZERO = tf.UnconnectedGradients.ZERO
+
+_COMPILED = PerModel("each strategy's compiled computation per problem")
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ class Strategy(abc.ABC):
     # -- running -------------------------------------------------------------
     def compiled_for(self, problem: Problem) -> _Compiled:
         """The cached compiled computation for ``problem`` (built if new)."""
-        compiled = model_state(problem.model, Slot.COMPILED)
+        compiled = _COMPILED.of(problem.model)
         key = (problem.key, self.key)
         if key not in compiled:
             reduce = problem.reduce

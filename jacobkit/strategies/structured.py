@@ -21,12 +21,14 @@ from typing import Any, final
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem, Slot, model_state, structure
+from jacobkit.problem import PerModel, Problem, structure
 from jacobkit.result import Stats
 from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
+
+_VERIFIED = PerModel("structured: the first call's check per problem and strategy")
 
 
 class NoShortcut(ValueError):
@@ -189,7 +191,7 @@ class Structured(Strategy):
     def run(self, problem: Problem) -> tuple[list[tf.Tensor], Stats]:
         """Run; on the first call for a model and problem, check the result
         with :func:`jacobkit.verify` and fall back to ``inner`` if it fails."""
-        verified = model_state(problem.model, Slot.VERIFIED)
+        verified = _VERIFIED.of(problem.model)
         key = (problem.key, self.key)
         if verified.get(key) is False:  # failed its check: inner from now on
             return self.resolved_inner().run(problem)
