@@ -12,9 +12,10 @@
 
 Variables and layers count by identity (``id``): every cache is per model,
 and the model holds its variables and layers (a tensor target's variables are
-kept per model too), so an id is not reused while the cache lives. The disk
-cache and ``out=`` directories, which outlive the process, use names and
-hashes instead (:mod:`jacobkit.batches.fingerprint`).
+kept per model too), so an id is not reused while the cache lives. What
+outlives the process uses names and hashes instead: the plan cache's files
+(:func:`jacobkit.planner.cache.fingerprint`) and ``out=`` directories
+(:mod:`jacobkit.batches.fingerprint`).
 """
 
 from __future__ import annotations
