@@ -1,8 +1,8 @@
 """The package's shape: no import cycle (function-level imports included), no
 import against the flow, no private module or name imported across packages,
-``Session`` changed only by its own methods, at most four module-level
-mutable caches or registries, and the size limits (see
-``docs/architecture.md``).
+``Session`` changed only by its own methods, module-level mutable state only
+in three registries or in per-model slots each owned by one module, and the
+size limits (see ``docs/architecture.md``).
 
 Imports are read from the source with ``ast`` (nothing is imported), so a
 lazy import inside a function counts like any other, and so does one under
@@ -335,17 +335,18 @@ def test_no_module_but_the_session_writes_a_session():
 
 
 # -- module-level mutable state ---------------------------------------------------
-#: every module-level mutable cache or registry of the library, and why it is
-#: one; at most four (a new one goes into one of these)
+#: every module-level mutable registry of the library, and why it is one; at
+#: most three (a new one goes into one of these). Per-model state is not
+#: here: each module keeping some declares its own ``PerModel`` slot (below).
 MODULE_STATE = {
-    "jacobkit.problem.cache._STATE": "per-model state: everything found, "
-    "compiled or learned for a model, as long as the model lives",
     "jacobkit.runtime.PROCESS": "process-wide state: facts measured once, "
     "one-time notices, the peak-memory blocks open",
     "jacobkit.strategies.registry.REGISTRY": "the strategies, by name",
     "jacobkit.layers.REGISTRY": "the layer kinds: their facts and closed forms",
 }
-MAX_MODULE_STATE = 4
+MAX_MODULE_STATE = 3
+#: ``problem.cache.PerModel``: one owner's per-model state
+_SLOT_CLASS = "PerModel"
 _CONTAINERS = {
     "dict",
     "list",
@@ -433,7 +434,7 @@ def _module_state(name: str, source: str) -> set[str]:
         # an empty container made at the top is made to be filled; a table
         # written out (or any other object) counts where it is changed
         made_empty = isinstance(value, ast.Call) and (
-            ast.unparse(value.func).split(".")[-1] in _CONTAINERS
+            ast.unparse(value.func).split(".")[-1] in (*_CONTAINERS, _SLOT_CLASS)
             or ast.unparse(value.func) in _TRACED
         )
         changeable = isinstance(
@@ -458,8 +459,10 @@ def test_the_module_state_reader():
         "@functools.cache\ndef g():\n    return TABLE['a'], h(_PASSED)\n"
         "@tf.function(reduce_retracing=True)\ndef traced(x):\n    return x\n"
         "COMPILED = tf.function(g)\n"
+        "_KEPT = cache.PerModel('what it keeps')\n"
     )
     assert _module_state("m", source) == {
+        "m._KEPT",
         "m._CACHE",
         "m._PASSED",
         "m._SEEN",
@@ -470,10 +473,136 @@ def test_the_module_state_reader():
     }
 
 
-def test_module_level_state_is_in_at_most_four_places():
+def _is_slot(node: ast.AST) -> bool:
+    """``PerModel(...)`` (or ``cache.PerModel(...)``)."""
+    return (
+        isinstance(node, ast.Call)
+        and ast.unparse(node.func).split(".")[-1] == _SLOT_CLASS
+    )
+
+
+def _declared_slots(tree: ast.Module) -> dict[str, ast.Assign]:
+    """The module-level ``_NAME = PerModel("what it keeps")`` of a module."""
+    return {
+        node.targets[0].id: node
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and _is_slot(node.value)
+    }
+
+
+def _from_imports(name: str, tree: ast.Module):
+    """``(module, imported name)`` of every ``from module import name``."""
+    for node in _import_nodes(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = _package_of(name).split(".")
+            anchor = anchor[: len(anchor) - node.level + 1]
+            base = ".".join([*anchor, base] if base else anchor)
+        for alias in node.names:
+            yield base, alias.name
+
+
+def _slot_violations(sources: dict[str, str]) -> list[str]:
+    """Per-model slots not owned by one module: a ``PerModel`` made anywhere
+    but as a module-level private name with a literal saying what it keeps;
+    a slot used in its module other than as ``_SLOT.of(model)`` (passed on,
+    returned, stored, its ``of`` handed out); another module's slot imported
+    or reached as an attribute."""
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    declared = {name: _declared_slots(tree) for name, tree in trees.items()}
+    everywhere = {slot for slots in declared.values() for slot in slots}
+    wrong = []
+    for name, tree in trees.items():
+        own = declared[name]
+        for slot, node in own.items():
+            what = node.value.args[0] if node.value.args else None
+            if not _private(slot) or not (
+                isinstance(what, ast.Constant)
+                and isinstance(what.value, str)
+                and what.value.strip()
+            ):
+                wrong.append(f"{name}.{slot}: not a private name saying what it keeps")
+        made_here = {id(node.value) for node in own.values()}
+        parents = {
+            id(child): parent
+            for parent in ast.walk(tree)
+            for child in ast.iter_child_nodes(parent)
+        }
+        for node in ast.walk(tree):
+            if _is_slot(node) and id(node) not in made_here:
+                wrong.append(f"{name}:{node.lineno}: a PerModel made below the top")
+            elif isinstance(node, ast.Name) and node.id in own:
+                if isinstance(node.ctx, ast.Store) and id(node) in {
+                    id(n.targets[0]) for n in own.values()
+                }:
+                    continue
+                used = parents.get(id(node))
+                called = parents.get(id(used))
+                if not (
+                    isinstance(used, ast.Attribute)
+                    and used.attr == "of"
+                    and isinstance(called, ast.Call)
+                    and called.func is used
+                ):
+                    wrong.append(f"{name}:{node.lineno}: {node.id} handed on")
+            elif isinstance(node, ast.Attribute) and node.attr in everywhere:
+                wrong.append(f"{name}:{node.lineno}: another module's {node.attr}")
+        for module, imported in _from_imports(name, tree):
+            if module != name and imported in declared.get(module, {}):
+                wrong.append(f"{name} imports {module}.{imported}")
+    return sorted(wrong)
+
+
+def test_the_slot_rule_catches_a_shared_slot():
+    """The rule itself: one slot used by two modules, or handed to another,
+    or made elsewhere than at a module's top, is caught."""
+    sources = {
+        "jacobkit.a": (
+            "from jacobkit.problem.cache import PerModel\n"
+            "_KEPT = PerModel('compiled functions')\n"
+            "def get(model, key):\n    return _KEPT.of(model).get(key)\n"
+        ),
+        "jacobkit.b": (
+            "from jacobkit.a import _KEPT\n"
+            "from jacobkit import a\n"
+            "def get(model):\n    return _KEPT.of(model), a._KEPT.of(model)\n"
+        ),
+        "jacobkit.c": (
+            "SHARED = PerModel(WHAT)\n"
+            "_OWN = PerModel('verdicts')\n"
+            "def hand(model):\n    helper(_OWN)\n    return _OWN.of\n"
+            "def made():\n    return PerModel('inside')\n"
+        ),
+    }
+    assert _slot_violations(sources) == [
+        "jacobkit.b imports jacobkit.a._KEPT",
+        "jacobkit.b:4: another module's _KEPT",
+        "jacobkit.c.SHARED: not a private name saying what it keeps",
+        "jacobkit.c:4: _OWN handed on",
+        "jacobkit.c:5: _OWN handed on",
+        "jacobkit.c:7: a PerModel made below the top",
+    ]
+    assert _slot_violations({"jacobkit.a": sources["jacobkit.a"]}) == []
+
+
+def test_every_per_model_slot_is_owned_by_its_module():
+    sources = {name: path.read_text() for name, path in MODULES.items()}
+    assert _slot_violations(sources) == []
+
+
+def test_module_level_state_is_a_registry_or_an_owned_slot():
+    """Module-level mutable state: one of the registries, or a per-model
+    slot (checked to be owned by its module above)."""
     found = set()
     for name, path in MODULES.items():
-        found |= _module_state(name, path.read_text())
+        source = path.read_text()
+        slots = {f"{name}.{slot}" for slot in _declared_slots(ast.parse(source))}
+        found |= _module_state(name, source) - slots
     assert found <= set(MODULE_STATE), sorted(found - set(MODULE_STATE))
     assert len(MODULE_STATE) <= MAX_MODULE_STATE
 

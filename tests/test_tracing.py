@@ -8,6 +8,9 @@ first trace.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -15,7 +18,8 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import testing
-from jacobkit.problem import Problem
+from jacobkit.problem import PerModel, Problem
+from jacobkit.problem.reduction import Norms
 from jacobkit.strategies import REGISTRY
 
 COMPILED = [name for name, cls in REGISTRY.items() if cls.compiled]
@@ -167,6 +171,46 @@ def test_problem_inspection_traces_once_per_signature():
     assert module.traces == 2
     wider = Problem(module, np.ones((7, 3), "float32"), [module.w], outputs="full")
     assert module.traces == 3 and wider.rows_shape == (7, 2)
+
+
+def test_a_problem_has_one_key_built_once():
+    """``problem.key``: equal for the same arguments and input shapes, and
+    kept by a copy on other inputs; another ``reduce=`` or other rows make
+    another key (what compiled computations are kept under)."""
+    module = _CountingModule()
+    x = np.ones((4, 3), "float32")
+    first = Problem(module, x, [module.w])
+    assert Problem(module, x + 1.0, [module.w]).key == first.key
+    assert first.with_inputs(x + 2.0).key == first.key
+    assert first.detached().key == first.key
+    norms = first.with_reduction(Norms())
+    assert norms.key.reduce == Norms() and norms.key != first.key
+    assert norms.key.differentiated == first.key.differentiated
+    other = Problem(module, x, [module.w], outputs="per_example")
+    assert other.key != first.key and other.key.rows_shape == (4, 2)
+    assert len({first.key, norms.key, other.key}) == 3
+
+
+def test_per_model_state_lives_as_long_as_the_model():
+    """A ``PerModel`` slot: one dict per model, gone with the model; an
+    object that cannot be weakly referenced gets a fresh dict each time
+    (nothing kept, so a reused ``id`` is never served another's entry)."""
+
+    class Kept:
+        pass
+
+    slot = PerModel("a test's values")
+    module, other = _CountingModule(), _CountingModule()
+    value = Kept()
+    slot.of(module)["key"] = value
+    assert slot.of(module)["key"] is value and "key" not in slot.of(other)
+    unreferenceable = object()
+    slot.of(unreferenceable)["key"] = value
+    assert slot.of(unreferenceable) == {}
+    alive = weakref.ref(value)
+    del module, value
+    gc.collect()
+    assert alive() is None
 
 
 class _SignFlip(tf.Module):

@@ -10,9 +10,11 @@ import tensorflow as tf
 from jacobkit.api import jacobian
 from jacobkit.explain._gradients import as_batch
 from jacobkit.keras.graph import LayerTap, TapError
-from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem.cache import PerModel
 from jacobkit.problem.targets import find_layer
 from jacobkit.problem.tensor_targets import Output
+
+_FORWARD = PerModel("grad_cam: the compiled forward pass per layer and training")
 
 
 def grad_cam(
@@ -94,7 +96,7 @@ def _activation(model: Any, layer: Any, x: tf.Tensor, training: bool) -> tf.Tens
     """``layer``'s output on ``x``, from one compiled forward pass of
     ``model`` with the layer's node tapped (the model is not changed; the
     function is traced once per model, layer and input signature)."""
-    compiled = model_state(model, Slot.CAM_FORWARD)
+    compiled = _FORWARD.of(model)
     key = (id(layer), training)
     if key not in compiled:
         try:

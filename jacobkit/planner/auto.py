@@ -5,10 +5,11 @@ the memory budget, the device, the plan cache) and run like one: it is a
 :class:`~jacobkit.problem.solution.Solver` (:meth:`Auto.solve`, by
 :mod:`jacobkit.engine`'s one path; :meth:`Auto.planned` and
 :meth:`Auto.plan` answer where a strategy answers with itself and ``None``).
-It owns its state: the planning sessions it keeps per model (in
-:class:`~jacobkit.problem.cache.Slot` ``SESSIONS``, keyed by the problem, the
-input shapes, its own options and the policy), and the plans of reduced
-calls (:mod:`jacobkit.planner.reduced`). Two equal ``Auto`` objects share
+It owns its state: the planning sessions it keeps per model (its own
+:class:`~jacobkit.problem.cache.PerModel` slot, keyed by the problem's
+:class:`~jacobkit.problem.ProblemKey`, the input shapes, its own options, the
+device and the policy), and, in a second slot, the plans of reduced calls
+(:mod:`jacobkit.planner.reduced`). Two equal ``Auto`` objects share
 their sessions, so ``strategy="auto"`` on every call plans once, as a named
 strategy traces once.
 """
@@ -24,11 +25,13 @@ from jacobkit.planner import calls, probes, reduced
 from jacobkit.planner.opening import open_session
 from jacobkit.planner.policy import current_policy
 from jacobkit.planner.session import Session
-from jacobkit.problem import Problem
-from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem import PerModel, Problem
 from jacobkit.problem.plan import Plan
 from jacobkit.problem.solution import Solution
 from jacobkit.strategies import Strategy
+
+_SESSIONS = PerModel("Auto: its planning sessions per problem and configuration")
+_REDUCED = PerModel("Auto: its plans of reduced calls per problem and configuration")
 
 
 @final
@@ -112,8 +115,8 @@ class Auto:
         ``chunked`` with the most rows at once that fit the budget, kept
         per problem and configuration (:mod:`jacobkit.planner.reduced`)."""
         device = memory.normalize_device(self.device)
-        kept = model_state(problem.model, Slot.SESSIONS)
-        key = ("reduced", problem.key, probes.input_shapes(problem), self, device)
+        kept = _REDUCED.of(problem.model)
+        key = (problem.key, probes.input_shapes(problem), self, device)
         if key not in kept:
             kept[key] = reduced.Reduced(
                 problem, self.memory_budget, device, current_policy()
@@ -128,7 +131,7 @@ class Auto:
         device = memory.normalize_device(self.device)
         policy = current_policy()
         key = (problem.key, probes.input_shapes(problem), self, device, policy)
-        sessions: dict[Any, Session] = model_state(problem.model, Slot.SESSIONS)
+        sessions: dict[Any, Session] = _SESSIONS.of(problem.model)
         if key not in sessions:  # a repeated call plans (and fingerprints) nothing
             sessions[key] = open_session(
                 problem, self.memory_budget, device, policy, self.cache

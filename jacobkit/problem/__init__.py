@@ -6,7 +6,9 @@ is made of; :class:`Call`, one call's arguments, which builds it.
 - :mod:`.targets`: ``layer=`` as a layer, name or variables (:class:`Targets`);
   :mod:`.tensor_targets`: ``Inputs()`` and ``Output("layer")``.
 - :mod:`.inspect`: the one traced pass (:class:`Inspection`).
-- :mod:`.cache`: per-model state, in one place (:func:`model_state`).
+- :mod:`.cache`: per-model state, each kind declared by the module keeping
+  it (:class:`PerModel`); :mod:`.key`: a problem's one identity in it
+  (:class:`ProblemKey`).
 - :mod:`.structure`: the exact shortcuts a model's structure allows
   (:mod:`.linear_head`, :mod:`.separable_channels`).
 - :mod:`.solution`: what computes a call and what it answers (the
@@ -17,23 +19,27 @@ is made of; :class:`Call`, one call's arguments, which builds it.
 """
 
 from jacobkit.problem.arguments import REDUCE_MODES, UNCONNECTED_MODES
-from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem.cache import PerModel
 from jacobkit.problem.call import Call
 from jacobkit.problem.inspect import Inspection
+from jacobkit.problem.key import CallKey, ProblemKey
 from jacobkit.problem.problem import Problem
 from jacobkit.problem.rows import OUTPUT_MODES, Rows
 from jacobkit.problem.targets import Roles, Targets
 
 __all__ = [
     "Call",
+    "CallKey",
     "OUTPUT_MODES",
     "REDUCE_MODES",
     "UNCONNECTED_MODES",
     "Inspection",
+    "PerModel",
     "Problem",
+    "ProblemKey",
     "Roles",
     "Rows",
-    "Slot",
+    "Slot",  # going away (see .cache)
     "Targets",
-    "model_state",
+    "model_state",  # going away (see .cache)
 ]

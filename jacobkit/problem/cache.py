@@ -1,59 +1,61 @@
-"""Per-model state, in one place: what jacobkit finds, compiles or learns
+"""Per-model state, kept by its owner: what jacobkit finds, compiles or learns
 for a model lives as long as the model does, and nowhere else.
 
-Every kind of per-model state is a :class:`Slot`, and its values live in one
-weak mapping, model -> slot -> ``{key: value}``
-(:func:`model_state`). Nothing is stored on the model itself (jacobkit never
-sets an attribute of the user's objects), and a model that is garbage
-collected takes its state with it: a compiled function closes over the
-model, so a cache keyed any other way would keep every model alive.
+Each module that keeps something per model declares its own slot once, at
+module level, under a private name that says what it keeps::
+
+    _COMPILED = PerModel("each strategy's compiled computation per problem")
+
+and reads it only there (``_COMPILED.of(model)``: a dict that lives as long as
+the model), keyed by the problem's one identity,
+:class:`~jacobkit.problem.key.ProblemKey`, and whatever else that owner's
+values depend on. A module keeping two kinds of things declares two slots;
+no slot is handed to another module (``tests/test_architecture.py`` checks
+both).
+
+Nothing is stored on the model itself (jacobkit never sets an attribute of
+the user's objects), and a model that is garbage collected takes its state
+with it: a compiled function closes over the model, so a cache keyed any
+other way would keep every model alive.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import weakref
-from typing import Any
+from typing import Any, final
 
 
-class Slot(enum.Enum):
-    """The kinds of per-model state (the value says who keeps what)."""
+@final
+class PerModel:
+    """One owner's per-model state: model -> ``{key: value}``, weakly keyed
+    by the model, safe to use from several threads.
 
-    COMPILED = "strategies: each strategy's compiled computation per problem"
-    FLAT = "strategies.base: a computation's output flattened, for replicas"
-    PRODUCTS = "reductions.features: a Gram's factors and their products"
-    GRAM_CHUNKS = "reductions.grams: a Gram's examples per chunk"
-    CHECKS = "strategies.batch.checks: batch's numeric checks' verdicts"
-    INSPECTED = "problem.inspect: the one traced pass per problem signature"
-    STRUCTURE = "problem.structure: the exact shortcut found, or why none"
-    HEADS = "problem.structure: the linear head found at any width"
-    VERIFIED = "strategies.structured: the first call's check per problem"
-    DELTAS = "problem.tensor_targets: an Output() target's compiled tap"
-    OUTPUT_SPECS = "problem.tensor_targets: an Output() target's shape"
-    INDEPENDENT = "problem.tensor_targets: whether examples are independent"
-    SESSIONS = "planner.Auto: its planning sessions and norm choices"
-    CAM_FORWARD = "explain.cam: Grad-CAM's compiled forward pass"
-    TARGET_KEYS = "problem.targets: the result keys of each set of target variables"
-
-
-#: model -> {slot: {key: value}}; the one module-level per-model cache
-_STATE: weakref.WeakKeyDictionary[Any, dict[Slot, dict[Any, Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-_LOCK = threading.Lock()
-
-
-def model_state(model: Any, slot: Slot) -> dict[Any, Any]:
-    """``model``'s entry in ``slot``: a dict that lives as long as the model.
-
-    A model that cannot be weakly referenced gets a fresh, unkept dict (no
-    caching): keying it by ``id()`` instead could hand a later object that
-    reuses the id a computation built for the old one.
+    Attributes:
+        what: what the owner keeps, and why (shown in its ``repr``).
     """
-    with _LOCK:
-        try:
-            slots = _STATE.setdefault(model, {})
-        except TypeError:
-            return {}
-        return slots.setdefault(slot, {})
+
+    __slots__ = ("what", "_lock", "_models")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._lock = threading.Lock()
+        self._models: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def of(self, model: Any) -> dict[Any, Any]:
+        """``model``'s entry: a dict that lives as long as the model.
+
+        A model that cannot be weakly referenced gets a fresh, unkept dict (no
+        caching): keying it by ``id()`` instead could hand a later object that
+        reuses the id a computation built for the old one.
+        """
+        with self._lock:
+            try:
+                return self._models.setdefault(model, {})
+            except TypeError:
+                return {}
+
+    def __repr__(self) -> str:
+        return f"PerModel({self.what!r})"

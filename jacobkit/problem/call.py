@@ -8,6 +8,7 @@ the one place that hands the arguments on.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit.problem import arguments, padding, rows
+from jacobkit.problem.key import CallKey, hashable
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.problem import Problem
 from jacobkit.problem.reduction import ClippedSum, Project, Reduction
@@ -81,6 +83,20 @@ class Call:
         if self.pads_batches:
             padding.check(self.outputs)
         arguments.check_output(self.output)
+
+    @functools.cached_property
+    def key(self) -> CallKey:
+        """What this call's problems depend on besides the model and the
+        inputs (:class:`~jacobkit.problem.key.CallKey`), for what is kept per
+        model without building a problem: the arguments that make the
+        targets and the rows."""
+        return CallKey(
+            hashable(self.layer),
+            hashable(self.outputs),
+            hashable(self.features),
+            self.training,
+            self.output,
+        )
 
     @property
     def summed(self) -> bool:

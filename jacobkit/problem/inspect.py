@@ -2,8 +2,9 @@
 never run, shows the output's shape, the rows, which targets reach them and
 what the computation holds (loops, activations, convolution gradients).
 
-What it finds is kept per model, targets, rows and input signature: tracing a
-model takes long (0.2 s for a small Conv1D stack), which a loop of
+What it finds is kept per model, what is differentiated
+(:class:`~jacobkit.problem.key.Differentiated`) and input signature: tracing
+a model takes long (0.2 s for a small Conv1D stack), which a loop of
 ``jacobian()`` calls on the same model would pay every time.
 """
 
@@ -19,12 +20,15 @@ from jacobkit.keras import compat
 from jacobkit.layers import convolutions
 from jacobkit.problem import liveness
 from jacobkit.problem import outputs as model_outputs
-from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem.cache import PerModel
+from jacobkit.problem.key import Differentiated
 from jacobkit.problem.liveness import SequentialMemory
 from jacobkit.problem.rows import Rows
 
 #: op types of a ``tf.while_loop`` (recurrent layers run one over time)
 _LOOPS = ("While", "StatelessWhile")
+
+_INSPECTED = PerModel("the one traced pass per problem and input signature")
 
 
 @dataclass(frozen=True)
@@ -82,21 +86,16 @@ class Traceable(Protocol):
     def labels(self, inputs: Any) -> tuple[Any, ...]: ...
 
 
-def inspect(problem: Traceable) -> Inspection:
-    """The :class:`Inspection` of ``problem`` (traced once per model,
-    targets, rows and input signature)."""
+def inspect(problem: Traceable, differentiated: Differentiated) -> Inspection:
+    """The :class:`Inspection` of ``problem``, which differentiates
+    ``differentiated`` (traced once per model, ``differentiated`` and input
+    signature: the inputs' shapes, dtypes and structure)."""
     signature = tuple(
         (tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(problem.inputs)
     )
-    key = (
-        tuple(id(t) for t in problem.targets),
-        problem.rows_spec,
-        problem.training,
-        problem.output,
-        signature,
-        repr(tf.nest.map_structure(lambda _: 0, problem.inputs)),
-    )
-    inspected = model_state(problem.model, Slot.INSPECTED)
+    structure = repr(tf.nest.map_structure(lambda _: 0, problem.inputs))
+    key = (differentiated, signature, structure)
+    inspected = _INSPECTED.of(problem.model)
     if key not in inspected:
         inspected[key] = trace(problem)
     return inspected[key]

@@ -12,6 +12,7 @@ differentiate. What it is made of is resolved by the modules beside it:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -25,6 +26,7 @@ from jacobkit.keras import graph as taps
 from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
+from jacobkit.problem.key import Differentiated, ProblemKey
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.reduction import ClippedSum, Project, Reduction
 
@@ -65,6 +67,8 @@ class Problem:
         convolutions: the convolution kinds its backward pass runs
             (``"conv2d"``, ...; their CPU kernels' scratch space and accuracy
             depend on the CPU).
+        key: what identifies it in the state kept per model
+            (:class:`~jacobkit.problem.key.ProblemKey`, built once here).
     """
 
     def __init__(
@@ -106,8 +110,17 @@ class Problem:
         self.target_names = resolved.names
         self.roles = resolved.roles
         self.tensor_targets = resolved.tensors
-        inspection = inspect.inspect(self)
+        differentiated = Differentiated(
+            tuple(id(t) for t in self.targets),
+            self.rows_spec,
+            self.training,
+            self.output,
+        )
+        inspection = inspect.inspect(self, differentiated)
         self._take(inspection)
+        self.key = ProblemKey(
+            differentiated, id(self.layer), self.rows_shape, self.reduction
+        )
         if self.unconnected == "error":
             targets.refuse_unconnected(model, resolved, inspection.connected)
         if self.blocked:
@@ -284,6 +297,7 @@ class Problem:
         copy: nothing is traced or checked again)."""
         other = copy.copy(self)
         other.reduction = kind
+        other.key = dataclasses.replace(self.key, reduce=kind)
         return other
 
     def with_inputs(self, inputs: Any) -> Problem:
@@ -304,23 +318,4 @@ class Problem:
             tf.nest.map_structure(
                 lambda t: tf.TensorSpec(t.shape, t.dtype), self.inputs
             )
-        )
-
-    @property
-    def key(self) -> tuple:
-        """Identifies what a compiled strategy depends on (besides the model).
-
-        ``rows_shape`` is part of it: strategies build their computation for
-        ``num_rows`` rows, and with ``outputs="per_example"`` or ``"full"``
-        a new batch size changes it (the cached computation of the old size
-        then failed on the new one).
-        """
-        return (
-            tuple(id(t) for t in self.targets),
-            self.rows_spec,
-            self.rows_shape,
-            self.training,
-            id(self.layer),
-            self.output,
-            self.reduction,
         )

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem.cache import PerModel
 
 #: a map of at most this many numbers is dense (16 MiB of float32); a larger
 #: one is a Kronecker product (a GPT-2 FFN kernel of 768 x 3072 to 2048
@@ -145,12 +145,15 @@ def _times(tensor: tf.Tensor, matrix: tf.Tensor) -> tf.Tensor:
     return tf.reshape(found, (*tensor.shape[:-1], matrix.shape[1]))
 
 
+_MAPS = PerModel("jk.Project's maps, drawn once per projection and targets")
+
+
 def maps(problem: Any, project: Any) -> tuple[TargetMap, ...]:
     """Each target's map under ``project`` (a ``jk.Project``), drawn once per
     model and kept in its state."""
     shapes = tuple(tuple(int(s) for s in t.shape) for t in problem.targets)
-    kept = model_state(problem.model, Slot.COMPILED)
-    key = ("projection maps", project, problem.target_names, shapes)
+    kept = _MAPS.of(problem.model)
+    key = (project, problem.target_names, shapes)
     if key not in kept:
         kept[key] = tuple(
             target_map(project, name, shape)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import tensorflow as tf
 
 from jacobkit.problem import functional, linear_head, separable_channels
-from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem.cache import PerModel
 from jacobkit.problem.functional import NotApplicable
 from jacobkit.problem.linear_head import LinearHead
 from jacobkit.problem.problem import Problem
@@ -39,6 +40,9 @@ __all__ = [
 
 Structure = LinearHead | SeparableChannels
 
+_FOUND = PerModel("find: the exact shortcut found per problem, or why none")
+_HEADS = PerModel("find_head: the linear head found at any width per problem")
+
 
 def find(problem: Problem) -> Structure:
     """The exact shortcut ``problem`` allows (cached per model and problem).
@@ -50,17 +54,17 @@ def find(problem: Problem) -> Structure:
         NotApplicable: neither applies, or it is not certain; the message
             gives each reason.
     """
-    return _cached(Slot.STRUCTURE, problem, _find)
+    return _cached(_FOUND.of(problem.model), problem, _find)
 
 
 def _cached(
-    slot: Slot,
+    cache: dict[Any, Any],
     problem: Problem,
     finder: Callable[[Problem], Structure],
 ) -> Structure:
-    """``finder(problem)`` cached in ``slot`` per model and problem, or the
-    reason it raised :class:`NotApplicable` (raised again)."""
-    cache = model_state(problem.model, slot)
+    """``finder(problem)`` kept in ``cache`` (the model's entry of one of
+    this module's slots) per problem, or the reason it raised
+    :class:`NotApplicable` (raised again)."""
     key = problem.key
     if key not in cache:
         try:
@@ -119,7 +123,7 @@ def find_head(problem: Problem) -> LinearHead:
         NotApplicable: the model does not end in a linear head, or not
             certainly.
     """
-    found = _cached(Slot.HEADS, problem, _any_head)
+    found = _cached(_HEADS.of(problem.model), problem, _any_head)
     assert isinstance(found, LinearHead)
     return found
 
@@ -146,8 +150,10 @@ def _known_head(problem: Problem) -> LinearHead | None:
     """The linear head :func:`find` or :func:`find_head` already found for
     ``problem`` (the same head and sub-model, whichever asked first), so
     that its sub-problem, a traced pass of the sub-model, is built once."""
-    for slot in (Slot.STRUCTURE, Slot.HEADS):
-        known = model_state(problem.model, slot).get(problem.key)
+    for known in (
+        _FOUND.of(problem.model).get(problem.key),
+        _HEADS.of(problem.model).get(problem.key),
+    ):
         if isinstance(known, LinearHead):
             return known
     return None

@@ -18,7 +18,9 @@ import tensorflow as tf
 from jacobkit import layers
 from jacobkit.keras import compat, layer_tree
 from jacobkit.problem import tensor_targets as tensors
-from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem.cache import PerModel
+
+_TARGET_KEYS = PerModel("the result keys of each set of target variables")
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def _target_keys(model: Any, given: Sequence[Any]) -> Sequence[str | None]:
     variable: 42 targets, 2,000 weight reads), against a clipped sum of
     about 15 ms."""
     variables = tuple(compat.as_tf_variable(v) for v in given)
-    kept = model_state(model, Slot.TARGET_KEYS)
+    kept = _TARGET_KEYS.of(model)
     key = tuple(id(v) for v in variables)
     found = kept.get(key)
     if found is not None and all(

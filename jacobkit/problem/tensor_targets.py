@@ -41,7 +41,11 @@ import tensorflow as tf
 
 from jacobkit.keras import compat
 from jacobkit.keras import graph as taps
-from jacobkit.problem.cache import Slot, model_state
+from jacobkit.problem.cache import PerModel
+
+_DELTAS = PerModel("each tensor target's zero variables, added where it is tapped")
+_OUTPUT_SPECS = PerModel("an Output() target's shape and dtype per input signature")
+_INDEPENDENT = PerModel("the problems whose examples were checked independent")
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ class TensorTargets:
             self.names = (f"{layer.name}/output",)
             specs = [self._output_spec(inputs, layer.name)]
         key = (spec, tuple(specs), training)
-        cache = model_state(model, Slot.DELTAS)
+        cache = _DELTAS.of(model)
         if key not in cache:
             # float16/bfloat16 activations (mixed precision) get a float32
             # variable, cast where it is added: their Jacobians come back in
@@ -200,7 +204,7 @@ class TensorTargets:
             self._training,
             tf.nest.map_structure(lambda t: (tuple(t.shape), t.dtype.name), inputs),
         )
-        specs = model_state(layer_tap.model, Slot.OUTPUT_SPECS)
+        specs = _OUTPUT_SPECS.of(layer_tap.model)
         key = repr(signature)
         if key not in specs:
             specs[key] = self._trace_output_spec(inputs, name)
@@ -259,7 +263,7 @@ def check_independent(problem: Any) -> None:
     """Refuse per-example blocks when the model mixes examples (checked once
     per model and problem): example 0's rows, weighted at random, must have a
     zero gradient on every other example of each target tensor."""
-    checked = model_state(problem.model, Slot.INDEPENDENT)
+    checked = _INDEPENDENT.of(problem.model)
     if problem.key in checked or (problem.batch_size or 0) < 2:
         return
     variables = list(problem.targets)

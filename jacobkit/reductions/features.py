@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from jacobkit import runtime
 from jacobkit.batches import distribute, source
-from jacobkit.problem import Call, Problem, Slot, model_state
+from jacobkit.problem import Call, PerModel, Problem
 from jacobkit.problem.reduction import Factors, Feature, Flat, Ghost, Lookup
 from jacobkit.problem.reduction import products as pairs
 
@@ -140,9 +140,10 @@ def _products(found: ChunkFeatures, count: int | None, total: int) -> tf.Tensor:
     return inner_products_within(found, count, total)
 
 
-#: the factors of a strategy and their products, one compiled call, per
-#: problem, strategy and split
-_WITH_PRODUCTS = Slot.PRODUCTS
+_WITH_PRODUCTS = PerModel(
+    "jk.gram: a strategy's factors and their products, one compiled call, "
+    "per problem, strategy and split"
+)
 
 
 def _with_products(ran: Any, problem: Problem, split: bool = False) -> Any:
@@ -151,7 +152,7 @@ def _with_products(ran: Any, problem: Problem, split: bool = False) -> Any:
     Output)``, or where ``split``, ``(inputs, count, per_example) -> (the
     first count examples' rows against the rest's, the factors' Output)``
     (:func:`jacobkit.problem.reduction.products.split_pairs`)."""
-    kept = model_state(problem.model, _WITH_PRODUCTS)
+    kept = _WITH_PRODUCTS.of(problem.model)
     key = (problem.key, ran.key, split)
     if key not in kept:
         factors = ran.compiled_for(problem).fn

@@ -28,7 +28,7 @@ import tensorflow as tf
 from jacobkit import planner, runtime
 from jacobkit.batches import collect, distribute, source
 from jacobkit.memory import budget as budgets
-from jacobkit.problem import Call, Slot, model_state
+from jacobkit.problem import Call, PerModel
 from jacobkit.problem.loss import Loss
 from jacobkit.reductions import blocks
 from jacobkit.reductions import features as feats
@@ -245,6 +245,10 @@ def _check_chunk(chunk_examples: Any) -> int | None:
     return chunk_examples
 
 
+_CHUNK_EXAMPLES = PerModel(
+    "jk.gram: examples per chunk per call, solver, input shapes and budget"
+)
+
 #: examples whose features' shapes size the chunks (traced once per model,
 #: problem, input shapes and budget): a default chunk's, whose trace the
 #: first chunk then runs
@@ -257,38 +261,14 @@ def _sized(call: Call, probe: Any, allowed: int | None, chosen: Any) -> int:
     features.shapes_of_chunk`), kept in the model's state: a repeated call
     (TracIn's checkpoints, many test sets) probes nothing, and builds no
     problem for it (0.16 ms of a 3 ms call on notebook 07's digits)."""
-    kept = model_state(call.model, Slot.GRAM_CHUNKS)
+    kept = _CHUNK_EXAMPLES.of(call.model)
     shapes = tuple(tuple(np.shape(t)) for t in tf.nest.flatten(probe))
-    key = (_call_key(call), chosen, shapes, allowed)
+    key = (call.key, chosen, shapes, allowed)
     if key not in kept:
         first = feats.shapes_of_chunk(call, probe, chosen)
         kept[key] = _chunk_size(first, source.batch_size(probe), allowed)
     size: int = kept[key]
     return size
-
-
-def _call_key(call: Call) -> tuple:
-    """What the chunk size depends on besides the model and the inputs'
-    shapes: the targets (variables by identity) and what a row is."""
-
-    def hashable(value: Any) -> Any:
-        # a jk.Loss made afresh per call is equal to the last one (a frozen
-        # record); variables are not hashable: by identity
-        if isinstance(value, (list, tuple)):
-            return tuple(hashable(v) for v in value)
-        try:
-            hash(value)
-        except TypeError:
-            return ("id", id(value))
-        return value
-
-    return (
-        hashable(call.layer),
-        hashable(call.outputs),
-        hashable(call.features),
-        call.training,
-        call.output,
-    )
 
 
 def _chunk_size(first: feats.ChunkFeatures, examples: int, allowed: int | None) -> int:

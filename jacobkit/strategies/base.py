@@ -12,13 +12,16 @@ from typing import Any, ClassVar
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem, Slot, model_state
+from jacobkit.problem import PerModel, Problem
 from jacobkit.problem.plan import Plan
 from jacobkit.problem.reduction import Computation, Output, Rows
 from jacobkit.problem.solution import Solution, Stats
 from jacobkit.strategies import precision
 
 ZERO = tf.UnconnectedGradients.ZERO
+
+_COMPILED = PerModel("each strategy's compiled computation per problem")
+_FLAT = PerModel("a strategy's computation with its output flattened, for replicas")
 
 
 class Strategy(abc.ABC):
@@ -207,7 +210,7 @@ class Strategy(abc.ABC):
     # -- running -------------------------------------------------------------
     def compiled_for(self, problem: Problem) -> _Compiled:
         """The cached compiled computation for ``problem`` (built if new)."""
-        compiled = model_state(problem.model, Slot.COMPILED)
+        compiled = _COMPILED.of(problem.model)
         key = (problem.key, self.key)
         if key not in compiled:
             problem.reduction.check(problem)
@@ -234,7 +237,7 @@ class Strategy(abc.ABC):
         problem and strategy. What ``tf.distribute`` replicas run: their
         results are taken back tensor by tensor, and put back together by
         the caller (:meth:`~jacobkit.problem.reduction.Reduction.joined`)."""
-        kept = model_state(problem.model, Slot.FLAT)
+        kept = _FLAT.of(problem.model)
         key = (problem.key, self.key)
         if key not in kept:
             fn = self.compiled_for(problem).fn

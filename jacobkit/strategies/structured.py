@@ -21,13 +21,15 @@ from typing import Any, final
 
 import tensorflow as tf
 
-from jacobkit.problem import Problem, Slot, model_state, structure
+from jacobkit.problem import PerModel, Problem, structure
 from jacobkit.problem.reduction import Output
 from jacobkit.problem.solution import Stats
 from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import ZERO, Strategy
 from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
+
+_VERIFIED = PerModel("structured: the first call's check per problem and strategy")
 
 
 class NoShortcut(ValueError):
@@ -194,7 +196,7 @@ class Structured(Strategy):
         of the rows; it is computed from them)."""
         if not self.computes(problem):
             return super().run(problem)
-        verified = model_state(problem.model, Slot.VERIFIED)
+        verified = _VERIFIED.of(problem.model)
         key = (problem.key, self.key)
         if verified.get(key) is False:  # failed its check: inner from now on
             return self.resolved_inner().run(problem)

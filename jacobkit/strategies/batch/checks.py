@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from jacobkit import layers
 from jacobkit.keras.graph import TapError
-from jacobkit.problem import Problem, Slot, model_state
+from jacobkit.problem import PerModel, Problem
 from jacobkit.strategies import precision
 from jacobkit.strategies.batch.forward import Forward, node_tap, tapped_forward
 
@@ -75,6 +75,9 @@ def check(problem: Problem, name: str) -> None:
         raise ValueError(refusal)
 
 
+_REFUSALS = PerModel("batch: the checks on one forward pass, per problem and examples")
+
+
 def _numeric_refusal(problem: Problem) -> str | None:
     """The refusal of the checks on one forward pass (``None``: they pass),
     kept per model, targets, rows, training and the checked examples' shapes.
@@ -86,15 +89,11 @@ def _numeric_refusal(problem: Problem) -> str | None:
     again before compiling), 2.6 s of its 5.7 s. The verdict does not depend
     on the batch size beyond the :data:`CHECK_EXAMPLES` it reads, nor on
     ``reduce=``."""
-    kept = model_state(problem.model, Slot.CHECKS)
+    kept = _REFUSALS.of(problem.model)
     batch = problem.batch_size
     key = (
-        "batch: the checks on one forward pass",
-        tuple(id(t) for t in problem.targets),
-        problem.rows_spec,
-        problem.training,
-        id(problem.layer),
-        problem.output,
+        problem.key.differentiated,
+        problem.key.layer,
         tuple(
             (tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(problem.inputs)
         ),
