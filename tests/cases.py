@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import runtime, testing
+from jacobkit.problem import reduce as reduce_kinds
 from jacobkit.testing import examples
 
 
@@ -244,3 +245,179 @@ def kernel_scratch(problem: Any) -> int:
     from jacobkit.planner import scratch
 
     return scratch.scratch_bytes(problem.convolutions, problem.output_dtype, "CPU:0")
+
+
+# -- reduction kinds: what each row's gradient is reduced to ---------------------
+@dataclass(frozen=True)
+class PerRow:
+    """Every row's gradient in float64, computed the obvious way (a tape per
+    row on a float64 copy): one array per target, ``rows_shape + v.shape``,
+    in the order and under the names :func:`jacobkit.jacobian` gives them."""
+
+    gradients: tuple[np.ndarray, ...]
+    rows_shape: tuple[int, ...]
+    names: tuple[str, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return int(np.prod(self.rows_shape))
+
+    def of_target(self, index: int) -> np.ndarray:
+        """Target ``index``'s rows, ``(R, *v.shape)``."""
+        g = self.gradients[index]
+        return g.reshape(self.num_rows, *g.shape[len(self.rows_shape) :])
+
+    @property
+    def flat(self) -> np.ndarray:
+        """``(R, P)``: each row's whole gradient, over every target."""
+        return np.concatenate(
+            [g.reshape(self.num_rows, -1) for g in self.gradients], axis=1
+        )
+
+    @property
+    def norms(self) -> np.ndarray:
+        """``(R,)``: each row's norm over every target together."""
+        return np.linalg.norm(self.flat, axis=1)
+
+
+@dataclass(frozen=True)
+class ReductionCase:
+    """One kind of ``reduce=`` (or ``jk.gram``'s factors), as the suite tests it.
+
+    ``argument(rows)`` is what the call takes for these rows (a clip norm
+    that clips some rows and not others); ``expected(rows, argument)`` the
+    result computed from the float64 rows in NumPy; ``found(...)`` runs
+    jacobkit (``jk.jacobian``, or ``jk.gram`` for the Gram's factors) and
+    returns the arrays to compare with it, in the same order.
+    """
+
+    id: str
+    kind: Any
+    argument: Callable[[PerRow], Any]
+    expected: Callable[[PerRow, Any], list[np.ndarray]]
+    found: Callable[..., list[np.ndarray]]
+
+
+def _by_jacobian(values: Callable[[Any], list[Any]]) -> Callable[..., list]:
+    """``found`` for a kind ``jk.jacobian`` returns: ``values(result)``."""
+
+    def found(model, inputs, targets, reduce, **kwargs) -> list[np.ndarray]:
+        result = jk.jacobian(model, inputs, targets, reduce=reduce, **kwargs)
+        return [np.asarray(v, np.float64) for v in values(result)]
+
+    return found
+
+
+def _gram_found(model, inputs, targets, reduce, **kwargs) -> list[np.ndarray]:
+    result = jk.gram(model, inputs, None, targets, **kwargs)
+    return [np.asarray(result.matrix, np.float64)]
+
+
+def _norms_of_each_target(rows: PerRow, _: Any) -> list[np.ndarray]:
+    return [
+        np.linalg.norm(g.reshape(*rows.rows_shape, -1), axis=-1) for g in rows.gradients
+    ]
+
+
+def _clip_norm(rows: PerRow) -> jk.ClippedSum:
+    """The median row norm: some rows clipped, some not."""
+    return jk.ClippedSum(float(np.median(rows.norms)))
+
+
+def _clipped_sum(rows: PerRow, clipped: jk.ClippedSum) -> list[np.ndarray]:
+    """``Σ_r g_r min(1, C / |g_r|)`` per target (each row's norm over every
+    target together), then every row's norm."""
+    norms = rows.norms
+    scales = np.minimum(1.0, clipped.clip_norm / np.maximum(norms, 1e-300))
+    sums = [
+        np.tensordot(scales, rows.of_target(i), 1) for i in range(len(rows.gradients))
+    ]
+    return [*sums, norms.reshape(rows.rows_shape)]
+
+
+def _projection(rows: PerRow, project: jk.Project) -> list[np.ndarray]:
+    """``Σ_v M_v g_v`` per row, ``rows_shape + (dim,)``, from the library's own
+    maps (:func:`jacobkit.problem.sketch.target_map`: fixed by the seed and
+    each target's name and shape) applied to the float64 rows in NumPy."""
+    from jacobkit.problem import sketch
+
+    total = np.zeros((rows.num_rows, project.dim))
+    for i, name in enumerate(rows.names):
+        g = rows.of_target(i)
+        m = sketch.target_map(project, name, tuple(g.shape[1:]))
+        matrices = g.reshape(rows.num_rows, m.inputs, m.units)
+        if m.dense is not None:
+            total += matrices.reshape(rows.num_rows, -1) @ m.dense.astype(np.float64)
+        else:
+            left, right = m.left.astype(np.float64), m.right.astype(np.float64)
+            both = np.einsum("ia,rio,ob->rab", left, matrices, right)
+            total += both.reshape(rows.num_rows, -1)[:, : m.dim] / np.sqrt(m.dim)
+    return [total.reshape(*rows.rows_shape, project.dim)]
+
+
+_CASE_OF_KIND = {
+    None: ReductionCase(
+        "rows",
+        None,
+        lambda rows: None,
+        lambda rows, _: list(rows.gradients),
+        _by_jacobian(lambda result: list(result.jacobians.values())),
+    ),
+    "norm": ReductionCase(
+        "norm",
+        "norm",
+        lambda rows: "norm",
+        _norms_of_each_target,
+        _by_jacobian(lambda result: list(result.jacobians.values())),
+    ),
+    jk.ClippedSum: ReductionCase(
+        "clipped_sum",
+        jk.ClippedSum,
+        _clip_norm,
+        _clipped_sum,
+        _by_jacobian(lambda result: [*result.jacobians.values(), result.norms]),
+    ),
+    jk.Project: ReductionCase(
+        "project",
+        jk.Project,
+        lambda rows: jk.Project(16, seed=7),
+        _projection,
+        _by_jacobian(lambda result: [result.projection]),
+    ),
+    reduce_kinds.Factors: ReductionCase(
+        "gram",
+        reduce_kinds.Factors,
+        lambda rows: None,
+        lambda rows, _: [rows.flat @ rows.flat.T],
+        _gram_found,
+    ),
+}
+
+
+def _reduction_case(kind: Any) -> ReductionCase:
+    """The case of a kind the library lists; a kind without a float64
+    reference here is a case that fails and says so."""
+    if kind in _CASE_OF_KIND:
+        return _CASE_OF_KIND[kind]
+
+    def missing(*_: Any) -> list[np.ndarray]:
+        raise AssertionError(
+            f"reduction kind {kind!r} has no float64 reference: add one to "
+            "tests/cases.py (_CASE_OF_KIND)"
+        )
+
+    label = getattr(kind, "__name__", str(kind)).lower()
+    return ReductionCase(label, kind, lambda rows: None, missing, missing)
+
+
+#: Every reduction kind: the rows themselves (``reduce=None``), ``"norm"``,
+#: each reduction object the library takes (``jacobkit.problem.reduce.
+#: REDUCTIONS``: ``jk.ClippedSum``, ``jk.Project``) and the Gram's factors
+#: (``jk.gram``; internally ``reduce.Factors``). Once the library keeps one
+#: table of its kinds, this list is that table mapped by
+#: ``_reduction_case``, in one line; a new kind then joins the suite by being
+#: registered (and fails here until it has a reference).
+REDUCTIONS = [
+    _reduction_case(kind)
+    for kind in (None, "norm", *reduce_kinds.REDUCTIONS, reduce_kinds.Factors)
+]
