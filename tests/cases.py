@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import runtime, testing
-from jacobkit.problem import reduce as reduce_kinds
+from jacobkit.problem.reduction import KINDS
 from jacobkit.testing import examples
 
 
@@ -355,8 +355,9 @@ def _projection(rows: PerRow, project: jk.Project) -> list[np.ndarray]:
     return [total.reshape(*rows.rows_shape, project.dim)]
 
 
+#: each kind's case, by the kind's name (``KINDS``)
 _CASE_OF_KIND = {
-    None: ReductionCase(
+    "rows": ReductionCase(
         "rows",
         None,
         lambda rows: None,
@@ -370,23 +371,23 @@ _CASE_OF_KIND = {
         _norms_of_each_target,
         _by_jacobian(lambda result: list(result.jacobians.values())),
     ),
-    jk.ClippedSum: ReductionCase(
+    "clipped_sum": ReductionCase(
         "clipped_sum",
         jk.ClippedSum,
         _clip_norm,
         _clipped_sum,
         _by_jacobian(lambda result: [*result.jacobians.values(), result.norms]),
     ),
-    jk.Project: ReductionCase(
+    "project": ReductionCase(
         "project",
         jk.Project,
         lambda rows: jk.Project(16, seed=7),
         _projection,
         _by_jacobian(lambda result: [result.projection]),
     ),
-    reduce_kinds.Factors: ReductionCase(
+    "factors": ReductionCase(
         "gram",
-        reduce_kinds.Factors,
+        KINDS["factors"],
         lambda rows: None,
         lambda rows, _: [rows.flat @ rows.flat.T],
         _gram_found,
@@ -394,11 +395,12 @@ _CASE_OF_KIND = {
 }
 
 
-def _reduction_case(kind: Any) -> ReductionCase:
+def _reduction_case(name: str) -> ReductionCase:
     """The case of a kind the library lists; a kind without a float64
     reference here is a case that fails and says so."""
-    if kind in _CASE_OF_KIND:
-        return _CASE_OF_KIND[kind]
+    if name in _CASE_OF_KIND:
+        return _CASE_OF_KIND[name]
+    kind = KINDS[name]
 
     def missing(*_: Any) -> list[np.ndarray]:
         raise AssertionError(
@@ -406,18 +408,11 @@ def _reduction_case(kind: Any) -> ReductionCase:
             "tests/cases.py (_CASE_OF_KIND)"
         )
 
-    label = getattr(kind, "__name__", str(kind)).lower()
-    return ReductionCase(label, kind, lambda rows: None, missing, missing)
+    return ReductionCase(name, kind, lambda rows: None, missing, missing)
 
 
-#: Every reduction kind: the rows themselves (``reduce=None``), ``"norm"``,
-#: each reduction object the library takes (``jacobkit.problem.reduce.
-#: REDUCTIONS``: ``jk.ClippedSum``, ``jk.Project``) and the Gram's factors
-#: (``jk.gram``; internally ``reduce.Factors``). Once the library keeps one
-#: table of its kinds, this list is that table mapped by
-#: ``_reduction_case``, in one line; a new kind then joins the suite by being
-#: registered (and fails here until it has a reference).
-REDUCTIONS = [
-    _reduction_case(kind)
-    for kind in (None, "norm", *reduce_kinds.REDUCTIONS, reduce_kinds.Factors)
-]
+#: Every reduction kind the library has (``jacobkit.problem.reduction.KINDS``:
+#: the rows themselves, ``"norm"``, ``jk.ClippedSum``, ``jk.Project`` and
+#: ``jk.gram``'s factors): a new kind joins the suite by being defined in
+#: that package (and fails here until it has a reference).
+REDUCTIONS = [_reduction_case(name) for name in KINDS]
