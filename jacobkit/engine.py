@@ -17,6 +17,7 @@ import contextlib
 import tensorflow as tf
 
 from jacobkit import memory, planner, runtime, strategies
+from jacobkit.keras import state
 from jacobkit.problem import Call, Problem, tensor_targets
 from jacobkit.problem.reduce import ClippedSum, Project
 from jacobkit.result import JacobianResult
@@ -56,9 +57,21 @@ def run(problem: Problem, chosen: strategies.Strategy | planner.Auto) -> Jacobia
     warnings about its own internals, such as pfor's "uses a while_loop" or
     the retracing of ``auto``'s candidates, are not for the user: hidden
     while jacobkit works, see :mod:`jacobkit.runtime`), then the result is
-    shaped and named."""
-    with runtime.tensorflow_warnings():
+    shaped and named.
+
+    The call is one draw of the model's randomness and state
+    (:mod:`jacobkit.keras.state`): its passes leave the model's variables
+    as they were; with ``training=True``, what the last one assigned
+    (dropout's seed state, batch normalization's moving statistics) is
+    assigned once, here, as one ``model(x, training=True)`` would."""
+    planner.check_one_draw(problem, chosen)
+    if not problem.training:  # nothing assigned, nothing to keep
+        with runtime.tensorflow_warnings():
+            return wrap(problem, chosen.solve(problem))
+    draw = state.Draw()
+    with runtime.tensorflow_warnings(), draw:
         solution = chosen.solve(problem)
+    draw.apply()
     return wrap(problem, solution)
 
 
@@ -75,9 +88,11 @@ def planned(
 ) -> strategies.Strategy:
     """The strategy that computes ``problem``: ``chosen``, or the one
     ``auto`` plans for it (every replica of ``distribute=`` runs it)."""
-    if isinstance(chosen, planner.Auto):
-        return chosen.plan(problem).strategy
-    return chosen
+    found = (
+        chosen.plan(problem).strategy if isinstance(chosen, planner.Auto) else chosen
+    )
+    planner.check_one_draw(problem, found)
+    return found
 
 
 def wrap(problem: Problem, solution: strategies.Solution) -> JacobianResult:

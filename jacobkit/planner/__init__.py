@@ -43,7 +43,7 @@ the memory prior, the disk entry), :mod:`~jacobkit.planner.policy`,
 cache). This package face only hands names on.
 """
 
-from jacobkit.planner.auto import Auto
+from jacobkit.planner.auto import Auto, check_one_draw
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.plan import (
     BudgetWarning,
@@ -69,6 +69,7 @@ __all__ = [
     "Rejection",
     "Session",
     "Switch",
+    "check_one_draw",
     "current_policy",
     "use_policy",
 ]

@@ -17,15 +17,17 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, final
 
-from jacobkit import memory
+from jacobkit import memory, strategies
+from jacobkit.keras import state
 from jacobkit.planner import calls, probes, reduced
 from jacobkit.planner.opening import open_session
 from jacobkit.planner.plan import Plan
 from jacobkit.planner.policy import current_policy
 from jacobkit.planner.session import Session
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, inspect
 from jacobkit.problem.cache import Slot, model_state
-from jacobkit.strategies import Solution
+from jacobkit.problem.reduce import ClippedSum
+from jacobkit.strategies import Solution, Strategy
 
 
 @final
@@ -78,7 +80,11 @@ class Auto:
         """One call: every row of ``problem`` by the strategy the session
         picks; the solution names what later calls run and the plan.
         ``stats.planning_time_s`` is the time spent outside the run that
-        computed the rows (the budget check, the memory prior, the cache)."""
+        computed the rows (the budget check, the memory prior, the cache).
+        Where the model draws randomness no seed state pins (:func:`unpinned`),
+        one strategy whose result comes from one pass, and nothing probed."""
+        if unpinned(problem):
+            return one_pass(problem).solve(problem)
         if problem.reduce is not None:
             return self.reduced(problem).solve(problem)
         start = time.perf_counter()
@@ -125,3 +131,57 @@ class Auto:
                 problem, self.memory_budget, device, policy, self.cache
             )
         return sessions[key]
+
+
+def unpinned(problem: Problem) -> tuple[str, ...]:
+    """With ``training=True``, the model's random ops that no Keras seed
+    generator's state pins (:func:`jacobkit.keras.state.unpinned`): each
+    forward pass draws them anew. Empty otherwise."""
+    if not problem.training:
+        return ()
+    return inspect.inspect(problem).unpinned
+
+
+def one_pass(problem: Problem) -> Strategy:
+    """``auto``'s pick where the model's randomness cannot be pinned: ``batch``
+    where it serves, its result (a clipped sum's too) from one forward
+    pass; else ``chunked``, whose rows come from one pass, except for a
+    clipped sum (two passes there: refused, :func:`check_one_draw`)."""
+    try:
+        strategies.Batch().check(problem)
+    except ValueError as err:
+        chunked = strategies.Chunked()
+        check_one_draw(problem, chunked, why=str(err))
+        return chunked
+    return strategies.Batch()
+
+
+def check_one_draw(problem: Problem, chosen: Any, why: str | None = None) -> None:
+    """Refuse what would mix draws of randomness no seed state pins: a
+    clipped sum from two passes (the rows' norms from one, the weighted sum
+    from another: an example's contribution is then not clipped to C), or
+    ``forward``'s pass per chunk of tangents (rows from different masks)."""
+    found = unpinned(problem)
+    if not found or isinstance(chosen, Auto):
+        return
+    two_pass = isinstance(problem.reduce, ClippedSum) and not chosen.clips
+    if not (two_pass or chosen.name == "forward"):
+        return
+    where = state.where(found, problem.model)
+    what = (
+        f"reduce={problem.reduce!r} on strategy={chosen.name!r} takes each "
+        "row's norm from one forward pass and the clipped sum from another"
+        if two_pass
+        else "strategy='forward' runs a forward pass per chunk of tangents"
+    )
+    batch = "" if why is None else f" (strategy='batch' cannot run here: {why})"
+    raise ValueError(
+        f"jacobian(training=True): the model draws random numbers that jacobkit "
+        f"cannot hold fixed across forward passes, at {where}: stateful random "
+        "ops, not drawn from a Keras SeedGenerator, so every pass draws anew. "
+        f"{what}, so they would see different draws (for a clipped sum: an "
+        "example's contribution is no longer bounded by C). Use strategy="
+        f"'batch', whose result comes from one pass{batch}; or draw through "
+        "keras.random with a keras.random.SeedGenerator (Keras 3's "
+        "keras.layers.Dropout does), which jacobkit pins."
+    )
