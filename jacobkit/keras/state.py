@@ -1,48 +1,59 @@
 """One draw of the model's randomness and state per call.
 
-Every forward pass jacobkit makes of a Keras 3 model within one call runs
-inside a fresh ``keras.StatelessScope`` (:func:`drawn`): a
+Every forward pass jacobkit makes of a Keras 3 model runs inside a fresh
+``keras.StatelessScope`` (:func:`drawn`, from ``Problem.call_model``): a
 ``variable.assign`` there is recorded in the scope, not applied. A dropout
 layer draws its mask from its ``SeedGenerator``, whose ``next()`` reads the
-state variable and assigns it one step on (``keras.random.dropout`` is
-TensorFlow's stateless dropout given that seed); BatchNormalization assigns
-its moving statistics. Inside the scope neither assignment reaches the
-variable, so every pass of the call starts from the same seed state, draws the
-same masks and sees the same batch statistics, and the user's model, layers
-and variables are never changed, not even for a moment (no snapshot and
-restore: other threads may run the same model).
+state variable and assigns it one step on (Keras 3's dropout on TensorFlow is
+``tf.nn.experimental.stateless_dropout`` given that seed); BatchNormalization
+assigns its moving statistics. Inside the scope neither assignment reaches
+the variable, so every pass of a call starts from the same seed state, draws
+the same masks and sees the same batch statistics, and the user's model,
+layers and variables are never changed, not even for a moment (no snapshot
+and restore: other threads may run the same model).
 
-The call then moves the state once, as one ``model(x, training=True)`` would.
-Each scope hands what its pass assigned to the innermost collector of this
-thread (:func:`offer`):
+With ``training=True`` the call then moves the state once, as one
+``model(x, training=True)`` would. Each scope hands what its pass assigned to
+the innermost collector of this context (:func:`offer`):
 
-- inside a computation compiled by :func:`compiled` (jacobkit's one
-  ``tf.function`` wrapper), to that computation, which returns the values as
-  extra outputs (none where the pass assigns nothing: ``training=False`` on
-  a model without sampling layers costs nothing);
-- eagerly, to the call's :class:`Draw` (opened by
-  :func:`jacobkit.engine.run` around the whole call), which keeps the last
-  pass's values and :meth:`Draw.apply` assigns them once at the end.
+- inside a computation compiled by :func:`function` (``Problem.function``,
+  the one place jacobkit wraps a computation in ``tf.function``), to that
+  computation (:class:`Compiled`), which returns the values as extra outputs
+  and offers them to its caller: an enclosing computation's trace, or
+- eagerly, the call's :class:`Draw` (opened by :func:`jacobkit.engine.run`
+  around the whole call), which :meth:`Draw.apply` assigns once at the end.
 
-Every pass of a call starts from the same state on the call's own inputs, so
-all of them record the same values, and the last one is the one pass's
-values. Passes outside :func:`jacobkit.engine.run` (building a model,
-``Problem`` checks, a traced pass that only inspects) hand theirs to no one:
-nothing moves. Planner probes and ``batch``'s checks run before the pass that
-computes the result, which is offered last.
+Every pass of a call starts from the same state, so the passes on the call's
+batch record the same values; the pass that computes the result comes last
+(planner probes, ``batch``'s checks on two examples run before it), and the
+last value of each variable is kept. Passes outside ``engine.run`` (building
+a model, the checks of a ``Problem``, the traced pass that only inspects) hand
+theirs to no one: nothing moves. With ``training=False`` nothing is collected
+and computations are plain ``tf.function`` objects: no cost, nothing moves.
 
-Measured (TF 2.21, Keras 3.15, this module's tests): before it, a
-``ClippedSum(C)`` on ``chunked`` took each row's norm and the weighted sum from
-two passes with two dropout masks, and one example's clipped contribution
-reached 1.3-1.74x C (1.04x on a small ``GPT2CausalLM``); a ``training=True``
-call moved BatchNormalization's moving statistics about 3 times. With it the
-contribution is ``min(norm, C)`` to float32 rounding and the statistics move
-once, equal to one ``model(x, training=True)`` on a copy.
+Why not the alternatives: a snapshot of the seed states restored before each
+pass changes the user's variables while other threads may read them; an extra
+forward pass at the end to move the state costs a forward pass per call; a
+scope around the whole call cannot see inside compiled computations, whose
+assignments are graph tensors that only their outputs can carry out.
 
-Not pinned: random ops that do not go through a Keras ``SeedGenerator``
-(a ``tf_keras`` Dropout, ``tf.random.uniform`` in a custom layer) draw anew on
-every pass; :func:`unpinned` names them in a traced pass, and the planner
-refuses what would mix their draws.
+Measured (TF 2.21, Keras 3.15, ``tests/test_one_draw.py``; the commit before
+this one): a ``ClippedSum(C)`` with sample weights one-hot at example i, on
+``loop``, ``jacobian``, ``while``, ``chunked`` and ``auto``, gave a sum of norm
+up to 1.81x C on an MLP with ``Dropout(0.5)``, 1.34x on a GRU with dropout,
+1.08x on a small ``GPT2CausalLM`` (dropout 0.1); ``forward`` 1.03x. Now
+``min(norm_i, C)`` within 2.2e-7. BatchNormalization's moving statistics
+after one call equal one ``model(x, training=True)`` on a copy exactly (they
+moved up to 3 times before). The steady cost of the extra outputs was within
+this shared machine's noise (a clipped sum on a 64-256-256-10 MLP, 40-60 ms
+per call either way).
+
+Not pinned: random ops that do not go through a Keras ``SeedGenerator`` (a
+``tf_keras`` Dropout, ``tf.random.uniform`` in a custom layer) draw anew on
+every pass; :func:`unpinned` finds them in the traced pass, and the planner
+refuses what would mix their draws (:func:`jacobkit.planner.check_one_draw`).
+Models whose state is not Keras 3 variables (``tf_keras``, ``tf.Module``)
+assign it on every pass, as before.
 """
 
 from __future__ import annotations
@@ -145,16 +156,25 @@ def offer(updates: Updates) -> None:
 
 
 class _Collector:
-    """The last offered pass's updates, of one graph (or eager)."""
+    """The values the passes offered last, per variable, of one graph (or
+    eager). A later pass's value replaces an earlier one's: every pass of a
+    call starts from the same state, and the pass computing the result (on
+    the call's whole batch) comes after the checks that run on a few
+    examples; a pass of part of the model (``structured``'s head) leaves
+    the other variables' values as the whole model's pass left them."""
 
     def __init__(self) -> None:
         self.graph = tf.compat.v1.get_default_graph() if tf.inside_function() else None
-        self.updates: Updates = ()
+        self._found: dict[int, tuple[Any, tf.Tensor]] = {}
+
+    @property
+    def updates(self) -> Updates:
+        return tuple(self._found.values())
 
     def take(self, updates: Updates) -> None:
-        mine = tuple((v, value) for v, value in updates if self._mine(value))
-        if mine:
-            self.updates = mine
+        for variable, value in updates:
+            if self._mine(value):
+                self._found[id(variable)] = (variable, value)
 
     def _mine(self, value: Any) -> bool:
         if self.graph is None:
