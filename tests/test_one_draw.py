@@ -253,6 +253,18 @@ def test_a_training_call_moves_the_state_once(strategy, reduce):
     print(f"{strategy} {reduce}: moving statistics' largest difference {worst:.1e}")
 
 
+@pytest.mark.parametrize("strategy", ["batch", "chunked", "forward", "auto"])
+def test_a_training_call_advances_the_seeds_once(strategy):
+    """``batch``'s checks and ``auto``'s planning included: the seed
+    generator's state moves as one ``model(x, training=True)`` moves it."""
+    model, x, y, loss = _mlp()
+    copy = _copy(model)
+    copy(x, training=True)
+    _jacobian(model, (x, y), loss, strategy, reduce=jk.ClippedSum(0.1))
+    (found,), (want,) = _seed_states(model), _seed_states(copy)
+    np.testing.assert_array_equal(found, want)
+
+
 def test_a_second_call_draws_new_masks():
     """The state moved: the next call's masks are the next training step's."""
     model, x, y, loss = _mlp()
@@ -367,3 +379,32 @@ def test_auto_clips_unpinned_draws_in_one_pass():
         strategy="chunked",
         reduce=jk.ClippedSum(clip),
     )
+
+
+class NoisyRecurrent(keras.Model):
+    """The noise after a recurrent layer, which ``batch`` has no rule for."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = keras.layers.SimpleRNN(4, name="rnn")
+        self.noise = Noise(name="noise")
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x, training=False):
+        return self.head(self.noise(self.rnn(x), training=training))
+
+
+def test_auto_refuses_a_clipped_sum_of_unpinned_draws_batch_cannot_serve():
+    keras.utils.set_random_seed(5)
+    model = NoisyRecurrent()
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(4, 3, 2)).astype("float32")
+    y = rng.integers(0, 3, 4)
+    model(x)
+    args = (model, (x, y), model.trainable_variables)
+    with pytest.raises(ValueError, match="strategy='batch' cannot run here") as err:
+        jk.jacobian(*args, outputs=LOSS, training=True, reduce=jk.ClippedSum(0.1))
+    assert "layer 'noise'" in str(err.value)
+    # rows come from one pass: auto runs chunked, and probes nothing
+    result = jk.jacobian(*args, outputs=LOSS, training=True)
+    assert result.strategy == "chunked"
