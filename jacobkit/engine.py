@@ -19,6 +19,7 @@ from dataclasses import replace
 import tensorflow as tf
 
 from jacobkit import memory, planner, runtime, strategies
+from jacobkit.keras import state
 from jacobkit.problem import Call, Problem
 from jacobkit.problem.solution import Solution, Solver
 from jacobkit.result import JacobianResult
@@ -58,9 +59,20 @@ def run(problem: Problem, chosen: Solver[strategies.Strategy]) -> JacobianResult
     warnings about its own internals, such as pfor's "uses a while_loop" or
     the retracing of ``auto``'s candidates, are not for the user: hidden
     while jacobkit works, see :mod:`jacobkit.runtime`), then the result is
-    shaped and named."""
-    with runtime.tensorflow_warnings():
+    shaped and named.
+
+    The call is one draw of the model's randomness and state
+    (:mod:`jacobkit.keras.state`): its passes leave the model's variables
+    as they were; with ``training=True``, what the last one assigned
+    (dropout's seed state, batch normalization's moving statistics) is
+    assigned once, here, as one ``model(x, training=True)`` would."""
+    if not problem.training:  # nothing assigned, nothing to keep
+        with runtime.tensorflow_warnings():
+            return wrap(problem, chosen.solve(problem))
+    draw = state.Draw()
+    with runtime.tensorflow_warnings(), draw:
         solution = chosen.solve(problem)
+    draw.apply()
     return wrap(problem, solution)
 
 

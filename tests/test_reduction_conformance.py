@@ -381,8 +381,8 @@ TRAINING = {"mlp_dropout": _dropout_mlp, "conv_batch_norm": _batch_norm_conv}
 #: masks, 4.0-12.6 on the batch-normalized conv net)
 CLIP_NORM = 0.1
 
-#: what today's code does, measured (issue 47): the clipped sum by a
-#: strategy without its own takes the norms from one pass of the model and
+#: what the code did before one draw per call, measured (issue 47): the
+#: clipped sum by a strategy without its own took the norms from one pass of the model and
 #: the scaled gradient from a second, with another dropout mask (one
 #: example's clipped contribution 0.27-3.9 times C); each pass moves the
 #: moving statistics (2 updates; ``forward``: a pass per chunk of tangents,
@@ -390,23 +390,9 @@ CLIP_NORM = 0.1
 #: a mask per chunk of tangents within one call (its rows are no one
 #: draw's), and ``batch`` checks the model by a pass of its own on its first
 #: call with a problem (a second draw, its rows not the first's)
-_ISSUE_47 = pytest.mark.xfail(strict=True, reason="one draw per call: issue 47")
-FAILS_TODAY = {
-    "contribution": {
-        ("mlp_dropout", s) for s in ("loop", "jacobian", "while", "chunked", "forward")
-    },
-    "moving statistics": {"loop", "jacobian", "while", "chunked", "forward", "auto"},
-    "rows": {"batch", "forward"},
-}
-
-
-def _marked(values: list[Any], fails: set[Any]) -> list[Any]:
-    return [
-        pytest.param(*v, marks=[_ISSUE_47] if v in fails else [])
-        if isinstance(v, tuple)
-        else pytest.param(v, marks=[_ISSUE_47] if v in fails else [])
-        for v in values
-    ]
+#: (so the cases below failed: the contribution on loop, jacobian, while,
+#: chunked and forward; the moving statistics on those and auto; the rows
+#: on batch and forward)
 
 
 def _one_example(subject: Subject, i: int) -> tuple[Any, ...]:
@@ -419,10 +405,7 @@ def _one_example(subject: Subject, i: int) -> tuple[Any, ...]:
 
 @pytest.mark.parametrize(
     ("name", "strategy"),
-    _marked(
-        [(name, s) for name in TRAINING for s in STRATEGIES],
-        FAILS_TODAY["contribution"],
-    ),
+    [(name, s) for name in TRAINING for s in STRATEGIES],
 )
 def test_each_examples_clipped_contribution_is_at_most_the_clip_norm(
     name: str, strategy: str
@@ -492,9 +475,7 @@ def test_an_inference_call_leaves_batch_statistics(strategy: str) -> None:
         np.testing.assert_array_equal(found, want)
 
 
-@pytest.mark.parametrize(
-    "strategy", _marked(STRATEGIES, FAILS_TODAY["moving statistics"])
-)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_training_call_moves_batch_statistics_as_one_step(strategy: str) -> None:
     """The moving statistics after a ``training=True`` call are those after
     one ``model(x, training=True)`` of an identical copy."""
@@ -522,9 +503,7 @@ def _training_calls(subject: Subject, before: list[np.ndarray]) -> list[float]:
     return np.round(calls, 2).tolist()
 
 
-@pytest.mark.parametrize(
-    "strategy", _marked([s for s in STRATEGIES if s != "loop"], FAILS_TODAY["rows"])
-)
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "loop"])
 def test_rows_under_dropout_agree_with_the_loops(strategy: str) -> None:
     """From the same state of the dropout layer's seed generator, a
     strategy's first call draws the masks the eager loop draws: the same

@@ -84,7 +84,12 @@ class Auto:
         """One call: every row of ``problem`` by the strategy the session
         picks; the solution names what later calls run and the plan.
         ``stats.planning_time_s`` is the time spent outside the run that
-        computed the rows (the budget check, the memory prior, the cache)."""
+        computed the rows (the budget check, the memory prior, the cache).
+        Where the model draws randomness no seed state pins
+        (``problem.unpinned``), one strategy whose result comes from one
+        pass, and nothing probed."""
+        if problem.unpinned:
+            return one_pass(problem).solve(problem)
         if problem.reduction.reduces:
             return self.reduced(problem).solve(problem)
         start = time.perf_counter()
@@ -171,3 +176,18 @@ def solver(
             "size the strategy yourself (e.g. Chunked(chunk_size=8))."
         )
     return chosen
+
+
+def one_pass(problem: Problem) -> Strategy:
+    """``auto``'s pick where the model's randomness cannot be pinned: ``batch``
+    where it serves, its result (a clipped sum's too) from one forward
+    pass; else ``chunked``, whose rows come from one pass (a clipped sum
+    from two passes is refused there, by the strategy:
+    :meth:`~jacobkit.strategies.base.Strategy.check_draws`)."""
+    try:
+        strategies.Batch().check(problem)
+    except ValueError as err:
+        chunked = strategies.Chunked()
+        chunked.check_draws(problem, why=str(err))
+        return chunked
+    return strategies.Batch()

@@ -16,7 +16,7 @@ from typing import Any, NoReturn, Protocol
 
 import tensorflow as tf
 
-from jacobkit.keras import compat
+from jacobkit.keras import compat, state
 from jacobkit.layers import convolutions
 from jacobkit.problem import liveness
 from jacobkit.problem import outputs as model_outputs
@@ -55,6 +55,9 @@ class Inspection:
             of a Keras model holds at its peak (it keeps them until the
             call returns; measured on a frozen MobileNetV2 at 96 px, 16
             images: 260 MiB held, 319 MiB counted).
+        unpinned: the names of the forward pass's stateful random ops
+            (:func:`jacobkit.keras.state.unpinned`): draws no Keras seed
+            generator's state pins, new on every pass.
     """
 
     outputs_shape: tf.TensorShape | None
@@ -65,6 +68,7 @@ class Inspection:
     convolutions: frozenset[str]
     forward_bytes: int = 0
     sequential_memory: SequentialMemory | None = None
+    unpinned: tuple[str, ...] = ()
 
 
 class Traceable(Protocol):
@@ -143,6 +147,10 @@ def trace(problem: Traceable) -> Inspection:
         forward_bytes=_float_bytes(operations[:forward_ops]),
         sequential_memory=(
             None if has_loops else liveness.walk(operations, forward_ops)
+        ),
+        # loop bodies are functions of the graph's library
+        unpinned=state.unpinned(
+            operations[:forward_ops], graph.as_graph_def() if has_loops else None
         ),
     )
 

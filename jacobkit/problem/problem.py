@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import layers
-from jacobkit.keras import compat, layer_tree
+from jacobkit.keras import compat, layer_tree, state
 from jacobkit.keras import graph as taps
 from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
 from jacobkit.problem import outputs as model_outputs
@@ -164,6 +164,8 @@ class Problem:
             layer_outputs = layer_tree.output_bytes(self.model, int(outputs_shape[0]))
         self.forward_bytes = layer_outputs or inspection.forward_bytes
         self.convolutions = inspection.convolutions
+        #: with training=True, the random ops no Keras seed state pins
+        self.unpinned = inspection.unpinned if self.training else ()
         self.rows_shape: tuple[int, ...] = tuple(spec.shape.as_list())
         self.num_rows = int(np.prod(self.rows_shape, dtype=np.int64))
         if self.blocked:  # K batch-summed rows, see :attr:`blocked`
@@ -218,15 +220,16 @@ class Problem:
         A float16 or bfloat16 output (mixed precision) is cast to float32
         first, so rows are summed, and cotangents seeded, in float32: each
         row's gradient then reaches the target variables as the loop's
-        gradient of a float32 scalar does.
+        gradient of a float32 scalar does. Each pass draws alike (:func:`.state.drawn`).
         """
         inputs = self.model_inputs(inputs)
-        if hook is not None:
-            outputs = self.layer_tap(inputs, self.training, hook)
-        elif self.tensor_targets is not None:
-            outputs = self.tensor_targets.call(inputs)
-        else:
-            outputs = self._call(inputs)
+        with state.drawn():
+            if hook is not None:
+                outputs = self.layer_tap(inputs, self.training, hook)
+            elif self.tensor_targets is not None:
+                outputs = self.tensor_targets.call(inputs)
+            else:
+                outputs = self._call(inputs)
         if self.output is not None:
             outputs = model_outputs.pick(outputs, self.output, self.model)
         return tf.nest.map_structure(rows.at_least_float32, outputs)
@@ -282,9 +285,9 @@ class Problem:
 
     def function(self, fn: Callable[..., Any]) -> Any:
         """``tf.function(fn)`` for a computation that calls this problem's
-        model, with AutoGraph only where the model's code needs it (see
-        :func:`jacobkit.keras.compat.needs_autograph`)."""
-        return tf.function(fn, autograph=compat.needs_autograph(self.model))
+        model, AutoGraph only where its code needs it (:func:`.compat.needs_autograph`),
+        what its passes assign beside the result (:func:`.state.function`)."""
+        return state.function(fn, compat.needs_autograph(self.model), self.training)
 
     @property
     def reduce(self) -> Any:

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import tensorflow as tf
 
+from jacobkit.keras import state
 from jacobkit.problem import PerModel, Problem
 from jacobkit.problem.plan import Plan
 from jacobkit.problem.reduction import Computation, Output, Rows
@@ -46,6 +47,10 @@ class Strategy(abc.ABC):
     compiled: ClassVar[bool] = True
     #: rows (or tangents) per vectorized pass; a field where a strategy has one
     chunk_size: int | None = None
+    #: whether a call's result comes from one forward pass (``forward`` runs
+    #: one per chunk of tangents): with randomness no seed state pins, only
+    #: such a strategy runs (:meth:`check_draws`)
+    one_pass: ClassVar[bool] = True
     #: tracing cost relative to ``while`` (1.0), before it was measured. On
     #: CPU, TF 2.21, pfor-based strategies traced 1.4-4x slower than while.
     trace_weight: ClassVar[float] = 2.0
@@ -149,6 +154,38 @@ class Strategy(abc.ABC):
     def check(self, problem: Problem) -> None:  # noqa: B027 - optional hook
         """Raise a clear error if this strategy cannot solve ``problem``."""
 
+    def check_draws(self, problem: Problem, why: str | None = None) -> None:
+        """Refuse what would mix draws of randomness that no seed state pins
+        (``problem.unpinned``, with ``training=True``): a computation of more
+        than one forward pass (a kind's generic computation that needs two,
+        :attr:`~jacobkit.problem.reduction.Reduction.generic_passes`, as a
+        clipped sum's norms and weighted sum; or a strategy that runs a pass
+        per chunk, :attr:`one_pass`). ``why``: why ``batch`` cannot run."""
+        if not problem.unpinned:
+            return
+        generic = not self.computes(problem)
+        if self.one_pass and not (generic and problem.reduction.generic_passes > 1):
+            return
+        where = state.where(problem.unpinned, problem.model)
+        what = (
+            f"strategy={self.name!r} runs a forward pass per chunk"
+            if not self.one_pass
+            else f"reduce={problem.reduce!r} on strategy={self.name!r} takes each "
+            "row's norm from one forward pass and the clipped sum from another"
+        )
+        batch = "" if why is None else f" (strategy='batch' cannot run here: {why})"
+        raise ValueError(
+            "jacobian(training=True): the model draws random numbers that "
+            f"jacobkit cannot hold fixed across forward passes, at {where}: "
+            "stateful random ops, not drawn from a Keras SeedGenerator, so every "
+            f"pass draws anew. {what}, so they would see different draws (for a "
+            "clipped sum: an example's contribution is no longer bounded by C). "
+            "Use strategy='batch', whose result comes from one pass"
+            f"{batch}; or draw through keras.random with a "
+            "keras.random.SeedGenerator (Keras 3's keras.layers.Dropout does), "
+            "which jacobkit pins."
+        )
+
     def cannot_run(self, problem: Problem) -> str | None:
         """Why this strategy cannot run through ``problem``'s layers, known
         from their types alone (nothing is traced): ``auto`` leaves such a
@@ -215,6 +252,7 @@ class Strategy(abc.ABC):
         if key not in compiled:
             problem.reduction.check(problem)
             self.check(problem)
+            self.check_draws(problem)
             precision.warn_if_bfloat16_far_off(problem, compiled=self.compiled)
             # the cached computation takes the inputs as its argument: closing
             # over this call's would keep them alive for the life of the model

@@ -41,6 +41,8 @@ class Forward(Strategy):
     """
 
     name = "forward"
+    #: a forward pass per chunk of tangents
+    one_pass = False
     chunk_size: int = 64
     max_slowdown: float | None = 10.0
 

@@ -97,6 +97,10 @@ class Reduction(abc.ABC):
     name: ClassVar[str]
     #: whether ``jacobian(reduce=...)`` takes it (``jk.gram``'s factors: no)
     public: ClassVar[bool] = True
+    #: the forward passes the kind's generic computation makes (a clipped
+    #: sum: the norms' and the weighted sum's; they see the same draw of the
+    #: model's randomness only where a seed state pins it)
+    generic_passes: ClassVar[int] = 1
     #: over a dataset, the batches' results are added up (a clipped sum);
     #: else each batch's rows follow the last's
     sums_batches: ClassVar[bool] = False

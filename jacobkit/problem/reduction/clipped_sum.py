@@ -57,6 +57,7 @@ class ClippedSum(Reduction):
 
     name = "clipped_sum"
     sums_batches = True
+    generic_passes = 2
 
     def __post_init__(self) -> None:
         value = self.clip_norm
