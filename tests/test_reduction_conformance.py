@@ -382,8 +382,9 @@ TRAINING = {"mlp_dropout": _dropout_mlp, "conv_batch_norm": _batch_norm_conv}
 CLIP_NORM = 0.1
 
 #: what the code did before one draw per call, measured (issue 47): the
-#: clipped sum by a strategy without its own took the norms from one pass of the model and
-#: the scaled gradient from a second, with another dropout mask (one
+#: clipped sum by a strategy without its own took the norms from one pass
+#: of the model and the scaled gradient from a second, with another
+#: dropout mask (one
 #: example's clipped contribution 0.27-3.9 times C); each pass moves the
 #: moving statistics (2 updates; ``forward``: a pass per chunk of tangents,
 #: 10; ``auto``'s planning runs passes on other batches); ``forward`` draws
