@@ -131,10 +131,19 @@ def jacobian(
         progress=progress,
         distribute=distribute,
     )
-    if out is not None or distribute is not None or arguments.is_batches(inputs):
+    return _run(call, inputs, start)
+
+
+def _run(call: Call, inputs: Any, start: float) -> JacobianResult:
+    """``call`` on ``inputs``: many batches (a dataset, ``out=``,
+    ``distribute=``) by :mod:`jacobkit.batches`; one batch of arrays here,
+    its ``stats.total_time_s`` counted from ``start`` (when
+    :func:`jacobian` was called)."""
+    many = call.out is not None or call.distribute is not None
+    if many or arguments.is_batches(inputs):
         with runtime.tensorflow_warnings():
             return collect.jacobian_batches(call, inputs)
-    with engine.device_scope(device), runtime.tensorflow_warnings():
+    with engine.device_scope(call.device), runtime.tensorflow_warnings():
         result = _one_batch(call, inputs)
     total = time.perf_counter() - start
     return replace(result, stats=replace(result.stats, total_time_s=total))

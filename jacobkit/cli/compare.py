@@ -5,7 +5,8 @@ generator; the reference is the float64 loop on a float64 copy of the model
 where Keras can build one. TensorFlow is imported when the command runs.
 
 The parent process loads the problem (a mistake in it is a usage error) and
-computes the reference once, with no time limit; it goes to each strategy as
+computes the reference once, with no time limit
+(:mod:`jacobkit.cli._compare_problem`); it goes to each strategy as
 an ``.npz`` file. Each strategy then runs in a fresh child process
 (:mod:`jacobkit.bench.processes`, as the benchmark suite runs them) that
 rebuilds the problem itself: the saved model and inputs loaded from their
@@ -21,31 +22,16 @@ import dataclasses
 import math
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from jacobkit import runtime
-from jacobkit.cli._common import (
-    UsageError,
-    add_custom_objects,
-    check_model_flags,
-    custom_objects,
-    load_model,
-)
+from jacobkit.cli import _compare_problem as compared
+from jacobkit.cli._common import UsageError, add_custom_objects, check_model_flags
 
 #: exit code of a run the user interrupted (Ctrl-C), after the rows so far
 INTERRUPTED = 130
 #: seconds each strategy's child may run, by default
 DEFAULT_TIME_LIMIT_S = 120.0
-
-#: the built-in problem: the users' generator at a size that runs in seconds
-DEFAULT_SIZES = {
-    "batch": 16,
-    "sequence": 64,
-    "channels": 8,
-    "filters": 32,
-    "features": 144,
-}
 
 
 def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -70,7 +56,7 @@ def add(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--outputs", default="features", choices=["features", "per_example", "full"]
     )
     p.add_argument("--features", type=int, nargs="+", help="keep these output features")
-    for name, value in DEFAULT_SIZES.items():
+    for name, value in compared.DEFAULT_SIZES.items():
         p.add_argument(
             _size_flag(name),
             dest=f"size_{name}",
@@ -134,7 +120,7 @@ def _check_args(args: argparse.Namespace) -> None:
     check_model_flags(args)
     sizes = [
         _size_flag(name)
-        for name in DEFAULT_SIZES
+        for name in compared.DEFAULT_SIZES
         if getattr(args, f"size_{name}") is not None
     ]
     if args.model and sizes:
@@ -142,95 +128,6 @@ def _check_args(args: argparse.Namespace) -> None:
             f"{', '.join(sizes)} size the built-in problem; with --model the "
             "model and --inputs give the sizes. Drop them."
         )
-
-
-@dataclass(frozen=True)
-class _Loaded:
-    """The problem to compare on: ``model`` and ``inputs``, their float64
-    copies (``model64`` ``None`` where Keras cannot build one), the target
-    ``layer``, the problem ``described`` in words and, for the built-in
-    generator, its ``sizes`` (with which a child builds it again)."""
-
-    model: Any
-    inputs: Any
-    layer: Any
-    model64: Any
-    inputs64: Any
-    described: str
-    sizes: dict[str, int] | None = None
-
-
-def _load_inputs(path: str) -> Any:
-    import numpy as np
-
-    if not os.path.exists(path):
-        raise UsageError(f"--inputs {path}: no such file.")
-    try:
-        return np.load(path)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--inputs {path}: not a .npy array ({err}).") from err
-
-
-def _load_problem(args: argparse.Namespace) -> _Loaded:
-    from jacobkit.testing import examples
-
-    if args.model:
-        from jacobkit import testing
-        from jacobkit.keras import saved
-
-        model = load_model(args.model, args.custom_objects)
-        inputs = _load_inputs(args.inputs)
-        try:
-            # a custom layer is rebuilt in float64 from its config as Keras
-            # loaded it: with the classes --custom-objects names
-            with saved.object_scope(custom_objects(args.custom_objects)):
-                model64 = testing.float64_copy(model)
-        except TypeError:
-            model64 = None
-        return _Loaded(model, inputs, args.layer, model64, inputs, args.model)
-    sizes: dict[str, int] = {
-        name: int(getattr(args, f"size_{name}") or value)
-        for name, value in DEFAULT_SIZES.items()
-    }
-    ex = examples.build("generator", "float32", **sizes)
-    ex64 = examples.build("generator", "float64", **sizes)
-    text = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    described = f"built-in generator ({text})"
-    return _Loaded(
-        ex.model, ex.inputs, ex.layer, ex64.model, ex64.inputs, described, sizes
-    )
-
-
-def _reference(
-    problem: Any, loaded: _Loaded, args: argparse.Namespace
-) -> tuple[list[Any], str]:
-    """The reference Jacobians and what they are, in words: the float64 loop
-    on the float64 copy, or the float32 loop without one."""
-    from jacobkit import engine, strategies, testing
-    from jacobkit.keras import compat
-    from jacobkit.problem import Call
-
-    if loaded.model64 is None:
-        result = engine.run(problem, strategies.Loop())
-        policy = compat.dtype_policy_name(problem.model)
-        return list(result.jacobians.values()), (
-            f"{policy or 'float32'} loop on the model itself (no float64 copy: "
-            "Keras cannot rebuild this model from its config)"
-        )
-    call = Call(
-        loaded.model64, loaded.layer, outputs=args.outputs, features=args.features
-    )
-    ref_problem = call.problem(loaded.inputs64)
-    reference = testing.reference_jacobian(
-        loaded.model64,
-        loaded.inputs64,
-        list(ref_problem.targets),
-        outputs=args.outputs,
-        features=args.features,
-        call_kwargs={"training": False},
-    )
-    built = "a float64 copy of the model" if args.model else "the float64 build"
-    return reference, f"float64 loop on {built} (every variable float64)"
 
 
 def _candidates(args: argparse.Namespace) -> tuple[str, list[Any] | None]:
@@ -267,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from jacobkit.problem import Call
 
     device, candidates = _candidates(args)
-    loaded = _load_problem(args)
+    loaded = compared.load_problem(args)
     with tf.device(device):
         try:
             call = Call(
@@ -279,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     # on the CPU, the fork server imports TensorFlow while the reference runs
     with processes.open_pool(device, quiet=not args.verbose) as pool:
         with tf.device(device):
-            reference, ref_name = _reference(problem, loaded, args)
+            reference, ref_name = compared.reference(problem, loaded, args)
         task = _task(args, device, loaded, reference, pool.scratch)
         skipped: list = []
         if candidates is None:
@@ -316,7 +213,7 @@ def _print_skipped(skipped: list) -> None:
         )
 
 
-def _task(args, device, loaded: _Loaded, reference, scratch) -> dict[str, Any]:
+def _task(args, device, loaded: compared.Loaded, reference, scratch) -> dict[str, Any]:
     """What each strategy's child gets (:func:`jacobkit.bench.child.main`):
     the problem to build again (the saved model and inputs by their paths, or
     the generator by its sizes), ``reference``, saved to ``scratch``, and the

@@ -1,9 +1,11 @@
 """What ``auto`` knows of one problem in one process, and what it runs next.
 
 A :class:`Session` holds (per model, targets, rows, input shapes, budget,
-device and policy) the strategy it runs, the candidates still to try, what
-it measured so far, and the switches. It changes only through its own
-methods, in the order a call takes them (:mod:`jacobkit.planner.calls`):
+device and policy) its lineup (:class:`~jacobkit.planner.lineup.Lineup`:
+the strategy it runs, the candidate tried, those still to try, those left
+out, the switches), what it measured so far, and its calls' progress. It
+changes only through its own methods, in the order a call takes them
+(:mod:`jacobkit.planner.calls`):
 
 - :meth:`begin_call`, then :meth:`choose` the strategy of the run (the
   current one, or a candidate being tried, :mod:`jacobkit.planner.selection`);
@@ -16,24 +18,29 @@ A settled plan runs exactly what the fixed strategy would. No candidate is
 tried in a process's first call: that is the call the user waits for. Every
 call runs one strategy on every row at once.
 
-Judging a finished trial is :mod:`jacobkit.planner.trials`; the disk cache
-is :mod:`jacobkit.planner.cache` (:meth:`restore`, :meth:`cache_entry`).
+What a decision changes is the lineup's: each change (a try begun, a trial
+judged by :mod:`jacobkit.planner.trials`, a back-off, a refusal) is one of
+its pure methods, and the session holds the result. Choosing stays here: it
+runs on every call, and a steady call enters as few modules as it can
+(``tests/test_architecture.py``). What the disk cache keeps and how a
+session continues from it is :mod:`jacobkit.planner.keeping`
+(:meth:`cache_entry`, :meth:`restore`), the files
+:mod:`jacobkit.planner.cache`.
 """
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from jacobkit.planner import cache as disk
 from jacobkit.planner import estimates as est
-from jacobkit.planner import selection, trials
+from jacobkit.planner import keeping, selection
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.footprint import Footprint, Overruns
+from jacobkit.planner.lineup import Lineup
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.planner.start import start
 from jacobkit.problem import Problem
-from jacobkit.problem.plan import Estimate, Plan, Probe, Rejection, Switch
+from jacobkit.problem.plan import Estimate, Plan, Probe
 from jacobkit.strategies import Strategy
 
 
@@ -80,11 +87,8 @@ class Session:
         self._structure = begun.structure
         self._cache_name = cache_name
         self._measured = est.Measurements(policy, begun.footprint.predicted_peak)
-        self._rejected: list[Rejection] = list(begun.rejected)
-        self._current = begun.candidates[0]
-        self._pending: list[Strategy] = list(begun.candidates[1:])
-        self._trying: Strategy | None = None
-        self._switches: list[Switch] = []
+        first, *others = begun.candidates
+        self._lineup = Lineup(first, tuple(others), rejected=begun.rejected)
         self._spent_s = 0.0
         self._calls = 0
         self._source = "not run yet"
@@ -97,7 +101,7 @@ class Session:
     @property
     def current(self) -> Strategy:
         """The strategy calls run (but for a candidate being tried)."""
-        return self._current
+        return self._lineup.current
 
     @property
     def device(self) -> str | None:
@@ -124,21 +128,22 @@ class Session:
 
     def plan(self) -> Plan[Strategy]:
         """The current state as a frozen :class:`Plan`."""
-        current = self.estimate(self._current)
+        lineup = self._lineup
+        current = self.estimate(lineup.current)
         peak = current.peak if current is not None else None
         if peak is None:
-            peak = self._footprint.predicted_peak(self._current)
+            peak = self._footprint.predicted_peak(lineup.current)
         return Plan(
-            strategy=self._current,
+            strategy=lineup.current,
             budget_bytes=self._budget_bytes,
             result_bytes=self._footprint.result_bytes,
             num_rows=self._num_rows,
             predicted_time_s=current.seconds(self._num_rows) if current else None,
             predicted_peak_bytes=peak,
             estimates=self._measured.estimates(),
-            pending=tuple(([self._trying] if self._trying else []) + self._pending),
-            rejected=tuple(self._rejected),
-            switches=tuple(self._switches),
+            pending=(*([lineup.trying] if lineup.trying else []), *lineup.pending),
+            rejected=lineup.rejected,
+            switches=lineup.switches,
             last_call=self._last_call,
             source=self._source,
             calls=self._calls,
@@ -153,36 +158,36 @@ class Session:
 
     def choose(self) -> Strategy:
         """The strategy of the call's run: a candidate while it is tried,
-        else the current one (a candidate starts its try where it is due)."""
-        if self._trying is not None:
-            if self._measured.timed_runs(self._trying) < self._policy.trial_runs:
-                return self._trying  # its tracing run is not its speed
-            self._finish_trial()
-        current = self.estimate(self._current)
+        else the current one (a candidate starts its try where it is due,
+        :func:`~jacobkit.planner.selection.next_try`)."""
+        trying = self._lineup.trying
+        if trying is not None:
+            if self._measured.timed_runs(trying) < self._policy.trial_runs:
+                return trying  # its tracing run is not its speed
+            self._lineup = self._lineup.judged(
+                self._policy, self._measured, self._calls
+            )
+            self._dirty = True
+        current = self.estimate(self._lineup.current)
         if self._calls <= 1 or current is None or current.seconds_per_row is None:
-            return self._current  # never in the first call; no rate to beat yet
+            return self._lineup.current  # never in the first call; no rate yet
         due = selection.next_try(
             self._policy,
-            tuple(self._pending),
+            self._lineup.pending,
             current,
             self._spent_s,
-            lambda s: self._measured.earlier(s),
+            self._measured.earlier,
             self._footprint.predicted_peak,
-            lambda s, room: self.fits(s, room),
+            self.fits,
             (self._footprint.allowed_bytes, self._num_rows),
             left_eager=self._calls > self._policy.eager_calls,
         )
         if due.dropped:
-            del self._pending[: len(due.dropped)]
-            self._rejected.extend(due.dropped)
+            self._lineup = self._lineup.without(due.dropped)
             self._dirty = True
         if due.candidate is None:
-            return self._current
-        self._pending.pop(0)
-        self._trying = due.candidate
-        self._switches.append(
-            Switch(self._calls, 0, self._current, due.candidate, due.reason)
-        )
+            return self._lineup.current
+        self._lineup = self._lineup.trial(due.candidate, self._calls, due.reason)
         self._spent_s = 0.0
         return due.candidate
 
@@ -191,7 +196,7 @@ class Session:
         first_rate = not probe.traced and not self._measured.timed_runs(probe.strategy)
         self._measured.add(probe)
         self._dirty = self._dirty or probe.traced or first_rate
-        if probe.strategy == self._current and not probe.traced:
+        if probe.strategy == self._lineup.current and not probe.traced:
             self._spent_s += probe.seconds
 
     def end_call(self, runs: tuple[Probe, ...]) -> None:
@@ -221,29 +226,16 @@ class Session:
             tf.errors.ResourceExhaustedError: the current strategy already
                 runs one row at a time.
         """
+        lineup = self._lineup
         smaller = strategy.smaller()
         if peak is not None and not self._overruns.lowers(strategy, peak):
-            if strategy != self._trying:
+            if strategy != lineup.trying:
                 self._overruns.not_held(strategy, peak)
                 return
             smaller = None  # a candidate that cannot fit is dropped
-        self._overruns.backed_off(strategy, what, peak, smaller or self._current)
+        self._overruns.backed_off(strategy, what, peak, smaller or lineup.current)
         self._dirty = True
-        if strategy == self._trying:
-            if smaller is None:
-                self._drop_trial(strategy, f"{what} at its smallest")
-            else:
-                self._trying = smaller
-            return
-        if smaller is None:
-            raise tf.errors.ResourceExhaustedError(
-                None,
-                None,
-                f"jacobkit: {strategy.label} {what} computing one row at a time",
-            )
-        self._switches.append(Switch(self._calls, 0, strategy, smaller, what))
-        self._rejected.append(Rejection(strategy, what, memory=True))
-        self._current = smaller
+        self._lineup = lineup.backed_off(strategy, smaller, self._calls, what)
 
     def drop(self, strategy: Strategy, err: Exception) -> bool:
         """A run of ``strategy`` raised ``err`` (not out of memory): whether it
@@ -251,31 +243,17 @@ class Session:
         has computed nothing yet: the next candidate starts instead); else the
         error is the caller's to raise."""
         why = f"{type(err).__name__}: {err}"
-        if strategy == self._trying:
-            # a candidate that refuses (its check) or fails on this problem is
-            # dropped; the current strategy computes the rows
-            self._drop_trial(strategy, why)
-            return True
-        if self._pending and not self._measured.ran(strategy):
-            self._current = self._pending.pop(0)
-            self._reject(strategy, why)
-            return True
-        return False
+        ran = self._measured.ran(strategy)
+        dropped = self._lineup.failed(strategy, why, ran)
+        if dropped is None:
+            return False
+        self._lineup, self._dirty = dropped, True
+        return True
 
     # -- the disk cache --------------------------------------------------------
     def cache_entry(self) -> CacheEntry:
         """What the disk cache keeps of this session."""
-        plan = self.plan()
-        return CacheEntry(
-            current=self._current,
-            pending=plan.pending,
-            segment_rows=self._num_rows,
-            row_bytes=self._footprint.prior.row_bytes,
-            spent_s=self._spent_s,
-            estimates=plan.estimates,
-            rejected=plan.rejected,
-            allowed_bytes=self._footprint.allowed_bytes,
-        )
+        return keeping.entry(self.plan(), self._spent_s, self._footprint)
 
     def restore(self, entry: CacheEntry) -> bool:
         """Continue from ``entry`` where it applies (its strategy fits,
@@ -289,16 +267,12 @@ class Session:
         if not self.fits(entry.current):  # measured over today's budget
             self._measured.know(())
             return False
-        fresh = (self._current, *self._pending)
-        resumed = entry.resume(fresh, self._footprint.allowed_bytes, self.fits)
+        resumed = keeping.resumed(self._lineup, entry, self._footprint, self.fits)
         if resumed is None:
             return False
-        self._current = entry.current
-        self._pending = list(resumed.pending)
-        self._rejected = list(resumed.rejected)
+        self._lineup, self._dirty = resumed
         self._spent_s = entry.spent_s
         self._source = "disk cache"
-        self._dirty = resumed.changed
         return True
 
     def persist(self) -> None:
@@ -307,33 +281,3 @@ class Session:
         if self._cache_name is not None and self._dirty:
             disk.save(self._cache_name, self.cache_entry())
             self._dirty = False
-
-    # -- inside ----------------------------------------------------------------
-    def _reject(self, strategy: Strategy, why: str) -> None:
-        self._rejected.append(Rejection(strategy, why.splitlines()[0][:160]))
-        self._dirty = True
-
-    def _drop_trial(self, strategy: Strategy, why: str) -> None:
-        self._trying = None
-        self._reject(strategy, why)
-
-    def _finish_trial(self) -> None:
-        """Keep the faster of the candidate tried and the current strategy."""
-        trying = self._trying
-        assert trying is not None, "a trial is under way"
-        current, found = self.estimate(self._current), self.estimate(trying)
-        assert current is not None and found is not None, "both have run"
-        verdict = trials.judge(
-            self._policy,
-            self._measured.probes,
-            self._current,
-            trying,
-            (current, found),
-            (self._calls, 0),
-        )
-        self._trying = None
-        self._dirty = True
-        self._switches.append(verdict.switch)
-        self._rejected.append(verdict.rejection)
-        if verdict.won:
-            self._current = trying
