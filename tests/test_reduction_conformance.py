@@ -7,9 +7,9 @@ The kinds are :data:`tests.cases.REDUCTIONS` (the rows themselves,
 answer with the one computed the obvious way from every row's float64
 gradient (a tape per row on a float64 copy of the model), reduced in NumPy:
 per-target norms, ``Σ_r g_r min(1, C/|g_r|)`` with each row's norm over every
-target together (a ``"features"`` row is the batch-summed output, and it is
-that row which is clipped), the library's own projection maps applied to the
-float64 rows, ``G Gᵀ``.
+target together (only loss rows, one per example: clipping the others is
+refused), the library's own projection maps applied to the float64 rows,
+``G Gᵀ``.
 
 A strategy may refuse a problem, in words: a ``ValueError`` raised by
 jacobkit itself (never a TensorFlow error passed on), and the case is then
@@ -277,6 +277,19 @@ def test_reduction_agrees_with_float64(
     reduction: ReductionCase, strategy: str, name: str, mode: str
 ) -> None:
     subject = _subject(name)
+    if reduction.id == "clipped_sum" and mode != "loss":
+        # clipping rows that are not one per example bounds no example's
+        # contribution: refused by every strategy, before it computes
+        with pytest.raises(ValueError, match="clipped sum clips one row per example"):
+            reduction.found(
+                subject.model,
+                subject.inputs(mode),
+                subject.targets,
+                jk.ClippedSum(1.0),
+                outputs=subject.outputs(mode),
+                strategy=strategy,
+            )
+        return
     rows = _per_row(name, mode)
     argument = reduction.argument(rows)
     try:

@@ -162,27 +162,30 @@ def test_clipped_sum_over_a_dataset_is_one_sum(strategy):
     )
 
 
-def test_clipped_sum_of_multi_dimensional_rows_clips_each_row():
-    """Rows need not be losses: per-example, per-class rows clip one by one."""
-    model, (x, _) = _mlp()
-    ref = testing.float64_reference(model, x, model.trainable_variables, outputs="full")
-    grads = [np.asarray(r, np.float64) for r in ref]  # (B, 3, *shape)
-    flat = np.concatenate([g.reshape(g.shape[0] * 3, -1) for g in grads], 1)
-    norms = np.linalg.norm(flat, axis=1)
-    clip = float(np.median(norms))
-    scales = np.minimum(1.0, clip / norms)
-    sums = [np.tensordot(scales, g.reshape(-1, *g.shape[2:]), 1) for g in grads]
-    for strategy in ["batch", "chunked"]:
-        result = jk.jacobian(
+@pytest.mark.parametrize(
+    "outputs",
+    ["features", "per_example", "full", lambda y: y[:, 0], jk.Loss(LOSS.fn, each=True)],
+    ids=["features", "per_example", "full", "callable", "loss-each"],
+)
+@pytest.mark.parametrize("strategy", ["auto", "batch", "chunked"])
+def test_clipped_sum_of_rows_not_one_per_example_is_refused(strategy, outputs):
+    """Issue 48: ``outputs="features"`` clipped the output features summed
+    over the batch (norms of shape ``(F,)``), silently: for DP-SGD no
+    example's contribution was bounded. Every row mode but one loss per
+    example is refused, naming the fix."""
+    model, (x, y) = _mlp()
+    inputs = (x, y) if isinstance(outputs, jk.Loss) else x
+    refusal = "clipped sum clips one row per example"
+    with pytest.raises(ValueError, match=refusal) as err:
+        jk.jacobian(
             model,
-            x,
+            inputs,
             model.trainable_variables,
             strategy=strategy,
-            outputs="full",
-            reduce=jk.ClippedSum(clip),
+            outputs=outputs,
+            reduce=jk.ClippedSum(1.0),
         )
-        _close(list(result.jacobians.values()), sums)
-        assert np.shape(result.norms) == (x.shape[0], 3)
+    assert "outputs=jk.Loss(loss_fn) (without each=True)" in str(err.value)
 
 
 @pytest.mark.parametrize("clip", [0, -1.0, "1", True, float("nan")])

@@ -54,12 +54,24 @@ Computation = Callable[[Any], Output]
 Computations = Callable[[Any], Computation]
 
 
+class RowsSpec(Protocol):
+    """What a reduction reads of how the rows are formed (``outputs=``:
+    :class:`jacobkit.problem.rows.Rows` is one)."""
+
+    @property
+    def mode(self) -> Any: ...
+
+    @property
+    def loss(self) -> Any: ...
+
+
 class Problem(Protocol):
     """What a reduction reads of the problem it reduces
     (:class:`jacobkit.problem.Problem` is one; this package ranks below it,
     which builds its reduction from ``reduce=``)."""
 
     model: Any
+    rows_spec: RowsSpec
     targets: tuple[Any, ...]
     target_names: tuple[str, ...]
     tensor_targets: Any

@@ -33,7 +33,10 @@ class ClippedSum(Reduction):
     sum (the noise is the caller's to add). The result holds it in each
     target's shape, and ``result.norms`` every row's norm before clipping.
 
-    Rows are usually per-example losses (``outputs=jk.Loss(loss_fn)``).
+    Rows are per-example losses (``outputs=jk.Loss(loss_fn)`` with ``(x,
+    y)`` inputs), one per example: other rows (``"features"``, summed over
+    the batch; several per example) are refused, since clipping them bounds
+    no example's contribution.
     Where closed forms serve the targets it is one forward and one backward
     pass: the norms from each layer's input and output cotangents (ghost
     norms), the clipped sum contracted from the same cotangents scaled per
@@ -87,7 +90,30 @@ class ClippedSum(Reduction):
         return tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, 1e-30))
 
     def check(self, problem: Problem) -> None:
+        """Refuse tensor targets, and rows that are not one per example:
+        clipping bounds each example's contribution only where each row is
+        one example's (its loss). Rows of ``"features"`` are sums over the
+        batch, rows of ``"per_example"``, ``"full"``, a callable or
+        ``jk.Loss(..., each=True)`` several per example: clipping those
+        bounds no example's gradient (for DP-SGD, no privacy)."""
         refuse_tensor_targets(problem, self, "clips")
+        loss = problem.rows_spec.loss
+        if loss is None or loss.each:
+            mode = problem.rows_spec.mode
+            raise ValueError(
+                f"jacobian(reduce={self!r}, outputs={mode!r}): a clipped sum "
+                "clips one row per example, each example's loss gradient; these "
+                "rows are "
+                + (
+                    "summed over the batch"
+                    if mode == "features"
+                    else "not one per example"
+                )
+                + ", so clipping them bounds no example's contribution. Pass "
+                "outputs=jk.Loss(loss_fn) (without each=True) with (x, y) inputs: "
+                "jk.jacobian(model, (x, y), variables, outputs=jk.Loss(loss_fn), "
+                "reduce=jk.ClippedSum(...))."
+            )
 
     def check_batches(self, call: Call, *, multi_worker: bool) -> None:
         super().check_batches(call, multi_worker=multi_worker)
