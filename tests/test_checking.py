@@ -148,16 +148,23 @@ def test_float64_reference_of_a_tensor_target(index, outputs):
     of the model as a function of the target tensor)."""
     case = TARGETS[index]
     ex = example(case.problem)
+    expected = tensor_reference(index, outputs)
+    result = jk.jacobian(ex.model, ex.inputs, case.target, outputs=OUTPUTS[outputs])
+    if case.problem == "tf_module":
+        # no float64 copy of a tf.Module: refused, not its own float32 loop
+        # (which assert_close would hold it to, a check against nothing)
+        with pytest.raises(TypeError, match="no float64 copy of the model"):
+            testing.float64_reference(
+                ex.model, ex.inputs, case.target, outputs=OUTPUTS[outputs]
+            )
+        testing.assert_close(result, [expected])
+        return
     reference = testing.float64_reference(
         ex.model, ex.inputs, case.target, outputs=OUTPUTS[outputs]
     )
-    expected = tensor_reference(index, outputs)
     assert reference[0].shape == expected.shape
-    # measured: 0 (float64 on both sides, the float32 weights exact in
-    # float64); the tf.Module has no float64 copy: its own float32 loop,
-    # 1.7e-7 from float64
+    # measured: 0 (float64 on both sides, the float32 weights exact in float64)
     assert testing.max_relative_difference(reference[0], expected) < 1e-6
-    result = jk.jacobian(ex.model, ex.inputs, case.target, outputs=OUTPUTS[outputs])
     assert list(result) == list(reference.names)
     testing.assert_close(result, reference)
     jk.verify(result, ex.model, ex.inputs, case.target, outputs=OUTPUTS[outputs])

@@ -4,6 +4,7 @@ mixed-precision model."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import tensorflow as tf
@@ -19,7 +20,7 @@ _FLOATING_DTYPES = frozenset(
 )
 
 
-def cast_copy(model: Any, dtype: str = "float64") -> Any:
+def cast_copy(model: Any, dtype: str = "float64", inputs: Any = None) -> Any:
     """A copy of a Keras functional or Sequential model (Keras 3 or
     ``tf_keras``) whose every layer computes and stores its variables in
     ``dtype``, nested sub-models and ``Input`` layers included, with the same
@@ -36,15 +37,26 @@ def cast_copy(model: Any, dtype: str = "float64") -> Any:
     ``dtype``; integer inputs keep their dtype. The model itself is not
     touched.
 
+    A subclassed model (its layers made in ``__init__``, not in its config)
+    is rebuilt from its constructor's arguments (its config; none for a
+    constructor that takes none) under a ``dtype`` default dtype policy, so
+    that the layers its constructor makes are ``dtype`` too, then called
+    once on ``inputs`` (cast to ``dtype``) to create its variables.
+
     Raises:
-        TypeError: for models that cannot be rebuilt from their config
-            (subclassed models, ``tf.Module``), or when a layer of the copy
-            still holds a floating variable of another dtype (a custom layer
-            that ignores ``dtype=``); build those yourself in ``dtype``.
+        TypeError: for models that cannot be rebuilt (a ``tf.Module``, a
+            subclassed model whose constructor needs arguments its config
+            lacks, or one without ``inputs`` to build it on), or when a layer
+            of the copy still holds a floating variable of another dtype (a
+            custom layer, or a subclassed model's, given a dtype of its own);
+            build those yourself in ``dtype``.
     """
     try:
         config = _with_dtype(model.get_config(), dtype)
-        copy = type(model).from_config(config)
+        if _is_subclassed(model):
+            copy = _rebuilt(model, config, dtype, inputs)
+        else:
+            copy = type(model).from_config(config)
         weights = model.get_weights()
         copied = copy.weights
         if len(weights) != len(copied):
@@ -83,15 +95,62 @@ def cast_copy(model: Any, dtype: str = "float64") -> Any:
     return copy
 
 
-def float64_copy(model: Any) -> Any:
-    """``cast_copy(model, "float64")``: the float64 copy of a Keras model
-    (every layer, nested sub-models included) for
-    :func:`jacobkit.testing.reference_jacobian`.
+def float64_copy(model: Any, inputs: Any = None) -> Any:
+    """``cast_copy(model, "float64", inputs)``: the float64 copy of a Keras
+    model (every layer, nested sub-models included) for
+    :func:`jacobkit.testing.reference_jacobian` (``inputs``: what a
+    subclassed copy is built on).
 
     Raises:
         TypeError: as :func:`cast_copy`.
     """
-    return cast_copy(model, "float64")
+    return cast_copy(model, "float64", inputs)
+
+
+def _is_subclassed(model: Any) -> bool:
+    """A Keras model whose layers its own ``__init__`` makes (not rebuilt by
+    ``from_config``: neither functional nor ``Sequential``)."""
+    if hasattr(model, "_is_graph_network"):  # tf_keras
+        return not model._is_graph_network and not _named(model, "Sequential")
+    return not _named(model, "Functional", "Sequential")
+
+
+def _named(model: Any, *names: str) -> bool:
+    return any(c.__name__ in names for c in type(model).__mro__)
+
+
+def _rebuilt(model: Any, config: dict[str, Any], dtype: str, inputs: Any) -> Any:
+    """A subclassed ``model`` made anew from its constructor's arguments in
+    ``config`` under a ``dtype`` default policy, built on ``inputs``."""
+    if inputs is None:
+        raise ValueError(
+            "a subclassed model creates its variables on its first call; pass "
+            "inputs to build the copy on"
+        )
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "only a Keras 3 subclassed model is rebuilt under another dtype policy"
+        )
+    cls = type(model)
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    arguments = {k: v for k, v in config.items() if takes_any or k in accepted}
+    before = keras.config.dtype_policy()
+    # the default policy is per thread in Keras 3: other threads see none of it
+    keras.config.set_dtype_policy(dtype)
+    try:
+        copy = cls.from_config(arguments) if takes_any else cls(**arguments)
+    finally:
+        keras.config.set_dtype_policy(before)
+    copy(tf.nest.map_structure(lambda t: _cast_floating(t, dtype), inputs))
+    return copy
+
+
+def _cast_floating(value: Any, dtype: str) -> Any:
+    tensor = tf.convert_to_tensor(value)
+    return tf.cast(tensor, dtype) if tensor.dtype.is_floating else tensor
 
 
 def _with_dtype(config: Any, dtype: str, tensor: bool = False) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.keras.cast import dtype_name, float64_copy
+from jacobkit.keras.cast import float64_copy
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.loss import split as split_loss_inputs
 from jacobkit.testing.reference_targets import ReferenceTarget, resolve
@@ -261,10 +261,14 @@ def float64_reference(
     and full rows of ``Inputs``/``Output`` keep each example's own block.
 
     The reference is the one-gradient-per-row loop on :func:`float64_copy` of
-    the model (floating inputs cast to float64). Where no float64 copy can be
-    built (a subclassed model, a ``tf.Module``), it is the loop on the model
-    itself, and ``description`` says so. ``baseline=False`` skips the loop
-    on the model itself (``baseline_errors`` is then ``None``).
+    the model (floating inputs cast to float64; a subclassed model is made
+    anew from its constructor's arguments under a float64 default policy and
+    built on the inputs). Where no float64 copy can be built (a ``tf.Module``,
+    a subclassed model whose layers are given a dtype of their own or whose
+    constructor needs arguments its config lacks) it raises ``TypeError``:
+    a loop on the model itself would hold the model to itself.
+    ``baseline=False`` skips the loop on the model itself
+    (``baseline_errors`` is then ``None``).
 
     It is slow on purpose, and float64 convolutions are slower still where
     Keras groups them: 96-183 s per target on ConvNeXtTiny (see
@@ -279,16 +283,18 @@ def float64_reference(
         return _jacobians(target, model, inputs, outputs, features, kwargs)
 
     try:
-        copy = float64_copy(model)
+        copy = float64_copy(model, model_inputs)
     except TypeError as err:
-        dtypes = sorted({dtype_name(v) for v in target.variables}) or ["own-dtype"]
-        return Reference(
-            tuple(own()),
-            None,
-            f"{'/'.join(dtypes)} loop on the model itself (no float64 copy: "
-            f"{str(err).split(': ', 1)[-1][:120]})",
-            target.names,
-        )
+        # a loop on the model itself would be held to itself: a check
+        # against nothing, under a float64 name
+        raise TypeError(
+            f"float64_reference(model={_model_name(model)}): no float64 copy of "
+            f"the model can be built ({str(err).split(': ', 1)[-1][:200]}), and "
+            "a reference in the model's own precision would compare it with "
+            "itself. Build a float64 copy yourself (the same model made with "
+            "dtype='float64', its weights copied) and pass it to "
+            "testing.reference_jacobian(copy, inputs, the copy's variables)."
+        ) from err
     inputs64 = tf.nest.map_structure(_as_float64, inputs)
     jacobians = _jacobians(
         target.on_copy(model, copy), copy, inputs64, outputs, features, kwargs
@@ -307,6 +313,10 @@ def float64_reference(
         "float64 loop on a float64 copy of the model (every variable float64)",
         target.names,
     )
+
+
+def _model_name(model: Any) -> str:
+    return f"{type(model).__name__} {getattr(model, 'name', '')!r}".strip()
 
 
 def _as_float64(value: Any) -> Any:

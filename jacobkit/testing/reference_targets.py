@@ -58,6 +58,9 @@ class ReferenceTarget:
         if self.layer is not None:
             path = _path_of(model, self.layer)
             found = [layer for layer, p in layer_tree.named_layers(copy) if p == path]
+            if len(found) != 1:  # a subclassed copy's layers get names anew
+                index = [p for _, p in layer_tree.named_layers(model)].index(path)
+                found = [layer_tree.named_layers(copy)[index][0]]
             return ReferenceTarget(self.names, layer=found[0])
         if self.inputs is not None:
             return self
