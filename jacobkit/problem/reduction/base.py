@@ -71,13 +71,15 @@ class Problem(Protocol):
     which builds its reduction from ``reduce=``)."""
 
     model: Any
-    rows_spec: RowsSpec
     targets: tuple[Any, ...]
     target_names: tuple[str, ...]
     tensor_targets: Any
     rows_shape: tuple[int, ...]
     num_rows: int
     output_dtype: Any
+
+    @property
+    def rows_spec(self) -> RowsSpec: ...
 
     @property
     def blocked(self) -> bool: ...
