@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import api
+from jacobkit.batches import passes
 from jacobkit.explain import top
 from jacobkit.explain.top import TopK
 from jacobkit.problem.loss import Loss
@@ -164,6 +165,8 @@ def self_influence(
     ``tf.distribute.Strategy``, as :func:`jacobkit.jacobian` takes it."""
     models = checkpoints(model_or_checkpoints)
     rates = _rates(learning_rates, len(models))
+    # read once per checkpoint: each pass must give the same examples
+    train = passes.checked(train, "self_influence(train=...)")
     total = None
     for model, rate in zip(models, rates, strict=True):
         found = rate * squared_norms(
@@ -283,6 +286,10 @@ def _scored(
     rates = _rates(learning_rates, len(models))
     k = top.check_top_k(top_k)
     merged = top.Merged(k)
+    # both sets are read once per checkpoint (and test once per part of
+    # train): every pass must give the same examples in the same order
+    train = top.streamed(passes.checked(train, f"{method}(train=...)"), k)
+    test = passes.checked(test, f"{method}(test=...)")
     for model, rate in zip(models, rates, strict=True):
         targets = _layer(model, layer)
         offset = 0

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobkit.batches import passes
+
 
 @dataclass(frozen=True)
 class TopK:
@@ -43,11 +45,25 @@ def check_top_k(top_k: Any) -> int | None:
 TOP_K_CHUNK = 4096
 
 
+def streamed(train: Any, top_k: int | None) -> Any:
+    """The training set as :func:`parts` reads it on every checkpoint: with
+    ``top_k=``, a checked dataset re-batched into parts of
+    :data:`TOP_K_CHUNK` examples (each pass checked against the first:
+    :class:`~jacobkit.batches.passes.Checked`); else as it is."""
+    if top_k is not None and isinstance(train, passes.Checked):
+        return train.rebatched(TOP_K_CHUNK)
+    return train
+
+
 def parts(train: Any, top_k: int | None) -> Iterator[Any]:
     """The training set whole, or with ``top_k=`` in parts of
-    :data:`TOP_K_CHUNK` examples (datasets re-batched as they stream)."""
+    :data:`TOP_K_CHUNK` examples (a dataset: its batches, re-batched by
+    :func:`streamed`)."""
     if top_k is None:
         yield train
+        return
+    if isinstance(train, passes.Checked):
+        yield from train
         return
     if isinstance(train, tf.data.Dataset):
         yield from train.unbatch().batch(TOP_K_CHUNK)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.batches import collect, source
+from jacobkit.batches import collect, passes, source
 from jacobkit.problem import Call, arguments
 from jacobkit.reductions import features as feats
 
@@ -21,7 +21,9 @@ from jacobkit.reductions import features as feats
 @dataclass
 class ExampleSet:
     """One set of examples, read in chunks again and again (a dataset is
-    iterated afresh; a one-shot iterator is read once and kept)."""
+    iterated afresh, each pass checked against the first:
+    :class:`~jacobkit.batches.passes.Checked`; a one-shot iterator is read
+    once and kept)."""
 
     inputs: Any
     reading: source.Reading
@@ -33,7 +35,9 @@ class ExampleSet:
         if not arguments.is_batches(self.inputs):
             self.arrays = tf.nest.map_structure(np.asarray, self.inputs)
             arguments.check_examples(self.arrays)
-        elif not isinstance(self.inputs, (tf.data.Dataset, source.batches)):
+        elif not isinstance(
+            self.inputs, (tf.data.Dataset, source.batches, passes.Checked)
+        ):
             # a generator: read it once, as NumPy, and keep the batches
             self.kept = list(source.iterate(self.inputs, None, self.reading))
             if not self.kept:

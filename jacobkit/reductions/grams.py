@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import planner, runtime
-from jacobkit.batches import collect, distribute, source
+from jacobkit.batches import collect, distribute, passes, source
 from jacobkit.memory import budget as budgets
 from jacobkit.problem import Call, PerModel
 from jacobkit.problem.loss import Loss
@@ -171,9 +171,12 @@ def gram(
     chosen = _chosen(strategy, memory_budget)
     allowed = None if memory_budget is None else budgets.parse_budget(memory_budget)
     reading = collect.reading(call)
+    # a dataset is read once per chunk of the other set: each pass checked
+    first_set = passes.checked(a, "gram(a=...)")
+    other_set = first_set if b is None else passes.checked(b, "gram(b=...)")
     sets = [
-        blocks.ExampleSet(a, reading),
-        blocks.ExampleSet(a if b is None else b, reading),
+        blocks.ExampleSet(first_set, reading),
+        blocks.ExampleSet(other_set, reading),
     ]
     size = _check_chunk(chunk_examples)
     with runtime.tensorflow_warnings():
