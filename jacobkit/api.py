@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from jacobkit import engine, planner, runtime, strategies
 from jacobkit.batches import collect
-from jacobkit.problem import Call, arguments
+from jacobkit.problem import Call, arguments, padding
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.reduction import ClippedSum, Project
 from jacobkit.result import JacobianResult
@@ -154,6 +154,7 @@ def _one_batch(call: Call, inputs: Any) -> JacobianResult:
     :meth:`Call.padded`)."""
     batch, examples = call.padded(inputs)
     problem = call.problem(batch)
+    padding.check_batch_size(problem, examples)
     arguments.warn_non_finite(problem.inputs)
     result = engine.run(problem, engine.chosen(call))
     return result if examples is None else engine.trimmed(result, examples)

@@ -119,6 +119,44 @@ def test_a_dataset_of_uneven_batches_is_padded_batch_by_batch():
     _close(_padded(model, data, clip, strategy="batch"), sums, norms)
 
 
+def _mean_over_the_batch(y_true, y_pred):
+    """Per-example losses divided by the batch size: one number per example,
+    but each depends on how many examples share the batch."""
+    losses = LOSS.fn(y_true, y_pred)
+    return losses / tf.cast(tf.shape(losses)[0], losses.dtype)
+
+
+def test_a_loss_that_depends_on_the_batch_size_is_refused():
+    """Issue 48: a mean over the batch inside the loss made padding scale
+    every gradient by ``n / padded`` (on main, 9 examples padded to 10, no
+    row clipped: the sums 0.100 off float64, silently). Refused, on arrays
+    and on a dataset's padded batch; the same loss unpadded agrees with
+    float64 (RTOL 1e-5; measured at most 2e-7)."""
+    model, (x, y) = _mlp(9)  # padded to 10
+    mean = jk.Loss(_mean_over_the_batch)
+    message = r"jk.Loss\(_mean_over_the_batch\) depends on the batch size"
+    with pytest.raises(ValueError, match=message) as err:
+        _padded(model, (x, y), 1e3, outputs=mean)
+    assert "scale every gradient by 9/10" in str(err.value)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(9)
+    with pytest.raises(ValueError, match=message):
+        _padded(model, data, 1e3, outputs=mean)
+    ref = testing.float64_reference(
+        model, (x, y), model.trainable_variables, outputs=mean
+    )
+    result = jk.jacobian(
+        model,
+        (x, y),
+        model.trainable_variables,
+        outputs=mean,
+        reduce=jk.ClippedSum(1e3),
+    )
+    want = [np.asarray(r, np.float64).sum(axis=0) for r in ref]  # none clipped
+    scale = max(float(np.abs(w).max()) for w in want)
+    for got, w in zip(result.jacobians.values(), want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), w, rtol=0, atol=RTOL * scale)
+
+
 @pytest.mark.parametrize("outputs", ["per_example", "features"])
 def test_padding_needs_loss_rows(outputs):
     model, (x, _) = _mlp(9)

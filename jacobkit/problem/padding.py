@@ -14,7 +14,11 @@ gradient is exactly zero, its norm 0, its scale 1, and it adds exactly 0 to
 the clipped sum. Its norm is dropped from the result
 (:func:`jacobkit.engine.trimmed`). The examples must not mix (no batch
 statistics), which a per-example loss gradient needs anyway: ``batch``
-checks it before its first run.
+checks it before its first run. Nor may the loss depend on the batch size (a
+mean over the batch inside it would scale every row by ``n / padded``: 0.146
+off in issue 48's case): :func:`check_batch_size` compares, on the first
+padded call per model and loss, the real examples' loss rows within the
+padded batch with their rows alone, from one forward pass.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.problem import loss as losses
+from jacobkit.problem.cache import PerModel
+
+_CHECKED = PerModel(
+    "pad_batches: the losses found not to depend on the batch size (checked "
+    "once, on the first padded call)"
+)
 
 #: sizes per doubling of the batch: a batch is padded by at most a quarter
 #: of its size
@@ -89,3 +99,53 @@ def repeat_last(x: Any, size: int) -> Any:
         return np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], axis=0)])
 
     return tf.nest.map_structure(pad_one, x)
+
+
+def check_batch_size(problem: Any, examples: int | None) -> None:
+    """Refuse a loss whose rows depend on the batch size (a mean over the
+    batch inside it): ``problem`` is of a batch padded from ``examples``
+    examples (``None``: not padded). One forward pass of the padded batch
+    (no variable of the model assigned: :func:`jacobkit.keras.state.drawn`),
+    then its loss rows of the real examples against theirs alone; once per
+    model and loss."""
+    loss = problem.rows_spec.loss
+    _, labels = losses.split(problem.inputs)
+    if examples is None or loss is None or int(np.shape(labels[0])[0]) == examples:
+        return
+    checked = _CHECKED.of(problem.model)
+    try:
+        if checked.get(loss):
+            return
+    except TypeError:  # a loss function that cannot be hashed: checked each call
+        checked = {}
+    outputs = problem.call_model(problem.inputs)
+    within = problem.rows_spec.of(outputs, labels)[:examples]
+    alone = problem.rows_spec.of(
+        tf.nest.map_structure(lambda t: t[:examples], outputs),
+        tuple(a[:examples] for a in labels),
+    )
+    # rows of one example formed in two batches: equal but for the order of
+    # a sum over a sequence's tokens (a few roundings of the rows' dtype)
+    tolerance = 8 * np.finfo(alone.dtype.as_numpy_dtype).eps
+    within, alone = np.asarray(within, np.float64), np.asarray(alone, np.float64)
+    scale = max(float(np.max(np.abs(alone))), np.finfo(np.float32).tiny)
+    worst = int(np.argmax(np.abs(within - alone)))
+    if np.abs(within - alone).flat[worst] > tolerance * scale:
+        size = int(np.shape(labels[0])[0])
+        example = int(np.unravel_index(worst, alone.shape)[0])
+        raise ValueError(
+            f"jacobian(reduce=jk.ClippedSum(..., pad_batches=True)): the loss "
+            f"jk.Loss({_named(loss.fn)}) depends on the batch size: example "
+            f"{example}'s loss is "
+            f"{alone.flat[worst]:.6g} in its batch of {examples} and "
+            f"{within.flat[worst]:.6g} in that batch padded to {size}. A mean "
+            "over the batch inside the loss? Padding would then scale every "
+            f"gradient by {examples}/{size}. Make the loss one value per example "
+            "that does not depend on the others (a Keras loss with "
+            "reduction=None), or drop pad_batches=True."
+        )
+    checked[loss] = True
+
+
+def _named(fn: Any) -> str:
+    return str(getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__))

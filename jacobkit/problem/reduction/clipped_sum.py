@@ -52,7 +52,12 @@ class ClippedSum(Reduction):
             varying size, as DP-SGD's Poisson samples are, trace a few
             times instead of once per size. Exact: a row of weight 0 has a
             zero gradient; its norm is left out of ``result.norms``. Needs
-            ``outputs=jk.Loss(...)``.
+            ``outputs=jk.Loss(...)`` with a loss of one value per example
+            that does not depend on the others: a mean over the batch
+            inside the loss would scale every gradient by ``n / padded``,
+            and is refused (checked on the first padded call per model and
+            loss, by one forward pass: :func:`jacobkit.problem.padding.
+            check_batch_size`).
     """
 
     clip_norm: float
