@@ -154,7 +154,8 @@ def _one_batch(call: Call, inputs: Any) -> JacobianResult:
     :meth:`Call.padded`)."""
     batch, examples = call.padded(inputs)
     problem = call.problem(batch)
-    padding.check_batch_size(problem, examples)
+    if examples is not None:  # padded: the loss must not see the batch size
+        padding.check_batch_size(problem, examples)
     arguments.warn_non_finite(problem.inputs)
     result = engine.run(problem, engine.chosen(call))
     return result if examples is None else engine.trimmed(result, examples)

@@ -115,7 +115,8 @@ class OneDevice:
             padding.repeat_last(x, self.first_size) if padded else x
         )
         problem = self.call.problem(x)
-        padding.check_batch_size(problem, examples)
+        if examples is not None:  # padded: the loss must not see the batch size
+            padding.check_batch_size(problem, examples)
         if problem.rows_shape != self.first.rows_shape and self.call.summed:
             raise ValueError(
                 f"jacobian(outputs=...): batch {k} gives rows of shape "

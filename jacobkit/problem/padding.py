@@ -101,16 +101,18 @@ def repeat_last(x: Any, size: int) -> Any:
     return tf.nest.map_structure(pad_one, x)
 
 
-def check_batch_size(problem: Any, examples: int | None) -> None:
+def check_batch_size(problem: Any, examples: int) -> None:
     """Refuse a loss whose rows depend on the batch size (a mean over the
     batch inside it): ``problem`` is of a batch padded from ``examples``
-    examples (``None``: not padded). One forward pass of the padded batch
+    examples. One forward pass of the padded batch
     (no variable of the model assigned: :func:`jacobkit.keras.state.drawn`),
     then its loss rows of the real examples against theirs alone; once per
     model and loss."""
     loss = problem.rows_spec.loss
+    if loss is None:
+        return
     _, labels = losses.split(problem.inputs)
-    if examples is None or loss is None or int(np.shape(labels[0])[0]) == examples:
+    if int(np.shape(labels[0])[0]) == examples:
         return
     checked = _CHECKED.of(problem.model)
     try:
