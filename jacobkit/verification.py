@@ -293,8 +293,9 @@ def check(
             output_gradients=tf.constant(v, dtype=rows.dtype),
             unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
+        # an embedding table's gradient is IndexedSlices: made dense here
         pairs = [
-            (np.asarray(grad, dtype=np.float64).reshape(-1), v @ matrix)
+            (np.asarray(_dense(grad), dtype=np.float64).reshape(-1), v @ matrix)
             for grad, matrix in zip(direct, matrices)
         ]
         # the whole result's scale, not each target's (see the NOTE)
@@ -319,6 +320,14 @@ def check(
                 )
     del tape
     return worst
+
+
+def _dense(grad: Any) -> Any:
+    """A gradient as a dense tensor (an embedding table's is
+    ``tf.IndexedSlices``, which NumPy cannot read)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    return grad
 
 
 def _default_tolerance(problem: Problem, dtype: Any) -> float:
