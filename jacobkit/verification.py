@@ -218,11 +218,10 @@ def verify(
         unconnected="zero",
     )
     problem = call.problem(inputs)
-    actual = (
-        list(result.jacobians.values())
-        if hasattr(result, "jacobians")
-        else list(result)
-    )
+    # a JacobianResult's are a dict; a float64 reference's a tuple (it is a
+    # sequence of its arrays, as a list of arrays is)
+    held = getattr(result, "jacobians", None)
+    actual = list(held.values()) if isinstance(held, dict) else list(result)
     flat = _flatten(problem, actual)
     return check(problem, flat, probes=probes, tolerance=tolerance, seed=seed)
 
