@@ -52,6 +52,7 @@ _MODULES = {
     "memory": "jacobkit.memory",
     "planner": "jacobkit.planner",
     "strategies": "jacobkit.strategies",
+    "testing": "jacobkit.testing",
 }
 
 __all__ = [
@@ -77,12 +78,13 @@ __all__ = [
     "plan",
     "planner",
     "strategies",
+    "testing",
     "verify",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import batches as data
-    from jacobkit import explain, layers, memory, planner, strategies
+    from jacobkit import explain, layers, memory, planner, strategies, testing
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.problem.loss import Loss

@@ -218,11 +218,10 @@ def verify(
         unconnected="zero",
     )
     problem = call.problem(inputs)
-    actual = (
-        list(result.jacobians.values())
-        if hasattr(result, "jacobians")
-        else list(result)
-    )
+    # a JacobianResult's are a dict; a float64 reference's a tuple (it is a
+    # sequence of its arrays, as a list of arrays is)
+    held = getattr(result, "jacobians", None)
+    actual = list(held.values()) if isinstance(held, dict) else list(result)
     flat = _flatten(problem, actual)
     return check(problem, flat, probes=probes, tolerance=tolerance, seed=seed)
 
@@ -293,8 +292,9 @@ def check(
             output_gradients=tf.constant(v, dtype=rows.dtype),
             unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
+        # an embedding table's gradient is IndexedSlices: made dense here
         pairs = [
-            (np.asarray(grad, dtype=np.float64).reshape(-1), v @ matrix)
+            (np.asarray(_dense(grad), dtype=np.float64).reshape(-1), v @ matrix)
             for grad, matrix in zip(direct, matrices)
         ]
         # the whole result's scale, not each target's (see the NOTE)
@@ -319,6 +319,14 @@ def check(
                 )
     del tape
     return worst
+
+
+def _dense(grad: Any) -> Any:
+    """A gradient as a dense tensor (an embedding table's is
+    ``tf.IndexedSlices``, which NumPy cannot read)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    return grad
 
 
 def _default_tolerance(problem: Problem, dtype: Any) -> float:

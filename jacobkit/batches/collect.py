@@ -51,10 +51,10 @@ from jacobkit.result import JacobianResult
 def jacobian_batches(call: Call, inputs: Any) -> JacobianResult:
     """:func:`jacobkit.jacobian` over the batches of ``inputs`` (see the module
     docstring). ``inputs`` that are one batch (arrays) are one batch here."""
-    _check_reduce(call)
     spread = call.distribute
     if spread is not None:
         distribute.check(spread, out=call.out)
+    _check_reduce(call)
     replicas = None if spread is None else spread.num_replicas_in_sync
     how = reading(call)
     batches = source.open_source(inputs, call.steps, replicas, how)

@@ -94,15 +94,7 @@ def count_batches(
     inputs: Any, steps: int | None, reading: Reading = Reading()
 ) -> int | None:
     """The number of batches (``None`` if unknown), checked before any work."""
-    if steps is not None and (
-        isinstance(steps, bool) or not isinstance(steps, (int, np.integer))
-    ):
-        raise TypeError(f"jacobian(steps={steps!r}): expected a positive int or None.")
-    if steps is not None and steps < 1:
-        raise ValueError(
-            f"jacobian(steps={steps}): must be >= 1 (the number of batches to "
-            "take from the dataset), or None for all of them."
-        )
+    arguments.check_steps(steps)
     if isinstance(inputs, tf.data.Dataset):
         cardinality = int(inputs.cardinality())
         if cardinality == tf.data.INFINITE_CARDINALITY:
@@ -175,6 +167,14 @@ def check_batch(k: int, x: Any, first: Any, reading: Reading = Reading()) -> Non
                 f"jacobian(inputs=...): batch {k} is a scalar; each batch needs a "
                 "leading batch axis (shape (B, ...))."
             )
+    scalars = [a for a in flat if a.ndim == 0]
+    if scalars:  # labels of an unbatched set: one number per element
+        raise ValueError(
+            f"jacobian(inputs=...): batch {k} holds a scalar (shapes "
+            f"{[tuple(a.shape) for a in flat]}): each element of the inputs "
+            "must be a batch, shape (B, ...). Is the tf.data set unbatched? "
+            "Call dataset.batch(32) (any size) before passing it."
+        )
     arguments.check_examples(x, batch=k)
     if len({a.shape[0] for a in flat}) != 1:
         raise ValueError(

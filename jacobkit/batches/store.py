@@ -124,6 +124,11 @@ class Store:
         overwrite: bool = False,
     ) -> None:
         self.directory = os.fspath(directory)
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise ValueError(
+                f"jacobian(out={self.directory!r}): a file, not a directory. Pass "
+                "a directory (new, or one an earlier call wrote)."
+            )
         self.kind = kind
         self.files = [
             TargetFile(t.name, _file_name(t.name, i), tuple(t.row_shape), str(t.dtype))

@@ -18,18 +18,27 @@ from jacobkit.problem.tensor_targets import Inputs
 RESULT_SHARE = 0.25
 
 
-def as_batch(x: Any) -> tf.Tensor:
-    """``x`` as a floating ``tf.Tensor`` with its batch axis first."""
-    tensor = tf.convert_to_tensor(x)
+def as_batch(x: Any, call: str) -> tf.Tensor:
+    """``x`` as a floating ``tf.Tensor`` with its batch axis first (``call``:
+    the explain function's name, for its messages)."""
+    try:
+        tensor = tf.convert_to_tensor(x)
+    except (ValueError, TypeError) as err:
+        raise TypeError(
+            f"explain.{call}(x=...): expected a floating array or tensor, shape "
+            f"(B, ...), got {type(x).__name__}."
+        ) from err
     if not tensor.dtype.is_floating:
         raise TypeError(
-            f"explain: the inputs must be floating (got {tensor.dtype.name}); "
+            f"explain.{call}(x=...): the inputs must be floating (got "
+            f"{tensor.dtype.name}); "
             "attributions of integer ids need the embedding's output "
             "(jk.jacobian(model, x, jk.Output('embedding')))."
         )
     if tensor.shape.rank is None or tensor.shape.rank < 2:
         raise ValueError(
-            f"explain: expected a batch of inputs, shape (B, ...), got shape "
+            f"explain.{call}(x=...): expected a batch of inputs, shape (B, ...), "
+            "got shape "
             f"{tuple(tensor.shape)}. Add the batch axis: x[None]."
         )
     return tensor

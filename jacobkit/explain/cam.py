@@ -59,7 +59,7 @@ def grad_cam(
     ``scipy.ndimage.zoom(order=1)`` (corner-aligned), which differs from
     ``tf.image.resize`` by up to ~20% of the map's peak.
     """
-    x = as_batch(x)
+    x = as_batch(x, "grad_cam")
     found = (
         find_layer(model, layer, with_variables=False)
         if isinstance(layer, str)

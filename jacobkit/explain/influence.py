@@ -163,14 +163,19 @@ def self_influence(
     per-layer ghost norms where the layers have closed forms (nothing the
     size of a gradient is formed). ``distribute=``: a
     ``tf.distribute.Strategy``, as :func:`jacobkit.jacobian` takes it."""
-    models = checkpoints(model_or_checkpoints)
-    rates = _rates(learning_rates, len(models))
+    models = checkpoints(model_or_checkpoints, "self_influence")
+    rates = _rates(learning_rates, len(models), "self_influence")
     # read once per checkpoint: each pass must give the same examples
     train = passes.checked(train, "self_influence(train=...)")
     total = None
     for model, rate in zip(models, rates, strict=True):
         found = rate * squared_norms(
-            model, train, layer, as_loss(loss), memory_budget, distribute
+            model,
+            train,
+            layer,
+            as_loss(loss, "self_influence"),
+            memory_budget,
+            distribute,
         )
         total = found if total is None else total + found
     assert total is not None, "at least one checkpoint"
@@ -201,16 +206,19 @@ def squared_norms(
     return found
 
 
-def checkpoints(model_or_checkpoints: Any) -> list[Any]:
+def checkpoints(model_or_checkpoints: Any, call: str = "tracin") -> list[Any]:
     """The models to sum over: one model, or each of a list (``.keras``
-    files loaded with ``keras.saving.load_model``)."""
+    files loaded with ``keras.saving.load_model``); ``call``: the explain
+    function, for its messages."""
     items = (
         list(model_or_checkpoints)
         if isinstance(model_or_checkpoints, (list, tuple))
         else [model_or_checkpoints]
     )
     if not items:
-        raise ValueError("model_or_checkpoints=[]: pass a model or checkpoints.")
+        raise ValueError(
+            f"explain.{call}(model_or_checkpoints=[]): pass a model or checkpoints."
+        )
     found = []
     for item in items:
         if isinstance(item, (str, bytes)) or hasattr(item, "__fspath__"):
@@ -221,32 +229,37 @@ def checkpoints(model_or_checkpoints: Any) -> list[Any]:
             found.append(item)
         else:
             raise TypeError(
-                f"model_or_checkpoints: {type(item).__name__} is neither a model "
+                f"explain.{call}(model_or_checkpoints=...): "
+                f"{type(item).__name__} is neither a model "
                 "nor a path to a saved .keras model."
             )
     return found
 
 
-def as_loss(loss: Any) -> Loss:
+def as_loss(loss: Any, call: str = "tracin") -> Loss:
     """``loss=`` as a :class:`jacobkit.Loss` (a Loss, a Keras loss or a
     function ``(y_true, y_pred) -> (B,)``)."""
     if isinstance(loss, Loss):
         return loss
     if loss is None or not callable(loss):
         raise TypeError(
-            f"loss={loss!r}: pass the per-example loss, e.g. keras.losses."
+            f"explain.{call}(loss={loss!r}): pass the per-example loss, e.g. "
+            "keras.losses."
             "SparseCategoricalCrossentropy(from_logits=True, reduction=None)."
         )
     return Loss(loss)
 
 
-def _rates(learning_rates: Sequence[float] | None, count: int) -> list[float]:
+def _rates(
+    learning_rates: Sequence[float] | None, count: int, call: str
+) -> list[float]:
     if learning_rates is None:
         return [1.0] * count
     rates = [float(r) for r in learning_rates]
     if len(rates) != count:
         raise ValueError(
-            f"learning_rates: {len(rates)} rates for {count} checkpoints; pass "
+            f"explain.{call}(learning_rates=...): {len(rates)} rates for {count} "
+            "checkpoints; pass "
             "one per checkpoint."
         )
     return rates
@@ -281,10 +294,10 @@ def _scored(
     normalized: bool,
 ) -> InfluenceResult:
     start = time.perf_counter()
-    loss = as_loss(loss)
-    models = checkpoints(model_or_checkpoints)
-    rates = _rates(learning_rates, len(models))
-    k = top.check_top_k(top_k)
+    loss = as_loss(loss, method)
+    models = checkpoints(model_or_checkpoints, method)
+    rates = _rates(learning_rates, len(models), method)
+    k = top.check_top_k(top_k, method)
     merged = top.Merged(k)
     # both sets are read once per checkpoint (and test once per part of
     # train): every pass must give the same examples in the same order

@@ -45,7 +45,13 @@ def saliency(
     one-hot) and tf-keras-vis's ``Saliency`` with ``normalize_map=False`` and
     ``keepdims=False`` (one ``CategoricalScore`` per class).
     """
-    x = as_batch(x)
+    x = as_batch(x, "saliency")
+    if channel_axis is not None and not -x.shape.rank < channel_axis < x.shape.rank:
+        raise ValueError(
+            f"explain.saliency(channel_axis={channel_axis}): x has shape "
+            f"{tuple(x.shape)}, axes 1 .. {x.shape.rank - 1} (or negative); pass "
+            "the channel axis (-1 for channels last), or None to keep every channel."
+        )
     grads = tf.abs(input_gradients(model, x, classes, **kwargs))
     if channel_axis is None:
         return grads
@@ -60,7 +66,7 @@ def gradient_x_input(
 
     Same numbers as xplique's ``GradientInput``.
     """
-    x = as_batch(x)
+    x = as_batch(x, "gradient_x_input")
     grads = input_gradients(model, x, classes, **kwargs)
     return grads * tf.cast(x[:, None], grads.dtype)
 
@@ -108,7 +114,7 @@ def integrated_gradients(
     baseline; the default ``"riemann"`` does not match xplique.
     tf-keras-vis has no integrated gradients.
     """
-    x = as_batch(x)
+    x = as_batch(x, "integrated_gradients")
     if int(steps) < 2:
         raise ValueError(f"integrated_gradients(steps={steps}): need >= 2 steps")
     if rule not in RULES:
@@ -118,11 +124,7 @@ def integrated_gradients(
             "xplique's)."
         )
     count = int(steps)
-    x0 = (
-        tf.zeros_like(x)
-        if baseline is None
-        else tf.broadcast_to(tf.cast(baseline, x.dtype), x.shape)
-    )
+    x0 = tf.zeros_like(x) if baseline is None else _baseline(baseline, x)
     alphas = tf.linspace(0.0, 1.0, count)
     path = [x0 + tf.cast(a, x.dtype) * (x - x0) for a in alphas]
     weights = [1.0 / count] * count
@@ -157,11 +159,29 @@ def smoothgrad(
     the input's range, then takes ``|.|`` and the channel max): their means
     agree with this one in distribution, not to the last digit.
     """
-    x = as_batch(x)
+    x = as_batch(x, "smoothgrad")
     if int(samples) < 1:
         raise ValueError(f"smoothgrad(samples={samples}): need >= 1 sample")
+    if not float(noise) >= 0:
+        raise ValueError(
+            f"smoothgrad(noise={noise}): the noise's standard deviation must be "
+            ">= 0 (in the inputs' units)."
+        )
     noisy = [
         x + tf.random.stateless_normal(x.shape, (seed, i), stddev=noise, dtype=x.dtype)
         for i in range(int(samples))
     ]
     return mean_gradients(model, noisy, classes, memory_budget, **kwargs)
+
+
+def _baseline(baseline: Any, x: tf.Tensor) -> tf.Tensor:
+    """``baseline`` broadcast to ``x``'s shape, or jacobkit's refusal."""
+    value = tf.cast(baseline, x.dtype)
+    try:
+        return tf.broadcast_to(value, x.shape)
+    except (ValueError, tf.errors.InvalidArgumentError) as err:
+        raise ValueError(
+            f"integrated_gradients(baseline=...): shape {tuple(value.shape)} does "
+            f"not broadcast to x's {tuple(x.shape)}. Pass one input's shape "
+            f"{tuple(x.shape[1:])}, x's, or a number."
+        ) from err

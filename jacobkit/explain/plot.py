@@ -34,7 +34,10 @@ def plot(
 
     maps = np.asarray(maps)
     if maps.ndim != 4:
-        raise ValueError(f"explain.plot: maps must be (B, K, H, W), got {maps.shape}")
+        raise ValueError(
+            f"explain.plot(maps=...): expected maps of shape (B, K, H, W), got "
+            f"{maps.shape}."
+        )
     batch, count = maps.shape[:2]
     titles = list(classes) if classes is not None else list(range(count))
     if len(titles) != count:
@@ -117,6 +120,7 @@ def plot_influence(
         The ``matplotlib.figure.Figure``.
     """
     plt = _pyplot("explain.plot_influence")
+    _check_influence(result, tests)
     best, best_scores, worst, worst_scores = _strongest(result, k)
     test_images = _images(test_x, image_shape)
     train_images = _images(train_x, image_shape)
@@ -151,6 +155,28 @@ def plot_influence(
     fig.suptitle("test | proponents | opponents", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _check_influence(result: Any, tests: Sequence[int]) -> None:
+    """Refuse what is not an influence result's scores, and test rows they
+    do not hold."""
+    top = getattr(result, "top", None)
+    held = top.proponents if top is not None else getattr(result, "scores", result)
+    try:
+        shape = np.shape(np.asarray(held, dtype=float))
+    except (TypeError, ValueError):
+        shape = ()
+    if len(shape) != 2:
+        raise TypeError(
+            "explain.plot_influence(result=...): expected an InfluenceResult or "
+            f"scores of shape (N_test, N_train), got {type(result).__name__}."
+        )
+    outside = [t for t in tests if not -shape[0] <= int(t) < shape[0]]
+    if outside:
+        raise ValueError(
+            f"explain.plot_influence(tests={list(tests)}): test rows {outside} "
+            f"are not among the result's {shape[0]}."
+        )
 
 
 def _strongest(result: Any, k: int) -> tuple[np.ndarray, ...]:
@@ -229,7 +255,19 @@ def plot_tokens(
         The ``matplotlib.figure.Figure``.
     """
     plt = _pyplot("explain.plot_tokens")
-    scores = np.asarray(attribution.scores)[example]
+    held = getattr(attribution, "scores", None)
+    if held is None or np.ndim(held) != 3:
+        raise TypeError(
+            "explain.plot_tokens(attribution=...): expected what "
+            "explain.token_attribution returns (scores (B, rows, T)), got "
+            f"{type(attribution).__name__}."
+        )
+    if not -len(held) <= example < len(held):
+        raise ValueError(
+            f"explain.plot_tokens(example={example}): the attribution holds "
+            f"{len(held)} example(s)."
+        )
+    scores = np.asarray(held)[example]
     count, width = scores.shape
     if tokens is not None and len(tokens) != width:
         raise ValueError(

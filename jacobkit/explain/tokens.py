@@ -113,6 +113,7 @@ def token_attribution(
         )
     layer = embedding_layer(model, embedding)
     ids, mask = tokens_of(inputs)
+    _check_vocabulary(ids, layer)
     width = _output_rank(model, inputs)
     kwargs: dict[str, Any] = dict(memory_budget=memory_budget, strategy=strategy)
     kind = "causal_lm" if width == 3 else "classifier"
@@ -120,6 +121,12 @@ def token_attribution(
     rows_fn = _log_likelihood
     if kind == "causal_lm":
         wanted, weights = _targets(ids, mask, targets)
+        if wanted.shape[1] == 0:
+            raise ValueError(
+                f"token_attribution(inputs=...): token ids of shape {ids.shape}: "
+                "a prompt of one token has no next token to attribute. Pass at "
+                "least two tokens, or targets= (one target token per position)."
+            )
         if positions is not None:
             start, stop = _positions(positions, wanted.shape[1])
             wanted, weights = wanted[:, start:stop], weights[:, start:stop]
@@ -279,6 +286,21 @@ def tokens_of(inputs: Any) -> tuple[np.ndarray, np.ndarray]:
             f"(B, T), got {ids.dtype} of shape {ids.shape}."
         )
     return ids, mask.astype("float32")
+
+
+def _check_vocabulary(ids: np.ndarray, layer: Any) -> None:
+    """Refuse token ids outside the embedding's table (the lookup would fail
+    inside TensorFlow, or on GPU read zeros)."""
+    size = getattr(layer, "input_dim", None)
+    if not isinstance(size, int) or ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= size:
+        raise ValueError(
+            f"token_attribution(inputs=...): token ids from {low} to {high}, "
+            f"but the embedding {layer.name!r} holds {size} tokens (ids 0 .. "
+            f"{size - 1}). Tokenize with the model's own tokenizer."
+        )
 
 
 def _output_rank(model: Any, inputs: Any) -> int:

@@ -32,11 +32,13 @@ class TopK:
     opponent_scores: np.ndarray
 
 
-def check_top_k(top_k: Any) -> int | None:
+def check_top_k(top_k: Any, call: str = "tracin") -> int | None:
     if top_k is None:
         return None
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k={top_k!r}: expected a positive int, or None.")
+        raise ValueError(
+            f"explain.{call}(top_k={top_k!r}): expected a positive int, or None."
+        )
     return top_k
 
 

@@ -89,6 +89,7 @@ def trak(
     memory_budget: int | float | str | None = None,
     progress: bool | None = None,
     distribute: tf.distribute.Strategy | None = None,
+    overwrite: bool = False,
 ) -> InfluenceResult:
     """TRAK scores ``(N_test, N_train)`` (see the module docstring).
 
@@ -108,19 +109,32 @@ def trak(
             terminal).
         distribute: a ``tf.distribute.Strategy`` for each featurizing call,
             as :func:`jacobkit.jacobian` takes it.
+        overwrite: with ``out=``, discard the training features written
+            there and compute them afresh.
 
     Returns:
         :class:`~jacobkit.explain.influence.InfluenceResult` ``"trak"``.
     """
     start = time.perf_counter()
-    models = checkpoints(model_or_checkpoints)
+    models = checkpoints(model_or_checkpoints, "trak")
+    _check_labels("train", train)
+    _check_labels("test", test)
     scores = None
     out_to_loss = None
     for m, model in enumerate(models):
+        _check_classes(model, m)
         project = Project(dim, seed + m)
         where = None if out is None else Path(out) / f"checkpoint-{m}"
         train_features = featurize(
-            model, train, layer, project, where, memory_budget, progress, distribute
+            model,
+            train,
+            layer,
+            project,
+            where,
+            memory_budget,
+            progress,
+            distribute,
+            overwrite,
         )
         test_projected = _projected(
             model, test, layer, project, None, memory_budget, progress, distribute
@@ -146,14 +160,24 @@ def featurize(
     memory_budget: Any = None,
     progress: bool | None = None,
     distribute: Any = None,
+    overwrite: bool = False,
 ) -> Features:
     """One checkpoint's training features (read from ``out`` where they
-    were written, else computed, and written there)."""
+    were written, else computed, and written there; ``overwrite``: computed
+    afresh)."""
     projected = _projected(
-        model, train, layer, project, out, memory_budget, progress, distribute
+        model,
+        train,
+        layer,
+        project,
+        out,
+        memory_budget,
+        progress,
+        distribute,
+        overwrite,
     )
     stored = None if out is None else out / "out_to_loss.npy"
-    if stored is not None and stored.exists():
+    if stored is not None and stored.exists() and not overwrite:
         q = np.load(stored)
     else:
         q = _out_to_loss(model, train)
@@ -171,6 +195,7 @@ def _projected(
     memory_budget: Any,
     progress: bool | None,
     distribute: Any = None,
+    overwrite: bool = False,
 ) -> np.ndarray:
     targets = model.trainable_variables if layer is None else layer
     result = api.jacobian(
@@ -183,6 +208,7 @@ def _projected(
         out=out,
         progress=bool(progress),
         distribute=distribute,
+        overwrite=overwrite,
     )
     return np.asarray(result.projection, np.float64)
 
@@ -197,3 +223,47 @@ def _out_to_loss(model: Any, data: Any) -> np.ndarray:
         labels = tf.cast(tf.reshape(y, (-1,)), tf.int32)
         found.append(1.0 - tf.gather(probabilities, labels, batch_dims=1).numpy())
     return np.concatenate(found)
+
+
+def _check_labels(name: str, data: Any) -> None:
+    """Refuse labels that are not one class index per example (one-hot
+    labels, ``(B, classes)``): TRAK's margin reads the correct class's logit."""
+    if isinstance(data, tf.data.Dataset):
+        spec = data.element_spec
+        if not isinstance(spec, tuple) or len(spec) < 2:
+            raise ValueError(
+                f"explain.trak({name}=...): expected a dataset of (x, y) batches, "
+                f"got elements {spec}."
+            )
+        shape, dtype = tuple(spec[1].shape), spec[1].dtype
+    elif isinstance(data, (tuple, list)) and len(data) in (2, 3):
+        labels = np.asarray(data[1])
+        shape, dtype = labels.shape, tf.as_dtype(labels.dtype)
+    else:
+        raise ValueError(
+            f"explain.trak({name}=...): expected (x, y) arrays with integer "
+            f"labels, or a dataset of such batches; got {type(data).__name__}."
+        )
+    if (
+        len(shape) > 1
+        and shape[-1] not in (1, None)
+        or not (dtype.is_integer or dtype.is_floating)
+    ):
+        raise ValueError(
+            f"explain.trak({name}=...): labels of shape {shape} ({dtype.name}); "
+            "expected one integer class index per example, shape (B,). For "
+            "one-hot labels pass (x, np.argmax(y, axis=-1))."
+        )
+
+
+def _check_classes(model: Any, index: int) -> None:
+    """Refuse a model of fewer than two outputs: the margin ``log(p / (1 -
+    p))`` of a single logit's softmax is infinite."""
+    shape = getattr(model, "output_shape", None)
+    if isinstance(shape, tuple) and shape and shape[-1] is not None and shape[-1] < 2:
+        raise ValueError(
+            f"explain.trak(model_or_checkpoints=...): checkpoint {index}'s output "
+            f"has shape {shape}; TRAK's margin needs logits over two or more "
+            "classes, (B, classes). For a binary classifier with one logit z, "
+            "output the logits [0, z]."
+        )

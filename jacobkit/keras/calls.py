@@ -105,11 +105,16 @@ def _handles(graph: Any, variables: Iterable[Any]) -> set[int]:
 def _call_scope(op_name: str, layer_name: str) -> str | None:
     """The name scope of the layer's call around the op ``op_name``: the
     path up to its last component that is ``layer_name`` or
-    ``layer_name_<n>``."""
+    ``layer_name_<n>``, or the first of a run of such components: an op may
+    open a scope of the layer's name inside the layer's own (Keras's default
+    name ``separable_conv2d`` is also ``tf.nn.separable_conv2d``'s scope, as
+    in ``model/separable_conv2d_1/separable_conv2d/depthwise``)."""
     parts = op_name.split("/")[:-1]
     named = re.compile(rf"{re.escape(layer_name)}(_\d+)?")
     for i in range(len(parts) - 1, -1, -1):
         if named.fullmatch(parts[i]):
+            while i > 0 and named.fullmatch(parts[i - 1]):
+                i -= 1
             return "/".join(parts[: i + 1])
     return None
 

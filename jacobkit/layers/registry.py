@@ -99,6 +99,10 @@ class LayerRegistry:
         #: the Keras flavours imported -> {class: its kind}, built on first
         #: use (``tf_keras`` counts once it is imported); cleared by :meth:`add`
         self._by_class: dict[Any, dict[type, LayerKind]] = {}
+        #: counts the kinds added: every per-model state (plans, compiled
+        #: computations, the batch checks) keys by it through the problem's
+        #: key, so a rule registered later is seen by the next call
+        self.version = 0
         for kind in kinds:
             self.add(kind)
 
@@ -141,7 +145,12 @@ class LayerRegistry:
             convolutions.convolution(each)  # raises, listing the kinds
         self._kinds.append(kind)
         self._by_class.clear()
+        self.version += 1
         return kind
+
+    def current_version(self) -> int:
+        """:attr:`version` now (what a problem's key is made with)."""
+        return self.version
 
     @property
     def kinds(self) -> tuple[LayerKind, ...]:

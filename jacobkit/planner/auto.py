@@ -61,7 +61,12 @@ class Auto:
     def __post_init__(self) -> None:
         # a bad budget or device is refused now, before any model is traced
         if self.memory_budget is not None:
-            memory.parse_budget(self.memory_budget, free=1 << 40)
+            try:
+                memory.parse_budget(self.memory_budget, free=1 << 40)
+            except (TypeError, ValueError) as err:
+                raise type(err)(
+                    f"jacobian(memory_budget={self.memory_budget!r}): {err}"
+                ) from err
         if self.device is not None:
             try:
                 memory.normalize_device(self.device)

@@ -34,7 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import runtime
+from jacobkit import layers, runtime
 from jacobkit.keras import compat, layer_tree
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.problem import Problem
@@ -97,7 +97,9 @@ def fingerprint(problem: Problem, device: str) -> str | None:
 
 def _layers(model: Any) -> list[list[Any]]:
     """The model's architecture as the cache keys it: every layer (nested
-    ones included, depth first) by class, name and activation. Not
+    ones included, depth first) by class, name, activation and the rule
+    jacobkit serves it with (``jk.layers.register`` may add one later: a
+    plan made without it had no closed form there). Not
     ``get_config()``: serializing a backbone took 0.1-0.3 s of a 0.6 s first
     call (frozen MobileNetV2 at 96 px); a cached plan is a starting point
     that every strategy checks and ``auto`` measures again, so two models
@@ -105,8 +107,16 @@ def _layers(model: Any) -> list[list[Any]]:
     found = []
     for layer, path in layer_tree.walk(model):
         activation = compat.activation_name(compat.activation(layer))
+        kind = layers.kind_of(layer)
+        rule = None if kind is None else kind.rule
         found.append(
-            [type(layer).__module__, type(layer).__qualname__, list(path), activation]
+            [
+                type(layer).__module__,
+                type(layer).__qualname__,
+                list(path),
+                activation,
+                "" if rule is None else f"{rule.__module__}.{rule.__qualname__}",
+            ]
         )
     return found
 

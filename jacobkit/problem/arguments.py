@@ -31,6 +31,36 @@ def check_model(model: Any) -> None:
         )
 
 
+def check_eager() -> None:
+    """Refuse a call traced in a ``tf.function`` (``model.fit`` compiles its
+    train step into one): jacobkit plans, compiles and runs eagerly, and
+    TensorFlow's own error there (``TypeError ... SymbolicTensor``) says
+    neither."""
+    if not tf.executing_eagerly():
+        raise TypeError(
+            "jacobian(...): called while TensorFlow traces a tf.function (a "
+            "@tf.function, or model.fit/train_step without run_eagerly=True). "
+            "jk.jacobian, jk.gram and jk.verify run eagerly: they plan and "
+            "compile their own computation. Compile the model with "
+            "run_eagerly=True, or call jacobkit outside the traced function "
+            "(between steps); a compiled entry point is planned."
+        )
+
+
+def check_steps(steps: Any) -> None:
+    """``steps=``: ``None`` or a positive int (checked with one batch of
+    arrays too, where it has nothing to count)."""
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, (int, np.integer))
+    ):
+        raise TypeError(f"jacobian(steps={steps!r}): expected a positive int or None.")
+    if steps is not None and steps < 1:
+        raise ValueError(
+            f"jacobian(steps={steps}): must be >= 1 (the number of batches to "
+            "take from the dataset), or None for all of them."
+        )
+
+
 def check_unconnected(unconnected: Any) -> None:
     if unconnected not in UNCONNECTED_MODES:
         raise ValueError(
@@ -106,6 +136,13 @@ def to_tensors(inputs: Any) -> Any:
         if isinstance(
             value, (tf.Tensor, tf.Variable, np.ndarray, np.generic, list, float, int)
         ):
+            dtype = getattr(value, "dtype", None)
+            if getattr(dtype, "kind", None) in ("U", "S", "O") or dtype == tf.string:
+                raise TypeError(
+                    f"jacobian(inputs=...): an array of {dtype} values; "
+                    "the model takes numbers (float features, or integer "
+                    "token ids). Preprocess (tokenize, encode) them first."
+                )
             # a tf.Variable input is read: its value is the input tensor
             return tf.convert_to_tensor(value)
         raise TypeError(
@@ -115,17 +152,25 @@ def to_tensors(inputs: Any) -> Any:
         )
 
     # A list of arrays is the inputs of a multi-input model; a list of
-    # numbers or of lists (x.tolist()) is one array.
-    if isinstance(inputs, (tuple, dict)) or (
-        isinstance(inputs, list)
-        and inputs
-        and all(
-            isinstance(v, (tf.Tensor, tf.Variable, np.ndarray, tuple, dict))
-            for v in inputs
-        )
-    ):
-        return tf.nest.map_structure(convert, inputs)
-    return convert(inputs)
+    # numbers or of lists (x.tolist(), labels as [0, 2, 1]) is one array,
+    # at any depth: (x, [0, 2, 1]) is x and one array of labels.
+    def structure(value):
+        if isinstance(value, tuple):
+            return tuple(structure(v) for v in value)
+        if isinstance(value, dict):
+            return {k: structure(v) for k, v in value.items()}
+        if (
+            isinstance(value, list)
+            and value
+            and all(
+                isinstance(v, (tf.Tensor, tf.Variable, np.ndarray, tuple, dict))
+                for v in value
+            )
+        ):
+            return [structure(v) for v in value]
+        return convert(value)
+
+    return structure(inputs)
 
 
 def check_examples(inputs: Any, batch: int | None = None) -> None:
@@ -145,12 +190,19 @@ def check_examples(inputs: Any, batch: int | None = None) -> None:
         )
 
 
-def raise_call_error(model: Any, inputs: Any, err: Exception) -> NoReturn:
-    """Raise jacobkit's message for ``model`` failing on ``inputs`` with ``err``."""
-    flat = tf.nest.flatten(inputs)
-    mismatch = layer_tree.input_mismatch(model, inputs, flat)
+def raise_call_error(
+    model: Any, inputs: Any, err: Exception, model_inputs: Any = None
+) -> NoReturn:
+    """Raise jacobkit's message for ``model`` failing on ``inputs`` with
+    ``err``; ``model_inputs(inputs)``: what the model takes of them (``x``
+    of loss rows' ``(x, y[, w])``)."""
+    x = inputs if model_inputs is None else model_inputs(inputs)
+    flat = tf.nest.flatten(x)
+    mismatch = layer_tree.input_mismatch(model, x, flat)
     if mismatch is not None:
         # the shapes say it all; the model's traced error would bury them
+        if x is not inputs:  # loss rows: name x, not the (x, y) around it
+            mismatch = f"x of (x, y) does not fit the model: {mismatch}"
         raise ValueError(f"jacobian(inputs=...): {mismatch}") from None
     shapes = ", ".join(str(tuple(t.shape)) for t in flat)
     hint = "Check that the inputs are what the model takes (batch axis first)."

@@ -74,10 +74,12 @@ class Call:
     distribute: tf.distribute.Strategy | None = None
 
     def __post_init__(self) -> None:
+        arguments.check_eager()
         arguments.check_model(self.model)
         rows.check_mode(self.outputs)
         rows.check_features(self.features)
         arguments.check_unconnected(self.unconnected)
+        arguments.check_steps(self.steps)
         arguments.check_training(self.training)
         arguments.check_reduce(self.reduce)
         if self.pads_batches:

@@ -21,9 +21,10 @@ outlives the process uses names and hashes instead: the plan cache's files
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from jacobkit import layers
 from jacobkit.problem.reduction import Reduction
 from jacobkit.problem.rows import Rows
 
@@ -38,12 +39,17 @@ class Differentiated:
         rows: ``outputs=`` and ``features=``.
         training: the model's ``training`` flag.
         output: ``output=`` of a multi-output model, or ``None``.
+        rules: the layer registry's version when the problem was made
+            (``jk.layers.register`` adds closed forms: a plan that refused
+            ``batch`` before it, or a traced pass without them, is not
+            this problem's).
     """
 
     targets: tuple[int, ...]
     rows: Rows
     training: bool
     output: int | str | None
+    rules: int = field(default_factory=layers.REGISTRY.current_version)
 
 
 @dataclass(frozen=True)

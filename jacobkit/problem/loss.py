@@ -91,7 +91,35 @@ def split(inputs: Any) -> tuple[Any, tuple[Any, ...]]:
             + (f" of {len(inputs)}" if isinstance(inputs, (tuple, list)) else "")
             + ". Pass the labels with the inputs: jacobian(model, (x, y), ...)."
         )
+    _check_lengths(inputs)
     return inputs[0], tuple(inputs[1:])
+
+
+def _check_lengths(inputs: Any) -> None:
+    """Refuse ``y`` or ``sample_weight`` with another number of examples than
+    ``x`` (where the shapes are known), before the loss broadcasts them."""
+    names = ("x", "y", "sample_weight")
+    lengths = []
+    for name, value in zip(names, inputs):
+        first = [_length(t) for t in tf.nest.flatten(value)]
+        lengths.append((name, first[0] if first else None))
+    x_length = lengths[0][1]
+    for name, length in lengths[1:]:
+        if x_length is not None and length is not None and length != x_length:
+            raise ValueError(
+                f"jacobian(inputs=(x, y{', sample_weight' if len(inputs) > 2 else ''})"
+                f"): {name} holds {length} example(s) along its first axis, "
+                f"x holds {x_length}. Pass one {'label' if name == 'y' else 'weight'} "
+                "per example."
+            )
+
+
+def _length(value: Any) -> int | None:
+    """The first axis's size of an array or tensor, where it is known."""
+    shape = getattr(value, "shape", None)
+    if shape is None or len(shape) == 0:
+        return None
+    return None if shape[0] is None else int(shape[0])
 
 
 def _name(fn: Any) -> str:

@@ -147,7 +147,7 @@ class Problem:
 
     def raise_call_error(self, err: Exception) -> NoReturn:
         """jacobkit's message for a model that failed on these inputs."""
-        arguments.raise_call_error(self.model, self.inputs, err)
+        arguments.raise_call_error(self.model, self.inputs, err, self.model_inputs)
 
     def _take(self, inspection: inspect.Inspection) -> None:
         """The shapes and facts of the traced pass (:mod:`.inspect`)."""

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.keras import compat
+from jacobkit.keras import compat, layer_tree
 from jacobkit.keras import graph as taps
 from jacobkit.problem.cache import PerModel
 
@@ -222,7 +222,14 @@ class TensorTargets:
         layer_tap = self._tap
         assert layer_tap is not None, "an Output target has its tap"
         tap = self._function(lambda x: layer_tap(x, self._training, hook))
-        tap.get_concrete_function(inputs)
+        try:
+            tap.get_concrete_function(inputs)
+        except (ValueError, TypeError) as err:  # the model refuses the inputs
+            flat = tf.nest.flatten(inputs)
+            mismatch = layer_tree.input_mismatch(layer_tap.model, inputs, flat)
+            if mismatch is None:
+                raise
+            raise ValueError(f"jacobian(inputs=...): {mismatch}") from err
         outputs = found[0]
         if not isinstance(outputs, tf.Tensor) or not outputs.dtype.is_floating:
             raise TypeError(

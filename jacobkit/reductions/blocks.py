@@ -33,8 +33,11 @@ class ExampleSet:
 
     def __post_init__(self) -> None:
         if not arguments.is_batches(self.inputs):
-            self.arrays = tf.nest.map_structure(np.asarray, self.inputs)
+            # labels as a Python list are one array, as jacobian() reads them
+            tensors = arguments.to_tensors(self.inputs)
+            self.arrays = tf.nest.map_structure(np.asarray, tensors)
             arguments.check_examples(self.arrays)
+            _check_examples(self.arrays, None)
         elif not isinstance(
             self.inputs, (tf.data.Dataset, source.batches, passes.Checked)
         ):
@@ -48,7 +51,8 @@ class ExampleSet:
 
     def chunks(self, size: int) -> Iterator[Any]:
         """Chunks of at most ``size`` examples, in order."""
-        for batch in self._batches():
+        for k, batch in enumerate(self._batches()):
+            _check_examples(batch, k)
             yield from source.batches(batch, size)
 
     def _batches(self) -> Iterator[Any]:
@@ -64,6 +68,24 @@ class ExampleSet:
             return tuple(problem.rows_shape)
         examples = sum(source.batch_size(b) for b in self._batches())
         return (examples, *problem.rows_shape[1:])
+
+
+def _check_examples(arrays: Any, batch: int | None) -> None:
+    """Refuse a set whose arrays (``x``, ``y``, ``sample_weight``) hold other
+    numbers of examples, or a scalar (an unbatched dataset's label)."""
+    shapes = [tuple(np.shape(a)) for a in tf.nest.flatten(arrays)]
+    where = "a set" if batch is None else f"batch {batch} of a set"
+    if any(not shape for shape in shapes):
+        raise ValueError(
+            f"gram(a=..., b=...): {where} holds a scalar (shapes {shapes}); each "
+            "needs a batch axis, shape (B, ...). Is the tf.data set unbatched? "
+            "Call dataset.batch(32) (any size) before passing it."
+        )
+    if len({shape[0] for shape in shapes}) > 1:
+        raise ValueError(
+            f"gram(a=..., b=...): {where} holds arrays of shapes {shapes}, whose "
+            "first axes differ; x, y and sample_weight need one entry per example."
+        )
 
 
 @dataclass

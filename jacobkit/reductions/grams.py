@@ -168,8 +168,8 @@ def gram(
         output=output,
         strategy=None,
     )
+    allowed = _check_options(memory_budget, norms)
     chosen = _chosen(strategy, memory_budget)
-    allowed = None if memory_budget is None else budgets.parse_budget(memory_budget)
     reading = collect.reading(call)
     # a dataset is read once per chunk of the other set: each pass checked
     first_set = passes.checked(a, "gram(a=...)")
@@ -228,6 +228,17 @@ def _every_trainable(model: Any) -> list[Any]:
             "build it first (call it on a batch), or pass layer=."
         )
     return found
+
+
+def _check_options(memory_budget: Any, norms: Any) -> int | None:
+    """``memory_budget=`` in bytes (``None``: none given), after checking it
+    and ``norms=``, before anything is read."""
+    if not isinstance(norms, bool):
+        raise TypeError(f"gram(norms={norms!r}): expected True or False.")
+    try:
+        return None if memory_budget is None else budgets.parse_budget(memory_budget)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"gram(memory_budget={memory_budget!r}): {err}") from err
 
 
 def _chosen(strategy: Any, memory_budget: Any) -> Any:

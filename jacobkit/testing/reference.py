@@ -274,6 +274,43 @@ def float64_reference(
     Keras groups them: 96-183 s per target on ConvNeXtTiny (see
     ``docs/checking.md``).
     """
+    try:
+        return _float64_reference(
+            model, inputs, layer, outputs, features, call_kwargs, baseline
+        )
+    except (ValueError, TypeError, tf.errors.OpError) as err:
+        if "float64_reference(" not in str(err) and not call_kwargs:
+            _refuse_in_words(model, inputs, layer, outputs, features, err)
+        raise
+
+
+def _refuse_in_words(
+    model: Any, inputs: Any, layer: Any, outputs: Any, features: Any, err: Exception
+) -> None:
+    """Raise jacobkit's own message for what made the reference fail (a
+    model's raw error on inputs of the wrong shape, features out of range),
+    from the checks :func:`jacobkit.jacobian` runs on the same arguments;
+    return where they find nothing wrong."""
+    from jacobkit.problem.call import Call
+
+    try:
+        Call(
+            model, layer, outputs=outputs, features=features, unconnected="zero"
+        ).problem(inputs)
+    except (ValueError, TypeError) as found:
+        message = str(found).replace("jacobian(", "float64_reference(", 1)
+        raise type(found)(message) from err
+
+
+def _float64_reference(
+    model: Any,
+    inputs: Any,
+    layer: Any,
+    outputs: Any,
+    features: Any,
+    call_kwargs: Mapping[str, Any] | None,
+    baseline: bool,
+) -> Reference:
     kwargs = dict(call_kwargs or {})
     # loss rows take (x, y[, w]); the targets are found in what the model takes
     model_inputs = split_loss_inputs(inputs)[0] if isinstance(outputs, Loss) else inputs

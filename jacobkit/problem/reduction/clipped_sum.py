@@ -68,11 +68,12 @@ class ClippedSum(Reduction):
     generic_passes = 2
 
     def __post_init__(self) -> None:
-        value = self.clip_norm
+        value = _scalar(self.clip_norm)
+        object.__setattr__(self, "clip_norm", value)
         if (
             isinstance(value, bool)
             or not isinstance(value, numbers.Real)
-            or not value > 0
+            or not float(value) > 0
         ):
             raise ValueError(
                 f"jk.ClippedSum(clip_norm={value!r}): expected a positive number "
@@ -186,3 +187,21 @@ class ClippedSum(Reduction):
     def joined(self, parts: list[Any], *, summed: bool) -> Any:
         """The replicas' sums added up (their norms: :meth:`joined_norms`)."""
         return tf.add_n(parts)
+
+
+def _scalar(value: Any) -> Any:
+    """A scalar tensor or NumPy scalar as a Python float (a bool, a tensor of
+    another shape or a non-number kept, for the check to refuse in words)."""
+    if isinstance(value, (bool, numbers.Real)) and not hasattr(value, "dtype"):
+        return value
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is None or tuple(shape) != () or dtype is None:
+        return value
+    dtype = tf.as_dtype(dtype)
+    if dtype.is_bool or not (dtype.is_floating or dtype.is_integer):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # a symbolic tensor: left to the check
+        return value

@@ -123,12 +123,21 @@ def _checked_refusal(problem: Problem) -> str | None:
         return (
             "jacobian(strategy='batch'): the model mixes examples across the "
             f"batch: example 0's outputs depend on other examples' values at "
-            f"layer {problem.layer.name!r} (relative size {leak:.1e}), as "
+            f"{_where(problem)} (relative size {leak:.1e}), as "
             "BatchNormalization with training=True does. The batch strategy "
             "assumes independent examples; use strategy='chunked' or "
             "'jacobian'."
         )
     return None
+
+
+def _where(problem: Problem) -> str:
+    """The target layer, or the variables given in its place, in words."""
+    if problem.layer is not None:
+        return f"layer {problem.layer.name!r}"
+    names = list(problem.target_names)
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"the targets ({shown})"
 
 
 @dataclass(frozen=True)

@@ -284,8 +284,9 @@ def _call_input(unit: _Unit, call: layer_calls.LayerCall, batch: int) -> tf.Tens
     if x.shape[0] is not None and int(x.shape[0]) != batch:
         raise TapError(
             f"layer {layer.name!r} is called at {call.scope!r} on a tensor of "
-            f"shape {tuple(x.shape)}, shared by every example of the batch of "
-            f"{batch}: its per-example gradients are not separable there"
+            f"shape {tuple(x.shape)} whose first axis is not the examples' (the "
+            "tensor is shared by every example of the batch): its per-example "
+            "gradients are not separable there"
         )
     return x
 
