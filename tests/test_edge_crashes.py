@@ -40,6 +40,7 @@ def test_verify_on_an_embedding_reads_its_indexed_slices(every_variable):
         jk.verify(wrong, model, tokens, layer)
 
 
+@keras.saving.register_keras_serializable(package="test_edge_crashes")
 class Centre(keras.layers.Layer):
     """Subtracts the batch mean: every example's output mixes the batch's."""
 
@@ -254,6 +255,7 @@ def test_trak_takes_the_overwrite_its_stale_out_refusal_advises(tmp_path):
     assert not np.allclose(fresh.scores, first.scores)
 
 
+@keras.saving.register_keras_serializable(package="test_edge_crashes")
 class SharedTable(keras.layers.Layer):
     """Calls an inner Dense on a table shared by every example."""
 
@@ -276,6 +278,7 @@ def test_a_refusal_does_not_quote_the_checks_own_batch_size():
     assert "batch of 2" not in str(info.value)
 
 
+@keras.saving.register_keras_serializable(package="test_edge_crashes")
 class Scale(keras.layers.Layer):
     """``x * w`` over the last axis (the register() example)."""
 
