@@ -14,17 +14,15 @@ import tensorflow as tf
 
 from jacobkit import layers
 from jacobkit.keras.graph import TapError
-from jacobkit.layers.base import Tapped, squared_rows
 from jacobkit.problem import PerModel, Problem
-from jacobkit.problem.targets import Projection
 from jacobkit.strategies import precision
+from jacobkit.strategies.batch import rule_check
 from jacobkit.strategies.batch.forward import (
     Forward,
     node_tap,
     projections,
     tapped_forward,
 )
-from jacobkit.strategies.chunks import map_chunks
 
 #: machine epsilon of the half-precision compute dtypes of mixed precision
 _EPSILON = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
@@ -127,7 +125,9 @@ def _checked_refusal(problem: Problem) -> str | None:
         _check_closed_form(problem, checked)
     except ValueError as err:
         return str(err)
-    wrong = _wrong_rule(problem, checked)
+    wrong = rule_check.refusal(
+        problem, checked.rule, checked.autodiff, checked.precision
+    )
     if wrong is not None:
         return wrong
     leak = _cross_example_leak(checked)
@@ -154,8 +154,9 @@ class Checked:
             random weights): zero at every other example where examples do not
             mix.
         rule: at each tap, what its part's rule gives for random cotangents
-            at ``z`` (:func:`_rule_against_autodiff`).
+            at ``z`` (:func:`.rule_check.against_autodiff`).
         autodiff: the same by autodiff of the rule's ``pre_activation``.
+        precision: at each tap, the epsilon of ``z``'s dtype.
     """
 
     own: list[tf.Tensor]
@@ -163,6 +164,7 @@ class Checked:
     firsts: list[tf.Tensor]
     rule: list[tf.Tensor]
     autodiff: list[tf.Tensor]
+    precision: list[tf.Tensor]
 
 
 def _checked(problem: Problem, forward: Forward) -> Checked:
@@ -179,118 +181,24 @@ def _checked(problem: Problem, forward: Forward) -> Checked:
     assert forward.own is not None, "a pass for the checks records the layer's own"
     rule: list[tf.Tensor] = []
     autodiff: list[tf.Tensor] = []
+    precision: list[tf.Tensor] = []
     parts = projections(problem)
     for tap, part in zip(forward.taps, forward.parts):
         if tap.z.shape.is_fully_defined():
-            by_rule, by_autodiff = _rule_against_autodiff(problem, parts[part], tap)
+            by_rule, by_autodiff = rule_check.against_autodiff(
+                problem, parts[part], tap, CHECK_EXAMPLES
+            )
             rule.append(by_rule)
             autodiff.append(by_autodiff)
+            precision.append(tf.constant(rule_check.epsilon(tap.z.dtype)))
     return Checked(
-        list(forward.own), list(forward.output), list(firsts), rule, autodiff
+        list(forward.own),
+        list(forward.output),
+        list(firsts),
+        rule,
+        autodiff,
+        precision,
     )
-
-
-#: rows per example in the rule's check: two, so that a rule mixing up the
-#: example and row axes is caught
-_CHECK_ROWS = 2
-
-
-def _rule_against_autodiff(
-    problem: Problem, part: Projection, tap: Tapped
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """A registered rule checked against autodiff of its own
-    ``pre_activation`` (the ``z`` its tap computes, :func:`_linear`) at one
-    tap, for random cotangents ``dz`` at ``z``
-    (``(B, K, *z.shape[1:])``, ``K`` = :data:`_CHECK_ROWS`): its per-row
-    gradients, its rows summed over the batch and the squared norms of both
-    (``norms()``), flat and concatenated, against the same from one
-    backward pass through that ``z`` with one copy of the weights
-    per row (``B K`` copies: the first :data:`CHECK_EXAMPLES` examples).
-
-    NOTE (measured, 2-core CPU shared). On the MLP 512-1024-1024-144's
-    middle Dense: 0.05 s on a warm process, against the rest of the checks'
-    0.04 s; in a cold process the first call's checks take 0.5 s against
-    0.1-0.3 s before (TensorFlow's first dispatch of each op), of a first
-    call of 10-20 s. The verdict is kept with the others' (``_REFUSALS``).
-
-    The check is of the rule alone, not of the model: ``pre_activation`` is
-    checked against the layer by :func:`_check_closed_form`."""
-    targets = problem.targets
-    kernel = tf.convert_to_tensor(targets[part.kernel])
-    bias = None if part.bias is None else tf.convert_to_tensor(targets[part.bias])
-    x = tap.inputs[:CHECK_EXAMPLES]
-    if x.dtype.is_floating:
-        x = tf.cast(x, tap.z.dtype)
-    examples = int(x.shape[0])
-    shape = (examples, _CHECK_ROWS, *tap.z.shape[1:])
-    dz = tf.random.stateless_normal(shape, seed=(0, 2), dtype=tap.z.dtype)
-    rows = examples * _CHECK_ROWS
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-        kernels = [tf.identity(kernel) for _ in range(rows)]
-        biases = [None if bias is None else tf.identity(bias) for _ in range(rows)]
-        tape.watch([kernels, [b for b in biases if b is not None]])
-        product = tf.constant(0.0, tap.z.dtype)
-        for row in range(rows):
-            b, k = divmod(row, _CHECK_ROWS)  # rows are example-major
-            z = _linear(part.rule, x, kernels[row], biases[row])
-            only = tf.one_hot(b, examples, dtype=z.dtype)
-            weights = tf.reshape(only, (-1,) + (1,) * (z.shape.rank - 1))
-            product += tf.reduce_sum(z * weights * dz[:, k])
-    found = tape.gradient(
-        product,
-        [kernels, [b for b in biases if b is not None]],
-        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-    )
-    kernel_rows = tf.stack([tf.convert_to_tensor(g) for g in found[0]])
-    if bias is None:
-        bias_rows = tf.zeros((rows, 0), kernel_rows.dtype)
-    else:
-        bias_rows = tf.stack([tf.convert_to_tensor(g) for g in found[1]])
-    # a part without a bias: what a rule gives for it is never read
-    has_bias = float(bias is not None)
-    by_rule = []
-    for summed in (False, True):
-        k_rows, b_rows = part.rule.gradients(x, dz, tuple(kernel.shape), summed=summed)
-        k_norms, b_norms = part.rule.norms(x, dz, summed=summed, map_chunks=map_chunks)
-        by_rule += [
-            _flat(k_rows),
-            _flat(b_rows) if bias is not None else tf.zeros((0,), k_rows.dtype),
-            tf.square(k_norms) + has_bias * tf.square(tf.cast(b_norms, k_norms.dtype)),
-        ]
-    by_autodiff = []
-    for k_rows, b_rows in (
-        (kernel_rows, bias_rows),
-        (_summed(kernel_rows, examples), _summed(bias_rows, examples)),
-    ):
-        by_autodiff += [
-            _flat(k_rows),
-            _flat(b_rows),
-            squared_rows(k_rows) + squared_rows(b_rows),
-        ]
-    return (
-        tf.concat([tf.cast(t, tf.float32) for t in by_rule], 0),
-        tf.concat([tf.cast(t, tf.float32) for t in by_autodiff], 0),
-    )
-
-
-def _linear(rule: Any, x: tf.Tensor, kernel: Any, bias: Any) -> tf.Tensor:
-    """The part's ``z`` from ``x`` as its tap computes it
-    (:meth:`~jacobkit.layers.LayerRule.tapped_call`: ``pre_activation``, or
-    a ``ReversibleEmbedding``'s reverse call)."""
-    _, taps = rule.tapped_call((x,), {}, [(kernel, bias)], lambda z: z)
-    (tap,) = taps
-    z: tf.Tensor = tap.z
-    return z
-
-
-def _flat(rows: tf.Tensor) -> tf.Tensor:
-    return tf.reshape(rows, (-1,))
-
-
-def _summed(rows: tf.Tensor, examples: int) -> tf.Tensor:
-    """Example-major rows ``(B K, ...)`` summed over the examples: ``(K, ...)``."""
-    by_example = tf.reshape(rows, (examples, _CHECK_ROWS, *rows.shape[1:]))
-    return tf.reduce_sum(by_example, 0)
 
 
 def _checked_pass(problem: Problem) -> Checked:
@@ -304,7 +212,14 @@ def _checked_pass(problem: Problem) -> Checked:
 
     def values(inputs: Any) -> tuple[list[Any], ...]:
         found = _checked(problem, tapped_forward(problem, inputs, check=True))
-        return found.own, found.output, found.firsts, found.rule, found.autodiff
+        return (
+            found.own,
+            found.output,
+            found.firsts,
+            found.rule,
+            found.autodiff,
+            found.precision,
+        )
 
     # (a tf.function returns nests of tensors: the record is made outside)
     compute = problem.function(values) if traced else values
@@ -348,32 +263,6 @@ def _check_closed_form(problem: Problem, checked: Checked) -> None:
                 "over its projections): its output differs from that closed "
                 "form. Use strategy='chunked' or 'jacobian'."
             )
-
-
-def _wrong_rule(problem: Problem, checked: Checked) -> str | None:
-    """The refusal of a rule whose ``gradients()`` or ``norms()`` differ from
-    autodiff of its ``pre_activation`` (``None``: they agree). float32
-    rounding of the same sums: measured 1e-7 of the largest value on the
-    registered example (a doubled gradient is off by 1 of it)."""
-    for by_rule, by_autodiff in zip(checked.rule, checked.autodiff):
-        if by_rule.shape != by_autodiff.shape:
-            off = float("inf")
-        else:
-            scale = float(tf.reduce_max(tf.abs(by_autodiff))) + 1e-30
-            off = float(tf.reduce_max(tf.abs(by_rule - by_autodiff))) / scale
-        if off > 1e-4:
-            layer = problem.layer
-            named = "a target layer" if layer is None else f"layer {layer.name!r}"
-            rules = sorted({type(p.rule).__name__ for p in projections(problem)})
-            return (
-                f"jacobian(strategy='batch'): the closed form of {named} "
-                f"({', '.join(rules)}) is wrong: its gradients() or norms() "
-                "differ from autodiff of its own pre_activation() (largest "
-                f"difference {off:.1e} of the largest value). Fix the rule "
-                "registered with jacobkit.layers.register, or use "
-                "strategy='chunked' or 'jacobian'."
-            )
-    return None
 
 
 def _cross_example_leak(checked: Checked) -> float:
