@@ -103,8 +103,11 @@ def coverage(
     A layer whose weights do not reach the rows is left out.
 
     Args:
-        model, inputs, outputs, output, training: as for
-            :func:`jacobkit.jacobian` (one batch of arrays).
+        model: as for :func:`jacobkit.jacobian`.
+        inputs: as for :func:`jacobkit.jacobian` (one batch of arrays).
+        outputs: as for :func:`jacobkit.jacobian`.
+        output: as for :func:`jacobkit.jacobian`.
+        training: as for :func:`jacobkit.jacobian`.
         progress: a progress bar over the layers (each takes a traced pass).
 
     Returns:

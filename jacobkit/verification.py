@@ -168,7 +168,8 @@ def verify(
     the probability of missing an error.
 
     Args:
-        result: a :class:`~jacobkit.JacobianResult`, or a list of arrays
+        result: a :class:`~jacobkit.JacobianResult` of rows (``reduce=None``),
+            or a list of arrays
             (one per target, shape ``rows_shape + v.shape``; for
             per-example or full rows of ``Inputs()``/``Output()`` targets,
             each example's own block, ``rows_shape + v.shape[1:]``).
@@ -198,7 +199,9 @@ def verify(
     Raises:
         VerificationError: the difference exceeds the tolerance (an
             ``AssertionError``).
-        ValueError: the result's shapes do not fit the problem.
+        ValueError: the result's shapes do not fit the problem, or it is
+            reduced (``reduce=``: norms, a clipped sum, a projection) or a
+            :func:`jacobkit.gram` result, which are not checked.
 
     Example:
         >>> import keras, numpy as np, jacobkit as jk
@@ -209,6 +212,7 @@ def verify(
         >>> jk.verify(res, model, x, "head") < 1e-4
         True
     """
+    _refuse_reduced(result)
     call = Call(
         model,
         layer,
@@ -224,6 +228,27 @@ def verify(
     actual = list(held.values()) if isinstance(held, dict) else list(result)
     flat = _flatten(problem, actual)
     return check(problem, flat, probes=probes, tolerance=tolerance, seed=seed)
+
+
+def _refuse_reduced(result: Any) -> None:
+    """Refuse what :func:`verify` does not check: a result reduced by
+    ``reduce=`` (its ``reduce`` field) or a :func:`jacobkit.gram` result (its
+    ``matrix``). Read by field: both types rank above this module."""
+    reduced = getattr(result, "reduce", None)
+    if reduced is None and getattr(result, "matrix", None) is None:
+        return
+    what = (
+        f"a result of reduce={reduced!r}"
+        if reduced is not None
+        else f"a jk.gram result ({type(result).__name__})"
+    )
+    raise ValueError(
+        "verify(result=...): checks rows of Jacobians (a jacobian() result "
+        f"with reduce=None, or arrays), got {what}. Norms, clipped sums, "
+        "projections and Gram matrices are not checked: verify the rows they "
+        "are computed from (the same jacobian() call without reduce=, on a "
+        "few examples where they are many)."
+    )
 
 
 def _flatten(problem: Problem, jacobians: list[Any]) -> list[tf.Tensor]:

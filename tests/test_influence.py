@@ -183,6 +183,44 @@ def test_trak_equals_its_formula_in_float64(tmp_path):
     np.testing.assert_array_equal(again.scores, got.scores)
 
 
+def test_trak_with_dim_above_the_training_set_warns_and_adds_a_ridge():
+    """``dim`` 64 against 40 training examples: ``ΦᵀΦ`` has rank 40 at most.
+    Before: finite scores, no warning, and the inverse of a singular matrix
+    (off by 6.7 of the largest score from the regularized formula).
+    Now a warning, and a ridge of 1e-3 of the mean diagonal (``RIDGE``),
+    against the same formula in the training examples' own space, from
+    float64 gradients: ``φ Φᵀ (Φ Φᵀ + λ I)⁻¹`` (an identity where ``λ > 0``)."""
+    model, train, test = _trak_case()
+    from jacobkit import Project
+
+    project = Project(64, 0)
+    names = [v.path.split("/", 1)[1] for v in model.trainable_variables]
+    variables = model.trainable_variables
+
+    def features(data):
+        ref = testing.float64_reference(model, data, variables, outputs=MARGIN)
+        grads = [np.asarray(r, np.float64) for r in ref]
+        return _projected_reference(project, names, variables, grads)
+
+    phi, phi_test = features(train), features(test)
+    # the documented ridge: 1e-3 of the mean of diag(ΦᵀΦ)
+    ridge = 1e-3 * np.mean(np.sum(phi**2, 0))
+    tau = phi_test @ phi.T @ np.linalg.inv(phi @ phi.T + ridge * np.eye(len(phi)))
+    logits = model(train[0]).numpy().astype(np.float64)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    want = tau * (1 - p[np.arange(len(p)), train[1]])[None, :]
+    with pytest.warns(UserWarning, match=r"explain.trak: ΦᵀΦ is singular.*dim=64"):
+        got = explain.trak(model, train, test, dim=64)
+    assert np.all(np.isfinite(got.scores))
+    # float32 projections through a ridge of 1e-3 of the diagonal: measured
+    # 1.1e-6 of the largest score
+    _close(got.scores, want, rtol=1e-4)
+    # an explicit lambda_reg is used as given, and still warned of
+    with pytest.warns(UserWarning, match="lambda_reg=0.0 leaves it singular"):
+        explain.trak(model, train, test, dim=64, lambda_reg=0.0)
+
+
 def test_margin_is_the_log_odds_of_the_label():
     logits = np.array([[2.0, 0.5, -1.0], [0.0, 3.0, 1.0]], "float32")
     y = np.array([0, 2])

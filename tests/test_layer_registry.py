@@ -232,3 +232,48 @@ def test_a_registered_user_layer_runs_its_closed_form():
     testing.assert_close(result, list(reference.jacobians.values()), tolerance=1e-6)
     auto = jk.jacobian(model, x, "scale", outputs="per_example")
     assert auto.strategy == "batch", auto.plan
+
+
+class _WrongScale(_Scale):
+    """The register() example's layer, registered with a wrong rule."""
+
+
+class _DoubledScaleRule(_ScaleRule):
+    """``_ScaleRule`` with its gradient doubled (and so its norms): its
+    ``pre_activation`` is right, so only the gradients' check can see it."""
+
+    def gradients(self, x, dz, kernel_shape, *, summed):
+        kernel, bias = super().gradients(x, dz, kernel_shape, summed=summed)
+        return 2 * kernel, bias
+
+
+def test_a_registered_rule_with_wrong_gradients_is_refused_in_words():
+    """Before: ``batch`` gave rows off by 1.0 (relative) and a clipped sum off
+    by 0.40, silently. Now it refuses the rule in words, and ``auto`` falls
+    back to a generic strategy that agrees with a float64 closed form."""
+    inputs = keras.Input((3, 4))
+    scale = _WrongScale(name="scale")
+    dense = keras.layers.Dense(2)
+    model = keras.Model(inputs, dense(keras.ops.tanh(scale(inputs))))
+    x = np.random.default_rng(0).normal(size=(3, 3, 4)).astype("float32")
+    layers.register(_WrongScale, _DoubledScaleRule)
+    with pytest.raises(ValueError, match=r"closed form of layer 'scale'.*is wrong"):
+        jk.jacobian(model, x, "scale", strategy="batch", outputs="per_example")
+    # the norms (and so a clipped sum's weights) come from the same rule
+    with pytest.raises(ValueError, match="is wrong"):
+        jk.jacobian(model, x, "scale", strategy="batch", reduce="norm")
+    result = jk.jacobian(model, x, "scale", outputs="per_example")
+    assert result.strategy != "batch", result.plan
+    # y[b, p, j] = sum_c tanh(x[b, p, c] w[c]) W[c, j] + c_j; a per-example
+    # row sums over the positions p: sum_p (1 - tanh^2(x w)) x[b, p, c] W[c, j]
+    w = scale.w.numpy().astype("float64")
+    kernel = dense.kernel.numpy().astype("float64")
+    x64 = x.astype("float64")
+    inner = (1 - np.tanh(x64 * w) ** 2) * x64  # (B, P, C)
+    expected = np.einsum("bpc,cj->bjc", inner, kernel)
+    (found,) = result.jacobians.values()
+    # a generic strategy in float32 against float64: measured 3e-7 of the
+    # largest value (the doubled rule: 1.0)
+    np.testing.assert_allclose(
+        np.asarray(found), expected, atol=2e-6 * np.abs(expected).max()
+    )

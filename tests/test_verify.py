@@ -101,6 +101,22 @@ def test_wrong_shapes_and_arguments_are_clear_errors(tagger):
         jk.verify(result, ex.model, ex.inputs, ex.layer, probes=0)
 
 
+@pytest.mark.parametrize("reduce", ["norm", "clipped_sum", "project", "gram"])
+def test_a_reduced_result_is_refused_with_what_to_check_instead(reduce):
+    """Before: a hint to pass other ``outputs=`` (norms, a clipped sum, a
+    projection) or a raw ``TypeError`` (a Gram)."""
+    ex = example("dense_head")
+    args = (ex.model, ex.inputs, ex.layer)
+    if reduce == "gram":
+        result = jk.gram(ex.model, ex.inputs, layer=ex.layer)
+    else:
+        kind = {"norm": "norm", "clipped_sum": jk.ClippedSum(1.0)}
+        spelled = kind.get(reduce, jk.Project(4))
+        result = jk.jacobian(*args, outputs="per_example", reduce=spelled)
+    with pytest.raises(ValueError, match=r"checks rows of Jacobians .* without reduce"):
+        jk.verify(result, *args, outputs="per_example")
+
+
 def test_testing_exports_it():
     assert testing.verify is jk.verify
     assert testing.VerificationError is jk.VerificationError

@@ -81,8 +81,9 @@ def tracin(
     Args:
         model_or_checkpoints: a Keras model, or a list of models or of
             ``.keras`` files (the checkpoints).
-        train, test: ``(x, y)`` (or ``(x, y, sample_weight)``) arrays, or
-            datasets of such batches.
+        train: ``(x, y)`` (or ``(x, y, sample_weight)``) arrays, or a
+            dataset of such batches: the training examples.
+        test: the test examples, as ``train``.
         layer: the targets, as :func:`jacobkit.jacobian` takes them (default:
             every trainable variable).
         loss: the per-example loss: a :class:`jacobkit.Loss`, a Keras loss

@@ -107,13 +107,15 @@ def plot_influence(
     Args:
         result: what :func:`~jacobkit.explain.tracin` (or ``grad_cos``,
             ``trak``) returned.
-        test_x, train_x: the sets' images ``(N, H, W[, C])``, or flat features
+        test_x: the test set's images ``(N, H, W[, C])``, or flat features
             with ``image_shape``.
+        train_x: the training set's, as ``test_x``.
         tests: the test examples to draw.
         k: proponents and opponents per test example (at most ``top_k``).
         image_shape: ``(H, W)`` or ``(H, W, C)`` of flat inputs (digits:
             ``(8, 8)``).
-        test_labels, train_labels: shown in the titles where given.
+        test_labels: the test set's labels, shown in the titles where given.
+        train_labels: the training set's, as ``test_labels``.
         size: inches per cell.
 
     Returns:

@@ -101,7 +101,8 @@ def token_attribution(
         steps: integrated gradients' points on the path (>= 2).
         baseline: integrated gradients' ``e0``: ``None`` (zeros), or a token
             id whose embedding every position starts from.
-        memory_budget, strategy: as :func:`jacobkit.jacobian`.
+        memory_budget: as :func:`jacobkit.jacobian`.
+        strategy: as :func:`jacobkit.jacobian`.
 
     Returns:
         :class:`TokenAttribution`.

@@ -116,15 +116,18 @@ def gram(
 
     Args:
         model: a Keras model (or any model ``jacobian()`` takes).
-        a, b: arrays (a tuple ``(x, y)`` or ``(x, y, w)`` for loss rows),
-            or datasets of such batches. Each is read in chunks.
+        a: an array (a tuple ``(x, y)`` or ``(x, y, w)`` for loss rows), or
+            a dataset of such batches, read in chunks.
+        b: the same, or ``None`` (``a`` with itself).
         layer: the targets, as ``jacobian()`` takes them; default every
             trainable variable of the model.
         outputs: ``"per_example"`` (default; rows ``(B, F)``: with every
             output feature, the empirical NTK), ``jk.Loss(loss_fn)`` (one
             row per example: TracIn, Grad-Cos), ``"full"``, or
             ``"features"`` (rows summed over each whole set).
-        features, training, output: as in ``jacobian()``.
+        features: as in ``jacobian()``.
+        training: as in ``jacobian()``.
+        output: as in ``jacobian()``.
         strategy: computes the rows where ``batch``'s closed forms do not
             serve every target (default ``"auto"``).
         memory_budget: bytes (or ``"2GiB"``, a fraction of free memory) for

@@ -2,7 +2,8 @@
 target layer with a closed form (what the layer registry holds,
 :func:`jacobkit.layers.with_rules`), rows that decompose per example, a layer
 that can be tapped, and, on one eager forward pass, that the layer computes
-its closed form and that examples do not mix."""
+its closed form, that the rule's gradients and norms are those of autodiff
+through its own ``pre_activation``, and that examples do not mix."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from jacobkit import layers
 from jacobkit.keras.graph import TapError
 from jacobkit.problem import PerModel, Problem
 from jacobkit.strategies import precision
-from jacobkit.strategies.batch.forward import Forward, node_tap, tapped_forward
+from jacobkit.strategies.batch import rule_check
+from jacobkit.strategies.batch.forward import (
+    Forward,
+    node_tap,
+    projections,
+    tapped_forward,
+)
 
 #: machine epsilon of the half-precision compute dtypes of mixed precision
 _EPSILON = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
@@ -118,6 +125,11 @@ def _checked_refusal(problem: Problem) -> str | None:
         _check_closed_form(problem, checked)
     except ValueError as err:
         return str(err)
+    wrong = rule_check.refusal(
+        problem, checked.rule, checked.autodiff, checked.precision
+    )
+    if wrong is not None:
+        return wrong
     leak = _cross_example_leak(checked)
     if leak > 1e-6:
         return (
@@ -150,14 +162,21 @@ class Checked:
         firsts: the cotangent at each tap's ``z`` of example 0's rows (with
             random weights): zero at every other example where examples do not
             mix.
+        rule: at each tap, what its part's rule gives for random cotangents
+            at ``z`` (:func:`.rule_check.against_autodiff`).
+        autodiff: the same by autodiff of the rule's ``pre_activation``.
+        precision: at each tap, the epsilon of ``z``'s dtype.
     """
 
     own: list[tf.Tensor]
     output: list[tf.Tensor]
     firsts: list[tf.Tensor]
+    rule: list[tf.Tensor]
+    autodiff: list[tf.Tensor]
+    precision: list[tf.Tensor]
 
 
-def _checked(forward: Forward) -> Checked:
+def _checked(problem: Problem, forward: Forward) -> Checked:
     per_example = forward.rows
     batch = int(per_example.shape[0])
     weights = tf.random.stateless_normal(
@@ -169,7 +188,26 @@ def _checked(forward: Forward) -> Checked:
     only_first = tf.one_hot(0, batch, dtype=per_example.dtype)
     firsts = forward.cotangents(only_first[:, None] * weights[None, :])
     assert forward.own is not None, "a pass for the checks records the layer's own"
-    return Checked(list(forward.own), list(forward.output), list(firsts))
+    rule: list[tf.Tensor] = []
+    autodiff: list[tf.Tensor] = []
+    precision: list[tf.Tensor] = []
+    parts = projections(problem)
+    for tap, part in zip(forward.taps, forward.parts):
+        if tap.z.shape.is_fully_defined():
+            by_rule, by_autodiff = rule_check.against_autodiff(
+                problem, parts[part], tap, CHECK_EXAMPLES
+            )
+            rule.append(by_rule)
+            autodiff.append(by_autodiff)
+            precision.append(tf.constant(rule_check.epsilon(tap.z.dtype)))
+    return Checked(
+        list(forward.own),
+        list(forward.output),
+        list(firsts),
+        rule,
+        autodiff,
+        precision,
+    )
 
 
 def _checked_pass(problem: Problem) -> Checked:
@@ -181,9 +219,16 @@ def _checked_pass(problem: Problem) -> Checked:
     elsewhere."""
     traced = not node_tap(problem)
 
-    def values(inputs: Any) -> tuple[list[Any], list[Any], list[Any]]:
-        found = _checked(tapped_forward(problem, inputs, check=True))
-        return found.own, found.output, found.firsts
+    def values(inputs: Any) -> tuple[list[Any], ...]:
+        found = _checked(problem, tapped_forward(problem, inputs, check=True))
+        return (
+            found.own,
+            found.output,
+            found.firsts,
+            found.rule,
+            found.autodiff,
+            found.precision,
+        )
 
     # (a tf.function returns nests of tensors: the record is made outside)
     compute = problem.function(values) if traced else values
