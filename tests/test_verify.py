@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 
@@ -107,14 +108,19 @@ def test_a_reduced_result_is_refused_with_what_to_check_instead(reduce):
     projection) or a raw ``TypeError`` (a Gram)."""
     ex = example("dense_head")
     args = (ex.model, ex.inputs, ex.layer)
+    outputs: object = "per_example"
     if reduce == "gram":
         result = jk.gram(ex.model, ex.inputs, layer=ex.layer)
+    elif reduce == "clipped_sum":  # clipped per example: loss rows
+        labels = np.zeros(ex.model(ex.inputs).shape, "float32")
+        outputs = jk.Loss(keras.losses.MeanSquaredError(reduction=None))
+        args = (ex.model, (ex.inputs, labels), ex.layer)
+        result = jk.jacobian(*args, outputs=outputs, reduce=jk.ClippedSum(1.0))
     else:
-        kind = {"norm": "norm", "clipped_sum": jk.ClippedSum(1.0)}
-        spelled = kind.get(reduce, jk.Project(4))
+        spelled = {"norm": "norm"}.get(reduce, jk.Project(4))
         result = jk.jacobian(*args, outputs="per_example", reduce=spelled)
     with pytest.raises(ValueError, match=r"checks rows of Jacobians .* without reduce"):
-        jk.verify(result, *args, outputs="per_example")
+        jk.verify(result, *args, outputs=outputs)
 
 
 def test_testing_exports_it():
