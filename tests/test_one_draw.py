@@ -149,8 +149,20 @@ def _seed_states(model) -> list[np.ndarray]:
 
 
 # -- a clipped contribution is min(norm, C) -------------------------------------------
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("name", sorted(MODELS))
+#: left out: ``forward`` on GPT-2, a forward pass per chunk of its parameters
+#: (48 s of this file's 114 s on one core); the MLP and the GRU run forward
+_LEFT_OUT = {("gpt2", "forward")}
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [
+        (name, strategy)
+        for name in sorted(MODELS)
+        for strategy in STRATEGIES
+        if (name, strategy) not in _LEFT_OUT
+    ],
+)
 def test_each_example_contributes_at_most_c(name, strategy):
     """Sample weights one-hot at example i: only its row is not zero, so the
     clipped sum is its gradient scaled to ``min(norm_i, C)``."""
