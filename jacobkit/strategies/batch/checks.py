@@ -193,7 +193,7 @@ def _checked(problem: Problem, forward: Forward) -> Checked:
     precision: list[tf.Tensor] = []
     parts = projections(problem)
     for tap, part in zip(forward.taps, forward.parts):
-        if tap.z.shape.is_fully_defined():
+        if tap.z.shape.is_fully_defined() and rule_check.checked(parts[part].rule):
             by_rule, by_autodiff = rule_check.against_autodiff(
                 problem, parts[part], tap, CHECK_EXAMPLES
             )
