@@ -327,10 +327,9 @@ class _Compiled:
 def _rows_of(output: Output) -> int:
     """The rows a computation's output covers: its norms', else its first
     value's leading axis."""
-    first = output.norms if output.norms is not None else None
+    first = output.norms
     if first is None:
-        flat = tf.nest.flatten(output.values)
-        first = flat[0] if flat else None
+        first = next(iter(tf.nest.flatten(output.values)), None)
     return int(first.shape[0]) if first is not None and first.shape.rank else 0
 
 

@@ -52,7 +52,6 @@ def rows_in_chunks(
     vectorized)."""
     targets = problem.targets
     num_rows = problem.num_rows
-    reduced = per_chunk
     blocked = problem.blocked
 
     def compute(inputs: Any) -> list[tf.Tensor]:
@@ -62,7 +61,7 @@ def rows_in_chunks(
 
         def chunk(start: Any, size: int) -> list[tf.Tensor]:
             cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
-            return reduced(gradients(tape, rows, cotangents), blocked)
+            return per_chunk(gradients(tape, rows, cotangents), blocked)
 
         return map_chunks(chunk, num_rows, chunk_size)
 
