@@ -51,6 +51,7 @@ _MODULES = {
     "layers": "jacobkit.layers",
     "memory": "jacobkit.memory",
     "planner": "jacobkit.planner",
+    "privacy": "jacobkit.privacy",
     "strategies": "jacobkit.strategies",
     "testing": "jacobkit.testing",
 }
@@ -77,6 +78,7 @@ __all__ = [
     "memory",
     "plan",
     "planner",
+    "privacy",
     "strategies",
     "testing",
     "verify",
@@ -84,7 +86,15 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import batches as data
-    from jacobkit import explain, layers, memory, planner, strategies, testing
+    from jacobkit import (
+        explain,
+        layers,
+        memory,
+        planner,
+        privacy,
+        strategies,
+        testing,
+    )
     from jacobkit.api import jacobian, plan
     from jacobkit.planner import Plan
     from jacobkit.problem.loss import Loss

@@ -40,6 +40,8 @@ RANKS = {
     "reach": 11,
     "reductions": 11,
     "explain": 12,
+    # DP-SGD in Keras, on jacobian()'s clipped sum
+    "privacy": 12,
     "testing": 13,
     # names every public part, jk.testing too (imported on first use)
     "__init__": 14,

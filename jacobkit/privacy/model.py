@@ -1,0 +1,283 @@
+"""DP-SGD with ``model.fit``: :func:`make_private` wraps a Keras model in a
+:class:`PrivateModel`, compiled and fitted as usual.
+
+Why a wrapper, made by a function: Keras users train with ``compile`` and
+``fit`` and already know ``make_private`` from Opacus. A wrapper works for
+any model (functional, Sequential, subclassed, a keras_hub task) without
+the user changing its class, as a ``train_step`` mixin would ask; and the
+user's model stays as it was: the wrapper holds it, trains its variables
+(what ``fit`` does) and changes nothing else of it: no layer, loss or
+``train_step`` of it is replaced. TF Privacy's ``DPModel`` /
+``DPSequential`` subclass the model instead (Keras 2 only).
+
+A step (:meth:`PrivateModel.train_step`) on a batch ``(x, y, w)`` from a
+:class:`~jacobkit.privacy.PoissonSampler`: each example's loss gradient over
+all trained variables, clipped to L2 norm ``C`` (or layer by layer),
+summed (:func:`jacobkit.jacobian` with ``reduce=jk.ClippedSum(C)``: no
+example's gradient is held); Gaussian noise ``N(0, (sigma * C)^2)`` added
+to every coordinate, drawn statelessly from ``(seed, step)``
+(:func:`~jacobkit.privacy.step.noise`); the result divided by the
+expected batch size ``q * N``; the compiled optimizer applies it.
+
+The clipped sum is eager today, so ``compile`` sets ``run_eagerly=True``
+(and refuses ``run_eagerly=False``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from jacobkit.privacy import checks, step
+from jacobkit.privacy.accounting import check_parameters, epsilon
+from jacobkit.privacy.sampling import PoissonSampler
+from jacobkit.problem.loss import Loss
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """A private model's settings.
+
+    Attributes:
+        l2_norm_clip: ``C``, the bound on one example's clipped gradient.
+        noise_multiplier: ``sigma``: the noise's standard deviation is
+            ``sigma * C``.
+        sampling_rate: ``q``, each example's probability to join a batch.
+        num_examples: ``N``, the training set's size.
+        seed: seeds the noise (step ``t``'s by ``(seed, t)``).
+        training: the ``training`` flag the model's passes get.
+    """
+
+    l2_norm_clip: float
+    noise_multiplier: float
+    sampling_rate: float
+    num_examples: int
+    seed: int
+    training: bool
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q * N``: the noisy sum is divided by it."""
+        return self.sampling_rate * self.num_examples
+
+
+class PrivateModel(keras.Model):
+    """A Keras model whose ``fit`` takes DP-SGD steps on ``model``'s
+    trainable variables (see the module's docstring); made by
+    :func:`make_private`. Calling it calls ``model``.
+
+    Attributes:
+        model: the user's model.
+        privacy: the :class:`Privacy` settings.
+        dp_steps: the DP steps taken (an int64 variable): what the noise is
+            seeded with and the accountant composes.
+    """
+
+    def __init__(
+        self, model: Any, privacy: Privacy, per_layer: bool | Mapping[str, float]
+    ) -> None:
+        super().__init__(name=f"private_{model.name}")
+        self.model = model
+        self.privacy = privacy
+        self.per_layer = per_layer
+        self.dp_steps = keras.Variable(
+            0, dtype="int64", trainable=False, name="dp_steps"
+        )
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.clipped = keras.metrics.Mean(name="clipped")
+        self.per_example_loss: Any = None
+        self.clipping: step.Clipping | None = None
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        return self.model(inputs, training=training)
+
+    def compile(
+        self,
+        optimizer: Any = "rmsprop",
+        loss: Any = None,
+        metrics: Any = None,
+        run_eagerly: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """As ``keras.Model.compile``; ``loss`` must be per-example (a Keras
+        loss made with ``reduction=None``, or a function ``(y_true, y_pred)
+        -> (batch,)``). ``metrics`` are computed on the model's outputs in
+        inference mode (``training=False``), weighted by the batch's sample
+        weights (the padding: 0)."""
+        self.per_example_loss = checks.per_example_loss(loss)
+        if run_eagerly is False:
+            raise ValueError(
+                "jacobkit.privacy: compile(run_eagerly=False): the clipped sum "
+                "runs eagerly in this version; leave run_eagerly unset (it is set "
+                "to True)."
+            )
+        super().compile(
+            optimizer=optimizer, metrics=metrics, run_eagerly=True, **kwargs
+        )
+
+    @property
+    def metrics(self) -> list[Any]:
+        own = [self.loss_tracker, self.clipped]
+        # Keras's own "loss" tracker stays out: this model's loss is its own
+        return [
+            *own,
+            *(m for m in super().metrics if m.name != "loss" and m not in own),
+        ]
+
+    def fit(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """As ``keras.Model.fit``; ``x`` should be a
+        :class:`~jacobkit.privacy.PoissonSampler` at this model's sampling
+        rate (anything else is warned about: the accountant's epsilon
+        assumes Poisson sampling)."""
+        if isinstance(x, PoissonSampler):
+            if (x.sampling_rate, x.num_examples) != (
+                self.privacy.sampling_rate,
+                self.privacy.num_examples,
+            ):
+                raise ValueError(
+                    f"jacobkit.privacy: fit's PoissonSampler samples {x.num_examples} "
+                    f"examples at rate {x.sampling_rate}; the private model was "
+                    f"made for {self.privacy.num_examples} at "
+                    f"{self.privacy.sampling_rate}. Make them agree."
+                )
+        else:
+            warnings.warn(
+                "jacobkit.privacy: fit's data is not a PoissonSampler; the epsilon "
+                "reported assumes each example joins each batch independently "
+                "with probability sampling_rate, which shuffled batches do not do.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return super().fit(x, *args, **kwargs)
+
+    def epsilon(self, delta: float, accountant: str = "rdp") -> float:
+        """Epsilon at ``delta`` after the steps taken so far
+        (:func:`~jacobkit.privacy.epsilon`)."""
+        privacy = self.privacy
+        steps = int(self.dp_steps.numpy())
+        return epsilon(
+            privacy.sampling_rate, privacy.noise_multiplier, steps, delta, accountant
+        )
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        """One DP-SGD step on ``data``, ``(x, y)`` or ``(x, y,
+        sample_weight)``, ``B`` examples (a :class:`PoissonSampler`'s
+        padding of weight 0)."""
+        if not tf.executing_eagerly():
+            raise RuntimeError(
+                "jacobkit.privacy: the step runs eagerly in this version; compile "
+                "the private model with its own compile (which sets "
+                "run_eagerly=True)."
+            )
+        if self.per_example_loss is None:
+            raise ValueError("jacobkit.privacy: compile the private model first.")
+        x, y, weights = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self.model(x, training=False)
+        batch = int(tf.nest.flatten(y_pred)[0].shape[0])
+        if weights is None:
+            weights = tf.ones((batch,), tf.float32)
+        variables = list(self.model.trainable_variables)
+        if self.clipping is None:  # the first step: what it checks once
+            checks.check_rows(self.per_example_loss, y, y_pred)
+            self.clipping = step.clipping_for(
+                self.model, variables, self.privacy.l2_norm_clip, self.per_layer
+            )
+        gradients, norms = self.gradients(variables, (x, y, weights))
+        self.optimizer.apply(gradients, variables)
+        self.dp_steps.assign_add(1)
+        example = tf.reshape(tf.cast(weights, tf.float32), (batch, -1))[:, 0]
+        self.loss_tracker.update_state(
+            self.per_example_loss(y, y_pred), sample_weight=weights
+        )
+        over = tf.cast(norms > self.clipping.total, tf.float32)
+        self.clipped.update_state(over, sample_weight=tf.cast(example > 0, tf.float32))
+        return self.compute_metrics(x, y, y_pred, weights)
+
+    def gradients(
+        self, variables: list[Any], data: tuple[Any, Any, Any]
+    ) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """The noisy gradients ``(clipped sum + noise) / (q * N)``, one per
+        variable, and each example's norm before clipping, shape ``(B,)``.
+        Noise: :func:`~jacobkit.privacy.step.noise` at this step."""
+        assert self.clipping is not None
+        privacy = self.privacy
+        sums, norms = step.clipped_sums(
+            self.model,
+            data,
+            variables,
+            self.clipping,
+            Loss(self.per_example_loss),
+            privacy.training,
+        )
+        std = privacy.noise_multiplier * self.clipping.total
+        noise = step.noise(variables, privacy.seed, self.dp_steps, std)
+        divisor = privacy.expected_batch_size
+        return [(s + n) / divisor for s, n in zip(sums, noise, strict=True)], norms
+
+
+def make_private(
+    model: Any,
+    *,
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    sampling_rate: float,
+    num_examples: int,
+    seed: int = 0,
+    per_layer: bool | Mapping[str, float] = False,
+    training: bool = True,
+) -> PrivateModel:
+    """``model`` wrapped for DP-SGD with ``fit`` (see the module's docstring).
+
+    Args:
+        model: a built Keras 3 model (any kind), not changed.
+        l2_norm_clip: ``C``: one example's clipped gradient has at most this
+            L2 norm, over all trained variables together.
+        noise_multiplier: ``sigma``; the noise's standard deviation is
+            ``sigma * C``.
+        sampling_rate: ``q``: the :class:`PoissonSampler`'s.
+        num_examples: ``N``: the training set's size (the sum is divided by
+            ``q * N``).
+        seed: seeds the noise.
+        per_layer: clip layer by layer: ``True``, each of the ``L`` layers
+            with trained variables to ``C / sqrt(L)``; or a dict ``{layer
+            path: C_l}`` naming each. The noise's scale is then ``sigma *
+            sqrt(sum C_l^2)`` (``sigma * C`` with ``True``).
+        training: the model's ``training`` flag in the step (dropout on).
+            ``BatchNormalization`` training on batch statistics is refused.
+
+    Returns:
+        a :class:`PrivateModel`; ``compile`` it with a per-example loss and
+        ``fit`` it on a :class:`PoissonSampler`.
+    """
+    check_parameters(sampling_rate, noise_multiplier)
+    if (
+        not isinstance(num_examples, int)
+        or isinstance(num_examples, bool)
+        or (num_examples < 1)
+    ):
+        raise ValueError(
+            f"jacobkit.privacy.make_private(num_examples={num_examples!r}): "
+            "expected the training set's size, a whole number >= 1."
+        )
+    if not getattr(model, "built", False) or not model.trainable_variables:
+        raise ValueError(
+            "jacobkit.privacy.make_private: the model has no trainable "
+            "variables yet; build it first (call it once on a batch)."
+        )
+    checks.refuse_batch_statistics(model, bool(training))
+    # checks the clip norms (and per_layer's names) now, before any step
+    step.clipping_for(model, model.trainable_variables, l2_norm_clip, per_layer)
+    privacy = Privacy(
+        float(l2_norm_clip),
+        float(noise_multiplier),
+        float(sampling_rate),
+        num_examples,
+        int(seed),
+        bool(training),
+    )
+    return PrivateModel(model, privacy, per_layer)
