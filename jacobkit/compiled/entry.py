@@ -106,6 +106,13 @@ class Function:
             arguments.warn_non_finite(problem.inputs)
             self.strategy: strategies.Strategy = chosen.planned(problem)
             self.plan: planner.Plan[strategies.Strategy] | None = chosen.plan(problem)
+            # the kind's and the strategy's checks, now rather than in a trace
+            compiled = self.strategy.compiled_for(problem)
+        if not call.pads_batches:
+            feeding = signatures.Feeding(None, self._ceiling)
+            self._planned[signatures.signature(self._example)] = _Planned(
+                problem.detached(), compiled.fn, feeding
+            )
         self.variables: dict[str, Any] = dict(
             zip(problem.target_names, problem.targets)
         )

@@ -102,7 +102,7 @@ def refuse_unknown(call: Call) -> None:
             f"be planned for a padded batch. {fix}, or use rows of one example "
             "each (outputs='per_example', or jk.Loss(...))."
         )
-    if call.reduction.name == "clipped_sum" and not loss:
+    if call.reduction.sums_batches and not loss:  # a sum of the rows
         raise ValueError(
             f"jk.function(reduce={call.reduce!r}, outputs={call.outputs!r}): "
             "this trace's batch size is unknown (None); a padded batch's extra "
