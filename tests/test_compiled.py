@@ -146,10 +146,19 @@ def test_clipped_sum_of_a_loss_against_float64_as_batch_sizes_change():
             )
         ],
     )
+    # called eagerly: each size its own static signature, planned in the trace
+    eager = jk.function(
+        model,
+        "hidden",
+        example=(x, y, w),
+        outputs=jk.Loss(per_example_loss),
+        reduce=jk.ClippedSum(clip),
+        cache=False,
+    )
     for size in (8, 5, 8, 5, 3):
         part = (x[:size], y[:size], w[:size])
         want, want_norms = _clipped_sum_float64(model, *part, clip)
-        for traced in (known, unknown):
+        for traced in (known, unknown, eager):
             got = traced(part)
             for name, expected in zip(
                 ("hidden/kernel", "hidden/bias"), want, strict=True
@@ -164,6 +173,7 @@ def test_clipped_sum_of_a_loss_against_float64_as_batch_sizes_change():
     # dispatches the known sizes 5 and 3 to (a trace whose signature accepts
     # them): padded to 8, cut to theirs, the same values
     assert fn.tracing_count == 2
+    assert eager.tracing_count == 3
     with pytest.raises(tf.errors.InvalidArgumentError, match="as large as the largest"):
         unknown(_data(9))
 
@@ -309,6 +319,37 @@ def test_jacobian_inside_a_tf_function_names_jk_function():
         tf.function(lambda a: jk.jacobian(model, a, "hidden").jacobians)(x)
     with pytest.raises(TypeError, match="build it outside the traced function"):
         tf.function(lambda a: jk.function(model, "hidden", example=a)(a).values)(x)
+
+
+def test_padded_batches_and_per_example_rows_of_unknown_size():
+    """``ClippedSum(pad_batches=True)``: each size padded to its bucket with
+    weight 0, the padding's norms cut; per-example rows and their norms
+    traced with an unknown batch size, padded and cut. Against the eager
+    call (measured: equal)."""
+    model = _mlp()
+    x, y, _ = _data(8)
+    kwargs = dict(
+        outputs=jk.Loss(per_example_loss),
+        reduce=jk.ClippedSum(0.5, pad_batches=True),
+        cache=False,
+    )
+    fn = jk.function(model, "hidden", example=(x, y), **kwargs)
+    for size in (7, 5):
+        got = fn((x[:size], y[:size]))
+        want = jk.jacobian(model, (x[:size], y[:size]), "hidden", **kwargs)
+        assert _max_diff(got.values, want.jacobians) <= 1e-6
+        assert got.norms.shape == (size,)
+        np.testing.assert_allclose(got.norms, want.norms, rtol=1e-6)
+    for reduce in (None, "norm"):
+        kwargs = dict(outputs="full", reduce=reduce, cache=False)
+        fn = jk.function(model, "hidden", example=x, **kwargs)
+        traced = tf.function(fn, input_signature=[tf.TensorSpec((None, 5))])
+        got = traced(x[:3])
+        want = jk.jacobian(model, x[:3], "hidden", **kwargs)
+        assert (
+            got.values["hidden/kernel"].shape == want.jacobians["hidden/kernel"].shape
+        )
+        assert _max_diff(got.values, want.jacobians) <= 1e-6
 
 
 def test_rows_summed_over_an_unknown_batch_are_refused_in_words():

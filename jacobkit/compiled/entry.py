@@ -161,15 +161,29 @@ class Function:
 
     def _planned_for(self, inputs: Any) -> _Planned:
         """This signature's problem and computation, planned eagerly the
-        first time it is traced (under a lock: replicas trace at once)."""
+        first time it is traced (under a lock: replicas trace at once).
+
+        It is planned in a thread of its own, eager from the start:
+        ``tf.init_scope`` would lift it out of the trace but pauses every
+        gradient tape while it is open, so the problem's inspecting pass
+        found no target connected. A new thread holds none of the trace's
+        state (TensorFlow's context, Keras's scopes, a replica context,
+        this context's collectors of assignments)."""
         key = signatures.signature(inputs)
         with self._lock:
             if key not in self._planned:
-                with tf.init_scope():
-                    self._planned[key] = self._plan(inputs)
+                specs = tf.nest.map_structure(
+                    lambda t: tf.TensorSpec(t.shape, t.dtype), inputs
+                )
+                self._planned[key] = signatures.in_own_thread(self._plan, specs)
             return self._planned[key]
 
     def _plan(self, inputs: Any) -> _Planned:
+        """A signature's plan (``inputs``: its ``tf.TensorSpec``s)."""
+        with engine.device_scope(self._call.device), runtime.tensorflow_warnings():
+            return self._planned_as(inputs)
+
+    def _planned_as(self, inputs: Any) -> _Planned:
         count = signatures.batch_size(inputs)
         feeding = signatures.feeding(self._call, count, self._ceiling)
         if feeding.padded is None:
@@ -203,7 +217,8 @@ def _shaped(planned: _Planned, output: Output, count: Any) -> CompiledOutput:
         problem.target_names, output.values, problem.targets
     ):
         shaped = kind.shaped(problem, value, target)
-        values[name] = shaped[:count] if cut and kind.row_shape(target) else shaped
+        per_row = kind.row_shape(target) is not None
+        values[name] = shaped[:count] if cut and per_row else shaped
     norms = output.norms
     if norms is not None:
         norms = tf.reshape(norms, problem.rows_shape)

@@ -19,8 +19,10 @@ when the signature is traced (:func:`refuse_unknown`).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tensorflow as tf
@@ -28,6 +30,29 @@ import tensorflow as tf
 from jacobkit.keras import compat
 from jacobkit.problem import Call, padding
 from jacobkit.problem.loss import Loss
+
+T = TypeVar("T")
+
+
+def in_own_thread(fn: Callable[[Any], T], argument: Any) -> T:
+    """``fn(argument)`` run in a new thread (eager, no tape paused, no scope
+    of the caller's), its exception raised here."""
+    found: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            found.append(fn(argument))
+        except BaseException as err:  # noqa: BLE001 - raised in the caller
+            failed.append(err)
+
+    thread = threading.Thread(target=run, name="jacobkit-plan")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    result: T = found[0]
+    return result
 
 
 @dataclass(frozen=True)
