@@ -125,21 +125,26 @@ def _optimizer(kind: str, lr: float) -> keras.optimizers.Optimizer:
 
 
 @pytest.mark.parametrize(
-    "build, kind, per_layer",
+    "build, kind, per_layer, eager",
     [
-        (_mlp, "sgd", False),
-        (_mlp, "adam", True),
-        (_conv, "sgd", True),
-        pytest.param(_conv, "adam", False, marks=pytest.mark.slow),
+        (_mlp, "sgd", False, True),
+        (_mlp, "sgd", False, False),
+        (_mlp, "adam", True, False),
+        (_conv, "sgd", True, False),
+        pytest.param(_conv, "adam", False, True, marks=pytest.mark.slow),
     ],
     ids=[
-        "mlp-sgd-whole",
-        "mlp-adam-per_layer",
-        "conv-sgd-per_layer",
-        "conv-adam-whole",
+        "mlp-sgd-whole-eager",
+        "mlp-sgd-whole-compiled",
+        "mlp-adam-per_layer-compiled",
+        "conv-sgd-per_layer-compiled",
+        "conv-adam-whole-eager",
     ],
 )
-def test_two_steps_equal_the_float64_reference(build, kind, per_layer):
+def test_two_steps_equal_the_float64_reference(build, kind, per_layer, eager):
+    """Two steps of ``train_on_batch``: eager (``run_eagerly=True``:
+    ``jk.jacobian``) or compiled (``fit``'s step: ``jk.function``, switched
+    on the padded size)."""
     model = build()
     x, y = _data(model)
     copy = jk.testing.float64_copy(model)
@@ -160,7 +165,9 @@ def test_two_steps_equal_the_float64_reference(build, kind, per_layer):
         seed=SEED,
         per_layer=per_layer,
     )
-    private.compile(_optimizer(kind, lr), LOSS)
+    private.compile(_optimizer(kind, lr), LOSS, run_eagerly=eager)
+    if not eager:
+        private.prepare(sampler)
     reference = _Reference(kind, lr, [v.numpy() for v in copy.trainable_variables])
     weights = [v.numpy().astype(np.float64) for v in copy.trainable_variables]
     clipped_some = False
@@ -224,12 +231,18 @@ def test_the_sampler_pads_to_a_few_sizes_with_weight_zero():
         xb, yb, wb = sampler[t]
         n = len(drawn)
         sizes.add(len(wb))
-        assert len(wb) >= n and len(wb) <= 1.25 * n
+        assert len(wb) == sampler.size(n) >= n
+        assert len(wb) <= 1.25 * n or len(wb) == sampler.sizes[0]
         np.testing.assert_array_equal(yb[:n], drawn)
         np.testing.assert_array_equal(xb[:n, 0], drawn.astype("float32"))
         np.testing.assert_array_equal(wb, [1.0] * n + [0.0] * (len(wb) - n))
         np.testing.assert_array_equal(yb[n:], drawn[-1])  # the last, repeated
-    assert sizes <= {12, 14, 16, 20, 24, 28, 32}
+    assert sizes <= set(sampler.sizes)
+    # the bucket sizes from the 1e-3 quantile of binomial(200, 0.1), 8, to
+    # the bucket of the 1 - 1e-10 quantile's, 51 (a draw beyond 56: 2e-13)
+    assert sampler.sizes == (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56)
+    with pytest.raises(RuntimeError, match="above the largest padded size 56"):
+        sampler.size(57)
     # the same seed draws the same; the next epoch draws anew
     again = jk.privacy.PoissonSampler((x, np.arange(200)), 0.1, seed=0)
     np.testing.assert_array_equal(again[3][1], sampler[3][1])
@@ -238,7 +251,7 @@ def test_the_sampler_pads_to_a_few_sizes_with_weight_zero():
     assert not np.array_equal(sampler[0][1][: len(first)], first)
 
 
-def test_an_empty_draw_is_one_example_of_weight_zero():
+def test_an_empty_draw_is_padded_with_weight_zero():
     sampler = jk.privacy.PoissonSampler((np.ones((3, 2)), np.zeros(3)), 1e-6)
     xb, yb, wb = sampler[0]
     assert xb.shape == (1, 2) and wb.tolist() == [0.0]
@@ -330,14 +343,19 @@ def _centred_loss(y, y_pred):
     ],
     ids=["scalar", "two_rows_per_example", "mixing"],
 )
-def test_the_first_step_refuses_rows_not_one_per_example(loss, match):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_the_first_step_refuses_rows_not_one_per_example(loss, match, eager):
     model = _mlp()
     before = [v.numpy() for v in model.trainable_variables]
     private = _private(model)
-    private.compile("sgd", loss)
+    private.compile("sgd", loss, run_eagerly=eager)
     x, y = _data(model)
     with pytest.raises(ValueError, match=match):
-        private.train_on_batch(x[:8], y[:8])
+        if eager:
+            private.train_on_batch(x[:8], y[:8])
+        else:
+            sampler = jk.privacy.PoissonSampler((x, y), Q, sizes=(16,))
+            private.fit(sampler, verbose=0)
     for v, b in zip(model.trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
 
@@ -386,7 +404,7 @@ def test_draws_one_step_cannot_hold_fixed_are_refused():
     private.compile("sgd", LOSS)
     x, y = _data(_mlp())
     with pytest.raises(ValueError, match="cannot hold fixed across forward passes"):
-        private.train_on_batch(x[:8], y[:8])
+        private.fit(jk.privacy.PoissonSampler((x, y), Q, sizes=(16,)), verbose=0)
 
 
 def test_settings_that_break_the_step_are_refused():
@@ -396,8 +414,6 @@ def test_settings_that_break_the_step_are_refused():
         _private(l2_norm_clip=0.0)
     with pytest.raises(ValueError, match="missing: logits"):
         _private(per_layer={"hidden": 1.0})
-    with pytest.raises(ValueError, match="run_eagerly"):
-        _private().compile("sgd", LOSS, run_eagerly=False)
     unbuilt = keras.Sequential([keras.layers.Dense(3)])
     with pytest.raises(ValueError, match="build it first"):
         _private(unbuilt)
@@ -407,7 +423,10 @@ def test_settings_that_break_the_step_are_refused():
     private.compile("sgd", LOSS)
     with pytest.raises(ValueError, match="Make them agree"):
         private.fit(jk.privacy.PoissonSampler((x, y), 0.5), verbose=0)
-    with pytest.warns(UserWarning, match="not a PoissonSampler"):
+    with (
+        pytest.warns(UserWarning, match="not a PoissonSampler"),
+        pytest.raises(RuntimeError, match="planned on a PoissonSampler"),
+    ):
         private.fit(x, y, batch_size=10, epochs=1, verbose=0)
 
 
@@ -416,7 +435,11 @@ def test_fit_logs_epsilon_after_each_epoch():
     model = _mlp()
     x, y = _data(model)
     q = 0.1
-    sampler = jk.privacy.PoissonSampler((x, y), q, seed=0, steps_per_epoch=1)
+    # two sizes (two branches of the compiled step; a draw above 16 of
+    # binomial(40, 0.1): 2e-6)
+    sampler = jk.privacy.PoissonSampler(
+        (x, y), q, seed=0, steps_per_epoch=1, sizes=(4, 16)
+    )
     private = _private(model, noise_multiplier=1.3, sampling_rate=q)
     private.compile(keras.optimizers.SGD(0.1), LOSS, metrics=["accuracy"])
     history = private.fit(

@@ -19,8 +19,14 @@ to every coordinate, drawn statelessly from ``(seed, step)``
 (:func:`~jacobkit.privacy.step.noise`); the result divided by the
 expected batch size ``q * N``; the compiled optimizer applies it.
 
-The clipped sum is eager today, so ``compile`` sets ``run_eagerly=True``
-(and refuses ``run_eagerly=False``).
+Compiled or eager: ``fit`` on a :class:`~jacobkit.privacy.PoissonSampler`
+runs a compiled step (no ``run_eagerly``): before ``fit`` traces it, the
+step is planned on the sampler's first batch, one
+:func:`jacobkit.function` per clipping group, switched on the batch's
+padded size (:mod:`jacobkit.privacy.traced`). With
+``compile(run_eagerly=True)`` each step calls :func:`jacobkit.jacobian`
+instead (:func:`jacobkit.privacy.step.clipped_sums`); both compute the same
+step.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import tensorflow as tf
 from jacobkit.privacy import checks, step
 from jacobkit.privacy.accounting import check_parameters, epsilon
 from jacobkit.privacy.sampling import PoissonSampler
+from jacobkit.privacy.traced import TracedSums
 from jacobkit.problem.loss import Loss
 
 
@@ -92,6 +99,7 @@ class PrivateModel(keras.Model):
         self.clipped = keras.metrics.Mean(name="clipped")
         self.per_example_loss: Any = None
         self.clipping: step.Clipping | None = None
+        self.traced: TracedSums | None = None
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.model(inputs, training=training)
@@ -101,23 +109,45 @@ class PrivateModel(keras.Model):
         optimizer: Any = "rmsprop",
         loss: Any = None,
         metrics: Any = None,
-        run_eagerly: bool | None = None,
+        jit_compile: Any = False,
         **kwargs: Any,
     ) -> None:
         """As ``keras.Model.compile``; ``loss`` must be per-example (a Keras
         loss made with ``reduction=None``, or a function ``(y_true, y_pred)
         -> (batch,)``). ``metrics`` are computed on the model's outputs in
         inference mode (``training=False``), weighted by the batch's sample
-        weights (the padding: 0)."""
+        weights (the padding: 0). ``jit_compile`` is off by default."""
         self.per_example_loss = checks.per_example_loss(loss)
-        if run_eagerly is False:
-            raise ValueError(
-                "jacobkit.privacy: compile(run_eagerly=False): the clipped sum "
-                "runs eagerly in this version; leave run_eagerly unset (it is set "
-                "to True)."
-            )
+        self.traced = None
         super().compile(
-            optimizer=optimizer, metrics=metrics, run_eagerly=True, **kwargs
+            optimizer=optimizer, metrics=metrics, jit_compile=jit_compile, **kwargs
+        )
+
+    def prepare(self, sampler: PoissonSampler) -> None:
+        """Plan the compiled step on ``sampler``'s first batch and sizes
+        (``fit`` on a sampler calls it; call it before ``train_on_batch``
+        without ``run_eagerly``). Eager; checks the loss's rows there."""
+        if self.per_example_loss is None:
+            raise ValueError("jacobkit.privacy: compile the private model first.")
+        x, y, weights = sampler[0]
+        variables = list(self.model.trainable_variables)
+        self.first_checks(y, self.model(x, training=False), variables)
+        assert self.clipping is not None
+        self.traced = TracedSums(
+            self.model,
+            variables,
+            self.clipping,
+            Loss(self.per_example_loss),
+            self.privacy.training,
+            (x, y, weights),
+            sampler.sizes,
+        )
+
+    def first_checks(self, y: Any, y_pred: Any, variables: list[Any]) -> None:
+        """The loss's rows checked, the clipping groups found (eagerly)."""
+        checks.check_rows(self.per_example_loss, y, y_pred)
+        self.clipping = step.clipping_for(
+            self.model, variables, self.privacy.l2_norm_clip, self.per_layer
         )
 
     @property
@@ -145,6 +175,8 @@ class PrivateModel(keras.Model):
                     f"made for {self.privacy.num_examples} at "
                     f"{self.privacy.sampling_rate}. Make them agree."
                 )
+            if not self.run_eagerly:
+                self.prepare(x)
         else:
             warnings.warn(
                 "jacobkit.privacy: fit's data is not a PoissonSampler; the epsilon "
@@ -168,25 +200,24 @@ class PrivateModel(keras.Model):
         """One DP-SGD step on ``data``, ``(x, y)`` or ``(x, y,
         sample_weight)``, ``B`` examples (a :class:`PoissonSampler`'s
         padding of weight 0)."""
-        if not tf.executing_eagerly():
-            raise RuntimeError(
-                "jacobkit.privacy: the step runs eagerly in this version; compile "
-                "the private model with its own compile (which sets "
-                "run_eagerly=True)."
-            )
         if self.per_example_loss is None:
             raise ValueError("jacobkit.privacy: compile the private model first.")
+        eager = tf.executing_eagerly()
+        if not eager and self.traced is None:
+            raise RuntimeError(
+                "jacobkit.privacy: the compiled step is planned on a "
+                "PoissonSampler: fit on one (fit(sampler, ...)), or call "
+                "private.prepare(sampler) first, or compile with run_eagerly=True."
+            )
         x, y, weights = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self.model(x, training=False)
-        batch = int(tf.nest.flatten(y_pred)[0].shape[0])
+        batch = tf.shape(tf.nest.flatten(y_pred)[0])[0]
         if weights is None:
             weights = tf.ones((batch,), tf.float32)
         variables = list(self.model.trainable_variables)
-        if self.clipping is None:  # the first step: what it checks once
-            checks.check_rows(self.per_example_loss, y, y_pred)
-            self.clipping = step.clipping_for(
-                self.model, variables, self.privacy.l2_norm_clip, self.per_layer
-            )
+        if self.clipping is None:  # eager, the first step: checked once
+            self.first_checks(y, y_pred, variables)
+        assert self.clipping is not None
         gradients, norms = self.gradients(variables, (x, y, weights))
         self.optimizer.apply(gradients, variables)
         self.dp_steps.assign_add(1)
@@ -206,14 +237,18 @@ class PrivateModel(keras.Model):
         Noise: :func:`~jacobkit.privacy.step.noise` at this step."""
         assert self.clipping is not None
         privacy = self.privacy
-        sums, norms = step.clipped_sums(
-            self.model,
-            data,
-            variables,
-            self.clipping,
-            Loss(self.per_example_loss),
-            privacy.training,
-        )
+        if not tf.executing_eagerly():
+            assert self.traced is not None
+            sums, norms = self.traced(data)
+        else:
+            sums, norms = step.clipped_sums(
+                self.model,
+                data,
+                variables,
+                self.clipping,
+                Loss(self.per_example_loss),
+                privacy.training,
+            )
         std = privacy.noise_multiplier * self.clipping.total
         noise = step.noise(variables, privacy.seed, self.dp_steps, std)
         divisor = privacy.expected_batch_size

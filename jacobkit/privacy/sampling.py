@@ -13,14 +13,17 @@ Padding: a draw of ``n`` examples is padded to ``bucket(n)`` (four sizes
 per doubling: ..., 32, 40, 48, 56, 64, 80, ...;
 :func:`jacobkit.problem.padding.bucket`) by repeating its last example with
 sample weight 0, so a compiled step traces a few times (an expected batch
-of 64 meets about five sizes), not once per size. A padded example adds
-exactly 0 to the clipped sum (its loss row is ``0 * loss``). There is no
-largest size: every draw is padded to its own bucket, none is cut or
-dropped, so the sampling is exactly Poisson and the guarantee is the
-accountant's as computed (a bounded size would either drop examples, which
-the accountant does not model, or refuse the step). An empty draw is one
-example of weight 0 (the step then applies the noise alone, as it must:
-skipping it would leak that the draw was empty).
+of 64 meets about seven sizes), not once per size. A padded example adds
+exactly 0 to the clipped sum (its loss row is ``0 * loss``). The sizes
+(:attr:`PoissonSampler.sizes`) run from the bucket of the draw size the
+binomial undershoots with probability :data:`SMALL` (smaller draws are
+padded up to it: only cost) to the bucket of the size it exceeds with
+probability :data:`OVERFLOW` per step. A draw larger than that stops the
+run with an error, never cut: the draw's size does not depend on the data,
+so the stop reveals nothing of it, and at worst it adds ``OVERFLOW`` per
+step to ``delta`` (1e-10 per step: 1e-5 after 1e5 steps). An empty draw is
+one example of weight 0 padded likewise (the step then applies the noise
+alone, as it must: skipping it would leak that the draw was empty).
 
 The expected batch size ``q * N``, not the draw's size, is what the noisy
 sum is divided by (dividing by the draw's size would make the update depend
@@ -37,6 +40,23 @@ import tensorflow as tf
 
 from jacobkit.privacy.accounting import check_parameters
 from jacobkit.problem.padding import bucket
+
+#: the probability per step of a draw larger than the largest size
+OVERFLOW = 1e-10
+#: the probability per step of a draw smaller than the smallest size (padded
+#: up to it)
+SMALL = 1e-3
+
+
+def padded_sizes(num_examples: int, sampling_rate: float) -> tuple[int, ...]:
+    """The sizes a Poisson draw of ``binomial(num_examples, sampling_rate)``
+    examples is padded to: every bucket from the :data:`SMALL` quantile's to
+    the ``1 - OVERFLOW`` quantile's."""
+    from scipy.stats import binom
+
+    low = max(1, int(binom.ppf(SMALL, num_examples, sampling_rate)))
+    high = max(low, int(binom.isf(OVERFLOW, num_examples, sampling_rate)) + 1)
+    return tuple(sorted({bucket(n) for n in range(low, high + 1)}))
 
 
 def _arrays(data: Any) -> tuple[Any, ...]:
@@ -82,6 +102,10 @@ class PoissonSampler(keras.utils.PyDataset):
         sampling_rate: ``q`` in ``(0, 1]``.
         seed: seeds every draw (step ``t`` by ``(seed, t)``).
         steps_per_epoch: the batches of an epoch; ``round(1 / q)`` by default.
+        sizes: the padded sizes, increasing (default: :func:`padded_sizes`);
+            a draw above the largest stops the run (see the module's
+            docstring: choose the largest with a negligible probability to
+            be exceeded).
         **kwargs: ``keras.utils.PyDataset``'s (``workers``, ...).
 
     Attributes:
@@ -96,6 +120,7 @@ class PoissonSampler(keras.utils.PyDataset):
         *,
         seed: int = 0,
         steps_per_epoch: int | None = None,
+        sizes: tuple[int, ...] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -110,6 +135,21 @@ class PoissonSampler(keras.utils.PyDataset):
             else int(steps_per_epoch)
         )
         self.epoch = 0
+        #: the padded sizes, smallest to largest (:func:`padded_sizes`)
+        self.sizes = (
+            padded_sizes(self.num_examples, self.sampling_rate)
+            if sizes is None
+            else tuple(int(s) for s in sizes)
+        )
+        if (
+            not self.sizes
+            or list(self.sizes) != sorted(set(self.sizes))
+            or (self.sizes[0] < 1)
+        ):
+            raise ValueError(
+                f"jacobkit.privacy.PoissonSampler(sizes={sizes!r}): expected "
+                "increasing batch sizes >= 1."
+            )
 
     @property
     def expected_batch_size(self) -> float:
@@ -124,13 +164,28 @@ class PoissonSampler(keras.utils.PyDataset):
         rng = np.random.default_rng((self.seed, step))
         return np.flatnonzero(rng.random(self.num_examples) < self.sampling_rate)
 
+    def size(self, n: int) -> int:
+        """The padded size of a draw of ``n`` examples (a refusal above the
+        largest: see the module's docstring)."""
+        fits = [s for s in self.sizes if s >= n]
+        if not fits:
+            raise RuntimeError(
+                f"jacobkit.privacy.PoissonSampler: a draw of {n} examples, above "
+                f"the largest padded size {self.sizes[-1]} (a draw that large has "
+                f"probability below {OVERFLOW:g} per step). The run stops here "
+                "rather than cut the draw, which would change the sampling the "
+                "accountant assumes; the steps taken keep their guarantee (with "
+                "this probability added to delta). Start again with another seed."
+            )
+        return fits[0]
+
     def batch(self, indices: np.ndarray) -> tuple[Any, Any, np.ndarray]:
         """The examples ``indices`` as ``(x, y, sample_weight)`` padded to
-        ``bucket(n)`` examples, the padding of weight 0 (an empty draw: one
-        example of weight 0)."""
+        :meth:`size` examples, the padding of weight 0 (an empty draw: all
+        of weight 0)."""
         n = len(indices)
         taken = indices if n else np.zeros((1,), np.int64)
-        size = bucket(n) if n else 1
+        size = self.size(n)
         order = np.concatenate([taken, np.repeat(taken[-1:], size - len(taken))])
         x, y = (
             tf.nest.map_structure(lambda a: a[order], part) for part in self.arrays[:2]
