@@ -30,7 +30,6 @@ from jacobkit import runtime
 runtime.start_tensorflow_quietly()
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jacobkit as jk  # noqa: E402
 from examples import dp_sgd  # noqa: E402
