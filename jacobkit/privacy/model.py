@@ -133,6 +133,8 @@ class PrivateModel(keras.Model):
         variables = list(self.model.trainable_variables)
         self.first_checks(y, self.model(x, training=False), variables)
         assert self.clipping is not None
+        # a step traced before planned other sizes: traced anew
+        self.train_function = None
         self.traced = TracedSums(
             self.model,
             variables,
@@ -175,7 +177,9 @@ class PrivateModel(keras.Model):
                     f"made for {self.privacy.num_examples} at "
                     f"{self.privacy.sampling_rate}. Make them agree."
                 )
-            if not self.run_eagerly:
+            if not self.run_eagerly and (
+                self.traced is None or self.traced.sizes != x.sizes
+            ):
                 self.prepare(x)
         else:
             warnings.warn(
