@@ -451,8 +451,11 @@ def test_fit_logs_epsilon_after_each_epoch():
     assert history.history["epsilon"] == want
     assert private.epsilon(1e-6) == jk.privacy.epsilon(q, 1.3, 2, 1e-6)
     assert {"loss", "accuracy", "clipped"} <= set(history.history)
-    # calling the private model calls the user's
+    # calling the private model calls the user's; the user's model is not
+    # compiled by it, nor its layers replaced
     np.testing.assert_array_equal(private(x[:3]), model(x[:3]))
+    assert not getattr(model, "compiled", False)
+    assert [layer.name for layer in model.layers] == ["hidden", "logits"]
 
 
 @pytest.mark.slow
@@ -482,3 +485,60 @@ def test_fit_trains_digits_privately():
     predicted = np.argmax(model.predict(digits.x_test, verbose=0), -1)
     assert np.mean(predicted == digits.y_test) > 0.8
     assert history.history["epsilon"][-1] == pytest.approx(3.46, abs=0.01)
+
+
+def test_per_layer_clip_norms_in_the_models_order():
+    model = _mlp()
+    variables = model.trainable_variables
+    found = privacy_step.clipping_for(
+        model, variables, 1.0, {"logits": 0.3, "hidden": 0.4}
+    )
+    assert found.names == ("hidden", "logits")
+    assert found.clips == (0.4, 0.3) and found.total == pytest.approx(0.5)
+    assert found.groups == ((0, 1), (2, 3))
+    even = privacy_step.clipping_for(model, variables, 2.0, True)
+    assert even.clips == pytest.approx((2 / math.sqrt(2),) * 2)
+    assert even.total == pytest.approx(2.0)
+
+
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**{"name": "subclassed", **kwargs})
+        self.hidden = keras.layers.Dense(5, activation="tanh")
+        self.logits = keras.layers.Dense(3)
+
+    def call(self, x, training=None):
+        return self.logits(self.hidden(x))
+
+
+@pytest.mark.slow
+def test_a_subclassed_model_steps_as_the_float64_reference():
+    keras.utils.set_random_seed(0)
+    model = _Subclassed()
+    x, y = _data(_mlp())
+    model(x[:2])
+    copy = jk.testing.float64_copy(model, x[:2])
+    sampler = jk.privacy.PoissonSampler((x, y), Q, seed=4, sizes=(6, 14))
+    private = _private(model, l2_norm_clip=0.3, noise_multiplier=0.5, seed=SEED)
+    private.compile(keras.optimizers.SGD(0.05), LOSS)
+    private.prepare(sampler)
+    data = sampler[1]
+    clipping = privacy_step.clipping_for(model, model.trainable_variables, 0.3, False)
+    grads = _reference_gradient(copy, *data, clipping, 0, 0.5)
+    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    private.train_on_batch(*data[:2], sample_weight=data[2])
+    update = max(float(np.abs(0.05 * g).max()) for g in grads)
+    for b, v, g in zip(before, model.trainable_variables, grads):
+        want = b - 0.05 * g
+        spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(v.numpy() - want) <= RTOL["sgd"] * update + spacing)
+
+
+@pytest.mark.slow
+def test_a_keras_application_with_batch_normalization_is_refused():
+    model = keras.applications.MobileNetV3Small(
+        input_shape=(32, 32, 3), weights=None, classes=3, include_preprocessing=False
+    )
+    with pytest.raises(ValueError, match="BatchNormalization trains on batch"):
+        _private(model)
+    _private(model, training=False)  # its moving statistics: taken
