@@ -118,6 +118,8 @@ class PrivateModel(keras.Model):
         inference mode (``training=False``), weighted by the batch's sample
         weights (the padding: 0). ``jit_compile`` is off by default."""
         self.per_example_loss = checks.per_example_loss(loss)
+        # planned for the previous loss: checked and planned anew
+        self.clipping = None
         self.traced = None
         super().compile(
             optimizer=optimizer, metrics=metrics, jit_compile=jit_compile, **kwargs
