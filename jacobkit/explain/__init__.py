@@ -26,6 +26,7 @@ methods (Grad-CAM needs a layer of a functional or Sequential model).
 from __future__ import annotations
 
 from jacobkit.explain.cam import grad_cam
+from jacobkit.explain.completeness import CompletenessWarning
 from jacobkit.explain.generation import generate_and_attribute
 from jacobkit.explain.influence import (
     InfluenceResult,
@@ -34,6 +35,7 @@ from jacobkit.explain.influence import (
     tracin,
 )
 from jacobkit.explain.input_maps import (
+    IntegratedGradients,
     gradient_x_input,
     integrated_gradients,
     saliency,
@@ -45,7 +47,9 @@ from jacobkit.explain.top import TopK
 from jacobkit.explain.trak import trak
 
 __all__ = [
+    "CompletenessWarning",
     "InfluenceResult",
+    "IntegratedGradients",
     "TokenAttribution",
     "TopK",
     "grad_cam",
