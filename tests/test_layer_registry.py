@@ -254,3 +254,30 @@ def test_a_registered_rule_with_wrong_gradients_is_refused_in_words():
     np.testing.assert_allclose(
         np.asarray(found), expected, atol=2e-6 * np.abs(expected).max()
     )
+
+
+@pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
+def test_rms_normalizations_are_known_as_such():
+    """``layers.divides_by_rms``: the registered RMS kinds (Keras's, keras_hub
+    Gemma's and Llama's) and ``LayerNormalization(rms_scaling=True)``; not
+    a plain layer normalization, batch normalization or Dense. (Keras
+    deprecates ``rms_scaling=True``: it divides by the standard deviation,
+    as scale-blind and as degenerate at 0.)"""
+    import keras_hub
+
+    from jacobkit.layers import divides_by_rms
+
+    hub = keras_hub.src.models
+    rms = [
+        keras.layers.RMSNormalization(),
+        keras.layers.LayerNormalization(rms_scaling=True),
+        hub.gemma.rms_normalization.RMSNormalization(),
+        hub.llama.llama_layernorm.LlamaLayerNorm(),
+    ]
+    others = [
+        keras.layers.LayerNormalization(),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(2),
+    ]
+    assert [divides_by_rms(layer) for layer in rms] == [True] * len(rms)
+    assert [divides_by_rms(layer) for layer in others] == [False] * len(others)
