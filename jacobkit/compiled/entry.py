@@ -118,6 +118,7 @@ class Function:
         )
         self._function = tf.function(self._traced, autograph=False)
 
+    @tf.autograph.experimental.do_not_convert  # tf.function(fn): nothing to convert
     def __call__(self, inputs: Any) -> CompiledOutput:
         """The reduction of ``inputs`` (one batch, as the example:
         ``x``, or ``(x, y[, w])`` for a :class:`~jacobkit.Loss`)."""
@@ -246,10 +247,11 @@ def function(
     ``tf.function``, a Keras ``train_step`` under ``model.fit`` and
     ``tf.distribute`` replicas.
 
+    ``model``, ``layer``, ``outputs``, ``features``, ``training``,
+    ``output``, ``reduce``, ``strategy``, ``memory_budget``, ``device``,
+    ``unconnected`` and ``cache`` are those of :func:`jacobkit.jacobian`.
+
     Args:
-        model, layer, outputs, features, training, output, reduce, strategy,
-            memory_budget, device, unconnected, cache: as in
-            :func:`jacobkit.jacobian`.
         example: one batch as ``jk.jacobian`` takes it (``x``, or ``(x, y[,
             w])`` for a :class:`~jacobkit.Loss`), planned on eagerly; the
             strategy planned on it computes every batch. A batch whose size
