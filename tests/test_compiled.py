@@ -312,11 +312,21 @@ def test_a_conv_net_clipped_sum_equals_the_eager_call():
     np.testing.assert_allclose(got.norms, want.norms, rtol=1e-5)
 
 
-def test_jacobian_inside_a_tf_function_names_jk_function():
+def test_eager_calls_inside_a_tf_function_name_jk_function():
+    """``jk.jacobian``, ``jk.gram`` and ``jk.verify`` traced: jacobkit's
+    message names ``jk.function``; ``jk.function`` itself is built eagerly."""
     model = _mlp()
     x, _, _ = _data()
-    with pytest.raises(TypeError, match=r"use jk\.function"):
-        tf.function(lambda a: jk.jacobian(model, a, "hidden").jacobians)(x)
+    result = jk.jacobian(model, x, "hidden", cache=False)
+    calls = {
+        "jacobian": lambda a: jk.jacobian(model, a, "hidden").kernel,
+        "gram": lambda a: jk.gram(model, a, layer="hidden").matrix,
+        "verify": lambda a: jk.verify(result, model, a, "hidden") or a,
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=r"use jk\.function") as refused:
+            tf.function(call)(x)
+        assert "SymbolicTensor" not in str(refused.value), name
     with pytest.raises(TypeError, match="build it outside the traced function"):
         tf.function(lambda a: jk.function(model, "hidden", example=a)(a).values)(x)
 
@@ -352,12 +362,33 @@ def test_padded_batches_and_per_example_rows_of_unknown_size():
         assert _max_diff(got.values, want.jacobians) <= 1e-6
 
 
-def test_rows_summed_over_an_unknown_batch_are_refused_in_words():
-    model = _mlp()
+#: what padding a batch of unknown size would change, refused in words
+_UNKNOWN_REFUSED = {
+    "features rows": (dict(), "rows sum over the batch"),
+    "a callable's rows": (dict(outputs=lambda y: y[:, :2]), "sum over the batch"),
+    "batch statistics": (
+        dict(outputs="per_example", training=True, strategy="chunked"),
+        "BatchNormalization",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_UNKNOWN_REFUSED))
+def test_what_padding_would_change_is_refused_in_words(case):
+    kwargs, words = _UNKNOWN_REFUSED[case]
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(6, name="hidden"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(3, name="head"),
+        ]
+    )
     x, _, _ = _data()
-    fn = jk.function(model, "hidden", example=x, cache=False)
+    fn = jk.function(model, "hidden", example=x, cache=False, **kwargs)
     traced = tf.function(fn, input_signature=[tf.TensorSpec((None, 5))])
-    with pytest.raises(ValueError, match="rows sum over the batch"):
+    with pytest.raises(ValueError, match=words):
         traced(x)
 
 
