@@ -362,6 +362,33 @@ def test_padded_batches_and_per_example_rows_of_unknown_size():
         assert _max_diff(got.values, want.jacobians) <= 1e-6
 
 
+class Subclassed(keras.Model):
+    """A subclassed model: its layers are attributes, its graph is ``call``."""
+
+    def __init__(self) -> None:
+        super().__init__(name="subclassed")
+        self.hidden = keras.layers.Dense(6, activation="relu", name="hidden")
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x, training=False):
+        return self.head(self.hidden(x) + 0.1 * x[:, :1])
+
+
+def test_a_subclassed_model_in_a_tf_function():
+    """A subclassed model's per-example rows projected (``jk.Project``),
+    traced, against the eager call (measured: equal)."""
+    keras.utils.set_random_seed(7)
+    model = Subclassed()
+    x, _, _ = _data()
+    model(x)
+    kwargs = dict(outputs="per_example", reduce=jk.Project(4), cache=False)
+    fn = jk.function(model, "hidden", example=x, **kwargs)
+    got = tf.function(fn)(x[:5])
+    want = jk.jacobian(model, x[:5], "hidden", **kwargs)
+    assert got.values["hidden/kernel"].shape == (5, 3, 4)
+    assert _max_diff(got.values, want.jacobians) <= 1e-6
+
+
 @pytest.mark.slow  # 10 s on 2 loaded cores: BERT's passes traced 4 times
 def test_a_keras_hub_classifier_of_dict_inputs_in_fit_shapes():
     """A model jacobkit did not write: keras_hub's BERT text classifier
