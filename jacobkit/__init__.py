@@ -32,6 +32,9 @@ _PUBLIC = {
     "Inputs": "jacobkit.problem.tensor_targets",
     "JacobianResult": "jacobkit.result",
     "Loss": "jacobkit.problem.loss",
+    "CompiledOutput": "jacobkit.compiled",
+    "Function": "jacobkit.compiled",
+    "function": "jacobkit.compiled",
     "Output": "jacobkit.problem.tensor_targets",
     "Plan": "jacobkit.planner",
     "PrecisionWarning": "jacobkit.strategies.precision",
@@ -57,6 +60,8 @@ _MODULES = {
 
 __all__ = [
     "ClippedSum",
+    "CompiledOutput",
+    "Function",
     "GramResult",
     "Inputs",
     "JacobianResult",
@@ -71,6 +76,7 @@ __all__ = [
     "coverage",
     "data",
     "explain",
+    "function",
     "gram",
     "jacobian",
     "layers",
@@ -86,6 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import batches as data
     from jacobkit import explain, layers, memory, planner, strategies, testing
     from jacobkit.api import jacobian, plan
+    from jacobkit.compiled import CompiledOutput, Function, function
     from jacobkit.planner import Plan
     from jacobkit.problem.loss import Loss
     from jacobkit.problem.reduction import ClippedSum, Project
