@@ -63,6 +63,24 @@ def _models(case_fn):
             )
             return {"largest_norm": keras.ops.max(out.norms)}
 
+    class EagerDP(keras.Model):
+        """Before ``jk.function``: ``jk.jacobian`` in a step run eagerly."""
+
+        def train_step(self, data):
+            x, y, w = data
+            found = jk.jacobian(
+                self,
+                (x, y, w),
+                self.trainable_variables,
+                outputs=jk.Loss(per_example_loss),
+                reduce=jk.ClippedSum(1.0),
+                cache=False,
+            )
+            self.optimizer.apply(
+                [v / 32 for v in found.jacobians.values()], self.trainable_variables
+            )
+            return {"largest_norm": keras.ops.max(found.norms)}
+
     case = case_fn()
     plain = case.model
     dp = DP(plain.inputs, plain.outputs)
@@ -79,35 +97,36 @@ def _models(case_fn):
     )
     dp.plan_s = time.perf_counter() - start
     dp.compile(optimizer=keras.optimizers.SGD(0.01))
+    eager = EagerDP(plain.inputs, plain.outputs)
+    eager.set_weights(plain.get_weights())
+    eager.compile(optimizer=keras.optimizers.SGD(0.01), run_eagerly=True)
     plain.compile(
         optimizer=keras.optimizers.SGD(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    return case, dp, plain, w
+    return case, {"dp": dp, "eager": eager, "plain": plain}, w
 
 
 def steps(rounds: int) -> dict[str, float | str]:
     from benchmarks import reductions_models
 
-    case, dp, plain, w = _models(reductions_models.convnet)
+    case, models, w = _models(reductions_models.convnet)
     first = {
-        "dp": _timed(dp.train_on_batch, case.x, case.y, w),
-        "plain": _timed(plain.train_on_batch, case.x, case.y, w),
+        name: _timed(model.train_on_batch, case.x, case.y, w)
+        for name, model in models.items()
     }
-    times: dict[str, list[float]] = {"dp": [], "plain": []}
+    times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
-        times["dp"].append(_timed(dp.train_on_batch, case.x, case.y, w))
-        times["plain"].append(_timed(plain.train_on_batch, case.x, case.y, w))
+        for name, model in models.items():
+            times[name].append(_timed(model.train_on_batch, case.x, case.y, w))
     steady = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "strategy": dp.fn.strategy.label,
-        "dp_plan_s": dp.plan_s,
-        "dp_first_s": first["dp"],
-        "plain_first_s": first["plain"],
-        "dp_steady_ms": 1e3 * steady["dp"],
-        "plain_steady_ms": 1e3 * steady["plain"],
-        "steady_ratio": steady["dp"] / steady["plain"],
-    }
+    found: dict[str, float | str] = {"strategy": models["dp"].fn.strategy.label}
+    found["dp_plan_s"] = models["dp"].plan_s
+    for name in models:
+        found[f"{name}_first_s"] = first[name]
+        found[f"{name}_steady_ms"] = 1e3 * steady[name]
+        found[f"{name}_ratio"] = steady[name] / steady["plain"]
+    return found
 
 
 def overhead(rounds: int) -> dict[str, float]:
@@ -134,10 +153,16 @@ def overhead(rounds: int) -> dict[str, float]:
         call()
         call()
     times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(rounds):
+    for _ in range(rounds):  # blocks of 20 calls, interleaved
         for name, call in calls.items():
-            times[name].append(_timed(call))
-    return {f"{k}_us": 1e6 * statistics.median(v) for k, v in times.items()}
+            start = time.perf_counter()
+            for _ in range(20):
+                out = call()
+            _ = [np.asarray(v) for v in _leaves(out)]
+            times[name].append((time.perf_counter() - start) / 20)
+    found = {f"{k}_us": 1e6 * statistics.median(v) for k, v in times.items()}
+    found |= {f"{k}_min_us": 1e6 * min(v) for k, v in times.items()}
+    return found
 
 
 def main() -> None:
@@ -151,7 +176,7 @@ def main() -> None:
 
     cpu = runtime.cpu_kind()
     found = steps(args.rounds)
-    calls = overhead(20 * args.rounds)
+    calls = overhead(args.rounds)
     lines = [
         "# jk.function in a compiled train_step (benchmarks/compiled.py)",
         "",
@@ -163,24 +188,38 @@ def main() -> None:
         f"Conv net (batch 32), every variable, strategy `{found['strategy']}`; "
         f"`train_on_batch`, {args.rounds} interleaved rounds (median):",
         "",
-        "| step | first (s, traced) | steady (ms) |",
+        "| step | first (s, traced) | steady (ms) | x plain |",
+        "|---|---:|---:|---:|",
+    ]
+    rows = {
+        "plain": "plain Keras train_step (compiled)",
+        "dp": "DP-SGD train_step, jk.function clipped sum (compiled)",
+        "eager": "DP-SGD train_step, jk.jacobian clipped sum (run_eagerly=True)",
+    }
+    lines += [
+        f"| {label} | {found[k + '_first_s']:.2f} | {found[k + '_steady_ms']:.1f} "
+        f"| {found[k + '_ratio']:.2f} |"
+        for k, label in rows.items()
+    ]
+    lines += [
+        "",
+        f"Planning the jk.function (eagerly, before fit): {found['dp_plan_s']:.2f} s.",
+        "",
+        "One call on a tiny model (Dense 4 -> 3, one example, norms): "
+        f"{args.rounds} interleaved blocks of 20 calls, per call (median of "
+        "the blocks; the fastest block, less moved by the load):",
+        "",
+        "| call | median (us) | fastest (us) |",
         "|---|---:|---:|",
-        f"| plain Keras train_step | {found['plain_first_s']:.2f} | "
-        f"{found['plain_steady_ms']:.1f} |",
-        f"| DP-SGD train_step, jk.function clipped sum | {found['dp_first_s']:.2f} "
-        f"| {found['dp_steady_ms']:.1f} |",
-        "",
-        f"Steady DP step / plain step: {found['steady_ratio']:.2f}x. Planning "
-        f"the jk.function (eagerly, before fit): {found['dp_plan_s']:.2f} s.",
-        "",
-        "One call on a tiny model (Dense 4 -> 3, one example, norms), median "
-        f"of {20 * args.rounds}:",
-        "",
-        "| call | time (us) |",
-        "|---|---:|",
-        f"| trivial tf.function (x + 1) | {calls['trivial_us']:.0f} |",
-        f"| tf.function around jk.function | {calls['compiled_us']:.0f} |",
-        f"| eager jk.jacobian (plans each call) | {calls['eager_us']:.0f} |",
+    ]
+    names = {
+        "trivial": "trivial tf.function (x + 1)",
+        "compiled": "tf.function around jk.function",
+        "eager": "eager jk.jacobian (plans each call)",
+    }
+    lines += [
+        f"| {label} | {calls[k + '_us']:.0f} | {calls[k + '_min_us']:.0f} |"
+        for k, label in names.items()
     ]
     text = "\n".join(lines) + "\n"
     print(text)

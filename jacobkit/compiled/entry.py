@@ -118,6 +118,7 @@ class Function:
         )
         self._function = tf.function(self._traced, autograph=False)
 
+    @tf.autograph.experimental.do_not_convert  # tf.function(fn): nothing to convert
     def __call__(self, inputs: Any) -> CompiledOutput:
         """The reduction of ``inputs`` (one batch, as the example:
         ``x``, or ``(x, y[, w])`` for a :class:`~jacobkit.Loss`)."""
@@ -127,7 +128,11 @@ class Function:
                 f"tensors, got {type(inputs).__name__}; iterate over the "
                 "dataset and call it on each batch."
             )
-        found: CompiledOutput = self._function(arguments.to_tensors(inputs))
+        inputs = arguments.to_tensors(inputs)
+        # the batch size as the caller's trace knows it, a Python value of the
+        # call: a known size never runs a trace of unknown size (which
+        # TensorFlow would pick for it, padded to the example's)
+        found: CompiledOutput = self._function(inputs, _known_batch(inputs))
         return found
 
     def experimental_get_tracing_count(self) -> int:
@@ -140,7 +145,7 @@ class Function:
         """The same, as a property."""
         return self.experimental_get_tracing_count()
 
-    def _traced(self, inputs: Any) -> CompiledOutput:
+    def _traced(self, inputs: Any, batch: int | None) -> CompiledOutput:
         with engine.device_scope(self._call.device), runtime.tensorflow_warnings():
             planned = self._planned_for(inputs)
             feeding = planned.feeding
@@ -206,6 +211,13 @@ class Function:
         return _Planned(problem.detached(), compiled.fn, feeding)
 
 
+def _known_batch(inputs: Any) -> int | None:
+    """The batch size of ``inputs`` where their static shape has it."""
+    flat = tf.nest.flatten(inputs)
+    first = flat[0].shape if flat else None
+    return None if not first or first.rank == 0 or first[0] is None else int(first[0])
+
+
 def _shaped(planned: _Planned, output: Output, count: Any) -> CompiledOutput:
     """A computation's output shaped and named as ``jk.jacobian``'s result;
     a padded batch's rows cut to its first ``count`` examples."""
@@ -246,10 +258,11 @@ def function(
     ``tf.function``, a Keras ``train_step`` under ``model.fit`` and
     ``tf.distribute`` replicas.
 
+    ``model``, ``layer``, ``outputs``, ``features``, ``training``,
+    ``output``, ``reduce``, ``strategy``, ``memory_budget``, ``device``,
+    ``unconnected`` and ``cache`` are those of :func:`jacobkit.jacobian`.
+
     Args:
-        model, layer, outputs, features, training, output, reduce, strategy,
-            memory_budget, device, unconnected, cache: as in
-            :func:`jacobkit.jacobian`.
         example: one batch as ``jk.jacobian`` takes it (``x``, or ``(x, y[,
             w])`` for a :class:`~jacobkit.Loss`), planned on eagerly; the
             strategy planned on it computes every batch. A batch whose size
@@ -268,8 +281,8 @@ def function(
         ...                           keras.layers.Dense(3, name="head")])
         >>> x = np.ones((2, 4), "float32")
         >>> fn = jk.function(model, "head", example=x, reduce="norm")
-        >>> step = tf.function(lambda x: fn(x).values["head/kernel"])
-        >>> tuple(step(x).shape)
+        >>> step = tf.function(fn)  # or fn called in your own tf.function
+        >>> tuple(step(x).values["head/kernel"].shape)
         (3,)
     """
     if not tf.executing_eagerly():

@@ -44,8 +44,8 @@ def check_eager() -> None:
             "compile their own computation on every call. Inside a traced "
             "function use jk.function: plan it once, eagerly, on an example "
             "batch (fn = jk.function(model, layer, example=batch, ...)), then "
-            "call fn(batch) inside; or call jacobkit outside the traced "
-            "function (between steps)."
+            "call fn(batch) inside. Or compile the model with run_eagerly=True, "
+            "or call jacobkit outside the traced function (between steps)."
         )
 
 
