@@ -1,0 +1,252 @@
+"""``grouped``: the targets closed forms serve on ``batch``, the others on a
+generic strategy, in one compiled call (issue 49).
+
+Where one layer of a model has no closed form (an LSTM, a user's layer with
+weights), ``batch`` refuses a list of variables that holds it: before this
+strategy, every target then ran on a generic strategy. Here the targets are
+split into two groups: those shared out among layers with rules
+(:func:`jacobkit.problem.forms.served`, from the layers' types alone), run
+by ``batch`` on the problem restricted to them (``Problem.restricted``), and
+the others, run by ``rest``. Each reduction kind says how its groups'
+outputs combine (:meth:`~jacobkit.problem.reduction.base.Reduction.grouped`):
+per-target values side by side; a clipped sum's norms combined before its
+one weighted backward pass.
+
+Every group runs its own forward pass: with ``training=True`` they draw the
+same randomness where a seed state pins it (each pass in a
+``keras.StatelessScope``, :mod:`jacobkit.keras.state`); where no seed state
+pins it, more than one group is refused (:meth:`Grouped.check_draws`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, final
+
+from jacobkit.keras import state
+from jacobkit.problem import Problem, forms
+from jacobkit.problem.reduction import Computation, Rows
+from jacobkit.strategies.base import Strategy
+from jacobkit.strategies.registry import get as get_strategy
+
+#: the target names a label shows of the generic group (then "+ N more")
+SHOWN = 3
+
+
+class Group(NamedTuple):
+    """One group of targets: their positions among the problem's, and the
+    strategy that runs them."""
+
+    indices: tuple[int, ...]
+    strategy: Strategy
+
+
+@final
+@dataclass(frozen=True)
+class Grouped(Strategy):
+    """The targets a closed form serves on ``batch``, the others on ``rest``
+    (see the module docstring).
+
+    Attributes:
+        rest: the strategy of the targets without a closed form: a configured
+            strategy or a registered name (default ``"chunked"``, 16 rows at
+            once).
+        uncovered: the names of the targets ``rest`` runs
+            (``problem.target_names``), as ``auto`` proposes them; ``None``:
+            those no layer's rule covers, found per problem.
+    """
+
+    name = "grouped"
+    rest: Strategy | str = "chunked"
+    uncovered: tuple[str, ...] | None = None
+
+    #: batch's and the generic strategy's tracing, both in one call
+    trace_weight = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rest, (Strategy, str)):
+            raise TypeError(
+                f"strategies.Grouped(rest={self.rest!r}): expected a configured "
+                "strategy such as Chunked(chunk_size=8) or a registered name "
+                "such as 'while'."
+            )
+        if isinstance(self.rest, Grouped) or self.rest in ("grouped", "auto"):
+            raise ValueError(
+                f"strategies.Grouped(rest={self.rest!r}): the rest runs the "
+                "targets without a closed form; use 'chunked', 'while', ..."
+            )
+        if self.uncovered is not None:
+            names = tuple(self.uncovered)
+            if not names or not all(isinstance(n, str) for n in names):
+                raise ValueError(
+                    f"strategies.Grouped(uncovered={self.uncovered!r}): expected "
+                    "target names (result keys), or None to find them."
+                )
+            object.__setattr__(self, "uncovered", names)
+
+    @classmethod
+    def proposed(cls, problem: Problem, rest: Strategy) -> Grouped | None:
+        """The grouped plan ``auto`` proposes for ``problem``, with ``rest``
+        for the targets without a closed form: where closed forms serve some
+        of its variables and not all (``None`` elsewhere, or where ``batch``
+        refuses the ones they serve)."""
+        split = _split(problem)
+        if split is None:
+            return None
+        grouped = cls(rest, tuple(problem.target_names[i] for i in split[1]))
+        try:
+            grouped.batch_group(problem)
+        except ValueError:
+            return None
+        return grouped
+
+    @classmethod
+    def for_reduced(cls, problem: Problem) -> tuple[Strategy, ...]:
+        """Where closed forms serve some targets and not all: ``chunked``
+        with fewer and fewer rows at once for the others (16 to 1, as
+        ``chunked``'s own)."""
+        split = _split(problem)
+        if split is None:
+            return ()
+        names = tuple(problem.target_names[i] for i in split[1])
+        found: list[Strategy] = []
+        rest: Strategy | None = get_strategy("chunked")
+        while rest is not None:
+            found.append(cls(rest, names))
+            rest = rest.smaller()
+        return tuple(found)
+
+    #: after ``batch`` (which serves every target where it runs), before a
+    #: generic strategy on all of them
+    reduced_preference = 1
+
+    @property
+    def label(self) -> str:
+        rest = self.resolved_rest().label
+        if self.uncovered is None:
+            return f"{self.name}(batch | {rest})"
+        shown = ", ".join(self.uncovered[:SHOWN])
+        more = len(self.uncovered) - SHOWN
+        if more > 0:
+            shown += f" + {more} more"
+        return f"{self.name}(batch | {rest}: {shown})"
+
+    def resolved_rest(self) -> Strategy:
+        """``rest`` as a configured strategy."""
+        return self.rest if isinstance(self.rest, Strategy) else get_strategy(self.rest)
+
+    def groups(self, problem: Problem) -> tuple[Group, ...]:
+        """The groups of ``problem``'s targets (one where a closed form
+        serves all of them, or none)."""
+        names = problem.target_names
+        if self.uncovered is None:
+            split = _split(problem)
+            if split is None:
+                covered = problem.forms is not None and problem.tensor_targets is None
+                every = tuple(range(len(names)))
+                return (Group(every, _batch() if covered else self.resolved_rest()),)
+            served, others = split
+        else:
+            missing = sorted(set(self.uncovered) - set(names))
+            if missing:
+                raise ValueError(
+                    f"jacobian(strategy={self.label}): no target named "
+                    f"{', '.join(repr(m) for m in missing)} in this problem "
+                    f"(its targets: {', '.join(names)})."
+                )
+            others = tuple(i for i, n in enumerate(names) if n in self.uncovered)
+            served = tuple(i for i, n in enumerate(names) if n not in self.uncovered)
+        found = (Group(served, _batch()), Group(others, self.resolved_rest()))
+        return tuple(g for g in found if g.indices)
+
+    def batch_group(self, problem: Problem) -> None:
+        """Run ``batch``'s checks on the targets it is given (``ValueError``:
+        refused)."""
+        for group in self.groups(problem):
+            if group.strategy.name == "batch":
+                group.strategy.check(problem.restricted(group.indices))
+
+    def check(self, problem: Problem) -> None:
+        """Each group's strategy's checks, on the problem restricted to it."""
+        if problem.tensor_targets is not None:
+            raise ValueError(
+                "jacobian(strategy='grouped'): groups variables, got the tensor "
+                f"target(s) {', '.join(problem.target_names)}. Use "
+                "strategy='chunked' or 'jacobian'."
+            )
+        for group in self.groups(problem):
+            group.strategy.check(problem.restricted(group.indices))
+
+    def check_draws(self, problem: Problem, why: str | None = None) -> None:
+        """One group: its strategy's check. Several run a forward pass each:
+        refused where no seed state pins the model's randomness."""
+        groups = self.groups(problem)
+        if len(groups) == 1:
+            groups[0].strategy.check_draws(problem, why)
+            return
+        if problem.unpinned:
+            raise ValueError(
+                "jacobian(training=True): the model draws random numbers that "
+                "jacobkit cannot hold fixed across forward passes, at "
+                f"{state.where(problem.unpinned, problem.model)}; "
+                f"strategy={self.label} runs a forward pass per group of "
+                "targets, so they would see different draws. Use a strategy "
+                "of one pass on every target, or draw through keras.random "
+                "with a keras.random.SeedGenerator (keras.layers.Dropout does)."
+            )
+
+    def cannot_run(self, problem: Problem) -> str | None:
+        return self.resolved_rest().cannot_run(problem)
+
+    def computation(self, problem: Problem) -> Computation:
+        """Each group's computation of ``problem``'s reduction on its
+        targets, combined by the kind (:meth:`~jacobkit.problem.reduction.
+        base.Reduction.grouped`), in one call."""
+        groups = self.groups(problem)
+        if len(groups) == 1:
+            return groups[0].strategy.computation(problem)
+        return problem.reduction.grouped(
+            problem, [(g.indices, g.strategy.computation) for g in groups]
+        )
+
+    def build(self, problem: Problem) -> Callable[[Any], Any]:
+        computed = self.computation(problem.with_reduction(Rows()))
+        return lambda inputs: computed(inputs).values
+
+    def smaller(self) -> Grouped | None:
+        """The same groups, the rest holding less at once."""
+        smaller = self.resolved_rest().smaller()
+        return None if smaller is None else Grouped(smaller, self.uncovered)
+
+    # memory: the generic group's (``batch`` holds a few rows' cotangents)
+    def passes(self, problem: Problem) -> int:
+        return self.resolved_rest().passes(problem)
+
+    def rows_at_once(self, num_rows: int) -> int:
+        return self.resolved_rest().rows_at_once(num_rows)
+
+    def sequential_rows(self) -> bool:
+        return self.resolved_rest().sequential_rows()
+
+    def passes_in_flight(self, num_rows: int) -> int:
+        return self.resolved_rest().passes_in_flight(num_rows)
+
+
+def _split(problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The positions closed forms serve and the others, where both are
+    non-empty (a list of variables, rows that decompose per example); else
+    ``None``. From the layers' types alone: nothing is traced."""
+    if problem.tensor_targets is not None or problem.layer is not None:
+        return None
+    if not problem.rows_spec.decomposes_per_example:
+        return None
+    served = forms.served(problem.model, problem.targets)
+    if not served or len(served) == len(problem.targets):
+        return None
+    others = tuple(i for i in range(len(problem.targets)) if i not in set(served))
+    return served, others
+
+
+def _batch() -> Strategy:
+    return get_strategy("batch")
