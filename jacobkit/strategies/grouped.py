@@ -54,7 +54,9 @@ class Grouped(Strategy):
             once).
         uncovered: the names of the targets ``rest`` runs
             (``problem.target_names``), as ``auto`` proposes them; ``None``:
-            those no layer's rule covers, found per problem.
+            those no layer's rule covers, found per problem (and every
+            target where ``batch`` refuses those a rule covers: a grouped
+            plan of its own then runs ``batch`` where it runs).
     """
 
     name = "grouped"
@@ -94,12 +96,9 @@ class Grouped(Strategy):
         split = _split(problem)
         if split is None:
             return None
-        grouped = cls(rest, tuple(problem.target_names[i] for i in split[1]))
-        try:
-            grouped.batch_group(problem)
-        except ValueError:
+        if _refused(_batch(), problem.restricted(split[0])):
             return None
-        return grouped
+        return cls(rest, tuple(problem.target_names[i] for i in split[1]))
 
     @classmethod
     def for_reduced(cls, problem: Problem) -> tuple[Strategy, ...]:
@@ -140,13 +139,15 @@ class Grouped(Strategy):
         """The groups of ``problem``'s targets (one where a closed form
         serves all of them, or none)."""
         names = problem.target_names
+        every = tuple(range(len(names)))
         if self.uncovered is None:
             split = _split(problem)
-            if split is None:
-                covered = problem.forms is not None and problem.tensor_targets is None
-                every = tuple(range(len(names)))
-                return (Group(every, _batch() if covered else self.resolved_rest()),)
-            served, others = split
+            served = split[0] if split is not None else ()
+            if split is None and _closed_forms_may_serve(problem):
+                served = every
+            if served and _refused(_batch(), problem.restricted(served)):
+                served = ()  # batch where it runs: elsewhere the rest on all
+            others = tuple(i for i in every if i not in set(served))
         else:
             missing = sorted(set(self.uncovered) - set(names))
             if missing:
@@ -160,23 +161,18 @@ class Grouped(Strategy):
         found = (Group(served, _batch()), Group(others, self.resolved_rest()))
         return tuple(g for g in found if g.indices)
 
-    def batch_group(self, problem: Problem) -> None:
-        """Run ``batch``'s checks on the targets it is given (``ValueError``:
-        refused)."""
-        for group in self.groups(problem):
-            if group.strategy.name == "batch":
-                group.strategy.check(problem.restricted(group.indices))
-
     def check(self, problem: Problem) -> None:
-        """Each group's strategy's checks, on the problem restricted to it."""
-        if problem.tensor_targets is not None:
-            raise ValueError(
-                "jacobian(strategy='grouped'): groups variables, got the tensor "
-                f"target(s) {', '.join(problem.target_names)}. Use "
-                "strategy='chunked' or 'jacobian'."
-            )
+        """Each group's strategy's checks, on the problem restricted to it
+        (a refusal in this strategy's words, with the group's)."""
         for group in self.groups(problem):
-            group.strategy.check(problem.restricted(group.indices))
+            try:
+                group.strategy.check(problem.restricted(group.indices))
+            except ValueError as err:
+                names = ", ".join(problem.target_names[i] for i in group.indices)
+                raise ValueError(
+                    f"jacobian(strategy={self.name!r}): its group of {names} on "
+                    f"strategy={group.strategy.label!r} is refused: {err}"
+                ) from None
 
     def check_draws(self, problem: Problem, why: str | None = None) -> None:
         """One group: its strategy's check. Several run a forward pass each:
@@ -246,6 +242,26 @@ def _split(problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         return None
     others = tuple(i for i in range(len(problem.targets)) if i not in set(served))
     return served, others
+
+
+def _closed_forms_may_serve(problem: Problem) -> bool:
+    """Whether closed forms may serve every target (``batch``'s checks
+    decide)."""
+    return (
+        problem.tensor_targets is None
+        and problem.rows_spec.decomposes_per_example
+        and problem.forms is not None
+    )
+
+
+def _refused(strategy: Strategy, problem: Problem) -> bool:
+    """Whether ``strategy``'s checks refuse ``problem`` (``batch``'s
+    numeric checks are kept per model: one pass on two examples)."""
+    try:
+        strategy.check(problem)
+    except ValueError:
+        return True
+    return False
 
 
 def _batch() -> Strategy:
