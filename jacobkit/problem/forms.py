@@ -45,19 +45,18 @@ def share_out(model: Any, targets: Sequence[Any]) -> tuple[LayerForm, ...] | Non
     return tuple(found) if found and not remaining else None
 
 
-def served(model: Any, targets: Sequence[Any]) -> tuple[int, ...]:
-    """The positions among ``targets`` that some layer's rule covers (shared
+def served(model: Any, targets: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
+    """The positions among ``targets`` that each layer's rule covers (shared
     out as :func:`share_out` does, from the layers' types alone: nothing is
-    traced), in order; the others have no closed form."""
+    traced), one tuple per layer; a target in none has no closed form."""
     found, _ = _shared(model, targets)
     return tuple(
-        sorted(
-            i
-            for form in found
-            for p in form.projections
-            for i in (p.kernel, p.bias)
-            if i is not None
+        tuple(
+            sorted(
+                i for p in form.projections for i in (p.kernel, p.bias) if i is not None
+            )
         )
+        for form in found
     )
 
 

@@ -86,17 +86,17 @@ class Grouped(Strategy):
                     "target names (result keys), or None to find them."
                 )
             object.__setattr__(self, "uncovered", names)
+        # the rest's rows at once: what plans show (not an option of its own)
+        object.__setattr__(self, "chunk_size", self.resolved_rest().chunk_size)
 
     @classmethod
     def proposed(cls, problem: Problem, rest: Strategy) -> Grouped | None:
         """The grouped plan ``auto`` proposes for ``problem``, with ``rest``
         for the targets without a closed form: where closed forms serve some
-        of its variables and not all (``None`` elsewhere, or where ``batch``
-        refuses the ones they serve)."""
+        of its variables and ``batch`` runs them, and not all (``None``
+        elsewhere)."""
         split = _split(problem)
         if split is None:
-            return None
-        if _refused(_batch(), problem.restricted(split[0])):
             return None
         return cls(rest, tuple(problem.target_names[i] for i in split[1]))
 
@@ -230,18 +230,41 @@ class Grouped(Strategy):
 
 
 def _split(problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The positions closed forms serve and the others, where both are
+    """The positions ``batch`` runs and the others, where both are
     non-empty (a list of variables, rows that decompose per example); else
-    ``None``. From the layers' types alone: nothing is traced."""
+    ``None``. Which targets a rule covers is read from the layers' types
+    (nothing traced); ``batch``'s checks then run on all of them at once
+    (one pass on two examples, kept per model), and only where they refuse,
+    on halves of the layers, down to the layers they refuse (a layer a rule
+    covers that ``batch`` cannot tap, as a causal LM's tied token
+    embedding): about ``2 log2(layers)`` checks for one such layer."""
     if problem.tensor_targets is not None or problem.layer is not None:
         return None
     if not problem.rows_spec.decomposes_per_example:
         return None
-    served = forms.served(problem.model, problem.targets)
+    layers = forms.served(problem.model, problem.targets)
+    if not layers:
+        return None
+    accepted = _accepted(problem, layers)
+    served = tuple(sorted(i for layer in accepted for i in layer))
     if not served or len(served) == len(problem.targets):
         return None
     others = tuple(i for i in range(len(problem.targets)) if i not in set(served))
     return served, others
+
+
+def _accepted(
+    problem: Problem, layers: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[int, ...], ...]:
+    """The layers (their targets' positions) ``batch``'s checks accept,
+    bisected where they refuse some."""
+    every = tuple(sorted(i for layer in layers for i in layer))
+    if not _refused(_batch(), problem.restricted(every)):
+        return layers
+    if len(layers) == 1:
+        return ()
+    half = len(layers) // 2
+    return _accepted(problem, layers[:half]) + _accepted(problem, layers[half:])
 
 
 def _closed_forms_may_serve(problem: Problem) -> bool:
