@@ -257,3 +257,36 @@ def test_names_no_target_of_the_problem_in_words() -> None:
             outputs="per_example",
             strategy=Grouped(uncovered=("lstm/x",)),
         )
+
+
+@keras.saving.register_keras_serializable("jacobkit_tests")
+class Noisy(keras.layers.Layer):
+    """A user's layer with weights that draws noise no seed state pins."""
+
+    def build(self, input_shape: Any) -> None:
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="w")
+
+    def call(self, x: Any, training: bool = False) -> Any:
+        noise = tf.random.uniform(tf.shape(x)) * 0.01 if training else 0.0
+        return x * self.w + noise
+
+
+def test_unpinned_randomness_keeps_one_pass_on_every_target() -> None:
+    """Each group's pass would draw its own noise: auto does not group, and
+    a grouped plan named by hand is refused in words."""
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(5, name="dense"),
+            Noisy(name="noisy"),
+            keras.layers.Dense(3, name="head"),
+        ]
+    )
+    x = np.random.default_rng(6).normal(size=(8, 4)).astype("float32")
+    call = dict(outputs="per_example", training=True)
+    result = jk.jacobian(model, x, model.trainable_variables, reduce="norm", **call)
+    assert not result.strategy_config.label.startswith("grouped"), result.strategy
+    grouped = Grouped("chunked", ("noisy/w",))
+    with pytest.raises(ValueError, match="runs a forward pass per group"):
+        jk.jacobian(model, x, model.trainable_variables, strategy=grouped, **call)

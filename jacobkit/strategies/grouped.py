@@ -232,7 +232,9 @@ class Grouped(Strategy):
 def _split(problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The positions ``batch`` runs and the others, where both are
     non-empty (a list of variables, rows that decompose per example); else
-    ``None``. Which targets a rule covers is read from the layers' types
+    ``None``, and ``None`` where the model draws randomness no seed state
+    pins (``training=True``: the groups' passes would draw apart). Which
+    targets a rule covers is read from the layers' types
     (nothing traced); ``batch``'s checks then run on all of them at once
     (one pass on two examples, kept per model), and only where they refuse,
     on halves of the layers, down to the layers they refuse (a layer a rule
@@ -240,8 +242,8 @@ def _split(problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     embedding): about ``2 log2(layers)`` checks for one such layer."""
     if problem.tensor_targets is not None or problem.layer is not None:
         return None
-    if not problem.rows_spec.decomposes_per_example:
-        return None
+    if not problem.rows_spec.decomposes_per_example or problem.unpinned:
+        return None  # (unpinned randomness: one pass on every target)
     layers = forms.served(problem.model, problem.targets)
     if not layers:
         return None
