@@ -119,6 +119,33 @@ CASES: dict[str, LayerCase] = {
         (4, 4, 2),
     ),
 }
+
+
+def _lora(layer: Any, shape: tuple[int | None, ...], rank: int = 2) -> Any:
+    """``layer`` built for ``shape``, then LoRA enabled (its kernel frozen,
+    the factors and the bias trainable), as ``backbone.enable_lora`` does."""
+    layer.build(shape)
+    layer.enable_lora(rank, lora_alpha=3)
+    return layer
+
+
+#: a kind's LoRA rule (``LayerKind.lora``): the layer with LoRA enabled
+LORA = " (LoRA)"
+CASES["Dense" + LORA] = LayerCase(
+    lambda d: _lora(keras.layers.Dense(5, activation="tanh", dtype=d), (None, 3, 4)),
+    (3, 4),
+)
+CASES["EinsumDense" + LORA] = LayerCase(
+    # GPT-2's query and value: the bias on two output axes
+    lambda d: _lora(
+        keras.layers.EinsumDense("abc,cde->abde", (3, 2, 3), bias_axes="de", dtype=d),
+        (None, 3, 4),
+    ),
+    (3, 4),
+)
+CASES["Embedding" + LORA] = LayerCase(
+    lambda d: _lora(keras.layers.Embedding(9, 4, dtype=d), (None, 5)), (5,), 9
+)
 #: kinds named alike in two libraries: the key above is the class's module
 ALIASES = {
     "keras_hub.src.models.gemma.rms_normalization": "GemmaRMSNormalization",

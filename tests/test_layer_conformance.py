@@ -19,6 +19,11 @@ from tests import layer_cases
 
 RULES = sorted(
     {layer_cases.case_name(k) for k in layers.REGISTRY.kinds if k.rule is not None}
+    | {
+        layer_cases.case_name(k) + layer_cases.LORA
+        for k in layers.REGISTRY.kinds
+        if k.lora is not None
+    }
 )
 MODES = ("features", "per_example", "full")
 

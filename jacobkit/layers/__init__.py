@@ -61,7 +61,7 @@ def register(
     """Teach jacobkit a layer class: its closed forms for the ``batch``
     strategy (and so for ``reduce="norm"`` and ``auto``'s per-example rows),
     and optionally its facts (``linear=``, ``elementwise=``,
-    ``inference_identity=``, ``convolutions=``, ``recurrent=``: see
+    ``inference_identity=``, ``convolutions=``, ``recurrent=``, ``lora=``: see
     :class:`LayerKind`).
 
     Args:
@@ -131,10 +131,15 @@ def stock_kind(layer: Any) -> LayerKind | None:
 
 
 def rule_for(layer: Any) -> LayerRule | None:
-    """The :class:`LayerRule` of ``layer``, or ``None`` where none is
-    registered for its class."""
+    """The :class:`LayerRule` of ``layer`` (its kind's ``lora`` rule where
+    it has LoRA enabled), or ``None`` where none is registered for its
+    class."""
     kind = REGISTRY.of(layer)
-    return None if kind is None or kind.rule is None else kind.rule(layer)
+    if kind is None:
+        return None
+    if kind.lora is not None and compat.lora_enabled(layer):
+        return kind.lora(layer)
+    return None if kind.rule is None else kind.rule(layer)
 
 
 def pfor_cannot_vectorize(layer: Any) -> bool:
