@@ -121,7 +121,7 @@ CASES: dict[str, LayerCase] = {
 }
 
 
-def _lora(layer: Any, shape: tuple[int | None, ...], rank: int = 2) -> Any:
+def lora(layer: Any, shape: tuple[int | None, ...], rank: int = 2) -> Any:
     """``layer`` built for ``shape``, then LoRA enabled (its kernel frozen,
     the factors and the bias trainable), as ``backbone.enable_lora`` does."""
     layer.build(shape)
@@ -132,20 +132,35 @@ def _lora(layer: Any, shape: tuple[int | None, ...], rank: int = 2) -> Any:
 #: a kind's LoRA rule (``LayerKind.lora``): the layer with LoRA enabled
 LORA = " (LoRA)"
 CASES["Dense" + LORA] = LayerCase(
-    lambda d: _lora(keras.layers.Dense(5, activation="tanh", dtype=d), (None, 3, 4)),
+    lambda d: lora(keras.layers.Dense(5, activation="tanh", dtype=d), (None, 3, 4)),
     (3, 4),
 )
 CASES["EinsumDense" + LORA] = LayerCase(
     # GPT-2's query and value: the bias on two output axes
-    lambda d: _lora(
+    lambda d: lora(
         keras.layers.EinsumDense("abc,cde->abde", (3, 2, 3), bias_axes="de", dtype=d),
         (None, 3, 4),
     ),
     (3, 4),
 )
 CASES["Embedding" + LORA] = LayerCase(
-    lambda d: _lora(keras.layers.Embedding(9, 4, dtype=d), (None, 5)), (5,), 9
+    lambda d: lora(keras.layers.Embedding(9, 4, dtype=d), (None, 5)), (5,), 9
 )
+#: LoRA layers beside those (``tests/test_lora.py``): no bias; Gemma's
+#: equation, the kernel's output axis first
+LORA_EXTRA = {
+    "Dense (LoRA, no bias)": LayerCase(
+        lambda d: lora(keras.layers.Dense(5, use_bias=False, dtype=d), (None, 3, 4)),
+        (3, 4),
+    ),
+    "EinsumDense (LoRA, Gemma's equation)": LayerCase(
+        lambda d: lora(
+            keras.layers.EinsumDense("btd,ndh->btnh", (3, 2, 3), dtype=d), (None, 3, 4)
+        ),
+        (3, 4),
+    ),
+}
+CASES.update(LORA_EXTRA)
 #: kinds named alike in two libraries: the key above is the class's module
 ALIASES = {
     "keras_hub.src.models.gemma.rms_normalization": "GemmaRMSNormalization",

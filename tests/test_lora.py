@@ -22,8 +22,11 @@ import numpy as np
 import pytest
 
 import jacobkit as jk
+from jacobkit import testing
 from jacobkit.keras import compat
-from tests import hub_models
+from tests import hub_models, layer_cases
+from tests.test_layer_conformance import _reference as conformance_reference
+from tests.test_reductions import _projected_reference
 
 keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
@@ -161,6 +164,42 @@ def test_clipped_sum_runs_batch(case):
     scales = np.minimum(1.0, clip / norms)
     _close(list(result.jacobians.values()), [np.tensordot(scales, g, 1) for g in grads])
     _close([result.norms], [norms])
+
+
+def test_gram_and_projection(case):
+    """``jk.gram`` and ``reduce=jk.Project``: the up part with GPT-2's bias
+    on two axes is formed per row (not factored), the down part by its
+    einsum; both against the float64 rows."""
+    model, data, loss, grads = case
+    flat = np.concatenate([g.reshape(BATCH, -1) for g in grads], axis=1)
+    found = jk.gram(model, data, outputs=loss, strategy="batch", progress=False)
+    _close([found.matrix], [flat @ flat.T])
+    variables = model.trainable_variables
+    project = jk.Project(16, seed=1)
+    result = jk.jacobian(
+        model, data, variables, outputs=loss, reduce=project, strategy="batch"
+    )
+    want = _projected_reference(project, list(result.jacobians), variables, grads)
+    _close([result.projection], [want])
+
+
+@pytest.mark.parametrize("name", sorted(layer_cases.LORA_EXTRA))
+def test_other_lora_layers_against_float64(name):
+    """A LoRA ``Dense`` without a bias and one with Gemma's equation
+    (``btd,ndh->btnh``: the down part by its transposed einsum), beside the
+    conformance suite's three (whose harness this is; its float64 model's
+    factors are float32, as Keras makes them: ``assert_close`` derives the
+    tolerance from the loop's own error, measured within 3e-7 of the
+    largest value)."""
+    model, layer, x, expected = conformance_reference(name, "functional", "per_example")
+    result = jk.jacobian(model, x, layer, strategy="batch", outputs="per_example")
+    testing.assert_close(result, list(expected))
+    norms = jk.jacobian(
+        model, x, layer, strategy="batch", outputs="per_example", reduce="norm"
+    )
+    for got, full in zip(norms.jacobians.values(), expected, strict=True):
+        want = np.linalg.norm(np.asarray(full).reshape(np.size(got), -1), axis=1)
+        assert np.abs(np.ravel(got) - want).max() <= RTOL * want.max()
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gemma"])
