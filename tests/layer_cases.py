@@ -146,11 +146,22 @@ CASES["EinsumDense" + LORA] = LayerCase(
 CASES["Embedding" + LORA] = LayerCase(
     lambda d: lora(keras.layers.Embedding(9, 4, dtype=d), (None, 5)), (5,), 9
 )
+
+
+def _frozen_bias(layer: Any) -> Any:
+    layer.bias.trainable = False
+    return layer
+
+
 #: LoRA layers beside those (``tests/test_lora.py``): no bias; Gemma's
 #: equation, the kernel's output axis first
 LORA_EXTRA = {
     "Dense (LoRA, no bias)": LayerCase(
         lambda d: lora(keras.layers.Dense(5, use_bias=False, dtype=d), (None, 3, 4)),
+        (3, 4),
+    ),
+    "Dense (LoRA, frozen bias)": LayerCase(
+        lambda d: _frozen_bias(lora(keras.layers.Dense(5, dtype=d), (None, 3, 4))),
         (3, 4),
     ),
     "EinsumDense (LoRA, Gemma's equation)": LayerCase(

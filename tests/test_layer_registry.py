@@ -84,6 +84,8 @@ def test_registration_refuses_duplicates_and_unknown_facts():
         registry.add(LayerKind("Conv2D", linear="affine"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LayerRule subclass"):
         registry.add(LayerKind("Conv2D", rule=object))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LoRA rule of Conv2D must be a LayerRule"):
+        registry.add(LayerKind("Conv2D", lora=object))  # type: ignore[arg-type]
     assert [k.name for k in registry.kinds] == ["Dense"]
 
 

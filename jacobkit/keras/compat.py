@@ -239,6 +239,13 @@ def lora_enabled(layer: Any) -> bool:
     return bool(getattr(layer, "lora_enabled", False))
 
 
+def trainable(variable: Any) -> bool:
+    """Whether a Keras or TensorFlow variable is trainable now (a Keras 3
+    variable's own flag: setting it leaves its ``tf.Variable``'s as it was
+    created)."""
+    return bool(getattr(variable, "trainable", True))
+
+
 def lora_frozen(layer: Any, role: str) -> Any:
     """A LoRA-enabled Keras 3 layer's frozen weight in ``role``
     (``"kernel"``, ``"embeddings"``): the variable its public attribute of

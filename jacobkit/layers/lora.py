@@ -52,6 +52,14 @@ class LoraUpRule(DenseRule):
     kernel_attrs: ClassVar[tuple[str, ...]] = ("lora_kernel_b",)
     bias_attrs: ClassVar[tuple[str, ...]] = ("bias",)
 
+    def weight(self, role: str) -> Any:
+        """The factor ``B``; the bias where it is trainable (a frozen one
+        is no target: :meth:`LoraRule.tapped_call` adds it as it is)."""
+        found = super().weight(role)
+        if role == "bias" and found is not None and not compat.trainable(found):
+            return None
+        return found
+
     def _bias_shape(self) -> tuple[int, ...] | None:
         bias = self.weight("bias")
         return None if bias is None else tuple(int(n) for n in bias.shape)
@@ -202,6 +210,8 @@ class LoraRule(LayerRule):
         dtype (the factors are float32 whatever the layer's dtype)."""
         (factor_a, _), (factor_b, bias) = weights
         down, up = self.parts()
+        if bias is None:  # a frozen bias (or none): no target, still added
+            bias = compat.named_weight(self.layer, "bias")
         x = args[0]
         u = down.tapped(x, factor_a, None, watch)
         scaled = u.z * tf.constant(compat.lora_scale(self.layer), u.z.dtype)
