@@ -269,3 +269,32 @@ def test_clipped_sum_under_dropout():
     scales = np.minimum(1.0, clip / norms)
     _close(list(result.jacobians.values()), [np.tensordot(scales, r, 1) for r in rows])
     _close([result.norms], [norms])
+
+
+@pytest.mark.parametrize("name", ["Dense (LoRA)", "Embedding (LoRA)"])
+def test_gram_and_kronecker_projection_of_factored_parts(name, monkeypatch):
+    """The parts whose factors ``jk.gram`` and ``jk.Project`` use without
+    forming the rows (a LoRA ``Dense``'s two matmuls; an embedding's lookup
+    of ``A`` and its ``B``), every map a Kronecker product
+    (``sketch.DENSE_ELEMENTS`` 0), against the float64 rows of the
+    conformance harness. Measured: at most 2.2e-7 of the largest value."""
+    from jacobkit.problem import sketch
+
+    monkeypatch.setattr(sketch, "DENSE_ELEMENTS", 0)
+    model, layer, x, expected = conformance_reference(name, "functional", "per_example")
+    rows = [np.asarray(e).reshape(-1, *np.shape(e)[2:]) for e in expected]
+    flat = np.concatenate([r.reshape(len(r), -1) for r in rows], axis=1)
+    found = jk.gram(
+        model, x, layer=layer, outputs="per_example", strategy="batch", progress=False
+    )
+    _close([np.asarray(found.matrix).reshape(flat.shape[0], -1)], [flat @ flat.T])
+    project = jk.Project(9, seed=1)
+    result = jk.jacobian(
+        model, x, layer, outputs="per_example", reduce=project, strategy="batch"
+    )
+    variables = list(layer.trainable_weights)
+    by_name = dict(zip(result.jacobians, rows, strict=True))
+    names = list(result.jacobians)
+    order = [next(v for v in variables if v.path == n) for n in names]
+    want = _projected_reference(project, names, order, [by_name[n] for n in names])
+    _close([np.asarray(result.projection).reshape(len(want), -1)], [want])
