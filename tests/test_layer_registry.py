@@ -94,6 +94,7 @@ def test_batch_refusal_lists_every_layer_with_a_rule():
     assert described.startswith("Dense, Conv1D, Conv2D")
     for kind in layers.REGISTRY.kinds:
         assert (kind.name in described) == (kind.rule is not None), kind.name
+    assert "with LoRA enabled: Dense, EinsumDense and Embedding)" in described
     model = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
     x = np.zeros((2, 4, 2), "float32")
     with pytest.raises(ValueError) as refused:

@@ -164,4 +164,6 @@ def elementwise_activation(keras: ModuleType, function: Any) -> bool:
 
 def with_rules() -> str:
     """The layers with a closed form, in words (``batch``'s refusal)."""
-    return f"{REGISTRY.with_rules()} (Keras 3 or tf_keras)"
+    lora = REGISTRY.with_lora_rules()
+    also = f"; with LoRA enabled: {lora}" if lora else ""
+    return f"{REGISTRY.with_rules()} (Keras 3 or tf_keras{also})"

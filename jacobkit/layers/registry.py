@@ -195,11 +195,22 @@ class LayerRegistry:
     def with_rules(self) -> str:
         """The kinds with a rule, in words: ``"Dense, Conv1D, ... and
         BatchNormalization (inference mode)"``."""
-        named = [
-            f"{k.name} ({k.rule.covers})" if k.rule.covers else k.name
-            for k in self._kinds
-            if k.rule is not None
-        ]
-        if len(named) < 2:
-            return "".join(named)
-        return f"{', '.join(named[:-1])} and {named[-1]}"
+        return _listed(
+            [
+                f"{k.name} ({k.rule.covers})" if k.rule.covers else k.name
+                for k in self._kinds
+                if k.rule is not None
+            ]
+        )
+
+    def with_lora_rules(self) -> str:
+        """The kinds with a rule for LoRA-enabled layers, in words:
+        ``"Dense, EinsumDense and Embedding"``."""
+        return _listed([k.name for k in self._kinds if k.lora is not None])
+
+
+def _listed(named: list[str]) -> str:
+    """``["a", "b", "c"]`` -> ``"a, b and c"``."""
+    if len(named) < 2:
+        return "".join(named)
+    return f"{', '.join(named[:-1])} and {named[-1]}"
