@@ -164,6 +164,16 @@ LORA_EXTRA = {
         lambda d: _frozen_bias(lora(keras.layers.Dense(5, dtype=d), (None, 3, 4))),
         (3, 4),
     ),
+    "EinsumDense (LoRA, a bias of shape (d, 1))": LayerCase(
+        # bias_axes="d" of "abde": broadcast over e, summed over it
+        lambda d: lora(
+            keras.layers.EinsumDense(
+                "abc,cde->abde", (3, 2, 3), bias_axes="d", dtype=d
+            ),
+            (None, 3, 4),
+        ),
+        (3, 4),
+    ),
     "EinsumDense (LoRA, Gemma's equation)": LayerCase(
         lambda d: lora(
             keras.layers.EinsumDense("btd,ndh->btnh", (3, 2, 3), dtype=d), (None, 3, 4)

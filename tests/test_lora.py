@@ -187,8 +187,9 @@ def test_gram_and_projection(case):
 @pytest.mark.parametrize("name", sorted(layer_cases.LORA_EXTRA))
 def test_other_lora_layers_against_float64(name):
     """A LoRA ``Dense`` without a bias, one with its bias frozen (no target,
-    still added), and one with Gemma's equation (``btd,ndh->btnh``: the down
-    part by its transposed einsum), beside the
+    still added), an ``EinsumDense`` whose bias spans one output axis before
+    the last (shape ``(d, 1)``) and one with Gemma's equation
+    (``btd,ndh->btnh``: the down part by its transposed einsum), beside the
     conformance suite's three (whose harness this is; its float64 model's
     factors are float32, as Keras makes them: ``assert_close`` derives the
     tolerance from the loop's own error). Measured, on every way of calling

@@ -38,7 +38,7 @@ import tensorflow as tf
 from jacobkit.keras import compat
 from jacobkit.layers.base import LayerRule, Tapped, Weights, row_norms
 from jacobkit.layers.dense import DenseRule
-from jacobkit.layers.einsum import EinsumDenseRule, _parse_general
+from jacobkit.layers.einsum import EinsumDenseRule, _parse, _parse_general
 from jacobkit.layers.embedding import EmbeddingRule
 
 
@@ -244,6 +244,9 @@ class EinsumDenseLoraRule(LoraRule):
         if why is not None:
             return why
         equation = self.layer.equation
+        dense_like = _parse(equation)  # kernel = contracted + out, z = free + out
+        if dense_like is not None and dense_like.out:
+            return None
         found = _parse_general(equation)
         if found is None:
             return (
