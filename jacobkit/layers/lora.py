@@ -279,9 +279,6 @@ class EmbeddingLoraRule(LoraRule):
     def activation(self, z: tf.Tensor) -> tf.Tensor:
         return z
 
-    def lookup_ids(self, x: tf.Tensor) -> tf.Tensor | None:
-        return None
-
 
 def part_rules(rule: type[LayerRule]) -> tuple[type[LayerRule], ...]:
     """The part rules of a LoRA rule (its down and up parts); none for any
