@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from jacobkit.keras import compat
-from jacobkit.layers import stock
+from jacobkit.layers import normalization, stock
 from jacobkit.layers.base import LayerRule, MaterializedNorms, Tapped, UnfoldedMatmul
 from jacobkit.layers.registry import LayerKind, LayerRegistry
 
@@ -42,6 +42,7 @@ __all__ = [
     "MaterializedNorms",
     "Tapped",
     "UnfoldedMatmul",
+    "divides_by_rms",
     "elementwise_activation",
     "kind_of",
     "pfor_cannot_vectorize",
@@ -116,6 +117,20 @@ def register(
         jacobkit.layers.register(Scale, ScaleRule)
     """
     return REGISTRY.add(LayerKind(layer_class, rule, **facts))
+
+
+def divides_by_rms(layer: Any) -> bool:
+    """Whether ``layer`` is an RMS normalization, ``x / sqrt(mean(x^2) +
+    eps)`` (times a scale): of a registered RMS kind (Keras's, keras_hub
+    Gemma's, Llama's and their copies), or a ``LayerNormalization`` with
+    ``rms_scaling=True``. Its gradient at ``x = 0`` is ``1 / sqrt(eps)``:
+    integrated gradients avoid a zero baseline into it
+    (:mod:`jacobkit.explain.token_paths`)."""
+    kind = REGISTRY.of(layer)
+    rule = None if kind is None else kind.rule
+    if rule is not None and issubclass(rule, normalization.RMSBase):
+        return True
+    return bool(getattr(layer, "rms_scaling", False))
 
 
 def kind_of(layer: Any) -> LayerKind | None:
