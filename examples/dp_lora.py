@@ -146,16 +146,16 @@ class Settings:
     hidden: int = 32
     rank: int = 4
     pretrain_examples: int = 2048
-    pretrain_epochs: int = 4
-    examples: int = 2048
-    batch: int = 64
-    epochs: int = 5
-    clip: float = 1.0
-    noise: float = 1.0
+    pretrain_epochs: int = 3
+    examples: int = 4096
+    batch: int = 128
+    epochs: int = 6
+    clip: float = 0.1
+    noise: float = 0.8
     delta: float = 1e-5
-    learning_rate: float = 2e-2
+    learning_rate: float = 5e-2
     seed: int = 0
-    one_size: bool = False
+    one_size: bool = True
     plot: Path | None = None
 
 
@@ -320,8 +320,9 @@ def fine_tune_plain(
     return Run(history.history["loss"], record, [], model, len(record.step_times))
 
 
-def plot(private: Run, plain: Run, path: Path) -> None:
-    """The train and held-out losses per epoch of both runs, as a PNG."""
+def plot(private: Run, plain: Run, before: tuple[float, float], path: Path) -> None:
+    """The losses (train, held out) and the held-out accuracy per epoch of
+    both runs (epoch 0: the pretrained model), as a PNG."""
     try:
         import matplotlib
 
@@ -330,23 +331,29 @@ def plot(private: Run, plain: Run, path: Path) -> None:
     except ModuleNotFoundError:
         print(f"(no matplotlib: {path} not drawn)")
         return
-    epochs = np.arange(1, len(private.train) + 1)
-    figure, axes = plt.subplots(figsize=(6, 3.5))
+    epochs = np.arange(len(private.train) + 1)
+    figure, (loss, accuracy) = plt.subplots(1, 2, figsize=(9, 3.5))
     for run, name, color in ((private, "DP-SGD", "C0"), (plain, "non-private", "C1")):
-        axes.plot(epochs, run.train, "--", color=color, label=f"{name}, train")
-        axes.plot(
-            epochs, run.record.losses, "-o", color=color, label=f"{name}, held out"
-        )
-    axes.set_xlabel("epoch")
-    axes.set_ylabel("mean next-token loss")
-    axes.set_title("LoRA fine-tuning of a tiny GPT-2")
-    axes.legend()
+        loss.plot(epochs[1:], run.train, "--", color=color, label=f"{name}, train")
+        held_out = [before[0], *run.record.losses]
+        loss.plot(epochs, held_out, "-o", color=color, label=f"{name}, held out")
+        accuracies = [before[1], *run.record.accuracies]
+        accuracy.plot(epochs, accuracies, "-o", color=color, label=name)
+    loss.set_ylabel("mean next-token loss")
+    accuracy.set_ylabel("held-out next-token accuracy")
+    for axes in (loss, accuracy):
+        axes.set_xlabel("epoch (0: pretrained)")
+        axes.set_xticks(epochs)
+        axes.legend()
+    figure.suptitle("LoRA fine-tuning of a tiny GPT-2")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     print(f"loss curves: {path}")
 
 
-def report(private: Run, plain: Run, before: float, settings: Settings) -> None:
+def report(
+    private: Run, plain: Run, before: tuple[float, float], settings: Settings
+) -> None:
     """The per-epoch table and the time per step."""
     print(
         "epoch  DP train  DP held-out  DP acc  eps RDP  eps PLD"
@@ -361,7 +368,10 @@ def report(private: Run, plain: Run, before: float, settings: Settings) -> None:
             f"  {plain.record.accuracies[e]:9.3f}"
         )
     print(
-        f"held-out next-token accuracy: {before:.3f} before fine-tuning, "
+        f"before fine-tuning: held-out loss {before[0]:.3f}, accuracy {before[1]:.3f}"
+    )
+    print(
+        f"held-out next-token accuracy: {before[1]:.3f} before fine-tuning, "
         f"{private.record.accuracies[-1]:.3f} after DP-SGD, "
         f"{plain.record.accuracies[-1]:.3f} after non-private"
     )
@@ -381,15 +391,9 @@ def report(private: Run, plain: Run, before: float, settings: Settings) -> None:
 
 #: ``--quick``'s settings: a smoke run of seconds (one trace of the DP step)
 QUICK = {
-    "layers": 1,
-    "hidden": 16,
-    "rank": 2,
     "pretrain_examples": 1024,
-    "pretrain_epochs": 3,
-    "examples": 256,
-    "batch": 32,
-    "epochs": 4,
-    "one_size": True,
+    "examples": 1024,
+    "epochs": 3,
     "plot": None,
 }
 
@@ -403,6 +407,9 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--layers", type=int, default=default.layers)
     parser.add_argument("--hidden", type=int, default=default.hidden)
     parser.add_argument("--rank", type=int, default=default.rank)
+    parser.add_argument(
+        "--pretrain-examples", type=int, default=default.pretrain_examples
+    )
     parser.add_argument("--examples", type=int, default=default.examples)
     parser.add_argument("--batch", type=int, default=default.batch, help="q*N")
     parser.add_argument("--epochs", type=int, default=default.epochs)
@@ -412,7 +419,10 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--lr", type=float, default=default.learning_rate)
     parser.add_argument("--seed", type=int, default=default.seed)
     parser.add_argument(
-        "--one-size", action="store_true", help="pad draws to the largest size"
+        "--all-sizes",
+        action="store_true",
+        help="pad each draw to the sampler's next size (a trace per size), "
+        "not all to the largest",
     )
     parser.add_argument("--plot", type=Path, default=Path("dp_lora.png"))
     args = parser.parse_args(argv)
@@ -420,7 +430,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
         layers=args.layers,
         hidden=args.hidden,
         rank=args.rank,
-        pretrain_examples=args.examples,
+        pretrain_examples=args.pretrain_examples,
         pretrain_epochs=args.pretrain_epochs,
         examples=args.examples,
         batch=args.batch,
@@ -429,7 +439,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
         noise=args.noise,
         learning_rate=args.lr,
         seed=args.seed,
-        one_size=args.one_size,
+        one_size=not args.all_sizes,
         plot=args.plot,
     )
     return replace(settings, **QUICK) if args.quick else settings
@@ -438,11 +448,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
 @dataclass(frozen=True)
 class Outcome:
     """What :func:`run` returns (for the test): both runs, the accuracy
-    before fine-tuning, the pretrained weights, the settings."""
+    before fine-tuning (held-out loss, accuracy), the pretrained weights, the
+    settings."""
 
     private: Run
     plain: Run
-    before: float
+    before: tuple[float, float]
     pretrained: dict[str, np.ndarray]
     settings: Settings
 
@@ -456,7 +467,7 @@ def run(settings: Settings) -> Outcome:
     rng = np.random.default_rng(settings.seed + 2)
     data = encode(sentences(settings.examples, rng, True), LENGTH)
     test = encode(sentences(512, rng, True), LENGTH)
-    before = accuracy(base, *test)
+    before = held_out_loss(base, *test), accuracy(base, *test)
     print(
         f"GPT-2: {settings.layers} layers, width {settings.hidden}, vocabulary "
         f"{len(VOCABULARY)}, {base.count_params():,} weights; pretrained on "
@@ -476,7 +487,7 @@ def run(settings: Settings) -> Outcome:
     )
     report(private, plain, before, settings)
     if settings.plot is not None:
-        plot(private, plain, settings.plot)
+        plot(private, plain, before, settings.plot)
     return Outcome(private, plain, before, weights, settings)
 
 

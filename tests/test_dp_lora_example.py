@@ -1,5 +1,6 @@
 """The DP-LoRA example (``examples/dp_lora.py``), its ``--quick`` run end to
-end: what it claims, checked against what it did.
+end (slow: 25 s on 2 loaded cores, a GPT-2 pretrained, fine-tuned twice and
+evaluated each epoch): what it claims, checked against what it did.
 
 - the private fine-tuning's loss decreases (held out and on the sampled
   batches), and the held-out next-token accuracy rises above the pretrained
@@ -34,13 +35,15 @@ def outcome() -> dp_lora.Outcome:
     return dp_lora.main(["--quick"])
 
 
+@pytest.mark.slow
 def test_the_private_fine_tuning_learns(outcome):
     private = outcome.private
-    assert private.record.losses[-1] < private.record.losses[0]
-    assert private.train[-1] < private.train[0]
-    assert private.record.accuracies[-1] > outcome.before
+    loss, accuracy = outcome.before
+    assert private.record.losses[-1] < loss
+    assert private.record.accuracies[-1] > accuracy
 
 
+@pytest.mark.slow
 def test_epsilon_is_the_accountants_for_the_steps_taken(outcome):
     settings = outcome.settings
     q = settings.batch / settings.examples
@@ -54,6 +57,7 @@ def test_epsilon_is_the_accountants_for_the_steps_taken(outcome):
     assert 0 < outcome.private.epsilon[0][0] < outcome.private.epsilon[-1][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["private", "plain"])
 def test_only_the_lora_factors_changed(outcome, run):
     model = getattr(outcome, run).model
