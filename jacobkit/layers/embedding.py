@@ -157,6 +157,21 @@ def _by_position(dz: tf.Tensor, positions: int) -> tf.Tensor:
     )
 
 
+#: a tied table's Gram-form norms cost this many times their multiply-adds
+#: against the formed tables' (:meth:`ReversibleEmbeddingRule.shared_norms`).
+#: NOTE (measured, ``benchmarks/tied_head.py``, the table's norms alone on a
+#: GPT2CausalLM of vocabulary 2,000 and width 64, 16 examples, 2 loaded
+#: cores, ``benchmarks/results/cpu/tied_head.md``): the Gram form took
+#: 0.51x the formed tables' time at 8 tokens, 0.75x at 32, 0.91x at 128 and
+#: 1.12x at 256 (two earlier runs: 0.54x, 0.65x, 0.93x at 64, 0.93-1.01x
+#: at 128, 1.05x at 256), where ``norms.GRAM_WEIGHT`` (2, measured on a
+#: convolution's einsums) put the crossover at 31 tokens: the Gram form's
+#: work is one batched matmul of the logits' cotangents, the formed tables'
+#: also writes and reads ``B K V D`` numbers. 0.5 puts it at about ``2 D``,
+#: 124 tokens there.
+TIED_GRAM_WEIGHT = 0.5
+
+
 class ReversibleEmbeddingRule(EmbeddingRule):
     """keras_hub's ``ReversibleEmbedding``, called forward (ids: a lookup, as
     ``Embedding``) or in reverse (``x @ W^T``, the logits; ``tanh(z / c) * c``
@@ -250,10 +265,10 @@ class ReversibleEmbeddingRule(EmbeddingRule):
         lookup against a reverse call, ``P² D`` elsewhere, and ``(B, K, P,
         P)`` held, never the ``(B, K, vocabulary, D)`` tables.
 
-        Where those tables are fewer multiply-adds (:func:`use_gram
-        <jacobkit.layers.norms.use_gram>` with the reverse call's
-        per-example side ``D`` and per-row side ``V``: sequences longer than
-        about ``D / 2`` with ``GRAM_WEIGHT`` 2) and fit in one chunk
+        Where those tables are fewer multiply-adds, weighted by
+        :data:`TIED_GRAM_WEIGHT` (``w P² (D + K V)`` against ``K P D V``,
+        ``P`` the reverse calls' positions: sequences longer than about
+        ``D / w``), and fit in one chunk
         (:data:`~jacobkit.layers.norms.CHUNK_ELEMENTS`), ``None``: they are
         formed. Rows summed over the batch: ``None``."""
         if summed or form == "chunks":
@@ -263,11 +278,10 @@ class ReversibleEmbeddingRule(EmbeddingRule):
         sides = [_side(x, dz, vocabulary, dim) for x, dz in calls]
         # the reverse calls' pairs dominate (P² V against a lookup's P² D)
         positions = sum(int(s[1].shape[-2]) for s in sides if s[0].dtype != tf.int32)
+        gram = TIED_GRAM_WEIGHT * positions * positions * (dim + rows * vocabulary)
+        cheaper = gram < rows * positions * dim * vocabulary
         formed = batch * rows * vocabulary * dim
-        if form is None and not (
-            layer_norms.use_gram(positions, dim, vocabulary, rows)
-            or formed > layer_norms.CHUNK_ELEMENTS
-        ):
+        if form is None and not (cheaper or formed > layer_norms.CHUNK_ELEMENTS):
             return None
         squares = tf.add_n(
             [
