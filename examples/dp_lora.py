@@ -384,7 +384,7 @@ def report(
     )
     first = len(private.record.step_times) // settings.epochs
     print(
-        "the first epoch's DP steps, tracing each padded batch size: "
+        "the first epoch's DP steps, the step's tracing included: "
         f"{sum(private.record.step_times[:first]):.1f} s"
     )
 
