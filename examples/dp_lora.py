@@ -139,6 +139,8 @@ class Settings:
         seed: weights, corpora, sampling and noise.
         one_size: pad every Poisson draw to the sampler's largest size (one
             trace of the step; each step pays for the largest batch).
+        timing_rounds: paired rounds timing a DP step against a plain one
+            (0: not timed).
         plot: where the loss curves go (``None``: not drawn).
     """
 
@@ -156,6 +158,7 @@ class Settings:
     learning_rate: float = 5e-2
     seed: int = 0
     one_size: bool = True
+    timing_rounds: int = 40
     plot: Path | None = None
 
 
@@ -378,9 +381,9 @@ def report(
     dp_ms = 1e3 * float(np.median(private.record.step_times))
     plain_ms = 1e3 * float(np.median(plain.record.step_times))
     print(
-        f"time per step (median of {len(private.record.step_times)} and "
-        f"{len(plain.record.step_times)}; tracing outliers left out): DP-SGD "
-        f"{dp_ms:.1f} ms, non-private {plain_ms:.1f} ms ({dp_ms / plain_ms:.1f}x)"
+        f"time per step in fit (medians of {len(private.record.step_times)} and "
+        f"{len(plain.record.step_times)}, one run after the other): DP-SGD "
+        f"{dp_ms:.1f} ms, non-private {plain_ms:.1f} ms"
     )
     first = len(private.record.step_times) // settings.epochs
     print(
@@ -389,11 +392,76 @@ def report(
     )
 
 
+def time_steps(
+    weights: dict[str, np.ndarray], data: tuple[Any, Any], settings: Settings
+) -> None:
+    """A DP step against a plain LoRA step, paired: each on a fresh LoRA
+    copy of the pretrained model, compiled as ``fit`` runs it
+    (``train_on_batch``: the DP one on a Poisson draw padded as the run
+    pads it, the plain one on a batch of the expected size); every round
+    times one of each, the order alternating. Printed: the medians and the
+    median of the per-round ratios with its bootstrap interval."""
+    import keras_hub
+
+    from jacobkit.bench import stats
+
+    def copy() -> Any:
+        model = keras_hub.models.GPT2CausalLM(gpt2(settings), preprocessor=None)
+        model.set_weights(list(weights.values()))
+        return with_lora(model, settings)
+
+    q = settings.batch / len(data[1])
+    sampler = jk.privacy.PoissonSampler(data, sampling_rate=q, seed=settings.seed)
+    if settings.one_size:
+        sampler = jk.privacy.PoissonSampler(
+            data, sampling_rate=q, seed=settings.seed, sizes=sampler.sizes[-1:]
+        )
+    private = jk.privacy.make_private(
+        copy(),
+        l2_norm_clip=settings.clip,
+        noise_multiplier=settings.noise,
+        sampling_rate=q,
+        num_examples=len(data[1]),
+    )
+    private.compile(keras.optimizers.Adam(settings.learning_rate), per_example_loss)
+    private.prepare(sampler)
+    x, y, w = sampler[0]
+    plain = copy()
+    plain.compile(keras.optimizers.Adam(settings.learning_rate), per_example_loss)
+    take = slice(0, settings.batch)
+    plain_batch = ({k: v[take] for k, v in data[0].items()}, data[1][take])
+    steps = {
+        f"DP-SGD (padded batch of {len(w)})": lambda: private.train_on_batch(
+            x, y, sample_weight=w
+        ),
+        f"non-private (batch of {settings.batch})": lambda: plain.train_on_batch(
+            *plain_batch
+        ),
+    }
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for round_ in range(-3, settings.timing_rounds):  # 3 to warm up
+        for name in names if round_ % 2 else names[::-1]:
+            start = time.perf_counter()
+            steps[name]()
+            if round_ >= 0:
+                times[name].append(time.perf_counter() - start)
+    dp, base = (times[name] for name in names)
+    ratio = stats.ratios([d / p for d, p in zip(dp, base, strict=True)])
+    print(
+        f"time per step, paired ({settings.timing_rounds} rounds): "
+        f"{names[0]} {1e3 * np.median(dp):.1f} ms, {names[1]} "
+        f"{1e3 * np.median(base):.1f} ms: {ratio.median:.2f}x "
+        f"{stats.interval_text(ratio.low, ratio.high)}"
+    )
+
+
 #: ``--quick``'s settings: a smoke run of seconds (one trace of the DP step)
 QUICK = {
     "pretrain_examples": 1024,
     "examples": 1024,
     "epochs": 3,
+    "timing_rounds": 0,
     "plot": None,
 }
 
@@ -424,6 +492,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
         help="pad each draw to the sampler's next size (a trace per size), "
         "not all to the largest",
     )
+    parser.add_argument("--timing-rounds", type=int, default=default.timing_rounds)
     parser.add_argument("--plot", type=Path, default=Path("dp_lora.png"))
     args = parser.parse_args(argv)
     settings = Settings(
@@ -440,6 +509,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
         learning_rate=args.lr,
         seed=args.seed,
         one_size=not args.all_sizes,
+        timing_rounds=args.timing_rounds,
         plot=args.plot,
     )
     return replace(settings, **QUICK) if args.quick else settings
@@ -486,6 +556,8 @@ def run(settings: Settings) -> Outcome:
         f"{settings.batch} of N={settings.examples}), delta={settings.delta:g}"
     )
     report(private, plain, before, settings)
+    if settings.timing_rounds:
+        time_steps(weights, data, settings)
     if settings.plot is not None:
         plot(private, plain, before, settings.plot)
     return Outcome(private, plain, before, weights, settings)
