@@ -5,8 +5,9 @@ Each new input shape traces the compiled computation once. DP-SGD's Poisson
 samples differ in size from step to step (an expected batch of 64 draws
 sizes from about 40 to 90), so an unpadded training run traces once per
 size it meets. Padded to :func:`bucket`'s sizes (four per doubling: ..., 32,
-40, 48, 56, 64, 80, ...), they trace a few times (the DP-SGD example,
-``examples/dp_sgd.py``: 6 traces where it made 41).
+40, 48, 56, 64, 80, ...), they trace a few times (the DP-SGD example's
+eager loop, which ``examples/dp_sgd.py`` had before it moved to
+``jk.privacy``: 6 traces where it made 41).
 
 NOTE (why it is exact). A padded example is a copy of the batch's last one
 with sample weight 0 (:func:`padded`): its loss row is ``0 * loss``, so its
