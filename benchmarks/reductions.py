@@ -77,14 +77,39 @@ METHODS = (
 )
 #: every jacobkit run, those of the larger cases too
 OWN = (*METHODS, "budgeted gram")
-#: the conv net's PyTorch runs: label -> the peer script's --method
+#: Opacus's ways of taking per-example gradients, as the peer names them:
+#: ``GradSampleModule``'s hooks, functorch and expanded weights, and ghost
+#: clipping (``make_private(grad_sample_mode="ghost")``)
+OPACUS_MODES = {
+    "hooks": "hooks",
+    "functorch": "functorch",
+    "ew": "expanded weights",
+    "ghost": "ghost clipping",
+}
+#: the conv net's PyTorch runs: label -> the peer script's --method; each
+#: divided by PyTorch's own plain step
 PEERS = {
     "PyTorch plain step": "plain",
-    "Opacus ghost clipping": "clipped_opacus",
+    **{
+        f"Opacus {label}, clipped": f"clipped_opacus_{m}"
+        for m, label in OPACUS_MODES.items()
+    },
     "PyTorch vmap(grad) clipped": "clipped_vmap",
     "PyTorch vmap(grad) gram": "gram_vmap",
-    "PyTorch vmap(grad) projection": "project_vmap",
+    "PyTorch vmap(grad) projection (jacobkit's maps)": "project_vmap",
 }
+#: the DP-SGD training step (issue 49): PyTorch's plain SGD step and
+#: Opacus's DP-SGD step in each mode, on the conv net's weights
+DP_PEERS = {
+    "PyTorch SGD step": "sgd_step",
+    **{
+        f"Opacus {label}, DP-SGD step": f"dp_step_opacus_{m}"
+        for m, label in OPACUS_MODES.items()
+    },
+}
+#: the label of every PyTorch run's own baseline
+TORCH_PLAIN = "PyTorch plain step"
+TORCH_SGD = "PyTorch SGD step"
 SIZES = (64, 256, 1024)
 
 
@@ -93,10 +118,13 @@ def child(case: str, method: str, repeats: int) -> None:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE / "peers"))
+    import footing
     import numpy as np
     import reductions_models
     import tensorflow as tf
     from protocol import measure
+
+    record = footing.pin_tensorflow("reductions")
 
     import jacobkit as jk
     from jacobkit.problem import sketch
@@ -168,7 +196,7 @@ def child(case: str, method: str, repeats: int) -> None:
 
     timings, _ = measure(call, repeats, settled=settled)
     strategy = None if not plans or plans[0] is None else plans[0].strategy.label
-    print(json.dumps({**timings, "strategy": strategy}))
+    print(json.dumps({**timings, "strategy": strategy, "footing": record}))
 
 
 def plain_step(built: Any) -> Callable[[], list]:
@@ -204,11 +232,15 @@ def child_paired(case: str, rounds: int) -> None:
 
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
     import numpy as np
     import reductions_models
 
     import jacobkit as jk
     from jacobkit.bench import stats
+
+    record = footing.pin_tensorflow("reductions --paired")
 
     built = reductions_models.CASES[case]()
     loss = jk.Loss(reductions_models.loss())
@@ -252,6 +284,7 @@ def child_paired(case: str, rounds: int) -> None:
                 "rounds": found.n,
                 "plain_ms": 1e3 * float(np.median(times["plain step"])),
                 "clipped_ms": 1e3 * float(np.median(times["clipped sum"])),
+                "footing": record,
             }
         )
     )
@@ -303,6 +336,11 @@ def main() -> None:
     parser.add_argument("--cases", default="convnet,mlp,bert,convnet_medium,bert_small")
     parser.add_argument("--out", default="benchmarks/results/cpu")
     parser.add_argument(
+        "--loaded",
+        action="store_true",
+        help="label the results as measured on a machine loaded by other work",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep --out's other runs, replacing those of --cases",
@@ -339,6 +377,7 @@ def main() -> None:
                 },
             }
             data["machine"] = runs.machine()
+        data["loaded"] = args.loaded
         return _write(data, out)
     commands: dict[str, list[str]] = {}
     sys.path.insert(0, str(HERE))
@@ -368,7 +407,7 @@ def main() -> None:
             check=True,
             capture_output=True,
         )
-        for label, method in PEERS.items():
+        for label, method in {**PEERS, **DP_PEERS}.items():
             commands[f"convnet|{label}"] = [
                 args.peers_python,
                 str(HERE / "peers/reductions_torch.py"),
@@ -381,6 +420,7 @@ def main() -> None:
             ]
     data = {
         "machine": runs.machine(),
+        "loaded": args.loaded,
         "rounds": args.rounds,
         "repeats": args.repeats,
         "runs": runs.rounds(commands, args.rounds),
@@ -419,27 +459,28 @@ def _markdown(data: dict) -> str:
         "# Reductions of per-example gradients against materializing them",
         "",
         "Written by `benchmarks/reductions.py`: batch 32, every trainable "
-        "variable, per-example cross-entropy; one core (`taskset -c 0`), fresh "
+        "variable, per-example cross-entropy; one core (`taskset -c N`), fresh "
         f"processes, median of {data['rounds']} rounds of {data['repeats']} "
         f"steady calls ({fewer}). Ratios are within a model's rows of this one "
         "run.",
         "",
         f"Machine: {data.get('machine', 'not recorded')}.",
         "",
+        *_footing(data),
     ]
     for case in sorted({k.split("|")[0] for k in measured}):
-        base = measured.get(f"{case}|plain step", {}).get("steady_s")
         lines += [
             f"## {case}",
             "",
-            "| run | steady ms | × plain step | × materialized | first call s | "
+            "| run | steady ms | × own plain step | × materialized | first call s | "
             "first 3 calls s | steady growth MiB | first-call growth MiB | strategy |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for key, row in measured.items():
-            if not key.startswith(case + "|"):
+            if not key.startswith(case + "|") or key.split("|", 1)[1] in DP_PEERS:
                 continue
             label = key.split("|", 1)[1]
+            base = measured.get(f"{case}|{_own_plain(label)}", {}).get("steady_s")
             if "error" in row:
                 lines.append(f"| {label} | error: {row['error']} | | | | | | | |")
                 continue
@@ -458,7 +499,9 @@ def _markdown(data: dict) -> str:
                 if base
                 else f"| {label} | {steady * 1e3:.1f} | | | | | | | |"
             )
+        lines += _fastest_opacus(case, measured)
         lines += ["", *_floor(case, measured)]
+    lines += _dp_step(measured)
     lines += _paired(data.get("paired", {}))
     lines += [
         "## Peak over a dataset (conv net, batches of 32)",
@@ -476,6 +519,108 @@ def _markdown(data: dict) -> str:
         else:
             lines.append(f"| {key} | {row['peak_mib']:.1f} | {row['result_mib']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _own_plain(label: str) -> str:
+    """The plain step a run is divided by: its own framework's."""
+    return TORCH_PLAIN if label.startswith(("PyTorch", "Opacus")) else "plain step"
+
+
+def _footing(data: dict) -> list[str]:
+    """How the runs were pinned, each side's machine record and versions,
+    and whether the machine was loaded."""
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
+
+    sides: dict[str, dict] = {}
+    for row in data["runs"].values():
+        record = row.get("footing")
+        if record:
+            sides.setdefault(record["side"], record)
+    lines = [
+        "Each side on equal footing: one thread (PyTorch's intra- and inter-op "
+        "threads; TensorFlow's intra- and inter-op parallelism), every process "
+        "pinned to one core (the scripts refuse to run unpinned), and every "
+        "time divided by the same framework's plain step on the same model "
+        "and batch (× own plain step).",
+        "",
+        *[f"- {footing.describe(record)}" for _, record in sorted(sides.items())],
+        "",
+    ]
+    if data.get("loaded"):
+        lines += [
+            "**Measured on a loaded machine** (2 cores shared with other "
+            "work): absolute times are inflated and noisy; the ratios to each "
+            "framework's own plain step are what to read, and even they move "
+            "by more than on a quiet machine.",
+            "",
+        ]
+    return lines
+
+
+def _fastest_opacus(case: str, measured: dict) -> list[str]:
+    """Which Opacus mode the comparison takes as the peer: the fastest of
+    those whose clipped sums matched jacobkit's (a mode that disagreed or
+    failed printed no timing)."""
+    good = {
+        label: row["steady_s"]
+        for label in PEERS
+        if label.startswith("Opacus")
+        and "steady_s" in (row := measured.get(f"{case}|{label}", {}))
+    }
+    base = measured.get(f"{case}|{TORCH_PLAIN}", {}).get("steady_s")
+    if not good or not base:
+        return [""]
+    best = min(good, key=good.__getitem__)
+    ours = measured.get(f"{case}|clipped sum", {}).get("steady_s")
+    plain = measured.get(f"{case}|plain step", {}).get("steady_s")
+    line = (
+        f"Opacus's fastest correct mode here: {best.split(',')[0]} "
+        f"({good[best] / base:.2f} × PyTorch's plain step)"
+    )
+    if ours and plain:
+        line += (
+            f"; jacobkit's clipped sum: {ours / plain:.2f} × TensorFlow's plain step"
+        )
+    return ["", line + ".", ""]
+
+
+def _dp_step(measured: dict) -> list[str]:
+    """The DP-SGD training step over the same framework's plain training
+    step (issue 49): Opacus's modes now; jacobkit's compiled DP ``fit``
+    step goes beside them when it lands."""
+    rows = {
+        k.split("|", 1)[1]: v
+        for k, v in measured.items()
+        if k.split("|", 1)[1] in DP_PEERS
+    }
+    if not rows:
+        return []
+    base = rows.get(TORCH_SGD, {}).get("steady_s")
+    lines = [
+        "## DP-SGD training step ÷ the same framework's plain step (conv net)",
+        "",
+        "One training step on the batch: forward, backward, the update (SGD, "
+        "learning rate 0.01). Opacus's DP-SGD step (`make_private`, flat "
+        "clipping at C = 1, Gaussian noise σ = 1, no Poisson sampling: one "
+        "batch of 32) in each of its modes, over PyTorch's plain SGD step on "
+        "the same weights; each mode is checked first (a noiseless twin's "
+        "update at learning rate 1, times the batch, must equal jacobkit's "
+        "clipped sum within 1e-4). jacobkit's compiled DP step goes in the "
+        "TensorFlow column when it lands.",
+        "",
+        "| step | PyTorch ms | × PyTorch's plain step | clipped sum error | "
+        "TensorFlow ms | × TensorFlow's plain step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, row in rows.items():
+        if "error" in row:
+            lines.append(f"| {label} | error: {row['error']} | | | | |")
+            continue
+        ratio = f"{row['steady_s'] / base:.2f}" if base else ""
+        err = f"{row['clipped_err']:.1e}" if "clipped_err" in row else ""
+        lines.append(f"| {label} | {row['steady_s'] * 1e3:.1f} | {ratio} | {err} | | |")
+    return [*lines, ""]
 
 
 #: the issue's goal for the Gram matrix and the projection: at most this

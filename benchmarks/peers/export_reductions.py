@@ -13,7 +13,11 @@ The file holds, in Keras layouts (kernels ``(kh, kw, in, out)`` and
 and jacobkit's references: ``clip`` (C), ``clipped_<layer>_kernel`` and
 ``clipped_<layer>_bias`` (``jk.ClippedSum(C)``'s sum of clipped per-example
 gradients), ``norms`` (each example's gradient norm before clipping) and
-``gram`` (``jk.gram``'s ``(B, B)`` matrix, float64).
+``gram`` (``jk.gram``'s ``(B, B)`` matrix, float64), ``projection``
+(``reduce=jk.Project(dim)``'s ``(B, dim)`` rows) with ``dim`` and the maps
+it applied, so that the peer projects by the very same maps:
+``map_<layer>_<part>_dense`` ``(size, dim)``, or the Kronecker factors
+``map_<layer>_<part>_left`` and ``_right`` (``jacobkit.problem.sketch``).
 
     python benchmarks/peers/export_reductions.py --out /tmp/reductions.npz
 """
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reductions_models  # noqa: E402
 
 import jacobkit as jk  # noqa: E402
+from jacobkit.problem import sketch  # noqa: E402
 
 LAYERS = ("conv1", "conv2", "head")
 
@@ -39,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reductions.npz")
     parser.add_argument("--clip", type=float, default=1.0, help="C of ClippedSum")
+    parser.add_argument("--dim", type=int, default=2048, help="of jk.Project")
     args = parser.parse_args()
     case = reductions_models.convnet()
     model = case.model
@@ -73,6 +79,21 @@ def main() -> None:
     arrays["clip"] = np.asarray(args.clip, "float32")
     gram = jk.gram(model, (case.x, case.y), None, outputs=loss, progress=False)
     arrays["gram"] = np.asarray(gram.matrix)
+    project = jk.Project(args.dim)
+    projected = jk.jacobian(
+        model,
+        (case.x, case.y),
+        model.trainable_variables,
+        outputs=loss,
+        reduce=project,
+    )
+    arrays["projection"] = np.asarray(projected.projection)
+    arrays["dim"] = np.asarray(args.dim)
+    for key, variable in zip(projected.jacobians, model.trainable_variables):
+        found = sketch.target_map(project, key, tuple(variable.shape))
+        for part in ("dense", "left", "right"):
+            if getattr(found, part) is not None:
+                arrays[f"map_{key.replace('/', '_')}_{part}"] = getattr(found, part)
     np.savez(args.out, **arrays)
     print(f"wrote {args.out}")
 

@@ -69,6 +69,7 @@ from typing import Any
 # TRAKer's progress bars (tqdm reads its defaults from TQDM_*)
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+import footing  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -76,6 +77,7 @@ from protocol import measure, relative_error  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
 METHODS = (
+    "plain_step",
     "tracin_captum",
     "self_influence_captum",
     "trak",
@@ -325,6 +327,24 @@ class Methods:
 
         return self.traker(JacobkitMaps, Unscaled), check
 
+    def plain_step(self) -> Run:
+        """One plain training step on the first checkpoint: the gradient of
+        the loss summed over the 1,000 training examples, every parameter
+        (one forward and one backward pass): the baseline each method here
+        is divided by, as jacobkit's side divides by TensorFlow's."""
+        model = build()
+        model.load_state_dict(state(self.arrays, "checkpoint", 0))
+        params = list(model.parameters())
+
+        def call() -> tuple[torch.Tensor, ...]:
+            logits = model(self.x_train)
+            loss = torch.nn.functional.cross_entropy(
+                logits, self.y_train, reduction="sum"
+            )
+            return torch.autograd.grad(loss, params)
+
+        return call, lambda result: {}
+
     def tracin_vmap(self) -> Run:
         model = build()
         params = [
@@ -369,7 +389,7 @@ def main() -> None:
     parser.add_argument("--captum-grads", choices=("batch", "loop"), default="batch")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    record = footing.pin_torch("influence_torch", args.threads)
     versions = {p: version(p) for p in ("torch", "captum", "traker")}
     methods = args.method or [
         m for m in METHODS if m not in NEEDS or versions[NEEDS[m]]
@@ -386,7 +406,7 @@ def main() -> None:
         call, check = getattr(runs, method)()
         timings, result = measure(call, args.repeats)
         checks = check(result)
-        count = int(np.prod(np.shape(result)))
+        count = 0 if method == "plain_step" else int(np.prod(np.shape(result)))
         del result
         print(
             f"influence_torch: {method}: "
@@ -423,6 +443,7 @@ def main() -> None:
                     **checks,
                     **timings,
                     "scores_per_s": count / timings["steady_s"],
+                    "footing": record,
                 }
             ),
             flush=True,

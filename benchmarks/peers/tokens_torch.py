@@ -64,11 +64,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import footing
 import numpy as np
 import torch
 from protocol import measure, relative_error
 
 METHODS = (
+    "plain_step",
+    "torch_batched",
     "captum_gradient",
     "captum_gradient_x_input",
     "captum_llm_gradient_x_input",
@@ -255,6 +258,60 @@ class Methods:
 
         return call, check
 
+    def plain_step(self) -> Run:
+        """One plain training step of the model on the same 96 tokens: the
+        gradient of the summed next-token loss over every parameter (one
+        forward and one backward pass): the baseline each method here is
+        divided by, as jacobkit's side divides by TensorFlow's."""
+        model = build(self.arrays)
+        for parameter in model.parameters():
+            parameter.requires_grad_(True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        inputs, labels = self.tokens[:, :-1], self.tokens[:, 1:]
+
+        def call() -> tuple[torch.Tensor, ...]:
+            logits = model(inputs).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.reshape(-1), reduction="sum"
+            )
+            return torch.autograd.grad(loss, params)
+
+        return call, lambda result: {}
+
+    def torch_batched(self) -> Run:
+        """jacobkit's work, batched in PyTorch: one forward pass over the
+        whole sequence (causal masking), the 32 generated tokens'
+        log-probabilities at the positions before them, and one batched
+        backward pass of their 32 one-hot cotangents to the token embeddings
+        (``torch.autograd.grad(..., is_grads_batched=True)``, ``vmap`` over
+        the backward pass): ``(32, 1, T, D)``, the gradient's norm and
+        gradient x embedding."""
+        model = self.model
+        embedded = model.transformer.wte(self.tokens).detach()  # (1, T, D)
+        positions = torch.arange(self.prompt - 1, self.prompt - 1 + self.new)
+        targets = self.tokens[0, positions + 1]
+        eye = torch.eye(self.new)
+
+        def call() -> tuple[torch.Tensor, torch.Tensor]:
+            inputs = embedded.clone().requires_grad_(True)
+            logits = model(inputs_embeds=inputs).logits[0, positions]  # (new, V)
+            log_p = torch.log_softmax(logits, dim=-1)[torch.arange(self.new), targets]
+            (grads,) = torch.autograd.grad(
+                log_p, inputs, grad_outputs=eye, is_grads_batched=True
+            )  # (new, 1, T, D)
+            grads = grads[:, 0]
+            return grads.norm(dim=-1)[None], (grads * embedded).sum(-1)[None]
+
+        def check(result: Any) -> dict[str, float]:
+            return {
+                "scores_err": error(result[0].numpy(), self.arrays["scores_gradient"]),
+                "scores_x_input_err": error(
+                    result[1].numpy(), self.arrays["scores_gradient_x_input"]
+                ),
+            }
+
+        return call, check
+
     def torch_loop(self) -> Run:
         model = self.model
         embedded = model.transformer.wte(self.tokens)  # (1, T, D)
@@ -300,9 +357,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    record = footing.pin_torch("tokens_torch", args.threads)
     captum = version("captum")
-    methods = args.method or [m for m in METHODS if captum or m == "torch_loop"]
+    methods = args.method or [m for m in METHODS if captum or "captum" not in m]
     if captum is None and any(m.startswith("captum") for m in methods):
         raise SystemExit("tokens_torch: the captum methods need captum installed")
     runs = Methods(dict(np.load(args.npz)))
@@ -334,16 +391,13 @@ def main() -> None:
                 {
                     "peer": "torch",
                     "method": method,
-                    "torch": torch.__version__,
-                    "captum": captum,
-                    "transformers": version("transformers"),
                     "prompt": runs.prompt,
                     "new_tokens": runs.new,
-                    "threads": args.threads,
                     "logits_err": logits_err,
                     **errors,
                     **timings,
                     "scores_per_s": runs.new / timings["steady_s"],
+                    "footing": record,
                 }
             ),
             flush=True,
