@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import reductions_models  # noqa: E402
 
@@ -40,12 +41,61 @@ from jacobkit.problem import sketch  # noqa: E402
 LAYERS = ("conv1", "conv2", "head")
 
 
+def bert(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """The ``bert`` case (BERT tiny) under Hugging Face's names and layouts
+    (``bert_layout.py``): ``hf__<name>`` weights, ``clipped__<name>``
+    references, the backbone's sizes, the inputs, the Keras logits, the norms
+    and the Gram matrix."""
+    import bert_layout
+
+    case = reductions_models.bert()
+    model = case.model
+    backbone = model.backbone
+    loss = jk.Loss(reductions_models.loss())
+    arrays: dict[str, np.ndarray] = {
+        "case": np.asarray("bert"),
+        **{k: np.asarray(v) for k, v in case.x.items()},
+        "y": case.y,
+        "vocabulary_size": np.asarray(backbone.vocabulary_size),
+        "num_layers": np.asarray(backbone.num_layers),
+        "num_heads": np.asarray(backbone.num_heads),
+        "hidden_dim": np.asarray(backbone.hidden_dim),
+        "intermediate_dim": np.asarray(backbone.intermediate_dim),
+        "max_sequence_length": np.asarray(backbone.max_sequence_length),
+        "num_classes": np.asarray(model.num_classes),
+        "logits": np.asarray(model(case.x)),
+    }
+    for variable in model.trainable_variables:
+        name, array = bert_layout.hf(variable.path, np.asarray(variable))
+        arrays[f"hf__{name}"] = array
+    clipped = jk.jacobian(
+        model,
+        (case.x, case.y),
+        model.trainable_variables,
+        outputs=loss,
+        reduce=jk.ClippedSum(args.clip),
+    )
+    for key, variable in zip(clipped.jacobians, model.trainable_variables):
+        name, array = bert_layout.hf(variable.path, np.asarray(clipped[key]))
+        arrays[f"clipped__{name}"] = array
+    arrays["norms"] = np.asarray(clipped.norms)
+    arrays["clip"] = np.asarray(args.clip, "float32")
+    gram = jk.gram(model, (case.x, case.y), None, outputs=loss, progress=False)
+    arrays["gram"] = np.asarray(gram.matrix)
+    return arrays
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reductions.npz")
     parser.add_argument("--clip", type=float, default=1.0, help="C of ClippedSum")
     parser.add_argument("--dim", type=int, default=2048, help="of jk.Project")
+    parser.add_argument("--case", choices=("convnet", "bert"), default="convnet")
     args = parser.parse_args()
+    if args.case == "bert":
+        np.savez(args.out, **bert(args))
+        print(f"wrote {args.out}")
+        return
     case = reductions_models.convnet()
     model = case.model
     arrays: dict[str, np.ndarray] = {"x": np.asarray(case.x), "y": case.y}

@@ -90,9 +90,73 @@ LR = 0.01
 Run = tuple[Callable[[], Any], Callable[[Any], dict[str, float]]]
 
 
-def build(arrays: dict[str, np.ndarray]) -> torch.nn.Sequential:
-    """The convnet with the exported weights (Keras layouts turned into
-    PyTorch's)."""
+class Classifier(torch.nn.Module):
+    """Hugging Face's ``BertForSequenceClassification`` called on one int
+    tensor ``(B, 3, T)`` (token ids, segment ids, padding mask), so that
+    every method feeds it as it feeds the convnet its images; the position
+    ids are passed per example (Opacus's per-example hooks need every
+    input's batch axis)."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # no attention mask: the file's padding masks are all ones (checked
+        # on loading), and Hugging Face's mask preparation branches on the
+        # mask's values, which vmap cannot trace
+        positions = torch.arange(x.shape[-1]).expand(x.shape[0], -1).contiguous()
+        return self.hf(
+            input_ids=x[:, 0].contiguous(),
+            token_type_ids=x[:, 1].contiguous(),
+            position_ids=positions,
+        ).logits
+
+
+def build_bert(arrays: dict[str, np.ndarray]) -> Classifier:
+    """BERT tiny as ``export_reductions.py --case bert`` wrote it: keras_hub's
+    ``BertTextClassifier`` as ``BertForSequenceClassification`` (tanh GELU,
+    keras_hub's ``gelu_approximate``; epsilon 1e-12; dropout 0, as the
+    Keras model runs in inference mode), with its weights."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=int(arrays["vocabulary_size"]),
+        hidden_size=int(arrays["hidden_dim"]),
+        num_hidden_layers=int(arrays["num_layers"]),
+        num_attention_heads=int(arrays["num_heads"]),
+        intermediate_size=int(arrays["intermediate_dim"]),
+        hidden_act="gelu_new",
+        max_position_embeddings=int(arrays["max_sequence_length"]),
+        type_vocab_size=2,
+        layer_norm_eps=1e-12,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout=0.0,
+        num_labels=int(arrays["num_classes"]),
+        attn_implementation="eager",
+    )
+    if not np.all(arrays["padding_mask"] == 1):
+        raise SystemExit("reductions_torch: BERT runs without a mask: pad nothing")
+    model = BertForSequenceClassification(config)
+    weights = {
+        k[len("hf__") :]: torch.from_numpy(arrays[k])
+        for k in arrays
+        if k.startswith("hf__")
+    }
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [m for m in missing if "position_ids" not in m]:
+        raise SystemExit(
+            f"reductions_torch: BERT weights missing {missing}, unexpected {unexpected}"
+        )
+    return Classifier(model)
+
+
+def build(arrays: dict[str, np.ndarray]) -> torch.nn.Module:
+    """The file's model with its weights: the convnet (Keras layouts turned
+    into PyTorch's) or BERT tiny (``build_bert``)."""
+    if str(arrays.get("case", "convnet")) == "bert":
+        return build_bert(arrays)
 
     def conv(name: str, stride: int) -> torch.nn.Conv2d:
         kernel = torch.from_numpy(arrays[f"{name}_kernel"])  # (kh, kw, in, out)
@@ -149,10 +213,23 @@ def clipped_errors(
 ) -> dict[str, float]:
     """The clipped sum's error (the largest over the parameters) and, where
     ``norms`` are given, the norms' against jacobkit's."""
-    found = {
-        "clipped_err": max(
-            error(keras_layout(k, v), arrays["clipped_" + keras_name(k)])
+    if str(arrays.get("case", "convnet")) == "bert":  # PyTorch's names, layouts
+        pairs = [
+            (v.detach().numpy(), arrays["clipped__" + k.removeprefix("hf.")])
             for k, v in clipped.items()
+        ]
+    else:
+        pairs = [
+            (keras_layout(k, v), arrays["clipped_" + keras_name(k)])
+            for k, v in clipped.items()
+        ]
+    # over every parameter at once: a gradient that is 0 in exact arithmetic
+    # (an attention key's bias) holds rounding noise alone, which its own
+    # largest magnitude would turn into an error of order 1
+    found = {
+        "clipped_err": error(
+            np.concatenate([np.ravel(g) for g, _ in pairs]),
+            np.concatenate([np.ravel(w) for _, w in pairs]),
         )
     }
     if norms is not None:
@@ -174,8 +251,12 @@ class Methods:
     def __init__(self, arrays: dict[str, np.ndarray], threads: int) -> None:
         self.arrays = arrays
         self.clip = float(arrays["clip"])
-        # NHWC -> NCHW
-        self.x = torch.from_numpy(arrays["x"]).permute(0, 3, 1, 2).contiguous()
+        self.case = str(arrays.get("case", "convnet"))
+        if self.case == "bert":  # (B, 3, T): token ids, segment ids, mask
+            parts = ("token_ids", "segment_ids", "padding_mask")
+            self.x = torch.from_numpy(np.stack([arrays[p] for p in parts], 1)).long()
+        else:  # NHWC -> NCHW
+            self.x = torch.from_numpy(arrays["x"]).permute(0, 3, 1, 2).contiguous()
         self.y = torch.from_numpy(arrays["y"]).long()
         self.batch = self.x.shape[0]
         self.threads = threads
@@ -216,7 +297,13 @@ class Methods:
             loss = F.cross_entropy(model(self.x), self.y, reduction="sum")
             return torch.autograd.grad(loss, params)
 
-        return call, lambda result: {}
+        def check(result: Any) -> dict[str, float]:
+            if "logits" not in self.arrays:
+                return {}
+            with torch.no_grad():  # the same function as the Keras model
+                return {"logits_err": error(model(self.x), self.arrays["logits"])}
+
+        return call, check
 
     def private(self, mode: str, noise: float, lr: float) -> tuple[Any, ...]:
         """Opacus's ``make_private`` on a fresh copy of the convnet, flat
