@@ -69,12 +69,15 @@ def child(strategy: str, weights: str, repeats: int) -> None:
     """One jacobkit (or raw TensorFlow) run; prints one JSON line."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE / "peers"))
+    import footing
     import numpy as np
     import tensorflow as tf
     from protocol import measure
 
     import jacobkit as jk
     from jacobkit.testing import example_models
+
+    record = footing.pin_tensorflow("mlp_limit")
 
     example = example_models.mlp(**SIZES)
     model, x = example.model, example.inputs
@@ -122,6 +125,7 @@ def child(strategy: str, weights: str, repeats: int) -> None:
             {
                 **timings,
                 "kernel": weights + f".{os.getpid()}.npy",
+                "footing": record,
             }
         )
     )
