@@ -58,7 +58,7 @@ def child(npz: str, method: str, repeats: int) -> None:
     import keras
     import numpy as np
     import tensorflow as tf
-    from protocol import measure
+    from protocol import measure, paired
 
     record = footing.pin_tensorflow("influence")
 
@@ -93,7 +93,8 @@ def child(npz: str, method: str, repeats: int) -> None:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     rows = jk.Loss(loss)
     want = None
-    if method == "TF plain step":
+
+    def plain_step():  # noqa: ANN202 - a call returning arrays
         # the first checkpoint's summed-loss gradient over the 1,000 training
         # examples, one tf.function taking the batch as its argument
         model, variables = checkpoints[0], checkpoints[0].trainable_variables
@@ -104,8 +105,10 @@ def child(npz: str, method: str, repeats: int) -> None:
                 total = tf.reduce_sum(loss(y, model(x)))
             return tape.gradient(total, variables)
 
-        def call():
-            return [tf.convert_to_tensor(g).numpy() for g in step(*train)]
+        return lambda: [tf.convert_to_tensor(g).numpy() for g in step(*train)]
+
+    if method == "TF plain step":
+        call = plain_step()
     elif method == "tracin":
 
         def call():
@@ -143,6 +146,9 @@ def child(npz: str, method: str, repeats: int) -> None:
     else:
         raise SystemExit(f"unknown method {method!r}")
     timings, result = measure(call, repeats)
+    if method != "TF plain step":
+        # against TensorFlow's own plain step, alternating in this process
+        timings["paired"] = paired(call, plain_step())
     scores = 0 if method == "TF plain step" else int(np.asarray(result).size)
     row = {**timings, "scores_per_s": scores / timings["steady_s"], "footing": record}
     if want is not None:
@@ -201,6 +207,14 @@ def main() -> None:
     print(_markdown(data))
 
 
+def _ratio(row: dict, base: float | None) -> float | None:
+    """A run's ratio to its own plain step: paired in its process where it
+    was, else of the separate processes' medians."""
+    if row.get("paired"):
+        return float(row["paired"]["ratio"])
+    return row["steady_s"] / base if base and "steady_s" in row else None
+
+
 def _markdown(data: dict) -> str:
     sys.path.insert(0, str(HERE / "peers"))
     import footing
@@ -220,7 +234,10 @@ def _markdown(data: dict) -> str:
         "one core (the scripts refuse to run unpinned), and each run divided "
         "by **its own framework's plain step** (the first checkpoint's "
         "summed-loss gradient over the 1,000 training examples: one forward "
-        "and one backward pass). `× jacobkit` compares those ratios: a "
+        "and one backward pass), in separate processes and, robust to a busy "
+        "machine, paired in one process (the median ratio over rounds that "
+        "time either side alternately, with its 95% bootstrap interval). "
+        "`× jacobkit` compares those ratios (paired where measured): a "
         "PyTorch run's plain steps over jacobkit's. `TRAKer (jacobkit's "
         "maps)` projects by the maps jacobkit drew (exported with the "
         "weights).",
@@ -242,10 +259,11 @@ def _markdown(data: dict) -> str:
             "",
         ]
     lines += [
-        "| run | steady ms | × own plain step | × jacobkit (in own plain steps) | "
+        "| run | steady ms | × own plain step | paired in one process (95% "
+        "interval) | × jacobkit (in own plain steps) | "
         "scores/s | first call s | first 3 calls s | steady growth MiB | "
         "first-call growth MiB | agreement with jacobkit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ours = {
         "captum TracInCP": "tracin",
@@ -262,15 +280,22 @@ def _markdown(data: dict) -> str:
     }
     for key, row in measured.items():
         if "error" in row:
-            lines.append(f"| {key} | error: {row['error']} | | | | | | | | |")
+            lines.append(f"| {key} | error: {row['error']} | | | | | | | | | |")
             continue
         side = "torch" if key in PEERS else "tensorflow"
         base = plain[side]
         own = row["steady_s"] / base if base else None
         versus = ""
         twin = measured.get(ours.get(key, ""), {})
-        if own and twin.get("steady_s") and plain["tensorflow"]:
-            versus = f"{own / (twin['steady_s'] / plain['tensorflow']):.2f}"
+        mine, theirs = _ratio(row, base), _ratio(twin, plain["tensorflow"])
+        if mine and theirs:
+            versus = f"{mine / theirs:.2f}"
+        found = row.get("paired")
+        pair = (
+            f"{found['ratio']:.2f} ({found['low']:.2f}–{found['high']:.2f})"
+            if found
+            else ""
+        )
         # jacobkit's own runs are compared with the exported reference, its
         # own numbers: only the materializing run's agreement says anything
         agreement = row.get("agreement") if key == "materialized tracin" else None
@@ -284,7 +309,7 @@ def _markdown(data: dict) -> str:
         scores = f"{row['scores_per_s']:,.0f}" if row.get("scores_per_s") else ""
         lines.append(
             f"| {key} | {row['steady_s'] * 1e3:.1f} | "
-            f"{'' if own is None else f'{own:.2f}'} | {versus} | {scores} | "
+            f"{'' if own is None else f'{own:.2f}'} | {pair} | {versus} | {scores} | "
             f"{row['first_s']:.2f} | {row['first_three_s']:.2f} | "
             f"{row['peak_growth_mib']:.1f} | "
             f"{row.get('first_growth_mib', float('nan')):.1f} | {agreement or ''} |"

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import runs
+
 HERE = Path(__file__).resolve().parent
 SIZES = {"batch": 256, "inputs": 512, "hidden": 1024, "features": 144}
 #: MACs of one row: the backward pass through the head and hidden2 at B=256,
@@ -148,7 +150,7 @@ def gemm_rate() -> float:
 
 
 def _pinned(command: list[str]) -> list[str]:
-    return (["taskset", "-c", "0"] if shutil.which("taskset") else []) + command
+    return runs.pinned(command)
 
 
 def _run(command: list[str], env: dict[str, str]) -> dict:

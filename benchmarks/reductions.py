@@ -127,7 +127,7 @@ def child(case: str, method: str, repeats: int) -> None:
     import numpy as np
     import reductions_models
     import tensorflow as tf
-    from protocol import measure
+    from protocol import measure, paired
 
     record = footing.pin_tensorflow("reductions")
 
@@ -200,6 +200,9 @@ def child(case: str, method: str, repeats: int) -> None:
         return not plans or plans[0] is None or plans[0].settled
 
     timings, _ = measure(call, repeats, settled=settled)
+    if method != "plain step" and case in PEER_CASES:
+        # against TensorFlow's own plain step, alternating in this process
+        timings["paired"] = paired(call, plain_step(built))
     strategy = None if not plans or plans[0] is None else plans[0].strategy.label
     print(json.dumps({**timings, "strategy": strategy, "footing": record}))
 
@@ -477,9 +480,10 @@ def _markdown(data: dict) -> str:
         lines += [
             f"## {case}",
             "",
-            "| run | steady ms | × own plain step | × materialized | first call s | "
+            "| run | steady ms | × own plain step | paired in one process "
+            "(95% interval) | × materialized | first call s | "
             "first 3 calls s | steady growth MiB | first-call growth MiB | strategy |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for key, row in measured.items():
             if not key.startswith(case + "|") or key.split("|", 1)[1] in DP_PEERS:
@@ -487,7 +491,7 @@ def _markdown(data: dict) -> str:
             label = key.split("|", 1)[1]
             base = measured.get(f"{case}|{_own_plain(label)}", {}).get("steady_s")
             if "error" in row:
-                lines.append(f"| {label} | error: {row['error']} | | | | | | | |")
+                lines.append(f"| {label} | error: {row['error']} | | | | | | | | |")
                 continue
             steady = row["steady_s"]
             versus = ""
@@ -497,12 +501,13 @@ def _markdown(data: dict) -> str:
                 versus = f"{steady / twin['steady_s']:.2f}"
             lines.append(
                 f"| {label} | {steady * 1e3:.1f} | "
-                f"{steady / base:.2f} | {versus} | {row['first_s']:.2f} | "
+                f"{steady / base:.2f} | {_paired_cell(row)} | {versus} | "
+                f"{row['first_s']:.2f} | "
                 f"{row['first_three_s']:.2f} | {row['peak_growth_mib']:.1f} | "
                 f"{row.get('first_growth_mib', float('nan')):.1f} | "
                 f"{row.get('strategy') or ''} |"
                 if base
-                else f"| {label} | {steady * 1e3:.1f} | | | | | | | |"
+                else f"| {label} | {steady * 1e3:.1f} | | | | | | | | |"
             )
         lines += _fastest_opacus(case, measured)
         lines += ["", *_floor(case, measured)]
@@ -525,6 +530,23 @@ def _markdown(data: dict) -> str:
         else:
             lines.append(f"| {key} | {row['peak_mib']:.1f} | {row['result_mib']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _paired_cell(row: dict) -> str:
+    """A run's paired ratio to its own plain step (``protocol.paired``):
+    the median with its 95% interval."""
+    found = row.get("paired")
+    if not found:
+        return ""
+    return f"{found['ratio']:.2f} ({found['low']:.2f}–{found['high']:.2f})"
+
+
+def _ratio(row: dict, base: float | None) -> float | None:
+    """A run's ratio to its own plain step: paired in its process where it
+    was, else of the separate processes' medians."""
+    if row.get("paired"):
+        return float(row["paired"]["ratio"])
+    return row["steady_s"] / base if base and "steady_s" in row else None
 
 
 def _own_plain(label: str) -> str:
@@ -568,26 +590,26 @@ def _fastest_opacus(case: str, measured: dict) -> list[str]:
     """Which Opacus mode the comparison takes as the peer: the fastest of
     those whose clipped sums matched jacobkit's (a mode that disagreed or
     failed printed no timing)."""
+    base = measured.get(f"{case}|{TORCH_PLAIN}", {}).get("steady_s")
     good = {
-        label: row["steady_s"]
+        label: found
         for label in PEERS
         if label.startswith("Opacus")
-        and "steady_s" in (row := measured.get(f"{case}|{label}", {}))
+        and (found := _ratio(measured.get(f"{case}|{label}", {}), base)) is not None
     }
-    base = measured.get(f"{case}|{TORCH_PLAIN}", {}).get("steady_s")
-    if not good or not base:
+    if not good:
         return [""]
     best = min(good, key=good.__getitem__)
-    ours = measured.get(f"{case}|clipped sum", {}).get("steady_s")
-    plain = measured.get(f"{case}|plain step", {}).get("steady_s")
+    ours = _ratio(
+        measured.get(f"{case}|clipped sum", {}),
+        measured.get(f"{case}|plain step", {}).get("steady_s"),
+    )
     line = (
         f"Opacus's fastest correct mode here: {best.split(',')[0]} "
-        f"({good[best] / base:.2f} × PyTorch's plain step)"
+        f"({good[best]:.2f} × PyTorch's plain step)"
     )
-    if ours and plain:
-        line += (
-            f"; jacobkit's clipped sum: {ours / plain:.2f} × TensorFlow's plain step"
-        )
+    if ours:
+        line += f"; jacobkit's clipped sum: {ours:.2f} × TensorFlow's plain step"
     return ["", line + ".", ""]
 
 
@@ -615,17 +637,21 @@ def _dp_step(case: str, measured: dict) -> list[str]:
         "clipped sum within 1e-4). jacobkit's compiled DP step goes in the "
         "TensorFlow column when it lands.",
         "",
-        "| step | PyTorch ms | × PyTorch's plain step | clipped sum error | "
-        "TensorFlow ms | × TensorFlow's plain step |",
-        "|---|---|---|---|---|---|",
+        "| step | PyTorch ms | × PyTorch's plain step | paired in one process "
+        "(95% interval) | clipped sum error | TensorFlow ms | "
+        "× TensorFlow's plain step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, row in rows.items():
         if "error" in row:
-            lines.append(f"| {label} | error: {row['error']} | | | | |")
+            lines.append(f"| {label} | error: {row['error']} | | | | | |")
             continue
         ratio = f"{row['steady_s'] / base:.2f}" if base else ""
         err = f"{row['clipped_err']:.1e}" if "clipped_err" in row else ""
-        lines.append(f"| {label} | {row['steady_s'] * 1e3:.1f} | {ratio} | {err} | | |")
+        lines.append(
+            f"| {label} | {row['steady_s'] * 1e3:.1f} | {ratio} | "
+            f"{_paired_cell(row)} | {err} | | |"
+        )
     return [*lines, ""]
 
 

@@ -95,6 +95,31 @@ def build() -> tuple:
     return model, tokens
 
 
+def plain_step(model, tokens):  # noqa: ANN001, ANN201 - Keras, NumPy
+    """The gradient of the summed next-token loss over every variable on
+    the same 96 tokens, one ``tf.function`` taking the batch as its argument
+    (a Keras train step's work, without the update), fetched as arrays."""
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+    ids, labels = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
+
+    @tf.function
+    def step(ids, labels):
+        with tf.GradientTape() as tape:
+            inputs = {"token_ids": ids, "padding_mask": tf.ones_like(ids)}
+            logits = model(inputs)
+            total = tf.reduce_sum(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+            )
+        return tape.gradient(total, variables)
+
+    def call() -> list:
+        return [tf.convert_to_tensor(g).numpy() for g in step(ids, labels)]
+
+    return call
+
+
 def child(method: str, repeats: int) -> None:
     """One run; prints one JSON line."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
@@ -102,7 +127,7 @@ def child(method: str, repeats: int) -> None:
     import footing
     import numpy as np
     import tensorflow as tf
-    from protocol import measure
+    from protocol import measure, paired
 
     from jacobkit import explain
     from jacobkit.keras import graph
@@ -113,24 +138,7 @@ def child(method: str, repeats: int) -> None:
     targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
     rows = slice(PROMPT - 1, PROMPT - 1 + NEW)
     if method == "TF plain step":
-        # the gradient of the summed next-token loss over every variable on
-        # the same 96 tokens, one tf.function taking the batch as its
-        # argument (a Keras train step's work, without the update)
-        variables = model.trainable_variables
-        ids, labels = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
-
-        @tf.function
-        def step(ids, labels):
-            with tf.GradientTape() as tape:
-                inputs = {"token_ids": ids, "padding_mask": tf.ones_like(ids)}
-                logits = model(inputs)
-                total = tf.reduce_sum(
-                    tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
-                )
-            return tape.gradient(total, variables)
-
-        def call():
-            return [tf.convert_to_tensor(g).numpy() for g in step(ids, labels)]
+        call = plain_step(model, tokens)
     elif method.startswith("jacobkit"):
         kind = "gradient_x_input" if "input" in method else "gradient"
         # auto starts on while (cheapest to trace) and tries the vectorized
@@ -184,6 +192,9 @@ def child(method: str, repeats: int) -> None:
     else:
         raise SystemExit(f"unknown method {method!r}")
     timings, result = measure(call, repeats)
+    if method != "TF plain step":
+        # against TensorFlow's own plain step, alternating in this process
+        timings["paired"] = paired(call, plain_step(model, tokens))
     reference = explain.token_attribution(model, x, targets=targets).scores[:, rows]
     row = {**timings, "footing": record}
     if method not in ("jacobkit gradient_x_input", "TF plain step"):
@@ -260,7 +271,10 @@ def _markdown(data: dict) -> str:
         "unpinned), and each run divided by **its own framework's plain "
         "step** on the same model and tokens (the gradient of the summed "
         "next-token loss over every weight: one forward and one backward "
-        "pass). The batched PyTorch run does jacobkit's work (one forward "
+        "pass), in separate processes and, robust to a busy machine, paired in "
+        "one process (each round times either side alternately; the median "
+        "ratio over rounds and its 95% bootstrap interval). The batched "
+        "PyTorch run does jacobkit's work (one forward "
         "pass, the 32 targets' backward passes batched by `vmap`); the "
         "per-target loops (captum's semantics, 32 forward and backward "
         "passes on growing prefixes) are labelled extras.",
@@ -282,13 +296,14 @@ def _markdown(data: dict) -> str:
             "",
         ]
     lines += [
-        "| run | steady ms | × own plain step | first call s | first 3 calls s | "
+        "| run | steady ms | × own plain step | paired in one process (95% "
+        "interval) | first call s | first 3 calls s | "
         "steady growth MiB | first-call growth MiB | agreement |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, row in measured.items():
         if "error" in row:
-            lines.append(f"| {key} | error: {row['error']} | | | | | | |")
+            lines.append(f"| {key} | error: {row['error']} | | | | | | | |")
             continue
         side = "torch" if "PyTorch" in key or "captum" in key else "tensorflow"
         base = measured.get(PLAIN[side], {}).get("steady_s")
@@ -299,8 +314,14 @@ def _markdown(data: dict) -> str:
             agreement = ""
         if isinstance(agreement, float):
             agreement = f"{agreement:.2g}"
+        found = row.get("paired")
+        pair = (
+            f"{found['ratio']:.2f} ({found['low']:.2f}–{found['high']:.2f})"
+            if found
+            else ""
+        )
         lines.append(
-            f"| {key} | {row['steady_s'] * 1e3:.1f} | {versus} | "
+            f"| {key} | {row['steady_s'] * 1e3:.1f} | {versus} | {pair} | "
             f"{row['first_s']:.2f} | {row['first_three_s']:.2f} | "
             f"{row['peak_growth_mib']:.1f} | "
             f"{row.get('first_growth_mib', float('nan')):.1f} | {agreement} |"

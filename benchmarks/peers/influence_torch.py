@@ -73,7 +73,7 @@ import footing  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from protocol import measure, relative_error  # noqa: E402
+from protocol import measure, paired, relative_error  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
 METHODS = (
@@ -388,6 +388,13 @@ def main() -> None:
     )
     parser.add_argument("--captum-grads", choices=("batch", "loop"), default="batch")
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=10,
+        help="rounds of each method against its own plain step in this "
+        "process (protocol.paired); 0: none",
+    )
     args = parser.parse_args()
     record = footing.pin_torch("influence_torch", args.threads)
     versions = {p: version(p) for p in ("torch", "captum", "traker")}
@@ -417,6 +424,10 @@ def main() -> None:
         if any(not v <= args.tolerance for v in errors):
             failed.append(method)
             continue
+        if args.paired_rounds and method != "plain_step":
+            # against PyTorch's own plain step, alternating in this process
+            base, _ = runs.plain_step()
+            timings["paired"] = paired(call, base, args.paired_rounds)
         print(
             json.dumps(
                 {

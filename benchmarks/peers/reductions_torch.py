@@ -66,7 +66,7 @@ import footing
 import numpy as np
 import torch
 import torch.nn.functional as F
-from protocol import measure, relative_error
+from protocol import measure, paired, relative_error
 from torch.func import functional_call, grad, vmap
 
 #: Opacus's ways of taking per-example gradients (``GradSampleModule``'s
@@ -472,6 +472,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=10,
+        help="rounds of each method against its own plain step in this "
+        "process (protocol.paired); 0: none",
+    )
     args = parser.parse_args()
     record = footing.pin_torch("reductions_torch", args.threads)
     opacus = opacus_version()
@@ -500,6 +507,12 @@ def main() -> None:
         if any(not v <= args.tolerance for v in errors.values()):
             failed.append(method)
             continue
+        # the method against PyTorch's own plain step (the DP step against
+        # the plain SGD step), alternating in this process
+        baseline = "sgd_step" if "step" in method else "plain"
+        if args.paired_rounds and method != baseline:
+            base, _ = getattr(runs, baseline)()
+            timings["paired"] = paired(call, base, args.paired_rounds)
         print(
             json.dumps(
                 {

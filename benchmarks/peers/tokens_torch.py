@@ -67,7 +67,7 @@ from typing import Any
 import footing
 import numpy as np
 import torch
-from protocol import measure, relative_error
+from protocol import measure, paired, relative_error
 
 METHODS = (
     "plain_step",
@@ -356,6 +356,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=10,
+        help="rounds of each method against its own plain step in this "
+        "process (protocol.paired); 0: none",
+    )
     args = parser.parse_args()
     record = footing.pin_torch("tokens_torch", args.threads)
     captum = version("captum")
@@ -386,6 +393,10 @@ def main() -> None:
         if any(not v <= args.tolerance for v in errors.values()):
             failed.append(method)
             continue
+        if args.paired_rounds and method != "plain_step":
+            # against PyTorch's own plain step, alternating in this process
+            base, _ = runs.plain_step()
+            timings["paired"] = paired(call, base, args.paired_rounds)
         print(
             json.dumps(
                 {
