@@ -435,11 +435,28 @@ def main() -> None:
         "paired": {case: runs.run([*me, "--paired", case]) for case in cases},
         "over": {} if args.merge else _over(me),
     }
+    # which machine and load each case was measured on: a merged file keeps
+    # the other cases of an earlier run, perhaps of another machine
+    state = f"{data['machine']}{', loaded' if args.loaded else ''}"
+    data["case_machines"] = {case: state for case in cases}
     if args.merge:
         kept = json.loads((out / "reductions.json").read_text())
-        data["runs"] = {**kept["runs"], **data["runs"]}
+        earlier = {
+            case: kept.get("machine", "not recorded")
+            for case in {k.split("|")[0] for k in kept["runs"]}
+        }
+        data["case_machines"] = {
+            **earlier,
+            **kept.get("case_machines", {}),
+            **data["case_machines"],
+        }
+        data["runs"] = {
+            **{k: v for k, v in kept["runs"].items() if k.split("|")[0] not in cases},
+            **data["runs"],
+        }
         data["paired"] = {**kept.get("paired", {}), **data["paired"]}
         data["over"] = kept["over"]
+        data["over_machine"] = kept.get("over_machine", kept.get("machine"))
     _write(data, out)
 
 
@@ -476,9 +493,12 @@ def _markdown(data: dict) -> str:
         "",
         *_footing(data),
     ]
+    machines = data.get("case_machines", {})
     for case in sorted({k.split("|")[0] for k in measured}):
         lines += [
             f"## {case}",
+            "",
+            f"Measured on: {machines.get(case, data.get('machine'))}.",
             "",
             "| run | steady ms | × own plain step | paired in one process "
             "(95% interval) | × materialized | first call s | "
@@ -516,6 +536,8 @@ def _markdown(data: dict) -> str:
     lines += _paired(data.get("paired", {}))
     lines += [
         "## Peak over a dataset (conv net, batches of 32)",
+        "",
+        f"Measured on: {data.get('over_machine', data.get('machine'))}.",
         "",
         "TensorFlow's allocator peak during the call (its pooled CPU allocator), "
         "beside the result's own size (a projection's result holds each "
@@ -565,6 +587,8 @@ def _footing(data: dict) -> list[str]:
         record = row.get("footing")
         if record:
             sides.setdefault(record["side"], record)
+    if not sides:
+        return ["No footing recorded for this run (before the one-thread check).", ""]
     lines = [
         "Each side on equal footing: one thread (PyTorch's intra- and inter-op "
         "threads; TensorFlow's intra- and inter-op parallelism), every process "
