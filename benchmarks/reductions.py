@@ -601,10 +601,10 @@ def _footing(data: dict) -> list[str]:
     ]
     if data.get("loaded"):
         lines += [
-            "**Measured on a loaded machine** (2 cores shared with other "
-            "work): absolute times are inflated and noisy; the ratios to each "
-            "framework's own plain step are what to read, and even they move "
-            "by more than on a quiet machine.",
+            "**Measured on a loaded machine** (the cases marked loaded: 2 "
+            "cores shared with other work): absolute times are inflated "
+            "and noisy; the ratios to each framework's own plain step are "
+            "what to read, and even they move by more than on a quiet machine.",
             "",
         ]
     return lines
