@@ -11,6 +11,11 @@ Runs in its own virtual environment (see README.md), with ``captum`` and
 
 Methods (``--method``, repeatable; default all whose package imports):
 
+- ``plain_step``: the first checkpoint's summed-loss gradient over the
+  training examples: the baseline every other method is divided by
+  (``--paired-rounds``: also paired with it in one process), as jacobkit's
+  side divides by TensorFlow's;
+
 - ``tracin_captum``: ``captum.influence.TracInCP`` over the 3 checkpoints
   (saved to files, read back by a ``checkpoints_load_func`` that returns each
   checkpoint's learning rate), every parameter,

@@ -6,7 +6,8 @@ Hugging Face's ``GPT2LMHeadModel``, checked against jacobkit's
 ``explain.generate_and_attribute`` scores in that file.
 
 Runs in its own virtual environment (see README.md), with ``captum`` and
-``transformers``; prints one JSON line per method:
+``transformers``, pinned to one core with one PyTorch thread (it refuses to
+run otherwise; ``footing.py``); prints one JSON line per method:
 
     python tokens_torch.py --npz gpt2.npz --method captum_gradient_x_input
 
@@ -25,6 +26,14 @@ the tokens generated before it) and one backward pass per generated token.
 jacobkit takes all 32 rows from one pass over the whole sequence (causal
 masking): the gradients at the earlier tokens are the same, and its entries
 at later tokens are 0. Methods (``--method``, repeatable; default all):
+
+- ``plain_step``: one plain training step on the 96 tokens (the summed
+  next-token loss's gradient over every weight): the baseline every other
+  method is divided by (``--paired-rounds``: also paired with it in one
+  process), as jacobkit's side divides by TensorFlow's;
+- ``torch_batched``: the peer, jacobkit's work in PyTorch: one forward pass
+  over the whole sequence and the 32 targets' backward passes batched by
+  ``vmap`` (see :meth:`Methods.torch_batched`); the loops below are extras;
 
 - ``captum_gradient``: ``LayerGradientXActivation(multiply_by_inputs=False)``
   on ``transformer.wte`` (the plain gradient), its forward function captum's
