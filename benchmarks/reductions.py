@@ -108,10 +108,9 @@ DP_PEERS = {
     },
 }
 #: the cases PyTorch runs on (``peers/export_reductions.py --case``), and
-#: the methods it leaves out on each (BERT's projection would need
-#: jacobkit's maps in Hugging Face's layouts: not exported yet)
+#: the methods it leaves out on each (none now)
 PEER_CASES = ("convnet", "bert")
-PEER_SKIP = {"bert": ("project_vmap",)}
+PEER_SKIP: dict[str, tuple[str, ...]] = {}
 #: the label of every PyTorch run's own baseline
 TORCH_PLAIN = "PyTorch plain step"
 TORCH_SGD = "PyTorch SGD step"

@@ -107,12 +107,18 @@ _LAYOUTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
+def name_and_layout(path: str) -> tuple[str, str]:
+    """A keras_hub variable's Hugging Face name and the kind of layout change
+    (``"same"``, ``"flat"``, ``"transpose"``, ``"heads_in"``,
+    ``"heads_out"``: each a transpose of a 2-D view, or none)."""
+    for pattern, name, layout in _RULES:
+        if re.fullmatch(pattern, path):
+            return re.sub(pattern, name, path), layout
+    raise SystemExit(f"bert_layout: no Hugging Face name for {path!r}")
+
+
 def hf(path: str, array: np.ndarray) -> tuple[str, np.ndarray]:
     """A keras_hub variable's path and a Keras-layout array of its shape ->
     its Hugging Face name and the array in PyTorch's layout."""
-    for pattern, name, layout in _RULES:
-        if re.fullmatch(pattern, path):
-            return re.sub(pattern, name, path), np.ascontiguousarray(
-                _LAYOUTS[layout](np.asarray(array))
-            )
-    raise SystemExit(f"bert_layout: no Hugging Face name for {path!r}")
+    name, layout = name_and_layout(path)
+    return name, np.ascontiguousarray(_LAYOUTS[layout](np.asarray(array)))

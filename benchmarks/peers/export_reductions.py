@@ -82,6 +82,27 @@ def bert(args: argparse.Namespace) -> dict[str, np.ndarray]:
     arrays["clip"] = np.asarray(args.clip, "float32")
     gram = jk.gram(model, (case.x, case.y), None, outputs=loss, progress=False)
     arrays["gram"] = np.asarray(gram.matrix)
+    # the projection and its maps, each under the Hugging Face name of its
+    # variable, with the variable's Keras shape and layout change, so that
+    # the peer turns its gradients into Keras layouts and maps them alike
+    project = jk.Project(args.dim)
+    projected = jk.jacobian(
+        model,
+        (case.x, case.y),
+        model.trainable_variables,
+        outputs=loss,
+        reduce=project,
+    )
+    arrays["projection"] = np.asarray(projected.projection)
+    arrays["dim"] = np.asarray(args.dim)
+    for key, variable in zip(projected.jacobians, model.trainable_variables):
+        name, layout = bert_layout.name_and_layout(variable.path)
+        arrays[f"kshape__{name}"] = np.asarray(variable.shape)
+        arrays[f"layout__{name}"] = np.asarray(layout)
+        found = sketch.target_map(project, key, tuple(variable.shape))
+        for part in ("dense", "left", "right"):
+            if getattr(found, part) is not None:
+                arrays[f"map__{name}_{part}"] = getattr(found, part)
     return arrays
 
 

@@ -286,6 +286,21 @@ class Methods:
         grads = vmap(grad(loss), in_dims=(None, 0, 0))
         return lambda: grads(params, self.x, self.y)
 
+    def keras_rows(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """Per-example gradients ``(B, *shape)`` of parameter ``name`` in
+        the Keras layout of the variable it stands for."""
+        if self.case == "bert":  # each change a transpose of a 2-D view
+            hf = name.removeprefix("hf.")
+            shape = [int(n) for n in self.arrays[f"kshape__{hf}"]]
+            if str(self.arrays[f"layout__{hf}"]) != "same" and g.ndim == 3:
+                g = g.transpose(1, 2)
+            return g.reshape(self.batch, *shape)
+        if g.ndim == 5:  # (B, out, in, kh, kw) -> (B, kh, kw, in, out)
+            return g.permute(0, 3, 4, 2, 1)
+        if g.ndim == 3:  # (B, out, in) -> (B, in, out)
+            return g.transpose(1, 2)
+        return g
+
     def flat(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([g.reshape(self.batch, -1) for g in grads.values()], 1)
 
@@ -434,7 +449,11 @@ class Methods:
         per_example = self.per_example()
         maps = {}
         for name in (n for n, _ in build(self.arrays).named_parameters()):
-            key = "map_" + keras_name(name)
+            key = (
+                "map__" + name.removeprefix("hf.")
+                if self.case == "bert"
+                else "map_" + keras_name(name)
+            )
             maps[name] = {
                 part: torch.from_numpy(self.arrays[f"{key}_{part}"])
                 for part in ("dense", "left", "right")
@@ -443,10 +462,7 @@ class Methods:
         dim = int(self.arrays["dim"])
 
         def mapped(name: str, g: torch.Tensor) -> torch.Tensor:
-            if g.ndim == 5:  # (B, out, in, kh, kw) -> (B, kh, kw, in, out)
-                g = g.permute(0, 3, 4, 2, 1)
-            elif g.ndim == 3:  # (B, out, in) -> (B, in, out)
-                g = g.transpose(1, 2)
+            g = self.keras_rows(name, g)
             found = maps[name]
             if "dense" in found:
                 return g.reshape(self.batch, -1) @ found["dense"]
