@@ -111,6 +111,13 @@ DP_PEERS = {
 #: the methods it leaves out on each (none now)
 PEER_CASES = ("convnet", "bert")
 PEER_SKIP: dict[str, tuple[str, ...]] = {}
+#: TensorFlow's side of the DP-SGD step table: its plain SGD step, and
+#: jacobkit's compiled DP step (its child method to be added where that
+#: step lands: ``child`` names it by this label)
+TF_SGD = "TensorFlow SGD step"
+TF_DP = (TF_SGD, "jacobkit DP-SGD step")
+#: the DP and plain steps' learning rate (the peer's ``LR``)
+LR = 0.01
 #: the label of every PyTorch run's own baseline
 TORCH_PLAIN = "PyTorch plain step"
 TORCH_SGD = "PyTorch SGD step"
@@ -150,6 +157,8 @@ def child(case: str, method: str, repeats: int) -> None:
 
     if method == "plain step":
         call = plain_step(built)
+    elif method == TF_SGD:
+        call = sgd_step(built)
     elif method == "clipped sum":
 
         def call():
@@ -199,7 +208,10 @@ def child(case: str, method: str, repeats: int) -> None:
         return not plans or plans[0] is None or plans[0].settled
 
     timings, _ = measure(call, repeats, settled=settled)
-    if method != "plain step" and case in PEER_CASES:
+    if method in TF_DP and method != TF_SGD:
+        # a DP step against TensorFlow's plain SGD step, in this process
+        timings["paired"] = paired(call, sgd_step(built))
+    elif method not in ("plain step", TF_SGD) and case in PEER_CASES:
         # against TensorFlow's own plain step, alternating in this process
         timings["paired"] = paired(call, plain_step(built))
     strategy = None if not plans or plans[0] is None else plans[0].strategy.label
@@ -224,6 +236,33 @@ def plain_step(built: Any) -> Callable[[], list]:
 
     def call() -> list:
         return [tf.convert_to_tensor(g).numpy() for g in step(built.x, built.y)]
+
+    return call
+
+
+def sgd_step(built: Any) -> Callable[[], None]:
+    """One plain SGD training step of ``built``'s model (forward, the
+    batch's mean loss, backward, ``keras.optimizers.SGD(LR)``'s update), a
+    ``tf.function`` taking the batch as its argument: the DP step's
+    baseline, as ``torch.optim.SGD``'s step is Opacus's."""
+    import keras
+    import reductions_models
+    import tensorflow as tf
+
+    fn, model = reductions_models.loss(), built.model
+    optimizer = keras.optimizers.SGD(LR)
+    variables = model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            # inference mode, as the plain step, the reductions and the
+            # peer (whose dropout is 0) run: the same function on both sides
+            mean = tf.reduce_mean(fn(y, model(x)))
+        optimizer.apply_gradients(zip(tape.gradient(mean, variables), variables))
+
+    def call() -> None:
+        step(built.x, built.y)
 
     return call
 
@@ -392,7 +431,9 @@ def main() -> None:
 
     cases = args.cases.split(",")
     for case in cases:
-        for method in reductions_models.ONLY.get(case, METHODS):
+        own = reductions_models.ONLY.get(case, METHODS)
+        dp = (TF_SGD,) if case in PEER_CASES and args.peers_python else ()
+        for method in (*own, *dp):
             commands[f"{case}|{method}"] = [
                 *me,
                 "--child",
@@ -505,7 +546,8 @@ def _markdown(data: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for key, row in measured.items():
-            if not key.startswith(case + "|") or key.split("|", 1)[1] in DP_PEERS:
+            label = key.split("|", 1)[1]
+            if not key.startswith(case + "|") or label in DP_PEERS or label in TF_DP:
                 continue
             label = key.split("|", 1)[1]
             base = measured.get(f"{case}|{_own_plain(label)}", {}).get("steady_s")
@@ -643,42 +685,51 @@ def _dp_step(case: str, measured: dict) -> list[str]:
     rows = {
         k.split("|", 1)[1]: v
         for k, v in measured.items()
-        if k.startswith(case + "|") and k.split("|", 1)[1] in DP_PEERS
+        if k.startswith(case + "|") and k.split("|", 1)[1] in (*DP_PEERS, *TF_DP)
     }
     if not rows:
         return []
-    base = rows.get(TORCH_SGD, {}).get("steady_s")
+    bases = {
+        "PyTorch": rows.get(TORCH_SGD, {}).get("steady_s"),
+        "TensorFlow": rows.get(TF_SGD, {}).get("steady_s"),
+    }
     lines = [
         f"## DP-SGD training step ÷ the same framework's plain step ({case})",
         "",
         "One training step on the batch: forward, backward, the update (SGD, "
-        "learning rate 0.01). Opacus's DP-SGD step (`make_private`, flat "
-        "clipping at C = 1, Gaussian noise σ = 1, no Poisson sampling: one "
-        "batch of 32) in each of its modes, over PyTorch's plain SGD step on "
-        "the same weights; each mode is checked first (a noiseless twin's "
-        "update at learning rate 1, times the batch, must equal jacobkit's "
-        "clipped sum within 1e-4). jacobkit's compiled DP step goes in the "
-        "TensorFlow column when it lands.",
+        f"learning rate {LR}), each framework's DP step over its own plain "
+        "SGD step on the same weights. Opacus's DP-SGD step (`make_private`, "
+        "flat clipping at C = 1, Gaussian noise σ = 1, no Poisson sampling: "
+        "one batch of 32) in each of its modes; each mode is checked first (a "
+        "noiseless twin's update at learning rate 1, times the batch, must "
+        "equal jacobkit's clipped sum within 1e-4). TensorFlow's plain SGD "
+        "step is a `tf.function` of the batch with `keras.optimizers.SGD`; "
+        f"jacobkit's compiled DP step (`{TF_DP[1]}`) goes beside it when it "
+        "lands.",
         "",
-        "| step | PyTorch ms | × PyTorch's plain step | paired in one process "
-        "(95% interval) | clipped sum error | TensorFlow ms | "
-        "× TensorFlow's plain step |",
-        "|---|---|---|---|---|---|---|",
+        "| step | framework | steady ms | × own plain SGD step | paired in one "
+        "process (95% interval) | clipped sum error |",
+        "|---|---|---|---|---|---|",
     ]
     for label, row in rows.items():
+        side = "TensorFlow" if label in TF_DP else "PyTorch"
         if "error" in row:
-            lines.append(f"| {label} | error: {row['error']} | | | | | |")
+            lines.append(f"| {label} | {side} | error: {row['error']} | | | |")
             continue
+        base = bases[side]
         ratio = f"{row['steady_s'] / base:.2f}" if base else ""
         err = f"{row['clipped_err']:.1e}" if "clipped_err" in row else ""
         lines.append(
-            f"| {label} | {row['steady_s'] * 1e3:.1f} | {ratio} | "
-            f"{_paired_cell(row)} | {err} | | |"
+            f"| {label} | {side} | {row['steady_s'] * 1e3:.1f} | {ratio} | "
+            f"{_paired_cell(row)} | {err} |"
         )
+    base = bases["PyTorch"]
     good = {
         label: found
         for label, row in rows.items()
-        if label != TORCH_SGD and (found := _ratio(row, base)) is not None
+        if label in DP_PEERS
+        and label != TORCH_SGD
+        and (found := _ratio(row, base)) is not None
     }
     if good:
         best = min(good, key=good.__getitem__)
