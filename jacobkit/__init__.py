@@ -32,6 +32,9 @@ _PUBLIC = {
     "Inputs": "jacobkit.problem.tensor_targets",
     "JacobianResult": "jacobkit.result",
     "Loss": "jacobkit.problem.loss",
+    "CompiledOutput": "jacobkit.compiled",
+    "Function": "jacobkit.compiled",
+    "function": "jacobkit.compiled",
     "Output": "jacobkit.problem.tensor_targets",
     "Plan": "jacobkit.planner",
     "PrecisionWarning": "jacobkit.strategies.precision",
@@ -51,12 +54,15 @@ _MODULES = {
     "layers": "jacobkit.layers",
     "memory": "jacobkit.memory",
     "planner": "jacobkit.planner",
+    "privacy": "jacobkit.privacy",
     "strategies": "jacobkit.strategies",
     "testing": "jacobkit.testing",
 }
 
 __all__ = [
     "ClippedSum",
+    "CompiledOutput",
+    "Function",
     "GramResult",
     "Inputs",
     "JacobianResult",
@@ -71,12 +77,14 @@ __all__ = [
     "coverage",
     "data",
     "explain",
+    "function",
     "gram",
     "jacobian",
     "layers",
     "memory",
     "plan",
     "planner",
+    "privacy",
     "strategies",
     "testing",
     "verify",
@@ -84,8 +92,17 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from jacobkit import batches as data
-    from jacobkit import explain, layers, memory, planner, strategies, testing
+    from jacobkit import (
+        explain,
+        layers,
+        memory,
+        planner,
+        privacy,
+        strategies,
+        testing,
+    )
     from jacobkit.api import jacobian, plan
+    from jacobkit.compiled import CompiledOutput, Function, function
     from jacobkit.planner import Plan
     from jacobkit.problem.loss import Loss
     from jacobkit.problem.reduction import ClippedSum, Project

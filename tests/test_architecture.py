@@ -39,7 +39,11 @@ RANKS = {
     "api": 11,
     "reach": 11,
     "reductions": 11,
+    # jk.function: a Call planned once (api's rank: it runs what api runs)
+    "compiled": 11,
     "explain": 12,
+    # DP-SGD in Keras, on jacobian()'s clipped sum
+    "privacy": 12,
     "testing": 13,
     # names every public part, jk.testing too (imported on first use)
     "__init__": 14,

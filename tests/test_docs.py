@@ -14,7 +14,7 @@ import pytest
 
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 #: pages whose ``>>>`` examples are run
-PAGES = ["checking.md", "per-example.md"]
+PAGES = ["checking.md", "compiled.md", "per-example.md"]
 FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import testing
+from tests.user_layers import Scale, ScaleRule
 
 RNG = np.random.default_rng(48)
 
@@ -279,34 +280,8 @@ def test_a_refusal_does_not_quote_the_checks_own_batch_size():
 
 
 @keras.saving.register_keras_serializable(package="test_edge_crashes")
-class Scale(keras.layers.Layer):
-    """``x * w`` over the last axis (the register() example)."""
-
-    def build(self, shape):
-        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
-
-    def call(self, x):
-        return x * self.w
-
-
-class ScaleRule(jk.layers.MaterializedNorms):
-    kind = "scale"
-    kernel_attrs = ("w",)
-    bias_attrs = ()
-
-    def pre_activation(self, x, kernel, bias):
-        return x * kernel
-
-    def activation(self, z):
-        return z
-
-    def gradients(self, x, dz, kernel_shape, *, summed):
-        n = kernel_shape[-1]
-        x = tf.reshape(x, (x.shape[0], -1, n))
-        g = tf.reshape(dz, (dz.shape[0], dz.shape[1], -1, n))
-        per = tf.einsum("bpc,bkpc->bkc", x, g)
-        w = tf.reduce_sum(per, 0) if summed else tf.reshape(per, (-1, n))
-        return w, tf.zeros((w.shape[0], 0), w.dtype)
+class _Scale(Scale):
+    """The register() example's layer, registered by the test below."""
 
 
 def test_registering_a_rule_drops_the_plans_made_without_it():
@@ -316,14 +291,14 @@ def test_registering_a_rule_drops_the_plans_made_without_it():
     from jacobkit.problem.call import Call
 
     x = keras.Input((3, 4))
-    model = keras.Model(x, keras.layers.Dense(2)(keras.ops.tanh(Scale(name="s")(x))))
+    model = keras.Model(x, keras.layers.Dense(2)(keras.ops.tanh(_Scale(name="s")(x))))
     inputs = RNG.normal(size=(3, 3, 4)).astype("float32")
     problem = Call(model, "s", outputs="per_example").problem(inputs)
     before = cache.fingerprint(problem, "CPU:0")
     for reduce in (None, "norm"):
         run = jk.jacobian(model, inputs, "s", outputs="per_example", reduce=reduce)
         assert run.strategy != "batch"
-    jk.layers.register(Scale, ScaleRule)
+    jk.layers.register(_Scale, ScaleRule)
     problem = Call(model, "s", outputs="per_example").problem(inputs)
     assert cache.fingerprint(problem, "CPU:0") != before
     reference = testing.float64_reference(model, inputs, "s", outputs="per_example")

@@ -318,3 +318,24 @@ def test_chunks_are_sized_from_the_features_shapes(name, monkeypatch):
     more = tuple(np.concatenate([t, t]) for t in inputs)  # 9 to 32 examples
     jk.gram(fresh, more, outputs=LOSS)
     assert len(builds) == 1
+
+
+def test_stats_count_the_rows_of_ghost_factors():
+    """``Stats.num_rows`` of a Gram's factors is the rows' ``B * K``: a
+    :class:`Ghost`'s patches lead with the examples alone (``B``), which
+    it read before (4 here, for 12 rows)."""
+    from jacobkit.problem import Call
+    from jacobkit.problem.reduction import Factors, Ghost
+    from jacobkit.strategies.batch import Batch
+
+    inputs = keras.Input((2, 16))
+    hidden = keras.layers.Dense(16, name="wide")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+    x = np.random.default_rng(0).normal(size=(4, 2, 16)).astype("float32")
+    call = Call(model, "wide", outputs="per_example", strategy=None)
+    problem = call.problem(x).with_reduction(Factors())
+    output, stats = Batch().run(problem)
+    kernel = output.values[0]
+    assert isinstance(kernel, Ghost), type(kernel)  # 2 positions: ghost pairs
+    assert tuple(kernel.patches.shape[:1]) == (4,)
+    assert stats.num_rows == problem.num_rows == 4 * 3

@@ -20,6 +20,7 @@ from jacobkit import layers, testing
 from jacobkit.layers import convolutions, stock
 from jacobkit.layers.dense import DenseRule
 from jacobkit.layers.registry import LayerKind, LayerRegistry
+from tests.user_layers import Scale, ScaleRule
 
 
 class _MyDense(keras.layers.Dense):
@@ -84,6 +85,8 @@ def test_registration_refuses_duplicates_and_unknown_facts():
         registry.add(LayerKind("Conv2D", linear="affine"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LayerRule subclass"):
         registry.add(LayerKind("Conv2D", rule=object))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LoRA rule of Conv2D must be a LayerRule"):
+        registry.add(LayerKind("Conv2D", lora=object))  # type: ignore[arg-type]
     assert [k.name for k in registry.kinds] == ["Dense"]
 
 
@@ -92,6 +95,7 @@ def test_batch_refusal_lists_every_layer_with_a_rule():
     assert described.startswith("Dense, Conv1D, Conv2D")
     for kind in layers.REGISTRY.kinds:
         assert (kind.name in described) == (kind.rule is not None), kind.name
+    assert "with LoRA enabled: Dense, EinsumDense and Embedding)" in described
     model = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
     x = np.zeros((2, 4, 2), "float32")
     with pytest.raises(ValueError) as refused:
@@ -184,34 +188,8 @@ def test_elementwise_layers_act_on_each_element_alone(kind):
         np.testing.assert_array_equal(y, x)
 
 
-class _Scale(keras.layers.Layer):
-    """A user's layer: ``x * w`` over the last axis (the register() example)."""
-
-    def build(self, shape):
-        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
-
-    def call(self, x):
-        return x * self.w
-
-
-class _ScaleRule(layers.MaterializedNorms):
-    kind = "scale"
-    kernel_attrs = ("w",)
-    bias_attrs = ()
-
-    def pre_activation(self, x, kernel, bias):
-        return x * kernel
-
-    def activation(self, z):
-        return z
-
-    def gradients(self, x, dz, kernel_shape, *, summed):
-        n = kernel_shape[-1]
-        x = tf.reshape(x, (x.shape[0], -1, n))
-        g = tf.reshape(dz, (dz.shape[0], dz.shape[1], -1, n))
-        per = tf.einsum("bpc,bkpc->bkc", x, g)  # (B, K, n)
-        w = tf.reduce_sum(per, 0) if summed else tf.reshape(per, (-1, n))
-        return w, tf.zeros((w.shape[0], 0), w.dtype)
+class _Scale(Scale):
+    """The register() example's layer, registered by this file's first test."""
 
 
 def test_a_registered_user_layer_runs_its_closed_form():
@@ -224,10 +202,10 @@ def test_a_registered_user_layer_runs_its_closed_form():
     x = np.random.default_rng(0).normal(size=(3, 3, 4)).astype("float32")
     with pytest.raises(ValueError, match="strategy='batch'.*supports"):
         jk.jacobian(model, x, "scale", strategy="batch", outputs="per_example")
-    kind = layers.register(_Scale, _ScaleRule)
+    kind = layers.register(_Scale, ScaleRule)
     assert layers.kind_of(scale) is kind
     with pytest.raises(ValueError, match="_Scale is registered already"):
-        layers.register(_Scale, _ScaleRule)
+        layers.register(_Scale, ScaleRule)
     result = jk.jacobian(model, x, "scale", strategy="batch", outputs="per_example")
     reference = jk.jacobian(model, x, "scale", strategy="loop", outputs="per_example")
     # the same float32 arithmetic two ways: measured 6e-8 relative
@@ -240,8 +218,8 @@ class _WrongScale(_Scale):
     """The register() example's layer, registered with a wrong rule."""
 
 
-class _DoubledScaleRule(_ScaleRule):
-    """``_ScaleRule`` with its gradient doubled (and so its norms): its
+class _DoubledScaleRule(ScaleRule):
+    """``ScaleRule`` with its gradient doubled (and so its norms): its
     ``pre_activation`` is right, so only the gradients' check can see it."""
 
     def gradients(self, x, dz, kernel_shape, *, summed):
@@ -279,3 +257,30 @@ def test_a_registered_rule_with_wrong_gradients_is_refused_in_words():
     np.testing.assert_allclose(
         np.asarray(found), expected, atol=2e-6 * np.abs(expected).max()
     )
+
+
+@pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
+def test_rms_normalizations_are_known_as_such():
+    """``layers.divides_by_rms``: the registered RMS kinds (Keras's, keras_hub
+    Gemma's and Llama's) and ``LayerNormalization(rms_scaling=True)``; not
+    a plain layer normalization, batch normalization or Dense. (Keras
+    deprecates ``rms_scaling=True``: it divides by the standard deviation,
+    as scale-blind and as degenerate at 0.)"""
+    import keras_hub
+
+    from jacobkit.layers import divides_by_rms
+
+    hub = keras_hub.src.models
+    rms = [
+        keras.layers.RMSNormalization(),
+        keras.layers.LayerNormalization(rms_scaling=True),
+        hub.gemma.rms_normalization.RMSNormalization(),
+        hub.llama.llama_layernorm.LlamaLayerNorm(),
+    ]
+    others = [
+        keras.layers.LayerNormalization(),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(2),
+    ]
+    assert [divides_by_rms(layer) for layer in rms] == [True] * len(rms)
+    assert [divides_by_rms(layer) for layer in others] == [False] * len(others)

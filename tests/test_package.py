@@ -22,6 +22,7 @@ PUBLIC_MODULES = {
     "layers": "jacobkit.layers",
     "memory": "jacobkit.memory",
     "planner": "jacobkit.planner.Auto",
+    "privacy": "jacobkit.privacy",
     "strategies": "jacobkit.strategies",
     "testing": "jacobkit.testing",
 }

@@ -501,6 +501,17 @@ EXPLAIN: dict[str, Case] = {
             causal_lm(), TOKENS, method="integrated_gradients", steps=1
         )
     ),
+    "token_attribution-ig-rule-unknown": refused(
+        lambda: explain.token_attribution(
+            causal_lm(), TOKENS, method="integrated_gradients", rule="simpson"
+        )
+    ),
+    "token_attribution-ig-baseline-unknown": refused(
+        lambda: explain.token_attribution(
+            causal_lm(), TOKENS, method="integrated_gradients", baseline="mean"
+        ),
+        "expected 'auto'",
+    ),
     "generate_and_attribute-new_tokens-zero": refused(
         lambda: explain.generate_and_attribute(causal_lm(), TOKENS, new_tokens=0)
     ),

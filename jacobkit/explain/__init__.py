@@ -10,8 +10,11 @@ last axis, or the subset ``classes=[...]`` — shaped ``(B, K, ...)``, from one
 samples): the rows are the per-example classes, the target is the input
 (:class:`jacobkit.Inputs`) or a layer's activation (:class:`jacobkit.Output`).
 So ``jacobian`` picks the strategy, honours ``memory_budget`` and traces once
-per input signature. xplique and tf-keras-vis compute one class per call;
-their equivalent settings are given in each method's docstring.
+per input signature. Integrated gradients come in a record with each row's
+completeness gap (:class:`IntegratedGradients`; a
+:class:`CompletenessWarning` where it is large). xplique and tf-keras-vis
+compute one class per call; their equivalent settings are given in each
+method's docstring.
 
 Which *training examples* explain a prediction: :func:`tracin`,
 :func:`grad_cos`, :func:`self_influence` (exact, from :func:`jacobkit.gram`
@@ -26,6 +29,7 @@ methods (Grad-CAM needs a layer of a functional or Sequential model).
 from __future__ import annotations
 
 from jacobkit.explain.cam import grad_cam
+from jacobkit.explain.completeness import CompletenessWarning
 from jacobkit.explain.generation import generate_and_attribute
 from jacobkit.explain.influence import (
     InfluenceResult,
@@ -34,6 +38,7 @@ from jacobkit.explain.influence import (
     tracin,
 )
 from jacobkit.explain.input_maps import (
+    IntegratedGradients,
     gradient_x_input,
     integrated_gradients,
     saliency,
@@ -45,7 +50,9 @@ from jacobkit.explain.top import TopK
 from jacobkit.explain.trak import trak
 
 __all__ = [
+    "CompletenessWarning",
     "InfluenceResult",
+    "IntegratedGradients",
     "TokenAttribution",
     "TopK",
     "grad_cam",

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from jacobkit.api import jacobian
 from jacobkit.memory.budget import parse_budget
+from jacobkit.problem.call import Call
 from jacobkit.problem.tensor_targets import Inputs
 
 #: the share of the memory budget one chunk's gradients may take (the rest is
@@ -62,6 +63,24 @@ def input_gradients(
         **kwargs,
     )
     return tf.convert_to_tensor(res[0])
+
+
+def row_values(
+    model: Any, x: tf.Tensor, classes: Sequence[int] | None, **kwargs: Any
+) -> np.ndarray:
+    """The rows :func:`input_gradients` differentiates, at ``x``: ``(B,
+    K)`` (float64), one forward pass with the call's ``training=`` and
+    ``output=``, in a stateless scope (the model's state untouched)."""
+    call = Call(
+        model,
+        Inputs(),
+        outputs="per_example",
+        features=None if classes is None else list(classes),
+        training=kwargs.get("training", False),
+        output=kwargs.get("output"),
+    )
+    rows = call.problem(x).per_example_rows(x)
+    return np.asarray(tf.cast(rows, tf.float64))
 
 
 def copies_per_call(

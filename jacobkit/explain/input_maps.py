@@ -10,11 +10,19 @@ docstring names the settings under which they do (integrated gradients:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
-from jacobkit.explain._gradients import as_batch, input_gradients, mean_gradients
+from jacobkit.explain import completeness
+from jacobkit.explain._gradients import (
+    as_batch,
+    input_gradients,
+    mean_gradients,
+    row_values,
+)
 
 
 def saliency(
@@ -75,6 +83,39 @@ def gradient_x_input(
 RULES = ("riemann", "trapezoid")
 
 
+@dataclass(frozen=True)
+class IntegratedGradients:
+    """Integrated gradients of every row (example ``b``, class ``k``), with
+    their completeness gap.
+
+    Attributes:
+        maps: ``(B, K, *x.shape[1:])``: ``(x - x0) *`` the path's mean
+            gradient.
+        gap: ``(B, K)``, one per row: ``maps[b, k].sum() - (outputs[b, k] -
+            baseline_outputs[b, k])``, how far the attributions miss their
+            row's change (captum's convergence delta, signed; float64). It
+            shrinks as ``steps`` grows (:mod:`jacobkit.explain.completeness`).
+        outputs: ``(B, K)``: each row at ``x``, ``f(x)``.
+        baseline_outputs: ``(B, K)``: each row at the baseline, ``f(x0)``.
+        steps: the points on the path.
+        rule: how their gradients were averaged (:data:`RULES`).
+    """
+
+    maps: tf.Tensor
+    gap: np.ndarray
+    outputs: np.ndarray
+    baseline_outputs: np.ndarray
+    steps: int
+    rule: str
+
+    @property
+    def relative_gap(self) -> np.ndarray:
+        """``(B, K)``: ``|gap|`` over ``|f(x) - f(x0)|`` (rows of a change
+        below 1% of the largest: over that 1%), what the warning judges."""
+        change = self.outputs - self.baseline_outputs
+        return completeness.relative_gaps(self.gap, change)
+
+
 def integrated_gradients(
     model: Any,
     x: Any,
@@ -85,9 +126,10 @@ def integrated_gradients(
     classes: Sequence[int] | None = None,
     memory_budget: Any = None,
     **kwargs: Any,
-) -> tf.Tensor:
+) -> IntegratedGradients:
     """Integrated gradients for every class: ``(x - x0) *`` the average of
-    ``grad(x0 + a (x - x0))`` over ``a = linspace(0, 1, steps)``.
+    ``grad(x0 + a (x - x0))`` over ``a = linspace(0, 1, steps)``, and each
+    row's completeness gap.
 
     Args:
         steps: the number of points on the path (>= 2), both ends included.
@@ -107,9 +149,14 @@ def integrated_gradients(
             in one call); passed on to :func:`jacobkit.jacobian`.
 
     Returns:
-        ``(B, K, *x.shape[1:])``.
+        :class:`IntegratedGradients`: the maps ``(B, K, *x.shape[1:])`` and
+        the gap ``(B, K)``, from one more forward pass at ``x`` and ``x0``
+        (in a stateless scope: ``training=True`` moves no statistics, and
+        draws its own dropout masks, which the gap then includes). A
+        :class:`~jacobkit.explain.completeness.CompletenessWarning` where a
+        row's gap is above 5% of its ``|f(x) - f(x0)|``.
 
-    With ``rule="trapezoid"``, the same numbers as xplique's
+    With ``rule="trapezoid"``, the same maps as xplique's
     ``IntegratedGradients(steps=steps, baseline_value=0)`` for a zero
     baseline; the default ``"riemann"`` does not match xplique.
     tf-keras-vis has no integrated gradients.
@@ -127,12 +174,33 @@ def integrated_gradients(
     x0 = tf.zeros_like(x) if baseline is None else _baseline(baseline, x)
     alphas = tf.linspace(0.0, 1.0, count)
     path = [x0 + tf.cast(a, x.dtype) * (x - x0) for a in alphas]
-    weights = [1.0 / count] * count
-    if rule == "trapezoid":
-        weights = [1.0 / (count - 1)] * count
-        weights[0] = weights[-1] = 0.5 / (count - 1)
-    mean = mean_gradients(model, path, classes, memory_budget, weights, **kwargs)
-    return mean * tf.cast((x - x0)[:, None], mean.dtype)
+    mean = mean_gradients(
+        model, path, classes, memory_budget, path_weights(count, rule), **kwargs
+    )
+    maps = mean * tf.cast((x - x0)[:, None], mean.dtype)
+    ends = row_values(model, tf.concat([x, x0], axis=0), classes, **kwargs)
+    outputs, start = ends[: x.shape[0]], ends[x.shape[0] :]
+    summed = tf.reduce_sum(tf.reshape(maps, (*maps.shape[:2], -1)), axis=-1)
+    gap = completeness.gap_of(np.asarray(summed), outputs - start)
+    completeness.warn_if_large(
+        "explain.integrated_gradients",
+        gap,
+        outputs - start,
+        steps=count,
+        hint="try a baseline where the model is smooth between it and x "
+        "(a blurred or mean input rather than zeros).",
+    )
+    return IntegratedGradients(maps, gap, outputs, start, count, rule)
+
+
+def path_weights(count: int, rule: str) -> list[float]:
+    """Each of ``count`` path points' weight under ``rule`` (summing to 1):
+    ``1 / count`` each (``"riemann"``), or the trapezoid rule's."""
+    if rule == "riemann":
+        return [1.0 / count] * count
+    weights = [1.0 / (count - 1)] * count
+    weights[0] = weights[-1] = 0.5 / (count - 1)
+    return weights
 
 
 def smoothgrad(

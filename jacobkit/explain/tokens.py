@@ -24,7 +24,9 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit import api
-from jacobkit.explain.token_paths import baseline_embeddings, path_gradients
+from jacobkit.explain import completeness
+from jacobkit.explain.input_maps import RULES, path_weights
+from jacobkit.explain.token_paths import baseline_embeddings, end_values, path_gradients
 from jacobkit.keras.embeddings import embedding_layer
 from jacobkit.keras.lm_head import LinearHead, linear_head
 from jacobkit.problem.loss import Loss
@@ -51,6 +53,14 @@ class TokenAttribution:
         method: the method.
         embedding: the embedding layer's name.
         targets: a causal LM's target token per row, ``(B, rows)``.
+        gap: integrated gradients' completeness gap, ``(B, rows)``, one per
+            row: ``scores[b, r].sum() - (f_r(e) - f_r(e0))``, how far the
+            row's attributions miss its change from the baseline (captum's
+            convergence delta; float64; :mod:`jacobkit.explain.completeness`);
+            ``None`` for the other methods.
+        baseline: integrated gradients' ``e0`` as chosen (``"zeros"``, ``"token
+            7"``, ``"pad token 0, scaled to each position's RMS"``), else
+            ``None``.
     """
 
     scores: np.ndarray
@@ -59,6 +69,8 @@ class TokenAttribution:
     method: str
     embedding: str
     targets: np.ndarray | None
+    gap: np.ndarray | None = None
+    baseline: str | None = None
 
 
 def token_attribution(
@@ -71,7 +83,8 @@ def token_attribution(
     per_dimension: bool = False,
     positions: tuple[int, int] | None = None,
     steps: int = 16,
-    baseline: int | None = None,
+    baseline: int | str | None = "auto",
+    rule: str = "riemann",
     memory_budget: int | float | str | None = None,
     strategy: Any = "auto",
 ) -> TokenAttribution:
@@ -98,20 +111,33 @@ def token_attribution(
             attribute (rows ``start .. stop - 1`` only; default: all).
         per_dimension: keep the gradients ``(B, rows, T, D)`` too (integrated
             gradients: the path's mean gradient).
-        steps: integrated gradients' points on the path (>= 2).
-        baseline: integrated gradients' ``e0``: ``None`` (zeros), or a token
-            id whose embedding every position starts from.
+        steps: integrated gradients' points on the path (>= 2), ends
+            included.
+        baseline: integrated gradients' ``e0``: ``"auto"`` (the default:
+            ``"pad"`` on a model with an RMS normalization, Gemma's or
+            Llama's, where a zero start is degenerate; else zeros),
+            ``"zeros"`` (or ``None``), ``"pad"`` (the pad token's embedding
+            scaled at each position to that position's embedding's RMS), or
+            a token id whose embedding every position starts from. See
+            :mod:`jacobkit.explain.token_paths` for the measurements.
+        rule: integrated gradients' average of the path's gradients, as
+            :func:`jacobkit.explain.integrated_gradients`'s.
         memory_budget: as :func:`jacobkit.jacobian`.
         strategy: as :func:`jacobkit.jacobian`.
 
     Returns:
-        :class:`TokenAttribution`.
+        :class:`TokenAttribution`; integrated gradients with each row's
+        completeness gap (one more forward pass, at both ends), and a
+        :class:`~jacobkit.explain.completeness.CompletenessWarning` where a
+        row's gap is above 5% of its ``|f(e) - f(e0)|``.
     """
     if method not in METHODS:
         raise ValueError(
             f"token_attribution(method={method!r}): expected one of "
             f"{', '.join(map(repr, METHODS))}."
         )
+    if method == "integrated_gradients":
+        _check_path(steps, rule)
     layer = embedding_layer(model, embedding)
     ids, mask = tokens_of(inputs)
     _check_vocabulary(ids, layer)
@@ -133,36 +159,48 @@ def token_attribution(
             wanted, weights = wanted[:, start:stop], weights[:, start:stop]
             rows_fn = LogLikelihood(start)
     embedded = np.asarray(layer(tf.convert_to_tensor(ids)))
-    origin = embedded
-    if method == "integrated_gradients":
-        origin = baseline_embeddings(layer, embedded, baseline)
-        gradients = path_gradients(
-            model,
-            layer,
-            inputs,
-            (wanted, weights, rows_fn),
-            embedded,
-            origin,
-            steps,
-            kwargs,
-        )
-    else:
-        gradients = _gradients(model, layer, inputs, (wanted, weights, rows_fn), kwargs)
+    labels = (wanted, weights, rows_fn)
+    if method != "integrated_gradients":
+        gradients = _gradients(model, layer, inputs, labels, kwargs)
+        gradients = gradients * mask[:, None, :, None]  # padding: exactly 0
+        if method == "gradient":
+            scores = np.sqrt(np.sum(np.square(gradients), axis=-1))
+        else:
+            scores = np.einsum("bktd,btd->bkt", gradients, embedded)
+        return TokenAttribution(
+            scores, gradients if per_dimension else None, kind, method, layer.name,
+            None if wanted is None else np.asarray(wanted),
+        )  # fmt: skip
+    origin, described = baseline_embeddings(model, layer, embedded, baseline)
+    path = (embedded, origin, path_weights(steps, rule))
+    gradients = path_gradients(model, layer, inputs, labels, path, kwargs)
     gradients = gradients * mask[:, None, :, None]  # padding: exactly 0
-    if method == "gradient":
-        scores = np.sqrt(np.sum(np.square(gradients), axis=-1))
-    elif method == "gradient_x_input":
-        scores = np.einsum("bktd,btd->bkt", gradients, embedded)
-    else:
-        scores = np.einsum("bktd,btd->bkt", gradients, embedded - origin)
-    return TokenAttribution(
-        scores=scores,
-        gradients=gradients if per_dimension else None,
-        kind=kind,
-        method=method,
-        embedding=layer.name,
-        targets=None if wanted is None else np.asarray(wanted),
+    scores = np.einsum("bktd,btd->bkt", gradients, embedded - origin)
+    at_end, at_start = end_values(model, layer, inputs, labels, embedded, origin)
+    gap = completeness.gap_of(scores.sum(-1), at_end - at_start)
+    completeness.warn_if_large(
+        "token_attribution(method='integrated_gradients')",
+        gap,
+        at_end - at_start,
+        steps=steps,
+        hint=f"the baseline is {described}; try baseline='pad' (safe for RMS "
+        "normalizations) or a neutral token's id.",
     )
+    return TokenAttribution(
+        scores, gradients if per_dimension else None, kind, method, layer.name,
+        None if wanted is None else np.asarray(wanted), gap, described,
+    )  # fmt: skip
+
+
+def _check_path(steps: Any, rule: Any) -> None:
+    """Refuse integrated gradients' ``steps`` and ``rule`` before any work."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"token_attribution(steps={steps!r}): need an int >= 2.")
+    if rule not in RULES:
+        raise ValueError(
+            f"token_attribution(rule={rule!r}): expected 'riemann' (the mean of "
+            "the path's gradients) or 'trapezoid' (the trapezoid rule)."
+        )
 
 
 def _gradients(

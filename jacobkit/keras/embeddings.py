@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 
 def embedding_layer(model: Any, name: str | None = None) -> Any:
     """The token embedding layer: ``name``'s, a keras_hub backbone's
@@ -43,6 +45,16 @@ def embedding_layer(model: Any, name: str | None = None) -> Any:
         )
         + "; name the token embedding: embedding='...'."
     )
+
+
+def pad_token_id(model: Any) -> int:
+    """The padding token's id: the tokenizer's ``pad_token_id`` where the
+    model has a preprocessor with one, else 0 (Gemma's, and BERT's and
+    Llama's unknown or padding token)."""
+    preprocessor = getattr(model, "preprocessor", None)
+    tokenizer = getattr(preprocessor, "tokenizer", None)
+    found = getattr(tokenizer, "pad_token_id", None)
+    return int(found) if isinstance(found, (int, np.integer)) else 0
 
 
 def _find(model: Any, name: str) -> Any:

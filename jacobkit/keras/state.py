@@ -21,7 +21,10 @@ the innermost collector of this context (:func:`offer`):
   computation (:class:`Compiled`), which returns the values as extra outputs
   and offers them to its caller: an enclosing computation's trace, or
 - eagerly, the call's :class:`Draw` (opened by :func:`jacobkit.engine.run`
-  around the whole call), which :meth:`Draw.apply` assigns once at the end.
+  around the whole call), which :meth:`Draw.apply` assigns once at the end;
+- inside a ``jk.function`` (:mod:`jacobkit.compiled`), traced into the
+  caller's own ``tf.function``, its :class:`Moves`, which assigns them in
+  the trace, once per call.
 
 Every pass of a call starts from the same state, so the passes on the call's
 batch record the same values; the pass that computes the result comes last
@@ -201,6 +204,24 @@ class Draw(_Collector):
     def apply(self) -> None:
         """Assign the last pass's values: the state moves as one call of the
         model moves it. Nothing where no pass assigned anything."""
+        for variable, value in self.updates:
+            variable.assign(value)
+
+
+class Moves(_Collector):
+    """One call's draw inside a traced function (``jk.function``,
+    :mod:`jacobkit.compiled`): collects what the computations called in it
+    offer (graph tensors of the trace); :meth:`apply` assigns them there,
+    once per call of the traced function, after the computation read the
+    state (the trace's automatic control dependencies order them), as one
+    ``model(x, training=True)`` would."""
+
+    def __enter__(self) -> Moves:
+        super().__enter__()
+        return self
+
+    def apply(self) -> None:
+        """Assign the last pass's values, in the trace."""
         for variable, value in self.updates:
             variable.assign(value)
 

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from jacobkit.keras import compat
-from jacobkit.layers import stock
+from jacobkit.layers import normalization, stock
 from jacobkit.layers.base import LayerRule, MaterializedNorms, Tapped, UnfoldedMatmul
 from jacobkit.layers.registry import LayerKind, LayerRegistry
 
@@ -42,6 +42,7 @@ __all__ = [
     "MaterializedNorms",
     "Tapped",
     "UnfoldedMatmul",
+    "divides_by_rms",
     "elementwise_activation",
     "kind_of",
     "pfor_cannot_vectorize",
@@ -61,7 +62,7 @@ def register(
     """Teach jacobkit a layer class: its closed forms for the ``batch``
     strategy (and so for ``reduce="norm"`` and ``auto``'s per-example rows),
     and optionally its facts (``linear=``, ``elementwise=``,
-    ``inference_identity=``, ``convolutions=``, ``recurrent=``: see
+    ``inference_identity=``, ``convolutions=``, ``recurrent=``, ``lora=``: see
     :class:`LayerKind`).
 
     Args:
@@ -118,6 +119,20 @@ def register(
     return REGISTRY.add(LayerKind(layer_class, rule, **facts))
 
 
+def divides_by_rms(layer: Any) -> bool:
+    """Whether ``layer`` is an RMS normalization, ``x / sqrt(mean(x^2) +
+    eps)`` (times a scale): of a registered RMS kind (Keras's, keras_hub
+    Gemma's, Llama's and their copies), or a ``LayerNormalization`` with
+    ``rms_scaling=True``. Its gradient at ``x = 0`` is ``1 / sqrt(eps)``:
+    integrated gradients avoid a zero baseline into it
+    (:mod:`jacobkit.explain.token_paths`)."""
+    kind = REGISTRY.of(layer)
+    rule = None if kind is None else kind.rule
+    if rule is not None and issubclass(rule, normalization.RMSBase):
+        return True
+    return bool(getattr(layer, "rms_scaling", False))
+
+
 def kind_of(layer: Any) -> LayerKind | None:
     """The :class:`LayerKind` of ``layer``'s class or of its nearest
     registered base class, or ``None``."""
@@ -131,10 +146,15 @@ def stock_kind(layer: Any) -> LayerKind | None:
 
 
 def rule_for(layer: Any) -> LayerRule | None:
-    """The :class:`LayerRule` of ``layer``, or ``None`` where none is
-    registered for its class."""
+    """The :class:`LayerRule` of ``layer`` (its kind's ``lora`` rule where
+    it has LoRA enabled), or ``None`` where none is registered for its
+    class."""
     kind = REGISTRY.of(layer)
-    return None if kind is None or kind.rule is None else kind.rule(layer)
+    if kind is None:
+        return None
+    if kind.lora is not None and compat.lora_enabled(layer):
+        return kind.lora(layer)
+    return None if kind.rule is None else kind.rule(layer)
 
 
 def pfor_cannot_vectorize(layer: Any) -> bool:
@@ -159,4 +179,6 @@ def elementwise_activation(keras: ModuleType, function: Any) -> bool:
 
 def with_rules() -> str:
     """The layers with a closed form, in words (``batch``'s refusal)."""
-    return f"{REGISTRY.with_rules()} (Keras 3 or tf_keras)"
+    lora = REGISTRY.with_lora_rules()
+    also = f"; with LoRA enabled: {lora}" if lora else ""
+    return f"{REGISTRY.with_rules()} (Keras 3 or tf_keras{also})"

@@ -177,6 +177,10 @@ class ScaledRMSRule(_RMS):
     kind = "scaled_rms_normalization"
 
 
+#: the RMS normalizations' common rule (``jacobkit.layers.divides_by_rms``)
+RMSBase = _RMS
+
+
 class LayerScaleRule(_Normalization):
     """keras.applications ConvNeXt's ``LayerScale``: ``z = x * gamma`` over the
     last axis (``xhat`` is ``x`` itself)."""

@@ -41,9 +41,11 @@ def check_eager() -> None:
             "jacobian(...): called while TensorFlow traces a tf.function (a "
             "@tf.function, or model.fit/train_step without run_eagerly=True). "
             "jk.jacobian, jk.gram and jk.verify run eagerly: they plan and "
-            "compile their own computation. Compile the model with "
-            "run_eagerly=True, or call jacobkit outside the traced function "
-            "(between steps); a compiled entry point is planned."
+            "compile their own computation on every call. Inside a traced "
+            "function use jk.function: plan it once, eagerly, on an example "
+            "batch (fn = jk.function(model, layer, example=batch, ...)), then "
+            "call fn(batch) inside. Or compile the model with run_eagerly=True, "
+            "or call jacobkit outside the traced function (between steps)."
         )
 
 

@@ -151,3 +151,34 @@ def check_batch_size(problem: Any, examples: int) -> None:
 
 def _named(fn: Any) -> str:
     return str(getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__))
+
+
+def padded_to(inputs: Any, size: int, *, loss: bool) -> Any:
+    """``inputs`` (tensors, eager or traced, their batch size known or not)
+    as a batch of ``size`` examples, by the same rule as :func:`padded`
+    (``jk.function``'s padding: :mod:`jacobkit.compiled`): a loss's
+    ``(x, y[, w])`` as ``(x', y', w')``, ``w'`` the weights (ones where none
+    were given) then zeros; other inputs with their last example repeated,
+    for rows of one example each, whose padding rows are then cut. The
+    batch must hold 1 to ``size`` examples (the caller checks it)."""
+    first = tf.nest.flatten(inputs)[0]
+    count = tf.shape(first)[0]
+    index = tf.minimum(tf.range(size), count - 1)
+
+    def take(a: Any) -> tf.Tensor:
+        return tf.gather(tf.convert_to_tensor(a), index)
+
+    if not loss:
+        return tf.nest.map_structure(take, inputs)
+    x, labels = losses.split(inputs)
+    if len(labels) > 1:
+        weights = tf.convert_to_tensor(labels[1])
+    else:
+        weights = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.float32)
+    real = tf.cast(tf.range(size) < count, weights.dtype)
+    real = tf.reshape(real, [size] + [1] * (weights.shape.rank - 1))
+    return (
+        tf.nest.map_structure(take, x),
+        tf.nest.map_structure(take, labels[0]),
+        take(weights) * real,
+    )

@@ -15,7 +15,7 @@ import tensorflow as tf
 from jacobkit.keras import state
 from jacobkit.problem import PerModel, Problem
 from jacobkit.problem.plan import Plan
-from jacobkit.problem.reduction import Computation, Output, Rows
+from jacobkit.problem.reduction import Computation, Flat, Ghost, Lookup, Output, Rows
 from jacobkit.problem.solution import Solution, Stats
 from jacobkit.strategies import precision
 
@@ -326,10 +326,15 @@ class _Compiled:
 
 def _rows_of(output: Output) -> int:
     """The rows a computation's output covers: its norms', else its first
-    value's leading axis."""
+    value's: a Gram's feature counts its own (a :class:`Ghost`'s or
+    :class:`Lookup`'s ``B * K``, where its patches or ids lead with ``B``
+    alone), a tensor by its leading axis."""
     first = output.norms
     if first is None:
-        first = next(iter(tf.nest.flatten(output.values)), None)
+        value = next(iter(output.values), None)
+        if isinstance(value, (Ghost, Lookup, Flat)):
+            return value.num_rows
+        first = next(iter(tf.nest.flatten(value)), None)
     return int(first.shape[0]) if first is not None and first.shape.rank else 0
 
 

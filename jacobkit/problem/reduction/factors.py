@@ -32,6 +32,11 @@ def _nbytes(tensor: Any) -> int:
     return int(tensor.shape.num_elements() or 0) * tensor.dtype.size
 
 
+def _rows_of_cotangents(cotangents: Any) -> int:
+    """Rows of factors whose cotangents are ``(B, K, P, O)``: ``B * K``."""
+    return int(cotangents.shape[0]) * int(cotangents.shape[1])
+
+
 class Ghost(NamedTuple):
     """A factored kernel's rows: ``patches`` ``(B, P, I)`` and
     ``cotangents`` ``(B, K, P, O)``, ``B * K`` rows."""
@@ -42,6 +47,12 @@ class Ghost(NamedTuple):
     @property
     def nbytes(self) -> int:
         return _nbytes(self.patches) + _nbytes(self.cotangents)
+
+    @property
+    def num_rows(self) -> int:
+        """``B * K``: the cotangents' two leading axes (the patches' one
+        leading axis is the examples', ``B``)."""
+        return _rows_of_cotangents(self.cotangents)
 
 
 class Lookup(NamedTuple):
@@ -56,6 +67,11 @@ class Lookup(NamedTuple):
     def nbytes(self) -> int:
         return _nbytes(self.ids) + _nbytes(self.cotangents)
 
+    @property
+    def num_rows(self) -> int:
+        """``B * K``: the cotangents' two leading axes."""
+        return _rows_of_cotangents(self.cotangents)
+
 
 class Flat(NamedTuple):
     """Rows' gradients ``(R, size)``."""
@@ -65,6 +81,11 @@ class Flat(NamedTuple):
     @property
     def nbytes(self) -> int:
         return _nbytes(self.rows)
+
+    @property
+    def num_rows(self) -> int:
+        """``R``: the leading axis."""
+        return int(self.rows.shape[0])
 
 
 Feature = Ghost | Lookup | Flat

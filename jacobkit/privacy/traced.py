@@ -1,0 +1,128 @@
+"""The clipped sums inside ``fit``'s compiled ``train_step``
+(:class:`TracedSums`), on :func:`jacobkit.function`.
+
+``fit`` traces its step with the dataset's shapes, where a Poisson sample's
+batch size is unknown (``None``). The step switches on the size
+(``tf.switch_case``) to one branch per padded size of the sampler
+(:attr:`jacobkit.privacy.PoissonSampler.sizes`), where the batch, padded to
+that size with weight-0 examples, has a known shape: each branch is one
+signature of the :class:`~jacobkit.Function` (traced once), and only the
+branch of the batch's size runs. So a step costs the clipped sum of its own
+padded size, and the sizes trace once each, in the first trace of
+``fit``'s step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit.compiled import Function, function
+from jacobkit.privacy.step import Clipping
+from jacobkit.problem.loss import Loss
+from jacobkit.problem.reduction import ClippedSum
+
+
+def _padded(t: Any, size: int, zeros: bool) -> tf.Tensor:
+    """``t`` (``(n, ...)``, ``n <= size``) to ``(size, ...)``: its last
+    example repeated, or zeros (the weights), with the static shape set."""
+    t = tf.convert_to_tensor(t)
+    extra = tf.maximum(size - tf.shape(t)[0], 0)
+    fill = (
+        tf.zeros(tf.concat([[extra], tf.shape(t)[1:]], 0), t.dtype)
+        if zeros
+        else tf.repeat(t[-1:], extra, axis=0)
+    )
+    return tf.ensure_shape(tf.concat([t, fill], 0), [size, *t.shape[1:]])
+
+
+class TracedSums:
+    """The clipped sums of a batch ``(x, y, w)`` of unknown size, traceable
+    (see the module's docstring): one :class:`~jacobkit.Function` per
+    clipping group, planned eagerly on ``example``.
+
+    Args:
+        model: the user's model.
+        variables: the trained variables.
+        clipping: the groups and their clip norms.
+        loss: the per-example loss rows.
+        training: the model's flag.
+        example: one batch ``(x, y, w)`` (the sampler's first), planned on.
+        sizes: the padded sizes, smallest to largest.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        variables: Sequence[Any],
+        clipping: Clipping,
+        loss: Loss,
+        training: bool,
+        example: tuple[Any, Any, Any],
+        sizes: Sequence[int],
+    ) -> None:
+        self.sizes = tuple(sizes)
+        self.count = len(variables)
+        self.functions: list[tuple[Function, dict[str, int]]] = []
+        for group, clip in zip(clipping.groups, clipping.clips, strict=True):
+            fn = function(
+                model,
+                [variables[i] for i in group],
+                example=example,
+                outputs=loss,
+                reduce=ClippedSum(clip),
+                training=training,
+            )
+            # the targets' keys, in the order the variables were given
+            keys = dict(zip(fn.variables, group, strict=True))
+            self.functions.append((fn, keys))
+
+    def __call__(self, data: tuple[Any, Any, Any]) -> tuple[list[Any], tf.Tensor]:
+        """The clipped sums, one per variable, and the ``n`` examples' norms
+        before clipping (``(n,)``), for a batch of ``n <= max(sizes)``."""
+        x, y, w = data
+        n = tf.shape(w)[0]
+        largest = self.sizes[-1]
+        known = w.shape[0]
+        if known is not None:  # a batch of known size (train_on_batch): one size
+            fits = [size for size in self.sizes if size >= known]
+            if not fits:
+                raise ValueError(
+                    f"jacobkit.privacy: a batch of {known} examples, above the "
+                    f"sampler's largest padded size ({largest})."
+                )
+            found = self.at_size(data, fits[0])
+            return list(found[:-1]), found[-1][:n]
+        tf.debugging.assert_less_equal(
+            n,
+            largest,
+            message=(
+                "jacobkit.privacy: a batch larger than the sampler's largest "
+                f"padded size ({largest})"
+            ),
+        )
+        sizes = tf.constant(self.sizes, tf.int32)
+        branch = tf.searchsorted(sizes, tf.reshape(n, [1]), side="left")[0]
+        branches = [lambda size=size: self.at_size(data, size) for size in self.sizes]
+        found = tf.switch_case(branch, branches)
+        return list(found[:-1]), found[-1][:n]
+
+    def at_size(self, data: tuple[Any, Any, Any], size: int) -> tuple[Any, ...]:
+        """The sums and the padded norms ``(size,)`` of ``data`` padded to
+        ``size`` examples."""
+        x, y, w = data
+        fed = (
+            tf.nest.map_structure(lambda t: _padded(t, size, False), x),
+            tf.nest.map_structure(lambda t: _padded(t, size, False), y),
+            _padded(w, size, True),
+        )
+        sums: list[Any] = [None] * self.count
+        squares: Any = 0.0
+        for fn, keys in self.functions:
+            out = fn(fed)
+            for key, i in keys.items():
+                sums[i] = out.values[key]
+            squares = squares + tf.square(tf.cast(out.norms, tf.float32))
+        return (*sums, tf.sqrt(squares))
