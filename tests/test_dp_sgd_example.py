@@ -241,3 +241,28 @@ def test_the_page_shows_the_examples_code_verbatim():
     for line in inspect.getsource(dp_sgd).splitlines():
         if line.startswith(("LOSS_FN =", "LOSS =")):
             assert line in page, line
+
+
+def test_a_batch_of_another_size_than_the_example():
+    """The step planned on a batch of 6 takes a batch of 4 (traced anew),
+    as the page says: the same update as the reference on those 4."""
+    x, y = _batch()
+    w = np.ones(BATCH, np.float32)
+    model = dp_sgd.build_model(seed=0)
+    before = [np.asarray(v, np.float64) for v in model.trainable_variables]
+    step = dp_sgd.make_dp_step(
+        model,
+        keras.optimizers.SGD(LEARNING_RATE),
+        (x, y, w),
+        clip_norm=1.0,
+        noise_multiplier=0.5,
+        expected_batch_size=EXPECTED_BATCH,
+        seed=2,
+    )
+    norms = step(x[:4], y[:4], w[:4], tf.constant(0, tf.int64))
+    after = [np.asarray(v, np.float64) for v in model.trainable_variables]
+    update = _reference_update(
+        before, x[:4], y[:4], w[:4], clip_norm=1.0, noise_multiplier=0.5, seed=2
+    )
+    _close(before, after, update)
+    assert norms.shape == (4,)
