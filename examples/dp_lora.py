@@ -15,7 +15,7 @@ Printed: each epoch's loss (train, held out), epsilon (RDP and PLD at
 fine-tunings; saved: the loss curves as a PNG. Run from the repository's
 root (``docs/dp-lora.md`` shows the output)::
 
-    python examples/dp_lora.py                 # the default run, minutes
+    python examples/dp_lora.py                 # the default run, ~80 s
     python examples/dp_lora.py --quick         # a smoke run, seconds
 
 Needs keras_hub and dp-accounting (``pip install 'jacobkit[privacy]'
