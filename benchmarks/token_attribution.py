@@ -265,15 +265,25 @@ def paired(rounds: int, out: Path) -> None:
     core: ``taskset -c 1``), written into the page's own section."""
     me = [sys.executable, str(Path(__file__).resolve())]
     found = {}
-    for kind, extra in (
-        ("oneDNN on", {}),
-        ("oneDNN off", {"TF_ENABLE_ONEDNN_OPTS": "0"}),
-    ):
-        command = ["taskset", "-c", "1", *me, "--paired-child", str(rounds)]
+    kinds = {"oneDNN on": {}, "oneDNN off": {"TF_ENABLE_ONEDNN_OPTS": "0"}}
+    for kind, extra in kinds.items():
         env = {**os.environ, **extra}
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
-        found[kind] = json.loads(lines[-1]) if lines else {"error": done.stderr[-800:]}
+
+        def one(*flags: str, env: dict = env) -> dict:
+            command = ["taskset", "-c", "1", *me, *flags]
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
+            lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+            return json.loads(lines[-1]) if lines else {"error": done.stderr[-800:]}
+
+        found[kind] = one("--paired-child", str(rounds))
+        if "error" not in found[kind]:
+            # first calls in fresh processes: strategies share compiled
+            # computations within one (auto's while is while's)
+            for label in ("auto", *FIXED):
+                first = one("--first-child", label)
+                found[kind]["first_s"][label] = first.get("first_s")
+                if label == "auto":
+                    found[kind]["auto_first"] = first.get("auto_first", "")
         print(kind, found[kind], file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     (out / "token_attribution_auto.json").write_text(json.dumps(found, indent=1))
