@@ -449,15 +449,21 @@ def test_the_auto_baseline_is_the_scaled_pad_token_where_rms_norms_are(request, 
     np.testing.assert_allclose(cosine, 1.0, rtol=1e-6)
 
 
-def test_auto_ends_on_the_strategy_its_own_probes_measured_fastest(gpt2, monkeypatch):
+def test_auto_ends_on_the_strategy_its_own_probes_measured_fastest(monkeypatch):
     """``auto``'s decision on token attribution (rows of a tensor target,
     the embeddings' output, below the head): every candidate tried as soon
     as the current rate is known (``rent=0``), it settles on the one its
     own probes measured fastest, beyond the policy's noise (the decision
     logic, no clock limit). ``batch`` has no closed form of a tensor: it is
     left out before it runs (it was tried after every other candidate, so
-    such a session never settled)."""
+    such a session never settled). A model of its own: where another test
+    compiled ``while`` for the same problem, auto's first call traces
+    nothing, its trace is not known, and no try is predicted."""
     from jacobkit import api, planner
+
+    keras.utils.set_random_seed(0)
+    backbone = hub_models.gpt2(VOCABULARY, **SIZES)
+    gpt2 = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
 
     monkeypatch.setenv("JACOBKIT_CACHE_DIR", "")  # this process's measurements
     plans = []
