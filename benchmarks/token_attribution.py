@@ -25,6 +25,15 @@ loops are extras.
 
     python benchmarks/token_attribution.py --peers-python /path/to/peers/bin/python \\
         --rounds 2 --out benchmarks/results/cpu
+
+``--auto`` measures ``auto`` against each fixed strategy that runs here
+instead, paired in one process (:func:`paired_child`), once with oneDNN's
+kernels and once with ``TF_ENABLE_ONEDNN_OPTS=0`` (a separate process);
+it writes the section "auto against each fixed strategy" of the same page
+and ``token_attribution_auto.json``::
+
+    python benchmarks/token_attribution.py --auto --rounds 7 \\
+        --out benchmarks/results/cpu
 """
 
 from __future__ import annotations
@@ -203,9 +212,189 @@ def child(method: str, repeats: int) -> None:
     print(json.dumps(row))
 
 
+#: the fixed strategies timed beside auto (as auto configures them for the
+#: 32 rows, and as named): ``batch`` has no closed form of a tensor,
+#: ``forward`` pushes one tangent per embedding element (6,144)
+FIXED = ("while", "chunked(32)", "chunked", "jacobian", "loop")
+
+
+def _fixed(label: str):
+    from jacobkit import strategies
+
+    return {
+        "while": strategies.While(10),
+        "chunked(32)": strategies.Chunked(32),
+        "chunked": strategies.Chunked(),
+        "jacobian": strategies.Jacobian(),
+        "loop": strategies.Loop(),
+    }[label]
+
+
+def paired_child(rounds: int, first_only: str | None = None) -> None:
+    """auto against each fixed strategy in one process: each one's first
+    call (the problem built before, by a plan that runs nothing, so no
+    first call pays for it), then ``rounds`` rounds of one steady call of
+    each in turn; prints one JSON line."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    os.environ["JACOBKIT_CACHE_DIR"] = ""  # auto plans from nothing
+    import statistics
+    import time
+
+    import numpy as np
+
+    from jacobkit import api, explain, runtime
+
+    model, tokens = build()
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+    rows = (PROMPT - 1, PROMPT - 1 + NEW)
+    plans: list = []
+    real = api.jacobian
+
+    def kept(*args, **kwargs):  # the plan of auto's call, to report it
+        result = real(*args, **kwargs)
+        plans.append(result.plan)
+        return result
+
+    api.jacobian = kept
+
+    def call(label: str) -> float:
+        auto = label == "auto"
+        start = time.perf_counter()
+        explain.token_attribution(
+            model,
+            x,
+            targets=targets,
+            positions=rows,
+            strategy="auto" if auto else _fixed(label),
+            memory_budget=BUDGET if auto else None,
+        )
+        return time.perf_counter() - start
+
+    # the problem (its traced pass) built once, before any timed call
+    explain.token_attribution(
+        model, x, targets=targets, positions=rows, strategy=_fixed("loop")
+    )
+    if first_only is not None:
+        first_s = call(first_only)
+        label = plans[-1].strategy.label if first_only == "auto" else ""
+        print(json.dumps({"first_s": first_s, "auto_first": label}))
+        return
+    labels = ("auto", *FIXED)
+    first: dict[str, float | None] = {label: None for label in labels}
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for _ in range(3):  # calls 1-3 of each, untimed
+        for label in labels:
+            call(label)
+    for _ in range(rounds):
+        for label in labels:
+            times[label].append(call(label))
+    ratios = {
+        label: statistics.median(t / a for t, a in zip(times[label], times["auto"]))
+        for label in labels
+    }
+    last = [p for p in plans if p is not None][-1]
+    print(
+        json.dumps(
+            {
+                "machine": runtime.cpu_kind().describe(),
+                "first_s": first,
+                "steady_s": {k: statistics.median(v) for k, v in times.items()},
+                "per_auto": ratios,
+                "auto_first": "",
+                "auto_last": last.summary().splitlines()[0],
+                "calls": 3 + rounds,  # auto's calls in the paired process
+            }
+        )
+    )
+
+
+def paired(rounds: int, out: Path) -> None:
+    """:func:`paired_child` with oneDNN on and off (separate processes, one
+    core: ``taskset -c 1``), written into the page's own section."""
+    me = [sys.executable, str(Path(__file__).resolve())]
+    found = {}
+    kinds = {"oneDNN on": {}, "oneDNN off": {"TF_ENABLE_ONEDNN_OPTS": "0"}}
+    for kind, extra in kinds.items():
+        env = {**os.environ, **extra}
+
+        def one(*flags: str, env: dict = env) -> dict:
+            command = ["taskset", "-c", "1", *me, *flags]
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
+            lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+            return json.loads(lines[-1]) if lines else {"error": done.stderr[-800:]}
+
+        found[kind] = one("--paired-child", str(rounds))
+        if "error" not in found[kind]:
+            # first calls in fresh processes: strategies share compiled
+            # computations within one (auto's while is while's)
+            for label in ("auto", *FIXED):
+                first = one("--first-child", label)
+                found[kind]["first_s"][label] = first.get("first_s")
+                if label == "auto":
+                    found[kind]["auto_first"] = first.get("auto_first", "")
+        print(kind, found[kind], file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "token_attribution_auto.json").write_text(json.dumps(found, indent=1))
+    page = out / "token_attribution.md"
+    text = page.read_text() if page.exists() else ""
+    text = text.split(AUTO_SECTION)[0].rstrip("\n") + "\n\n" + _auto_markdown(found)
+    page.write_text(text)
+    print(_auto_markdown(found))
+
+
+AUTO_SECTION = "## auto against each fixed strategy"
+
+
+def _auto_markdown(found: dict) -> str:
+    lines = [
+        AUTO_SECTION,
+        "",
+        "Written by `benchmarks/token_attribution.py --auto`: the same GPT-2 and "
+        "rows as above, the default method (`gradient`); auto under "
+        f"memory_budget={BUDGET!r}, its plan cache off. One process per kind "
+        "of CPU (oneDNN on, then `TF_ENABLE_ONEDNN_OPTS=0`), pinned to one core "
+        "(`taskset -c 1`), **measured while other engineers loaded the "
+        "machine** (2 cores shared): absolute times move, ratios within one "
+        "process are paired. First calls: each in a fresh process (within "
+        "one, strategies share compiled computations: auto's `while` is "
+        "`while`'s), the problem built before it by a `loop` call, so a first "
+        "call is the strategy's own tracing and run (auto's: its planning "
+        "too). Steady: "
+        "the median of one call of each in turn per round (after calls 1-3 of "
+        "each), "
+        "and the median of the per-round ratios to auto's call.",
+        "",
+    ]
+    for kind, data in found.items():
+        if "error" in data:
+            lines += [f"### {kind}", "", f"error: {data['error']}", ""]
+            continue
+        lines += [
+            f"### {kind}: {data['machine']}",
+            "",
+            f"auto's first call ran {data['auto_first']}; after "
+            f"{data['calls']} calls: `{data['auto_last']}`.",
+            "",
+            "| run | first call s | steady ms | steady / auto's (paired) |",
+            "|---|---|---|---|",
+        ]
+        for label, first in data["first_s"].items():
+            shown = "" if first is None else f"{first:.2f}"
+            lines.append(
+                f"| {label} | {shown} | {data['steady_s'][label] * 1e3:.1f} | "
+                f"{data['per_auto'][label]:.2f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child")
+    parser.add_argument("--auto", action="store_true")
+    parser.add_argument("--paired-child", type=int)
+    parser.add_argument("--first-child")
     parser.add_argument("--peers-python")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -218,6 +407,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.repeats)
+    if args.paired_child:
+        return paired_child(args.paired_child)
+    if args.first_child:
+        return paired_child(0, args.first_child)
+    if args.auto:
+        return paired(args.rounds, Path(args.out))
     me = [sys.executable, str(Path(__file__).resolve())]
     repeats = ["--repeats", str(args.repeats)]
     commands = {m: [*me, "--child", m, *repeats] for m in METHODS}

@@ -202,6 +202,7 @@ def test_cache_entry_round_trips_through_json():
             planner.Rejection(batch, "predicted peak over the budget", memory=True),
         ),
         allowed_bytes=2**30,
+        cpu="Some CPU (avx2 fma; oneDNN off)",
     )
     data = json.loads(json.dumps(entry.to_json()))
     assert set(data) == {
@@ -213,8 +214,12 @@ def test_cache_entry_round_trips_through_json():
         "estimates",
         "rejected",
         "allowed_bytes",
+        "cpu",
     }
     assert planner.CacheEntry.from_json(data) == entry
+    # an entry written before the CPU's kind was kept reads as not saying it
+    older = {k: v for k, v in data.items() if k != "cpu"}
+    assert planner.CacheEntry.from_json(older).cpu is None
     with pytest.raises(KeyError):
         planner.CacheEntry.from_json({k: v for k, v in data.items() if k != "current"})
 
@@ -241,6 +246,74 @@ def test_the_cache_name_never_serializes_the_model(cache_dir):
         jk.jacobian(model, x, "hidden")
     assert calls == []
     assert list(cache_dir.glob("*.json")), "the plan was written"
+
+
+def _tiny_mlp():
+    import keras
+
+    inp = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh", name="hidden")(inp)
+    return keras.Model(inp, keras.layers.Dense(3, name="head")(h))
+
+
+def test_an_entry_made_on_another_kind_of_cpu_misses(cache_dir, monkeypatch):
+    """A plan measured under oneDNN's kernels is not one for TensorFlow's own
+    (nor for another CPU model or instruction set): the kind is part of the
+    entry's name and of the entry, so the other kind misses, writes its own
+    entry, and the first kind hits its own again. (Each plan is of a new
+    model of the same architecture: a new session, which reads the disk.)"""
+    from jacobkit import runtime
+
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    jk.jacobian(_tiny_mlp(), x, "hidden")
+    assert len(_entries(cache_dir)) == 1
+    here = runtime.cpu_kind()
+    assert jk.plan(_tiny_mlp(), x, "hidden").source == "disk cache"
+    others = (
+        runtime.CpuKind(here.model, here.flags, not here.onednn),
+        runtime.CpuKind("Another CPU", here.flags, here.onednn),
+        runtime.CpuKind(here.model, here.flags[:-1] or ("avx2",), here.onednn),
+    )
+    for other in others:
+        with monkeypatch.context() as patch:
+            # what the kind reports, not the user's environment
+            patch.setattr(runtime, "cpu_kind", lambda other=other: other)
+            assert jk.plan(_tiny_mlp(), x, "hidden").source == "not run yet", other
+    assert jk.plan(_tiny_mlp(), x, "hidden").source == "disk cache"
+    # the other kind's own run writes an entry of its own beside this one
+    with monkeypatch.context() as patch:
+        patch.setattr(runtime, "cpu_kind", lambda: others[0])
+        jk.jacobian(_tiny_mlp(), x, "hidden")
+    written = []
+    for path in _entries(cache_dir):
+        with open(path) as f:
+            written.append(json.load(f))
+    assert sorted(e["cpu"] for e in written) == sorted(
+        [here.describe(), others[0].describe()]
+    )
+    assert {e["format"] for e in written} == {cache.FORMAT}
+
+
+def test_an_entry_read_on_another_kind_of_cpu_is_not_continued(cache_dir, monkeypatch):
+    """An entry moved into another machine's cache under the same name (its
+    own ``cpu`` says another kind) is read as missing."""
+    from jacobkit import runtime
+
+    model = _tiny_mlp()
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    jk.jacobian(model, x, "hidden")
+    (path,) = _entries(cache_dir)
+    with open(path) as f:
+        data = json.load(f)
+    data["cpu"] = "Another CPU (avx2 fma; oneDNN off)"
+    with open(path, "w") as f:
+        json.dump(data, f)
+    # a new model of the same architecture: a new session reads the entry
+    again = _tiny_mlp()
+    assert jk.plan(again, x, "hidden").source == "not run yet"
+    jk.jacobian(again, x, "hidden")  # planned afresh and rewritten
+    with open(path) as f:
+        assert json.load(f)["cpu"] == runtime.cpu_kind().describe()
 
 
 def test_a_different_activation_is_another_entry(cache_dir):

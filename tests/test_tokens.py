@@ -447,3 +447,49 @@ def test_the_auto_baseline_is_the_scaled_pad_token_where_rms_norms_are(request, 
     pad = np.asarray(layer(np.zeros((1, 1), "int32")))[0, 0]
     cosine = start @ pad / (np.linalg.norm(start, axis=-1) * np.linalg.norm(pad))
     np.testing.assert_allclose(cosine, 1.0, rtol=1e-6)
+
+
+def test_auto_ends_on_the_strategy_its_own_probes_measured_fastest(monkeypatch):
+    """``auto``'s decision on token attribution (rows of a tensor target,
+    the embeddings' output, below the head): every candidate tried as soon
+    as the current rate is known (``rent=0``), it settles on the one its
+    own probes measured fastest, beyond the policy's noise (the decision
+    logic, no clock limit). ``batch`` has no closed form of a tensor: it is
+    left out before it runs (it was tried after every other candidate, so
+    such a session never settled). A model of its own: where another test
+    compiled ``while`` for the same problem, auto's first call traces
+    nothing, its trace is not known, and no try is predicted."""
+    from jacobkit import api, planner
+
+    keras.utils.set_random_seed(0)
+    backbone = hub_models.gpt2(VOCABULARY, **SIZES)
+    gpt2 = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+
+    monkeypatch.setenv("JACOBKIT_CACHE_DIR", "")  # this process's measurements
+    plans = []
+    real = api.jacobian
+
+    def keeping_plans(*args, **kwargs):
+        result = real(*args, **kwargs)
+        plans.append(result.plan)
+        return result
+
+    monkeypatch.setattr(api, "jacobian", keeping_plans)
+    with planner.use_policy(rent=0.0) as policy:
+        for _ in range(10):
+            explain.token_attribution(gpt2, _tokens())
+            if plans[-1].settled:
+                break
+    plan = plans[-1]
+    assert plan.settled, plan.summary()
+    assert "batch" in {r.label for r in plan.rejected}
+    assert all(s.new.name != "batch" for s in plan.switches), plan.summary()
+    measured = [e for e in plan.estimates if e.seconds_per_row is not None]
+    assert {e.strategy.name for e in measured} >= {"while", "chunked"}
+    chosen = plan.estimate(plan.strategy)
+    assert chosen is not None and chosen.seconds_per_row is not None
+    for other in measured:
+        assert other.seconds_per_row is not None
+        assert chosen.seconds_per_row <= policy.noise * other.seconds_per_row, (
+            plan.summary()
+        )

@@ -5,7 +5,10 @@ One JSON file per problem, named by a fingerprint of what the measurements
 depend on: the model's architecture (every layer's class, name and
 activation, every variable's name, shape and dtype; not the weights'
 values), the targets, the rows, the
-input signature, the device kind and the TensorFlow version. It holds what
+input signature, the device kind, the CPU's kind (its model, the instruction
+sets that choose TensorFlow's kernels, oneDNN on or off:
+:func:`jacobkit.runtime.cpu_kind`; a plan measured under oneDNN is not one
+for TensorFlow's own kernels) and the TensorFlow version. It holds what
 ``auto`` measured (time per row, tracing time and peak of each strategy it
 ran), the strategy it runs, the candidates still to try and the time spent
 so far, so that a later process continues where this one stopped
@@ -41,8 +44,9 @@ from jacobkit.problem import Problem
 
 #: bumped when an entry's meaning changes; older entries are stale (4: auto
 #: offers pfor again on models with batched matmuls under oneDNN, where
-#: format 3 left it out: see jacobkit.strategies.vectorize)
-FORMAT = 4
+#: format 3 left it out: see jacobkit.strategies.vectorize; 5: the name and
+#: the entry hold the CPU's kind, so every older entry misses once)
+FORMAT = 5
 
 
 class CacheWarning(UserWarning):
@@ -89,10 +93,21 @@ def fingerprint(problem: Problem, device: str) -> str | None:
             [list(t.shape), t.dtype.name] for t in tf.nest.flatten(problem.inputs)
         ],
         "device": [device, _device_kind(device)],
+        "cpu": cpu_kind(),
         "tensorflow": tf.__version__,
     }
     text = json.dumps(key, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def cpu_kind() -> list[Any]:
+    """The CPU's kind as the cache keys it (:func:`jacobkit.runtime.cpu_kind`:
+    the model name, the instruction-set flags that choose TensorFlow's
+    kernels, oneDNN on or off): measured times, peaks and even which
+    strategies run well differ between the kinds (oneDNN's kernels, its
+    scratch space), so an entry made under one misses under another."""
+    kind = runtime.cpu_kind()
+    return [kind.model, list(kind.flags), kind.onednn]
 
 
 def _layers(model: Any) -> list[list[Any]]:

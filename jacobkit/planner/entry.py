@@ -4,8 +4,8 @@ with ``Session.restore``).
 
 The JSON object's keys: ``current`` and ``pending`` (strategies as
 :func:`~jacobkit.strategies.to_spec` writes them), ``segment_rows``,
-``row_bytes``, ``spent_s``, ``estimates``, ``rejected`` and
-``allowed_bytes``; :mod:`jacobkit.planner.cache` adds ``format`` on
+``row_bytes``, ``spent_s``, ``estimates``, ``rejected``,
+``allowed_bytes`` and ``cpu``; :mod:`jacobkit.planner.cache` adds ``format`` on
 writing. ``allowed_bytes`` and a rejection's ``memory`` came later: an entry
 without them reads as written under an unknown budget, its rejections for
 memory known by their reasons (:func:`rejection_from_json`), so a newer
@@ -40,6 +40,12 @@ class CacheEntry:
         rejected: the strategies left out, with the reason.
         allowed_bytes: what the budget allowed the plan (``None``: not
             known, an entry written before it was kept).
+        cpu: the CPU's kind it was measured on
+            (:meth:`jacobkit.runtime.CpuKind.describe`; ``None``: not known).
+            The file's name holds the kind already; kept in the entry too,
+            so that an entry copied to another machine's cache (or read
+            under another kind) is not continued from
+            (:meth:`measured_on`).
     """
 
     current: Strategy
@@ -50,6 +56,12 @@ class CacheEntry:
     estimates: tuple[Estimate, ...]
     rejected: tuple[Rejection, ...]
     allowed_bytes: float | None = None
+    cpu: str | None = None
+
+    def measured_on(self, cpu: str) -> bool:
+        """Whether this entry may have been measured on a CPU of kind
+        ``cpu`` (an entry that does not say is taken at its name's word)."""
+        return self.cpu is None or self.cpu == cpu
 
     def left_out(
         self, fresh: Sequence[Strategy], allowed_bytes: float
@@ -98,6 +110,7 @@ class CacheEntry:
             "estimates": [estimate_to_json(e) for e in self.estimates],
             "rejected": [rejection_to_json(r) for r in self.rejected],
             "allowed_bytes": self.allowed_bytes,
+            "cpu": self.cpu,
         }
 
     @classmethod
@@ -109,6 +122,7 @@ class CacheEntry:
             raise TypeError(f"not a JSON object: {type(data).__name__}")
         row_bytes = data.get("row_bytes")
         allowed = data.get("allowed_bytes")
+        cpu = data.get("cpu")
         return cls(
             current=strategy_from_json(data["current"]),
             pending=tuple(strategy_from_json(s) for s in data["pending"]),
@@ -122,6 +136,7 @@ class CacheEntry:
             estimates=tuple(estimate_from_json(e) for e in data["estimates"]),
             rejected=tuple(rejection_from_json(r) for r in data["rejected"]),
             allowed_bytes=None if allowed is None else _number(allowed),
+            cpu=None if cpu is None else str(cpu),
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from jacobkit import runtime
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.footprint import Footprint
 from jacobkit.planner.lineup import Lineup
@@ -32,7 +33,16 @@ def entry(plan: Plan[Strategy], spent_s: float, footprint: Footprint) -> CacheEn
         estimates=plan.estimates,
         rejected=plan.rejected,
         allowed_bytes=footprint.allowed_bytes,
+        cpu=runtime.cpu_kind().describe(),
     )
+
+
+def measured_here(kept: CacheEntry) -> bool:
+    """Whether ``kept`` may have been measured on this process's kind of CPU
+    (:meth:`~jacobkit.planner.entry.CacheEntry.measured_on`): the cache's file
+    name holds the kind already, so one that does not is an entry moved
+    between machines, and is read as missing."""
+    return kept.measured_on(runtime.cpu_kind().describe())
 
 
 def resumed(

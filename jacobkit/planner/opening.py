@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from jacobkit import memory, strategies
 from jacobkit.planner import cache as disk
-from jacobkit.planner import probes, scratch
+from jacobkit.planner import keeping, probes, scratch
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.planner.session import Session
@@ -47,6 +47,8 @@ def open_session(
         )
     shortcut, structure = structured(problem)
     entry = disk.load(name) if name is not None else None
+    if entry is not None and not keeping.measured_here(entry):
+        entry = None  # measured on another kind of CPU: planned afresh, rewritten
     row_bytes = entry.row_bytes if entry is not None else None
     if row_bytes is None:
         # the forward pass's activations, from the trace the problem made:

@@ -97,6 +97,14 @@ class Batch(Strategy):
         little to matter in ``auto``'s memory prior)."""
         return min(num_rows, ROWS_AT_ONCE)
 
+    def cannot_run(self, problem: Problem) -> str | None:
+        """Tensor targets (``Inputs()``, ``Output()``: the saliency maps,
+        Grad-CAM, token attribution): no closed form is of a tensor, so
+        ``auto`` leaves ``batch`` out before it runs. Kept as a candidate
+        there, it was tried (and refused) after every other one, and a
+        session with it pending was never settled."""
+        return checks.tensor_refusal(problem)
+
     def check(self, problem: Problem) -> None:
         """Refuses what ``batch`` cannot run (:mod:`.checks`): a
         target without a closed form, rows that mix examples, a layer that

@@ -33,16 +33,25 @@ _EPSILON = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
 CHECK_EXAMPLES = 2
 
 
+def tensor_refusal(problem: Problem) -> str | None:
+    """Why ``batch`` cannot differentiate ``problem``'s targets, known from
+    what they are alone: tensors (``Inputs()``, ``Output()``), not a layer's
+    variables (``None``: variables)."""
+    if problem.tensor_targets is None:
+        return None
+    return (
+        "differentiates a Dense or Conv layer's kernel and bias, got the "
+        f"tensor target(s) {', '.join(problem.target_names)}. Use "
+        "strategy='chunked' or 'jacobian' (per-example rows of "
+        "Inputs()/Output() targets cost K rows there, not B x K)"
+    )
+
+
 def check(problem: Problem, name: str) -> None:
     """Refuse what strategy ``name`` (``"batch"``) cannot run (``ValueError``)."""
-    if problem.tensor_targets is not None:
-        raise ValueError(
-            "jacobian(strategy='batch'): differentiates a Dense or Conv "
-            f"layer's kernel and bias, got the tensor target(s) "
-            f"{', '.join(problem.target_names)}. Use strategy='chunked' or "
-            "'jacobian' (per-example rows of Inputs()/Output() targets cost "
-            "K rows there, not B x K)."
-        )
+    tensors = tensor_refusal(problem)
+    if tensors is not None:
+        raise ValueError(f"jacobian(strategy='batch'): {tensors}.")
     rule = problem.layer_rule
     if problem.layer is None and problem.forms is None:
         raise ValueError(
