@@ -119,6 +119,69 @@ CASES: dict[str, LayerCase] = {
         (4, 4, 2),
     ),
 }
+
+
+def lora(layer: Any, shape: tuple[int | None, ...], rank: int = 2) -> Any:
+    """``layer`` built for ``shape``, then LoRA enabled (its kernel frozen,
+    the factors and the bias trainable), as ``backbone.enable_lora`` does."""
+    layer.build(shape)
+    layer.enable_lora(rank, lora_alpha=3)
+    return layer
+
+
+#: a kind's LoRA rule (``LayerKind.lora``): the layer with LoRA enabled
+LORA = " (LoRA)"
+CASES["Dense" + LORA] = LayerCase(
+    lambda d: lora(keras.layers.Dense(5, activation="tanh", dtype=d), (None, 3, 4)),
+    (3, 4),
+)
+CASES["EinsumDense" + LORA] = LayerCase(
+    # GPT-2's query and value: the bias on two output axes
+    lambda d: lora(
+        keras.layers.EinsumDense("abc,cde->abde", (3, 2, 3), bias_axes="de", dtype=d),
+        (None, 3, 4),
+    ),
+    (3, 4),
+)
+CASES["Embedding" + LORA] = LayerCase(
+    lambda d: lora(keras.layers.Embedding(9, 4, dtype=d), (None, 5)), (5,), 9
+)
+
+
+def _frozen_bias(layer: Any) -> Any:
+    layer.bias.trainable = False
+    return layer
+
+
+#: LoRA layers beside those (``tests/test_lora.py``): no bias; Gemma's
+#: equation, the kernel's output axis first
+LORA_EXTRA = {
+    "Dense (LoRA, no bias)": LayerCase(
+        lambda d: lora(keras.layers.Dense(5, use_bias=False, dtype=d), (None, 3, 4)),
+        (3, 4),
+    ),
+    "Dense (LoRA, frozen bias)": LayerCase(
+        lambda d: _frozen_bias(lora(keras.layers.Dense(5, dtype=d), (None, 3, 4))),
+        (3, 4),
+    ),
+    "EinsumDense (LoRA, a bias of shape (d, 1))": LayerCase(
+        # bias_axes="d" of "abde": broadcast over e, summed over it
+        lambda d: lora(
+            keras.layers.EinsumDense(
+                "abc,cde->abde", (3, 2, 3), bias_axes="d", dtype=d
+            ),
+            (None, 3, 4),
+        ),
+        (3, 4),
+    ),
+    "EinsumDense (LoRA, Gemma's equation)": LayerCase(
+        lambda d: lora(
+            keras.layers.EinsumDense("btd,ndh->btnh", (3, 2, 3), dtype=d), (None, 3, 4)
+        ),
+        (3, 4),
+    ),
+}
+CASES.update(LORA_EXTRA)
 #: kinds named alike in two libraries: the key above is the class's module
 ALIASES = {
     "keras_hub.src.models.gemma.rms_normalization": "GemmaRMSNormalization",

@@ -2,8 +2,9 @@
 every row mode and as norms, against float64 (``tests/layer_cases.py``).
 
 A rule is tested by being registered: the cases are the registry's kinds with
-a rule (``jacobkit.layers.REGISTRY``), each with its example; one without an
-example fails :func:`test_every_registered_rule_has_an_example`.
+a rule (``jacobkit.layers.REGISTRY``), and those with a rule for LoRA-enabled
+layers (``LayerKind.lora``, named ``"Dense (LoRA)"``), each with its example;
+one without an example fails :func:`test_every_registered_rule_has_an_example`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from tests import layer_cases
 
 RULES = sorted(
     {layer_cases.case_name(k) for k in layers.REGISTRY.kinds if k.rule is not None}
+    | {
+        layer_cases.case_name(k) + layer_cases.LORA
+        for k in layers.REGISTRY.kinds
+        if k.lora is not None
+    }
 )
 MODES = ("features", "per_example", "full")
 

@@ -85,6 +85,8 @@ def test_registration_refuses_duplicates_and_unknown_facts():
         registry.add(LayerKind("Conv2D", linear="affine"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LayerRule subclass"):
         registry.add(LayerKind("Conv2D", rule=object))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LoRA rule of Conv2D must be a LayerRule"):
+        registry.add(LayerKind("Conv2D", lora=object))  # type: ignore[arg-type]
     assert [k.name for k in registry.kinds] == ["Dense"]
 
 
@@ -93,6 +95,7 @@ def test_batch_refusal_lists_every_layer_with_a_rule():
     assert described.startswith("Dense, Conv1D, Conv2D")
     for kind in layers.REGISTRY.kinds:
         assert (kind.name in described) == (kind.rule is not None), kind.name
+    assert "with LoRA enabled: Dense, EinsumDense and Embedding)" in described
     model = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
     x = np.zeros((2, 4, 2), "float32")
     with pytest.raises(ValueError) as refused:

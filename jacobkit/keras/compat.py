@@ -239,6 +239,27 @@ def lora_enabled(layer: Any) -> bool:
     return bool(getattr(layer, "lora_enabled", False))
 
 
+def trainable(variable: Any) -> bool:
+    """Whether a Keras or TensorFlow variable is trainable now (a Keras 3
+    variable's own flag: setting it leaves its ``tf.Variable``'s as it was
+    created)."""
+    return bool(getattr(variable, "trainable", True))
+
+
+def lora_frozen(layer: Any, role: str) -> Any:
+    """A LoRA-enabled Keras 3 layer's frozen weight in ``role``
+    (``"kernel"``, ``"embeddings"``): the variable its public attribute of
+    that name adds the factors' product to (``layer.kernel`` is then a
+    computed tensor; Keras keeps the variable as ``_kernel``)."""
+    return getattr(layer, f"_{role}")
+
+
+def lora_scale(layer: Any) -> float:
+    """The factor a LoRA-enabled Keras 3 layer multiplies its factors'
+    product by: ``lora_alpha / lora_rank``."""
+    return float(layer.lora_alpha) / float(layer.lora_rank)
+
+
 def quantization_mode(layer: Any) -> str | None:
     """The quantization mode of a quantized Keras 3 layer (``"int8"``), or
     ``None`` (falsy) for one that is not quantized."""

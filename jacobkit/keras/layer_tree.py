@@ -56,11 +56,14 @@ def walk(model: Any) -> Iterator[tuple[Any, tuple[str, ...]]]:
 
 def own_trainable_weights(layer: Any) -> list[Any]:
     """The trainable weights ``layer`` holds itself, not through the layers
-    inside it (an attention layer holds none: its projections do)."""
+    inside it (an attention layer holds none: its projections do). A frozen
+    layer inside still holds its weights: keras_hub's ``enable_lora``
+    freezes the blocks around the LoRA projections, whose factors are then
+    trainable weights of the model but of no frozen block."""
     inner = {
         id(compat.unwrap(w))
         for child in children(layer)
-        for w in getattr(child, "trainable_weights", ())
+        for w in getattr(child, "weights", ())
     }
     return [
         w

@@ -62,7 +62,7 @@ def register(
     """Teach jacobkit a layer class: its closed forms for the ``batch``
     strategy (and so for ``reduce="norm"`` and ``auto``'s per-example rows),
     and optionally its facts (``linear=``, ``elementwise=``,
-    ``inference_identity=``, ``convolutions=``, ``recurrent=``: see
+    ``inference_identity=``, ``convolutions=``, ``recurrent=``, ``lora=``: see
     :class:`LayerKind`).
 
     Args:
@@ -146,10 +146,15 @@ def stock_kind(layer: Any) -> LayerKind | None:
 
 
 def rule_for(layer: Any) -> LayerRule | None:
-    """The :class:`LayerRule` of ``layer``, or ``None`` where none is
-    registered for its class."""
+    """The :class:`LayerRule` of ``layer`` (its kind's ``lora`` rule where
+    it has LoRA enabled), or ``None`` where none is registered for its
+    class."""
     kind = REGISTRY.of(layer)
-    return None if kind is None or kind.rule is None else kind.rule(layer)
+    if kind is None:
+        return None
+    if kind.lora is not None and compat.lora_enabled(layer):
+        return kind.lora(layer)
+    return None if kind.rule is None else kind.rule(layer)
 
 
 def pfor_cannot_vectorize(layer: Any) -> bool:
@@ -174,4 +179,6 @@ def elementwise_activation(keras: ModuleType, function: Any) -> bool:
 
 def with_rules() -> str:
     """The layers with a closed form, in words (``batch``'s refusal)."""
-    return f"{REGISTRY.with_rules()} (Keras 3 or tf_keras)"
+    lora = REGISTRY.with_lora_rules()
+    also = f"; with LoRA enabled: {lora}" if lora else ""
+    return f"{REGISTRY.with_rules()} (Keras 3 or tf_keras{also})"

@@ -53,6 +53,9 @@ class LayerKind:
         recurrent: it loops over time steps in a ``tf.while_loop`` (``RNN``
             and its subclasses, ``Bidirectional``): what pfor and forward mode
             see of its gradient differs.
+        lora: the closed forms of a layer of the class with LoRA enabled
+            (Keras 3's ``enable_lora``: the factors trainable, the kernel
+            frozen), or ``None``: ``rule`` then refuses such a layer.
     """
 
     layer: str | type
@@ -62,6 +65,7 @@ class LayerKind:
     inference_identity: bool = False
     convolutions: tuple[str, ...] = ()
     recurrent: bool = False
+    lora: type[LayerRule] | None = None
 
     @property
     def name(self) -> str:
@@ -120,13 +124,14 @@ class LayerRegistry:
                 f"a layer kind names a Keras class name or a layer class, got "
                 f"{type(kind.layer).__name__}: {kind.layer!r}"
             )
-        if kind.rule is not None and not (
-            isinstance(kind.rule, type) and issubclass(kind.rule, LayerRule)
-        ):
-            raise TypeError(
-                f"the rule of {kind.name} must be a LayerRule subclass, got "
-                f"{kind.rule!r}"
-            )
+        for rule, what in ((kind.rule, "rule"), (kind.lora, "LoRA rule")):
+            if rule is not None and not (
+                isinstance(rule, type) and issubclass(rule, LayerRule)
+            ):
+                raise TypeError(
+                    f"the {what} of {kind.name} must be a LayerRule subclass, "
+                    f"got {rule!r}"
+                )
         # a class is also checked against the stock classes of its name
         # (a stock name is not resolved here: that would import Keras)
         if any(known.layer == kind.layer for known in self._kinds) or (
@@ -190,11 +195,22 @@ class LayerRegistry:
     def with_rules(self) -> str:
         """The kinds with a rule, in words: ``"Dense, Conv1D, ... and
         BatchNormalization (inference mode)"``."""
-        named = [
-            f"{k.name} ({k.rule.covers})" if k.rule.covers else k.name
-            for k in self._kinds
-            if k.rule is not None
-        ]
-        if len(named) < 2:
-            return "".join(named)
-        return f"{', '.join(named[:-1])} and {named[-1]}"
+        return _listed(
+            [
+                f"{k.name} ({k.rule.covers})" if k.rule.covers else k.name
+                for k in self._kinds
+                if k.rule is not None
+            ]
+        )
+
+    def with_lora_rules(self) -> str:
+        """The kinds with a rule for LoRA-enabled layers, in words:
+        ``"Dense, EinsumDense and Embedding"``."""
+        return _listed([k.name for k in self._kinds if k.lora is not None])
+
+
+def _listed(named: list[str]) -> str:
+    """``["a", "b", "c"]`` -> ``"a, b and c"``."""
+    if len(named) < 2:
+        return "".join(named)
+    return f"{', '.join(named[:-1])} and {named[-1]}"

@@ -12,6 +12,7 @@ from jacobkit.layers.dense import DenseRule
 from jacobkit.layers.depthwise import DepthwiseConv2DRule
 from jacobkit.layers.einsum import EinsumDenseRule
 from jacobkit.layers.embedding import EmbeddingRule, ReversibleEmbeddingRule
+from jacobkit.layers.lora import DenseLoraRule, EinsumDenseLoraRule, EmbeddingLoraRule
 from jacobkit.layers.normalization import (
     BatchNormalizationRule,
     GemmaRMSNormalizationRule,
@@ -32,16 +33,16 @@ _HUB = "keras_hub.src"
 #: them (a layer's kind is found by its class, whatever the order)
 KINDS = (
     # closed forms for the batch strategy
-    LayerKind("Dense", DenseRule, linear="matmul"),
+    LayerKind("Dense", DenseRule, linear="matmul", lora=DenseLoraRule),
     LayerKind("Conv1D", Conv1DRule, linear="convolution", convolutions=("conv2d",)),
     LayerKind("Conv2D", Conv2DRule, linear="convolution", convolutions=("conv2d",)),
     LayerKind("DepthwiseConv2D", DepthwiseConv2DRule, convolutions=("depthwise",)),
     LayerKind(
         "SeparableConv2D", SeparableConv2DRule, convolutions=("depthwise", "conv2d")
     ),
-    LayerKind("EinsumDense", EinsumDenseRule),
+    LayerKind("EinsumDense", EinsumDenseRule, lora=EinsumDenseLoraRule),
     LayerKind("MultiHeadAttention", MultiHeadAttentionRule),
-    LayerKind("Embedding", EmbeddingRule),
+    LayerKind("Embedding", EmbeddingRule, lora=EmbeddingLoraRule),
     LayerKind("LayerNormalization", LayerNormalizationRule),
     LayerKind("BatchNormalization", BatchNormalizationRule),
     LayerKind("RMSNormalization", RMSNormalizationRule),

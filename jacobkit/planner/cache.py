@@ -107,15 +107,16 @@ def _layers(model: Any) -> list[list[Any]]:
     found = []
     for layer, path in layer_tree.walk(model):
         activation = compat.activation_name(compat.activation(layer))
-        kind = layers.kind_of(layer)
-        rule = None if kind is None else kind.rule
+        rule = layers.rule_for(layer)  # a LoRA layer's own (its kind's lora=)
         found.append(
             [
                 type(layer).__module__,
                 type(layer).__qualname__,
                 list(path),
                 activation,
-                "" if rule is None else f"{rule.__module__}.{rule.__qualname__}",
+                ""
+                if rule is None
+                else f"{type(rule).__module__}.{type(rule).__qualname__}",
             ]
         )
     return found

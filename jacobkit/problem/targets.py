@@ -188,14 +188,31 @@ def _hint(name: str, paths: list[str], every: list[str], with_variables: bool) -
 
 
 def _layer_variables(layer: Any) -> list[Any]:
+    if compat.lora_enabled(layer):
+        # its kernel is computed (frozen + s A B): the targets are what is
+        # trained, the factors and the bias, as its rule's parts hold them
+        rule = layers.rule_for(layer)
+        if rule is not None and rule.unsupported() is None:
+            return [
+                w
+                for part in rule.parts()
+                for w in (part.weight("kernel"), part.weight("bias"))
+                if w is not None
+            ]
+        return _trainable_by_nature(layer)
     kernel = compat.named_weight(layer, "kernel")
     if kernel is not None and not callable(kernel):
         bias = compat.named_weight(layer, "bias")
         return [kernel] + ([bias] if bias is not None else [])
+    return _trainable_by_nature(layer)
+
+
+def _trainable_by_nature(layer: Any) -> list[Any]:
     # Every weight that is trainable by nature, whether or not the layer is
     # frozen now: layer.trainable=False empties trainable_weights, but the
     # tf.Variable keeps the trainable flag it was created with (moving
-    # statistics and other state are created non-trainable).
+    # statistics and other state are created non-trainable; a LoRA layer's
+    # frozen kernel is made non-trainable by enable_lora).
     return [
         w
         for w in compat.weights_or_variables(layer)

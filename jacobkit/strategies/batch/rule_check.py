@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.layers import stock
+from jacobkit.layers import lora, stock
 from jacobkit.layers.base import Tapped, squared_rows
 from jacobkit.problem import Problem
 from jacobkit.problem.targets import Projection
@@ -26,7 +26,9 @@ _CHECK_ROWS = 2
 #: every first call. NOTE (measured, one core): checking them took 0.32 s of
 #: the reductions benchmark's conv net's first clipped sum (0.42 s before the
 #: check, 0.74 s with it), and doubled BERT tiny's (2.2 -> 4.4 s)
-_STOCK_RULES = frozenset(kind.rule for kind in stock.KINDS)
+_STOCK_RULES = frozenset(kind.rule for kind in stock.KINDS) | frozenset(
+    part for kind in stock.KINDS if kind.lora for part in lora.part_rules(kind.lora)
+)
 
 
 def checked(rule: Any) -> bool:
