@@ -1,8 +1,10 @@
 """How far the closed forms reach on the models users load: ``jk.coverage``
-on keras_hub BERT, GPT-2, Gemma and ViT (tiny configurations, random
-weights) and keras.applications ResNet50, MobileNetV2, ConvNeXtTiny and
-DenseNet121 (random weights, 32 px, the whole backbone trainable), for
-per-example rows. Writes ``coverage.md`` (and ``coverage.json``) to ``--out``.
+on keras_hub BERT, GPT-2, Gemma and ViT and the GPT-2 and Gemma causal LMs
+(tiny configurations, random weights) and keras.applications ResNet50,
+MobileNetV2, ConvNeXtTiny and DenseNet121 (random weights, 32 px, the whole
+backbone trainable), for per-example rows. Writes ``coverage.md`` (and
+``coverage.json``) to ``--out``; ``--only NAME`` (repeated) reruns those
+models and keeps the other rows of ``--out``'s ``coverage.json``.
 
     python benchmarks/coverage.py --out benchmarks/results/cpu
 
@@ -39,6 +41,18 @@ def models() -> dict:
 
     text = dict(num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32)
     image = rng.normal(size=(2, 32, 32, 3)).astype("float32")
+
+    def gemma() -> object:
+        return keras_hub.models.GemmaBackbone(
+            vocabulary_size=50,
+            num_layers=2,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=16,
+            intermediate_dim=32,
+            head_dim=8,
+        )
+
     found = {
         "keras_hub BERT": (
             keras_hub.models.BertBackbone(
@@ -54,16 +68,20 @@ def models() -> dict:
             tokens(),
             None,
         ),
-        "keras_hub Gemma": (
-            keras_hub.models.GemmaBackbone(
-                vocabulary_size=50,
-                num_layers=2,
-                num_query_heads=2,
-                num_key_value_heads=1,
-                hidden_dim=16,
-                intermediate_dim=32,
-                head_dim=8,
+        "keras_hub Gemma": (gemma(), tokens(), None),
+        # the backbones above, each under its head tied to its token table
+        "keras_hub GPT2CausalLM": (
+            keras_hub.models.GPT2CausalLM(
+                keras_hub.models.GPT2Backbone(
+                    vocabulary_size=50, max_sequence_length=16, **text
+                ),
+                preprocessor=None,
             ),
+            tokens(),
+            None,
+        ),
+        "keras_hub GemmaCausalLM": (
+            keras_hub.models.GemmaCausalLM(gemma(), preprocessor=None),
             tokens(),
             None,
         ),
@@ -94,11 +112,22 @@ def models() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cpu")
+    parser.add_argument("--only", action="append", default=[])
     args = parser.parse_args()
     import jacobkit as jk
 
+    kept = Path(args.out) / "coverage.json"
+    earlier = (
+        {r["model"]: r for r in json.loads(kept.read_text())}
+        if args.only and kept.exists()
+        else {}
+    )
     rows = []
     for name, (model, x, output) in models().items():
+        if args.only and name not in args.only:
+            if name in earlier:
+                rows.append(earlier[name])
+            continue
         start = time.perf_counter()
         found = jk.coverage(model, x, output=output)
         seconds = time.perf_counter() - start

@@ -31,6 +31,7 @@ import runs
 
 HERE = Path(__file__).resolve().parent
 METHODS = (
+    "TF plain step",
     "tracin",
     "grad_cos",
     "self_influence",
@@ -39,10 +40,12 @@ METHODS = (
 )
 #: PyTorch's runs: label -> the peer script's arguments
 PEERS = {
+    "PyTorch plain step": ["--method", "plain_step"],
     "captum TracInCP": ["--method", "tracin_captum"],
     "captum TracInCP (loop)": ["--method", "tracin_captum", "--captum-grads", "loop"],
     "captum self_influence": ["--method", "self_influence_captum"],
     "TRAK TRAKer (BasicProjector)": ["--method", "trak"],
+    "TRAK TRAKer (jacobkit's maps)": ["--method", "trak_jacobkit_maps"],
     "PyTorch vmap(grad) TracIn": ["--method", "tracin_vmap"],
 }
 
@@ -51,9 +54,13 @@ def child(npz: str, method: str, repeats: int) -> None:
     """One run; prints one JSON line."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE / "peers"))
+    import footing
     import keras
     import numpy as np
-    from protocol import measure
+    import tensorflow as tf
+    from protocol import measure, paired
+
+    record = footing.pin_tensorflow("influence")
 
     import jacobkit as jk
     from jacobkit import explain
@@ -86,7 +93,23 @@ def child(npz: str, method: str, repeats: int) -> None:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     rows = jk.Loss(loss)
     want = None
-    if method == "tracin":
+
+    def plain_step():  # noqa: ANN202 - a call returning arrays
+        # the first checkpoint's summed-loss gradient over the 1,000 training
+        # examples, one tf.function taking the batch as its argument
+        model, variables = checkpoints[0], checkpoints[0].trainable_variables
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                total = tf.reduce_sum(loss(y, model(x)))
+            return tape.gradient(total, variables)
+
+        return lambda: [tf.convert_to_tensor(g).numpy() for g in step(*train)]
+
+    if method == "TF plain step":
+        call = plain_step()
+    elif method == "tracin":
 
         def call():
             return explain.tracin(checkpoints, train, test, loss=loss).scores
@@ -123,8 +146,11 @@ def child(npz: str, method: str, repeats: int) -> None:
     else:
         raise SystemExit(f"unknown method {method!r}")
     timings, result = measure(call, repeats)
-    scores = int(np.asarray(result).size)
-    row = {**timings, "scores_per_s": scores / timings["steady_s"]}
+    if method != "TF plain step":
+        # against TensorFlow's own plain step, alternating in this process
+        timings["paired"] = paired(call, plain_step())
+    scores = 0 if method == "TF plain step" else int(np.asarray(result).size)
+    row = {**timings, "scores_per_s": scores / timings["steady_s"], "footing": record}
     if want is not None:
         row["error"] = float(np.abs(result - want).max() / np.abs(want).max())
         row["agreement"] = row.pop("error")
@@ -138,6 +164,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/cpu")
+    parser.add_argument(
+        "--loaded",
+        action="store_true",
+        help="label the results as measured on a machine loaded by other work",
+    )
     args = parser.parse_args()
     if args.child:
         return child(*args.child, args.repeats)
@@ -163,6 +194,8 @@ def main() -> None:
                 *extra,
             ]
     data = {
+        "machine": runs.machine(),
+        "loaded": args.loaded,
         "rounds": args.rounds,
         "repeats": args.repeats,
         "runs": runs.rounds(commands, args.rounds),
@@ -174,7 +207,18 @@ def main() -> None:
     print(_markdown(data))
 
 
+def _ratio(row: dict, base: float | None) -> float | None:
+    """A run's ratio to its own plain step: paired in its process where it
+    was, else of the separate processes' medians."""
+    if row.get("paired"):
+        return float(row["paired"]["ratio"])
+    return row["steady_s"] / base if base and "steady_s" in row else None
+
+
 def _markdown(data: dict) -> str:
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
+
     measured = data["runs"]
     lines = [
         "# Training-data attribution: jacobkit, materializing, PyTorch",
@@ -182,14 +226,44 @@ def _markdown(data: dict) -> str:
         "Written by `benchmarks/influence.py`: notebook 07's digits MLP (2,410 "
         "parameters), 100 test x 1,000 training examples, 3 checkpoints "
         "(TracIn, Grad-Cos, self-influence; self-influence scores 1,000 "
-        "examples) and 10 ensemble models (TRAK, 64 dimensions); one core "
-        "(`taskset -c 0`), fresh processes, median of "
+        "examples) and 10 ensemble models (TRAK, 64 dimensions); fresh "
+        "processes, median of "
         f"{data['rounds']} rounds of {data['repeats']} steady calls.",
         "",
-        "| run | steady ms | scores/s | × jacobkit | first call s | "
-        "first 3 calls s | steady growth MiB | first-call growth MiB | "
-        "agreement with jacobkit |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Each side on equal footing: one thread each, every process pinned to "
+        "one core (the scripts refuse to run unpinned), and each run divided "
+        "by **its own framework's plain step** (the first checkpoint's "
+        "summed-loss gradient over the 1,000 training examples: one forward "
+        "and one backward pass), in separate processes and, robust to a busy "
+        "machine, paired in one process (the median ratio over rounds that "
+        "time either side alternately, with its 95% bootstrap interval). "
+        "`× jacobkit` compares those ratios (paired where measured): a "
+        "PyTorch run's plain steps over jacobkit's. `TRAKer (jacobkit's "
+        "maps)` projects by the maps jacobkit drew (exported with the "
+        "weights).",
+        "",
+        f"Machine: {data.get('machine', 'not recorded')}.",
+        "",
+    ]
+    sides: dict[str, dict] = {}
+    for row in measured.values():
+        if row.get("footing"):
+            sides.setdefault(row["footing"]["side"], row["footing"])
+    lines += [f"- {footing.describe(r)}" for _, r in sorted(sides.items())]
+    lines.append("")
+    if data.get("loaded"):
+        lines += [
+            "**Measured on a loaded machine** (2 cores shared with other "
+            "work): absolute times are inflated and noisy; read the ratios to "
+            "each framework's own plain step.",
+            "",
+        ]
+    lines += [
+        "| run | steady ms | × own plain step | paired in one process (95% "
+        "interval) | × jacobkit (in own plain steps) | "
+        "scores/s | first call s | first 3 calls s | steady growth MiB | "
+        "first-call growth MiB | agreement with jacobkit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ours = {
         "captum TracInCP": "tracin",
@@ -198,28 +272,46 @@ def _markdown(data: dict) -> str:
         "materialized tracin": "tracin",
         "captum self_influence": "self_influence",
         "TRAK TRAKer (BasicProjector)": "trak",
+        "TRAK TRAKer (jacobkit's maps)": "trak",
+    }
+    plain = {
+        "tensorflow": measured.get("TF plain step", {}).get("steady_s"),
+        "torch": measured.get("PyTorch plain step", {}).get("steady_s"),
     }
     for key, row in measured.items():
         if "error" in row:
-            lines.append(f"| {key} | error: {row['error']} | | | | | | | |")
+            lines.append(f"| {key} | error: {row['error']} | | | | | | | | | |")
             continue
+        side = "torch" if key in PEERS else "tensorflow"
+        base = plain[side]
+        own = row["steady_s"] / base if base else None
         versus = ""
         twin = measured.get(ours.get(key, ""), {})
-        if twin.get("steady_s"):
-            versus = f"{row['steady_s'] / twin['steady_s']:.2f}"
+        mine, theirs = _ratio(row, base), _ratio(twin, plain["tensorflow"])
+        if mine and theirs:
+            versus = f"{mine / theirs:.2f}"
+        found = row.get("paired")
+        pair = (
+            f"{found['ratio']:.2f} ({found['low']:.2f}–{found['high']:.2f})"
+            if found
+            else ""
+        )
         # jacobkit's own runs are compared with the exported reference, its
         # own numbers: only the materializing run's agreement says anything
         agreement = row.get("agreement") if key == "materialized tracin" else None
         if agreement is None:
-            for name in ("tracin_err", "self_influence_err", "spearman"):
+            for name in ("tracin_err", "self_influence_err", "trak_err", "spearman"):
                 if name in row:
                     agreement = f"{name} {row[name]:.3g}"
+                    break
         elif isinstance(agreement, float):
             agreement = f"{agreement:.2g}"
+        scores = f"{row['scores_per_s']:,.0f}" if row.get("scores_per_s") else ""
         lines.append(
             f"| {key} | {row['steady_s'] * 1e3:.1f} | "
-            f"{row.get('scores_per_s', 0):,.0f} | {versus} | {row['first_s']:.2f} | "
-            f"{row['first_three_s']:.2f} | {row['peak_growth_mib']:.1f} | "
+            f"{'' if own is None else f'{own:.2f}'} | {pair} | {versus} | {scores} | "
+            f"{row['first_s']:.2f} | {row['first_three_s']:.2f} | "
+            f"{row['peak_growth_mib']:.1f} | "
             f"{row.get('first_growth_mib', float('nan')):.1f} | {agreement or ''} |"
         )
     return "\n".join(lines) + "\n"

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import runs
+
 HERE = Path(__file__).resolve().parent
 SIZES = {"batch": 256, "inputs": 512, "hidden": 1024, "features": 144}
 #: MACs of one row: the backward pass through the head and hidden2 at B=256,
@@ -69,12 +71,15 @@ def child(strategy: str, weights: str, repeats: int) -> None:
     """One jacobkit (or raw TensorFlow) run; prints one JSON line."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE / "peers"))
+    import footing
     import numpy as np
     import tensorflow as tf
     from protocol import measure
 
     import jacobkit as jk
     from jacobkit.testing import example_models
+
+    record = footing.pin_tensorflow("mlp_limit")
 
     example = example_models.mlp(**SIZES)
     model, x = example.model, example.inputs
@@ -122,6 +127,7 @@ def child(strategy: str, weights: str, repeats: int) -> None:
             {
                 **timings,
                 "kernel": weights + f".{os.getpid()}.npy",
+                "footing": record,
             }
         )
     )
@@ -144,7 +150,7 @@ def gemm_rate() -> float:
 
 
 def _pinned(command: list[str]) -> list[str]:
-    return (["taskset", "-c", "0"] if shutil.which("taskset") else []) + command
+    return runs.pinned(command)
 
 
 def _run(command: list[str], env: dict[str, str]) -> dict:

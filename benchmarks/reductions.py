@@ -77,14 +77,50 @@ METHODS = (
 )
 #: every jacobkit run, those of the larger cases too
 OWN = (*METHODS, "budgeted gram")
-#: the conv net's PyTorch runs: label -> the peer script's --method
+#: Opacus's ways of taking per-example gradients, as the peer names them:
+#: ``GradSampleModule``'s hooks, functorch and expanded weights, and ghost
+#: clipping (``make_private(grad_sample_mode="ghost")``)
+OPACUS_MODES = {
+    "hooks": "hooks",
+    "functorch": "functorch",
+    "ew": "expanded weights",
+    "ghost": "ghost clipping",
+}
+#: the conv net's PyTorch runs: label -> the peer script's --method; each
+#: divided by PyTorch's own plain step
 PEERS = {
     "PyTorch plain step": "plain",
-    "Opacus ghost clipping": "clipped_opacus",
+    **{
+        f"Opacus {label}, clipped": f"clipped_opacus_{m}"
+        for m, label in OPACUS_MODES.items()
+    },
     "PyTorch vmap(grad) clipped": "clipped_vmap",
     "PyTorch vmap(grad) gram": "gram_vmap",
-    "PyTorch vmap(grad) projection": "project_vmap",
+    "PyTorch vmap(grad) projection (jacobkit's maps)": "project_vmap",
 }
+#: the DP-SGD training step (issue 49): PyTorch's plain SGD step and
+#: Opacus's DP-SGD step in each mode, on the conv net's weights
+DP_PEERS = {
+    "PyTorch SGD step": "sgd_step",
+    **{
+        f"Opacus {label}, DP-SGD step": f"dp_step_opacus_{m}"
+        for m, label in OPACUS_MODES.items()
+    },
+}
+#: the cases PyTorch runs on (``peers/export_reductions.py --case``), and
+#: the methods it leaves out on each (none now)
+PEER_CASES = ("convnet", "bert")
+PEER_SKIP: dict[str, tuple[str, ...]] = {}
+#: TensorFlow's side of the DP-SGD step table: its plain SGD step, and
+#: jacobkit's compiled DP step (its child method to be added where that
+#: step lands: ``child`` names it by this label)
+TF_SGD = "TensorFlow SGD step"
+TF_DP = (TF_SGD, "jacobkit DP-SGD step")
+#: the DP and plain steps' learning rate (the peer's ``LR``)
+LR = 0.01
+#: the label of every PyTorch run's own baseline
+TORCH_PLAIN = "PyTorch plain step"
+TORCH_SGD = "PyTorch SGD step"
 SIZES = (64, 256, 1024)
 
 
@@ -93,10 +129,13 @@ def child(case: str, method: str, repeats: int) -> None:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE / "peers"))
+    import footing
     import numpy as np
     import reductions_models
     import tensorflow as tf
-    from protocol import measure
+    from protocol import measure, paired
+
+    record = footing.pin_tensorflow("reductions")
 
     import jacobkit as jk
     from jacobkit.problem import sketch
@@ -118,6 +157,8 @@ def child(case: str, method: str, repeats: int) -> None:
 
     if method == "plain step":
         call = plain_step(built)
+    elif method == TF_SGD:
+        call = sgd_step(built)
     elif method == "clipped sum":
 
         def call():
@@ -167,8 +208,14 @@ def child(case: str, method: str, repeats: int) -> None:
         return not plans or plans[0] is None or plans[0].settled
 
     timings, _ = measure(call, repeats, settled=settled)
+    if method in TF_DP and method != TF_SGD:
+        # a DP step against TensorFlow's plain SGD step, in this process
+        timings["paired"] = paired(call, sgd_step(built))
+    elif method not in ("plain step", TF_SGD) and case in PEER_CASES:
+        # against TensorFlow's own plain step, alternating in this process
+        timings["paired"] = paired(call, plain_step(built))
     strategy = None if not plans or plans[0] is None else plans[0].strategy.label
-    print(json.dumps({**timings, "strategy": strategy}))
+    print(json.dumps({**timings, "strategy": strategy, "footing": record}))
 
 
 def plain_step(built: Any) -> Callable[[], list]:
@@ -193,6 +240,33 @@ def plain_step(built: Any) -> Callable[[], list]:
     return call
 
 
+def sgd_step(built: Any) -> Callable[[], None]:
+    """One plain SGD training step of ``built``'s model (forward, the
+    batch's mean loss, backward, ``keras.optimizers.SGD(LR)``'s update), a
+    ``tf.function`` taking the batch as its argument: the DP step's
+    baseline, as ``torch.optim.SGD``'s step is Opacus's."""
+    import keras
+    import reductions_models
+    import tensorflow as tf
+
+    fn, model = reductions_models.loss(), built.model
+    optimizer = keras.optimizers.SGD(LR)
+    variables = model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            # inference mode, as the plain step, the reductions and the
+            # peer (whose dropout is 0) run: the same function on both sides
+            mean = tf.reduce_mean(fn(y, model(x)))
+        optimizer.apply_gradients(zip(tape.gradient(mean, variables), variables))
+
+    def call() -> None:
+        step(built.x, built.y)
+
+    return call
+
+
 def child_paired(case: str, rounds: int) -> None:
     """The clipped sum against the plain step in one process: every round
     times ``PAIRED_CALLS`` calls of each (the order alternating) and takes
@@ -204,11 +278,15 @@ def child_paired(case: str, rounds: int) -> None:
 
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
     import numpy as np
     import reductions_models
 
     import jacobkit as jk
     from jacobkit.bench import stats
+
+    record = footing.pin_tensorflow("reductions --paired")
 
     built = reductions_models.CASES[case]()
     loss = jk.Loss(reductions_models.loss())
@@ -252,6 +330,7 @@ def child_paired(case: str, rounds: int) -> None:
                 "rounds": found.n,
                 "plain_ms": 1e3 * float(np.median(times["plain step"])),
                 "clipped_ms": 1e3 * float(np.median(times["clipped sum"])),
+                "footing": record,
             }
         )
     )
@@ -303,6 +382,11 @@ def main() -> None:
     parser.add_argument("--cases", default="convnet,mlp,bert,convnet_medium,bert_small")
     parser.add_argument("--out", default="benchmarks/results/cpu")
     parser.add_argument(
+        "--loaded",
+        action="store_true",
+        help="label the results as measured on a machine loaded by other work",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep --out's other runs, replacing those of --cases",
@@ -339,6 +423,7 @@ def main() -> None:
                 },
             }
             data["machine"] = runs.machine()
+        data["loaded"] = args.loaded
         return _write(data, out)
     commands: dict[str, list[str]] = {}
     sys.path.insert(0, str(HERE))
@@ -346,7 +431,9 @@ def main() -> None:
 
     cases = args.cases.split(",")
     for case in cases:
-        for method in reductions_models.ONLY.get(case, METHODS):
+        own = reductions_models.ONLY.get(case, METHODS)
+        dp = (TF_SGD,) if case in PEER_CASES and args.peers_python else ()
+        for method in (*own, *dp):
             commands[f"{case}|{method}"] = [
                 *me,
                 "--child",
@@ -356,20 +443,20 @@ def main() -> None:
                 str(reductions_models.REPEATS.get(case, args.repeats)),
             ]
     work = Path(tempfile.mkdtemp())
-    if args.peers_python and "convnet" in args.cases:
-        npz = work / "reductions.npz"
+    for case in PEER_CASES if args.peers_python else ():
+        if case not in cases:
+            continue
+        npz = work / f"{case}.npz"
+        export = [sys.executable, str(HERE / "peers/export_reductions.py")]
         subprocess.run(
-            [
-                sys.executable,
-                str(HERE / "peers/export_reductions.py"),
-                "--out",
-                str(npz),
-            ],
+            [*export, "--case", case, "--out", str(npz)],
             check=True,
             capture_output=True,
         )
-        for label, method in PEERS.items():
-            commands[f"convnet|{label}"] = [
+        for label, method in {**PEERS, **DP_PEERS}.items():
+            if method in PEER_SKIP.get(case, ()):
+                continue
+            commands[f"{case}|{label}"] = [
                 args.peers_python,
                 str(HERE / "peers/reductions_torch.py"),
                 "--npz",
@@ -381,17 +468,35 @@ def main() -> None:
             ]
     data = {
         "machine": runs.machine(),
+        "loaded": args.loaded,
         "rounds": args.rounds,
         "repeats": args.repeats,
         "runs": runs.rounds(commands, args.rounds),
         "paired": {case: runs.run([*me, "--paired", case]) for case in cases},
         "over": {} if args.merge else _over(me),
     }
+    # which machine and load each case was measured on: a merged file keeps
+    # the other cases of an earlier run, perhaps of another machine
+    state = f"{data['machine']}{', loaded' if args.loaded else ''}"
+    data["case_machines"] = {case: state for case in cases}
     if args.merge:
         kept = json.loads((out / "reductions.json").read_text())
-        data["runs"] = {**kept["runs"], **data["runs"]}
+        earlier = {
+            case: kept.get("machine", "not recorded")
+            for case in {k.split("|")[0] for k in kept["runs"]}
+        }
+        data["case_machines"] = {
+            **earlier,
+            **kept.get("case_machines", {}),
+            **data["case_machines"],
+        }
+        data["runs"] = {
+            **{k: v for k, v in kept["runs"].items() if k.split("|")[0] not in cases},
+            **data["runs"],
+        }
         data["paired"] = {**kept.get("paired", {}), **data["paired"]}
         data["over"] = kept["over"]
+        data["over_machine"] = kept.get("over_machine", kept.get("machine"))
     _write(data, out)
 
 
@@ -419,29 +524,35 @@ def _markdown(data: dict) -> str:
         "# Reductions of per-example gradients against materializing them",
         "",
         "Written by `benchmarks/reductions.py`: batch 32, every trainable "
-        "variable, per-example cross-entropy; one core (`taskset -c 0`), fresh "
+        "variable, per-example cross-entropy; one core (`taskset -c N`), fresh "
         f"processes, median of {data['rounds']} rounds of {data['repeats']} "
         f"steady calls ({fewer}). Ratios are within a model's rows of this one "
         "run.",
         "",
         f"Machine: {data.get('machine', 'not recorded')}.",
         "",
+        *_footing(data),
     ]
+    machines = data.get("case_machines", {})
     for case in sorted({k.split("|")[0] for k in measured}):
-        base = measured.get(f"{case}|plain step", {}).get("steady_s")
         lines += [
             f"## {case}",
             "",
-            "| run | steady ms | × plain step | × materialized | first call s | "
+            f"Measured on: {machines.get(case, data.get('machine'))}.",
+            "",
+            "| run | steady ms | × own plain step | paired in one process "
+            "(95% interval) | × materialized | first call s | "
             "first 3 calls s | steady growth MiB | first-call growth MiB | strategy |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for key, row in measured.items():
-            if not key.startswith(case + "|"):
+            label = key.split("|", 1)[1]
+            if not key.startswith(case + "|") or label in DP_PEERS or label in TF_DP:
                 continue
             label = key.split("|", 1)[1]
+            base = measured.get(f"{case}|{_own_plain(label)}", {}).get("steady_s")
             if "error" in row:
-                lines.append(f"| {label} | error: {row['error']} | | | | | | | |")
+                lines.append(f"| {label} | error: {row['error']} | | | | | | | | |")
                 continue
             steady = row["steady_s"]
             versus = ""
@@ -451,17 +562,23 @@ def _markdown(data: dict) -> str:
                 versus = f"{steady / twin['steady_s']:.2f}"
             lines.append(
                 f"| {label} | {steady * 1e3:.1f} | "
-                f"{steady / base:.2f} | {versus} | {row['first_s']:.2f} | "
+                f"{steady / base:.2f} | {_paired_cell(row)} | {versus} | "
+                f"{row['first_s']:.2f} | "
                 f"{row['first_three_s']:.2f} | {row['peak_growth_mib']:.1f} | "
                 f"{row.get('first_growth_mib', float('nan')):.1f} | "
                 f"{row.get('strategy') or ''} |"
                 if base
-                else f"| {label} | {steady * 1e3:.1f} | | | | | | | |"
+                else f"| {label} | {steady * 1e3:.1f} | | | | | | | | |"
             )
+        lines += _fastest_opacus(case, measured)
         lines += ["", *_floor(case, measured)]
+    for case in PEER_CASES:
+        lines += _dp_step(case, measured)
     lines += _paired(data.get("paired", {}))
     lines += [
         "## Peak over a dataset (conv net, batches of 32)",
+        "",
+        f"Measured on: {data.get('over_machine', data.get('machine'))}.",
         "",
         "TensorFlow's allocator peak during the call (its pooled CPU allocator), "
         "beside the result's own size (a projection's result holds each "
@@ -476,6 +593,152 @@ def _markdown(data: dict) -> str:
         else:
             lines.append(f"| {key} | {row['peak_mib']:.1f} | {row['result_mib']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _paired_cell(row: dict) -> str:
+    """A run's paired ratio to its own plain step (``protocol.paired``):
+    the median with its 95% interval."""
+    found = row.get("paired")
+    if not found:
+        return ""
+    return f"{found['ratio']:.2f} ({found['low']:.2f}–{found['high']:.2f})"
+
+
+def _ratio(row: dict, base: float | None) -> float | None:
+    """A run's ratio to its own plain step: paired in its process where it
+    was, else of the separate processes' medians."""
+    if row.get("paired"):
+        return float(row["paired"]["ratio"])
+    return row["steady_s"] / base if base and "steady_s" in row else None
+
+
+def _own_plain(label: str) -> str:
+    """The plain step a run is divided by: its own framework's."""
+    return TORCH_PLAIN if label.startswith(("PyTorch", "Opacus")) else "plain step"
+
+
+def _footing(data: dict) -> list[str]:
+    """How the runs were pinned, each side's machine record and versions,
+    and whether the machine was loaded."""
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
+
+    sides: dict[str, dict] = {}
+    for row in data["runs"].values():
+        record = row.get("footing")
+        if record:
+            sides.setdefault(record["side"], record)
+    if not sides:
+        return ["No footing recorded for this run (before the one-thread check).", ""]
+    lines = [
+        "Each side on equal footing: one thread (PyTorch's intra- and inter-op "
+        "threads; TensorFlow's intra- and inter-op parallelism), every process "
+        "pinned to one core (the scripts refuse to run unpinned), and every "
+        "time divided by the same framework's plain step on the same model "
+        "and batch (× own plain step).",
+        "",
+        *[f"- {footing.describe(record)}" for _, record in sorted(sides.items())],
+        "",
+    ]
+    if data.get("loaded"):
+        lines += [
+            "**Measured on a loaded machine** (the cases marked loaded: 2 "
+            "cores shared with other work): absolute times are inflated "
+            "and noisy; the ratios to each framework's own plain step are "
+            "what to read, and even they move by more than on a quiet machine.",
+            "",
+        ]
+    return lines
+
+
+def _fastest_opacus(case: str, measured: dict) -> list[str]:
+    """Which Opacus mode the comparison takes as the peer: the fastest of
+    those whose clipped sums matched jacobkit's (a mode that disagreed or
+    failed printed no timing)."""
+    base = measured.get(f"{case}|{TORCH_PLAIN}", {}).get("steady_s")
+    good = {
+        label: found
+        for label in PEERS
+        if label.startswith("Opacus")
+        and (found := _ratio(measured.get(f"{case}|{label}", {}), base)) is not None
+    }
+    if not good:
+        return [""]
+    best = min(good, key=good.__getitem__)
+    ours = _ratio(
+        measured.get(f"{case}|clipped sum", {}),
+        measured.get(f"{case}|plain step", {}).get("steady_s"),
+    )
+    line = (
+        f"Opacus's fastest correct mode here: {best.split(',')[0]} "
+        f"({good[best]:.2f} × PyTorch's plain step)"
+    )
+    if ours:
+        line += f"; jacobkit's clipped sum: {ours:.2f} × TensorFlow's plain step"
+    return ["", line + ".", ""]
+
+
+def _dp_step(case: str, measured: dict) -> list[str]:
+    """The DP-SGD training step over the same framework's plain training
+    step (issue 49): Opacus's modes now; jacobkit's compiled DP ``fit``
+    step goes beside them when it lands."""
+    rows = {
+        k.split("|", 1)[1]: v
+        for k, v in measured.items()
+        if k.startswith(case + "|") and k.split("|", 1)[1] in (*DP_PEERS, *TF_DP)
+    }
+    if not rows:
+        return []
+    bases = {
+        "PyTorch": rows.get(TORCH_SGD, {}).get("steady_s"),
+        "TensorFlow": rows.get(TF_SGD, {}).get("steady_s"),
+    }
+    lines = [
+        f"## DP-SGD training step ÷ the same framework's plain step ({case})",
+        "",
+        "One training step on the batch: forward, backward, the update (SGD, "
+        f"learning rate {LR}), each framework's DP step over its own plain "
+        "SGD step on the same weights. Opacus's DP-SGD step (`make_private`, "
+        "flat clipping at C = 1, Gaussian noise σ = 1, no Poisson sampling: "
+        "one batch of 32) in each of its modes; each mode is checked first (a "
+        "noiseless twin's update at learning rate 1, times the batch, must "
+        "equal jacobkit's clipped sum within 1e-4). TensorFlow's plain SGD "
+        "step is a `tf.function` of the batch with `keras.optimizers.SGD`; "
+        f"jacobkit's compiled DP step (`{TF_DP[1]}`) goes beside it when it "
+        "lands.",
+        "",
+        "| step | framework | steady ms | × own plain SGD step | paired in one "
+        "process (95% interval) | clipped sum error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, row in rows.items():
+        side = "TensorFlow" if label in TF_DP else "PyTorch"
+        if "error" in row:
+            lines.append(f"| {label} | {side} | error: {row['error']} | | | |")
+            continue
+        base = bases[side]
+        ratio = f"{row['steady_s'] / base:.2f}" if base else ""
+        err = f"{row['clipped_err']:.1e}" if "clipped_err" in row else ""
+        lines.append(
+            f"| {label} | {side} | {row['steady_s'] * 1e3:.1f} | {ratio} | "
+            f"{_paired_cell(row)} | {err} |"
+        )
+    base = bases["PyTorch"]
+    good = {
+        label: found
+        for label, row in rows.items()
+        if label in DP_PEERS
+        and label != TORCH_SGD
+        and (found := _ratio(row, base)) is not None
+    }
+    if good:
+        best = min(good, key=good.__getitem__)
+        lines += [
+            "",
+            f"Opacus's fastest correct DP step here: {best.split(',')[0]} "
+            f"({good[best]:.2f} × PyTorch's plain SGD step).",
+        ]
+    return [*lines, ""]
 
 
 #: the issue's goal for the Gram matrix and the projection: at most this

@@ -1,6 +1,7 @@
 """How the benchmark scripts run each measurement: a fresh process pinned
-to one core (``taskset -c 0`` where it exists), its last JSON line read back,
-and the median over rounds of the runs that did not fail."""
+to one core (``taskset -c 0`` where it exists; ``BENCH_CORE`` names
+another), its last JSON line read back, and the median over rounds of the
+runs that did not fail."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ import sys
 FIELDS = ("first_s", "first_three_s", "steady_s", "first_growth_mib", "peak_growth_mib")
 
 
+#: the core every run is pinned to (``BENCH_CORE``, default 0): on a shared
+#: machine, the core the others leave free
+CORE = os.environ.get("BENCH_CORE", "0")
+
+
 def pinned(command: list[str]) -> list[str]:
-    return (["taskset", "-c", "0"] if shutil.which("taskset") else []) + command
+    return (["taskset", "-c", CORE] if shutil.which("taskset") else []) + command
 
 
 def run(command: list[str]) -> dict:

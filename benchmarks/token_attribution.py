@@ -14,8 +14,14 @@ paid for its tracing); ``strategy='chunked'`` names it from the first call.
 The default calls run under a stated ``memory_budget`` (:data:`BUDGET`).
 The per-target loop runs compiled (``tf.function``, its fastest) and eager
 (a loop of ``GradientTape`` calls, as captum's PyTorch loop runs). Every run
-is a fresh process pinned to one core, timed by ``peers/protocol.py``; each
-figure is the median over rounds.
+is a fresh process pinned to one core with one thread on either side
+(``peers/footing.py``), timed by ``peers/protocol.py``; each figure is the
+median over rounds, and each run is divided by its own framework's plain
+step (``TF plain step``, ``PyTorch plain step``: the gradient of the summed
+next-token loss over every weight on the same 96 tokens). PyTorch's peer is
+batched as jacobkit is (``tokens_torch.py --method torch_batched``: one
+forward pass, the 32 backward passes batched by ``vmap``); its per-target
+loops are extras.
 
     python benchmarks/token_attribution.py --peers-python /path/to/peers/bin/python \\
         --rounds 2 --out benchmarks/results/cpu
@@ -39,17 +45,28 @@ PROMPT, NEW = 64, 32
 #: predicted peak under it)
 BUDGET = "256MiB"
 METHODS = (
+    "TF plain step",
     "jacobkit",
     "jacobkit gradient_x_input",
     "jacobkit strategy='chunked'",
     "TF per-target loop",
     "TF per-target loop, eager",
 )
+#: PyTorch's runs: label -> the peer script's arguments. The batched run is
+#: the peer (jacobkit's work: one forward pass, one batched backward pass);
+#: the per-target loops (captum's semantics) are extras, labelled so
 PEERS = {
-    "captum, per target": ["--method", "captum_gradient"],
-    "captum gradient x input, per target": ["--method", "captum_gradient_x_input"],
-    "PyTorch per-target loop": ["--method", "torch_loop"],
+    "PyTorch plain step": ["--method", "plain_step"],
+    "PyTorch batched (one pass, vmap'd backward)": ["--method", "torch_batched"],
+    "extra: captum, per target": ["--method", "captum_gradient"],
+    "extra: captum gradient x input, per target": [
+        "--method",
+        "captum_gradient_x_input",
+    ],
+    "extra: PyTorch per-target loop": ["--method", "torch_loop"],
 }
+#: each framework's own plain step, which its runs are divided by
+PLAIN = {"tensorflow": "TF plain step", "torch": "PyTorch plain step"}
 
 
 def build() -> tuple:
@@ -78,22 +95,51 @@ def build() -> tuple:
     return model, tokens
 
 
+def plain_step(model, tokens):  # noqa: ANN001, ANN201 - Keras, NumPy
+    """The gradient of the summed next-token loss over every variable on
+    the same 96 tokens, one ``tf.function`` taking the batch as its argument
+    (a Keras train step's work, without the update), fetched as arrays."""
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+    ids, labels = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
+
+    @tf.function
+    def step(ids, labels):
+        with tf.GradientTape() as tape:
+            inputs = {"token_ids": ids, "padding_mask": tf.ones_like(ids)}
+            logits = model(inputs)
+            total = tf.reduce_sum(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+            )
+        return tape.gradient(total, variables)
+
+    def call() -> list:
+        return [tf.convert_to_tensor(g).numpy() for g in step(ids, labels)]
+
+    return call
+
+
 def child(method: str, repeats: int) -> None:
     """One run; prints one JSON line."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE / "peers"))
+    import footing
     import numpy as np
     import tensorflow as tf
-    from protocol import measure
+    from protocol import measure, paired
 
     from jacobkit import explain
     from jacobkit.keras import graph
 
+    record = footing.pin_tensorflow("token_attribution")
     model, tokens = build()
     x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
     targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
     rows = slice(PROMPT - 1, PROMPT - 1 + NEW)
-    if method.startswith("jacobkit"):
+    if method == "TF plain step":
+        call = plain_step(model, tokens)
+    elif method.startswith("jacobkit"):
         kind = "gradient_x_input" if "input" in method else "gradient"
         # auto starts on while (cheapest to trace) and tries the vectorized
         # strategy only after enough calls to pay for its tracing; named, it
@@ -146,9 +192,12 @@ def child(method: str, repeats: int) -> None:
     else:
         raise SystemExit(f"unknown method {method!r}")
     timings, result = measure(call, repeats)
+    if method != "TF plain step":
+        # against TensorFlow's own plain step, alternating in this process
+        timings["paired"] = paired(call, plain_step(model, tokens))
     reference = explain.token_attribution(model, x, targets=targets).scores[:, rows]
-    row = dict(timings)
-    if method != "jacobkit gradient_x_input":
+    row = {**timings, "footing": record}
+    if method not in ("jacobkit gradient_x_input", "TF plain step"):
         scale = float(np.abs(reference).max())
         row["agreement"] = float(np.abs(np.asarray(result) - reference).max() / scale)
     print(json.dumps(row))
@@ -161,6 +210,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/cpu")
+    parser.add_argument(
+        "--loaded",
+        action="store_true",
+        help="label the results as measured on a machine loaded by other work",
+    )
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.repeats)
@@ -182,6 +236,8 @@ def main() -> None:
                 *extra,
             ]
     data = {
+        "machine": runs.machine(),
+        "loaded": args.loaded,
         "rounds": args.rounds,
         "repeats": args.repeats,
         "runs": runs.rounds(commands, args.rounds),
@@ -194,35 +250,78 @@ def main() -> None:
 
 
 def _markdown(data: dict) -> str:
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
+
     measured = data["runs"]
-    ours = measured.get("jacobkit", {}).get("steady_s")
     lines = [
         "# Token attribution: one call against the per-target loop",
         "",
         "Written by `benchmarks/token_attribution.py`: a keras_hub GPT-2 (2 "
         "layers, hidden 64, vocabulary 1,000, random init), a 64-token prompt "
         "and 32 generated tokens, each attributed to every earlier token; "
-        f"jacobkit's default calls (auto) under memory_budget={BUDGET!r}; one "
-        "core (`taskset -c 0`), fresh processes, median of "
+        f"jacobkit's default calls (auto) under memory_budget={BUDGET!r}; "
+        "PyTorch (Hugging Face's `GPT2LMHeadModel`) on the same weights and the "
+        "same tokens. Fresh processes, median of "
         f"{data['rounds']} rounds of {data['repeats']} steady calls.",
         "",
-        "| run | steady ms | × jacobkit | first call s | first 3 calls s | "
+        "Each side on equal footing: one thread each (PyTorch's intra- and "
+        "inter-op threads; TensorFlow's intra- and inter-op parallelism), "
+        "every process pinned to one core (the scripts refuse to run "
+        "unpinned), and each run divided by **its own framework's plain "
+        "step** on the same model and tokens (the gradient of the summed "
+        "next-token loss over every weight: one forward and one backward "
+        "pass), in separate processes and, robust to a busy machine, paired in "
+        "one process (each round times either side alternately; the median "
+        "ratio over rounds and its 95% bootstrap interval). The batched "
+        "PyTorch run does jacobkit's work (one forward "
+        "pass, the 32 targets' backward passes batched by `vmap`); the "
+        "per-target loops (captum's semantics, 32 forward and backward "
+        "passes on growing prefixes) are labelled extras.",
+        "",
+        f"Machine: {data.get('machine', 'not recorded')}.",
+        "",
+    ]
+    sides: dict[str, dict] = {}
+    for row in measured.values():
+        if row.get("footing"):
+            sides.setdefault(row["footing"]["side"], row["footing"])
+    lines += [f"- {footing.describe(r)}" for _, r in sorted(sides.items())]
+    lines.append("")
+    if data.get("loaded"):
+        lines += [
+            "**Measured on a loaded machine** (2 cores shared with other "
+            "work): absolute times are inflated and noisy; read the ratios to "
+            "each framework's own plain step.",
+            "",
+        ]
+    lines += [
+        "| run | steady ms | × own plain step | paired in one process (95% "
+        "interval) | first call s | first 3 calls s | "
         "steady growth MiB | first-call growth MiB | agreement |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, row in measured.items():
         if "error" in row:
-            lines.append(f"| {key} | error: {row['error']} | | | | | | |")
+            lines.append(f"| {key} | error: {row['error']} | | | | | | | |")
             continue
-        versus = f"{row['steady_s'] / ours:.1f}" if ours else ""
+        side = "torch" if "PyTorch" in key or "captum" in key else "tensorflow"
+        base = measured.get(PLAIN[side], {}).get("steady_s")
+        versus = f"{row['steady_s'] / base:.2f}" if base else ""
         # jacobkit's default call is the reference: no agreement to show
         agreement = row.get("agreement", row.get("scores_err", ""))
-        if key in ("jacobkit", "jacobkit gradient_x_input"):
+        if key in ("jacobkit", "jacobkit gradient_x_input", *PLAIN.values()):
             agreement = ""
         if isinstance(agreement, float):
             agreement = f"{agreement:.2g}"
+        found = row.get("paired")
+        pair = (
+            f"{found['ratio']:.2f} ({found['low']:.2f}–{found['high']:.2f})"
+            if found
+            else ""
+        )
         lines.append(
-            f"| {key} | {row['steady_s'] * 1e3:.1f} | {versus} | "
+            f"| {key} | {row['steady_s'] * 1e3:.1f} | {versus} | {pair} | "
             f"{row['first_s']:.2f} | {row['first_three_s']:.2f} | "
             f"{row['peak_growth_mib']:.1f} | "
             f"{row.get('first_growth_mib', float('nan')):.1f} | {agreement} |"

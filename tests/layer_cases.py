@@ -93,8 +93,10 @@ CASES: dict[str, LayerCase] = {
         lambda d: keras_hub.layers.PositionEmbedding(sequence_length=6, dtype=d),
         (4, 3),
     ),
+    # Keras's class, which keras_hub's models build (keras_hub's of that
+    # name, registered too, is a subclass of it), with Gemma 2's soft cap
     "ReversibleEmbedding": LayerCase(
-        lambda d: keras_hub.layers.ReversibleEmbedding(9, 4, dtype=d),
+        lambda d: keras.layers.ReversibleEmbedding(9, 4, logit_soft_cap=3.0, dtype=d),
         (5,),
         9,
         # forward, then in reverse: the logits of the same table

@@ -152,12 +152,22 @@ def _seed_states(model) -> list[np.ndarray]:
 #: left out: ``forward`` on GPT-2, a forward pass per chunk of its parameters
 #: (48 s of this file's 114 s on one core); the MLP and the GRU run forward
 _LEFT_OUT = {("gpt2", "forward")}
+#: slow: ``grouped`` on the GRU (18-80 s: pfor traced through the recurrent
+#: loop twice, batch's cotangents to the head and chunked's GRU rows) and on
+#: GPT-2 (11-36 s: batch's checks bisected to its tied token embedding), on
+#: a 2-core machine less and more loaded; tests/test_grouped.py checks a
+#: grouped plan's draws on a conv net with Dropout
+_SLOW = {("gru", "grouped"), ("gpt2", "grouped")}
 
 
 @pytest.mark.parametrize(
     ("name", "strategy"),
     [
-        (name, strategy)
+        pytest.param(
+            name,
+            strategy,
+            marks=[pytest.mark.slow] if (name, strategy) in _SLOW else [],
+        )
         for name in sorted(MODELS)
         for strategy in STRATEGIES
         if (name, strategy) not in _LEFT_OUT

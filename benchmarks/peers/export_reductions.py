@@ -13,7 +13,11 @@ The file holds, in Keras layouts (kernels ``(kh, kw, in, out)`` and
 and jacobkit's references: ``clip`` (C), ``clipped_<layer>_kernel`` and
 ``clipped_<layer>_bias`` (``jk.ClippedSum(C)``'s sum of clipped per-example
 gradients), ``norms`` (each example's gradient norm before clipping) and
-``gram`` (``jk.gram``'s ``(B, B)`` matrix, float64).
+``gram`` (``jk.gram``'s ``(B, B)`` matrix, float64), ``projection``
+(``reduce=jk.Project(dim)``'s ``(B, dim)`` rows) with ``dim`` and the maps
+it applied, so that the peer projects by the very same maps:
+``map_<layer>_<part>_dense`` ``(size, dim)``, or the Kronecker factors
+``map_<layer>_<part>_left`` and ``_right`` (``jacobkit.problem.sketch``).
 
     python benchmarks/peers/export_reductions.py --out /tmp/reductions.npz
 """
@@ -27,19 +31,92 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import reductions_models  # noqa: E402
 
 import jacobkit as jk  # noqa: E402
+from jacobkit.problem import sketch  # noqa: E402
 
 LAYERS = ("conv1", "conv2", "head")
+
+
+def bert(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """The ``bert`` case (BERT tiny) under Hugging Face's names and layouts
+    (``bert_layout.py``): ``hf__<name>`` weights, ``clipped__<name>``
+    references, the backbone's sizes, the inputs, the Keras logits, the norms
+    and the Gram matrix."""
+    import bert_layout
+
+    case = reductions_models.bert()
+    model = case.model
+    backbone = model.backbone
+    loss = jk.Loss(reductions_models.loss())
+    arrays: dict[str, np.ndarray] = {
+        "case": np.asarray("bert"),
+        **{k: np.asarray(v) for k, v in case.x.items()},
+        "y": case.y,
+        "vocabulary_size": np.asarray(backbone.vocabulary_size),
+        "num_layers": np.asarray(backbone.num_layers),
+        "num_heads": np.asarray(backbone.num_heads),
+        "hidden_dim": np.asarray(backbone.hidden_dim),
+        "intermediate_dim": np.asarray(backbone.intermediate_dim),
+        "max_sequence_length": np.asarray(backbone.max_sequence_length),
+        "num_classes": np.asarray(model.num_classes),
+        "logits": np.asarray(model(case.x)),
+    }
+    for variable in model.trainable_variables:
+        name, array = bert_layout.hf(variable.path, np.asarray(variable))
+        arrays[f"hf__{name}"] = array
+    clipped = jk.jacobian(
+        model,
+        (case.x, case.y),
+        model.trainable_variables,
+        outputs=loss,
+        reduce=jk.ClippedSum(args.clip),
+    )
+    for key, variable in zip(clipped.jacobians, model.trainable_variables):
+        name, array = bert_layout.hf(variable.path, np.asarray(clipped[key]))
+        arrays[f"clipped__{name}"] = array
+    arrays["norms"] = np.asarray(clipped.norms)
+    arrays["clip"] = np.asarray(args.clip, "float32")
+    gram = jk.gram(model, (case.x, case.y), None, outputs=loss, progress=False)
+    arrays["gram"] = np.asarray(gram.matrix)
+    # the projection and its maps, each under the Hugging Face name of its
+    # variable, with the variable's Keras shape and layout change, so that
+    # the peer turns its gradients into Keras layouts and maps them alike
+    project = jk.Project(args.dim)
+    projected = jk.jacobian(
+        model,
+        (case.x, case.y),
+        model.trainable_variables,
+        outputs=loss,
+        reduce=project,
+    )
+    arrays["projection"] = np.asarray(projected.projection)
+    arrays["dim"] = np.asarray(args.dim)
+    for key, variable in zip(projected.jacobians, model.trainable_variables):
+        name, layout = bert_layout.name_and_layout(variable.path)
+        arrays[f"kshape__{name}"] = np.asarray(variable.shape)
+        arrays[f"layout__{name}"] = np.asarray(layout)
+        found = sketch.target_map(project, key, tuple(variable.shape))
+        for part in ("dense", "left", "right"):
+            if getattr(found, part) is not None:
+                arrays[f"map__{name}_{part}"] = getattr(found, part)
+    return arrays
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reductions.npz")
     parser.add_argument("--clip", type=float, default=1.0, help="C of ClippedSum")
+    parser.add_argument("--dim", type=int, default=2048, help="of jk.Project")
+    parser.add_argument("--case", choices=("convnet", "bert"), default="convnet")
     args = parser.parse_args()
+    if args.case == "bert":
+        np.savez(args.out, **bert(args))
+        print(f"wrote {args.out}")
+        return
     case = reductions_models.convnet()
     model = case.model
     arrays: dict[str, np.ndarray] = {"x": np.asarray(case.x), "y": case.y}
@@ -73,6 +150,21 @@ def main() -> None:
     arrays["clip"] = np.asarray(args.clip, "float32")
     gram = jk.gram(model, (case.x, case.y), None, outputs=loss, progress=False)
     arrays["gram"] = np.asarray(gram.matrix)
+    project = jk.Project(args.dim)
+    projected = jk.jacobian(
+        model,
+        (case.x, case.y),
+        model.trainable_variables,
+        outputs=loss,
+        reduce=project,
+    )
+    arrays["projection"] = np.asarray(projected.projection)
+    arrays["dim"] = np.asarray(args.dim)
+    for key, variable in zip(projected.jacobians, model.trainable_variables):
+        found = sketch.target_map(project, key, tuple(variable.shape))
+        for part in ("dense", "left", "right"):
+            if getattr(found, part) is not None:
+                arrays[f"map_{key.replace('/', '_')}_{part}"] = getattr(found, part)
     np.savez(args.out, **arrays)
     print(f"wrote {args.out}")
 

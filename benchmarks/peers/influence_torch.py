@@ -11,6 +11,11 @@ Runs in its own virtual environment (see README.md), with ``captum`` and
 
 Methods (``--method``, repeatable; default all whose package imports):
 
+- ``plain_step``: the first checkpoint's summed-loss gradient over the
+  training examples: the baseline every other method is divided by
+  (``--paired-rounds``: also paired with it in one process), as jacobkit's
+  side divides by TensorFlow's;
+
 - ``tracin_captum``: ``captum.influence.TracInCP`` over the 3 checkpoints
   (saved to files, read back by a ``checkpoints_load_func`` that returns each
   checkpoint's learning rate), every parameter,
@@ -69,13 +74,15 @@ from typing import Any
 # TRAKer's progress bars (tqdm reads its defaults from TQDM_*)
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+import footing  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from protocol import measure, relative_error  # noqa: E402
+from protocol import measure, paired, relative_error  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
 METHODS = (
+    "plain_step",
     "tracin_captum",
     "self_influence_captum",
     "trak",
@@ -325,6 +332,24 @@ class Methods:
 
         return self.traker(JacobkitMaps, Unscaled), check
 
+    def plain_step(self) -> Run:
+        """One plain training step on the first checkpoint: the gradient of
+        the loss summed over the 1,000 training examples, every parameter
+        (one forward and one backward pass): the baseline each method here
+        is divided by, as jacobkit's side divides by TensorFlow's."""
+        model = build()
+        model.load_state_dict(state(self.arrays, "checkpoint", 0))
+        params = list(model.parameters())
+
+        def call() -> tuple[torch.Tensor, ...]:
+            logits = model(self.x_train)
+            loss = torch.nn.functional.cross_entropy(
+                logits, self.y_train, reduction="sum"
+            )
+            return torch.autograd.grad(loss, params)
+
+        return call, lambda result: {}
+
     def tracin_vmap(self) -> Run:
         model = build()
         params = [
@@ -368,8 +393,15 @@ def main() -> None:
     )
     parser.add_argument("--captum-grads", choices=("batch", "loop"), default="batch")
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=10,
+        help="rounds of each method against its own plain step in this "
+        "process (protocol.paired); 0: none",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    record = footing.pin_torch("influence_torch", args.threads)
     versions = {p: version(p) for p in ("torch", "captum", "traker")}
     methods = args.method or [
         m for m in METHODS if m not in NEEDS or versions[NEEDS[m]]
@@ -386,7 +418,7 @@ def main() -> None:
         call, check = getattr(runs, method)()
         timings, result = measure(call, args.repeats)
         checks = check(result)
-        count = int(np.prod(np.shape(result)))
+        count = 0 if method == "plain_step" else int(np.prod(np.shape(result)))
         del result
         print(
             f"influence_torch: {method}: "
@@ -397,6 +429,10 @@ def main() -> None:
         if any(not v <= args.tolerance for v in errors):
             failed.append(method)
             continue
+        if args.paired_rounds and method != "plain_step":
+            # against PyTorch's own plain step, alternating in this process
+            base, _ = runs.plain_step()
+            timings["paired"] = paired(call, base, args.paired_rounds)
         print(
             json.dumps(
                 {
@@ -423,6 +459,7 @@ def main() -> None:
                     **checks,
                     **timings,
                     "scores_per_s": count / timings["steady_s"],
+                    "footing": record,
                 }
             ),
             flush=True,

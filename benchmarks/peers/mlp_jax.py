@@ -2,7 +2,9 @@
 batch) with respect to the first layer's kernel and bias, as
 ``jax.lax.map`` over chunks of rows of one ``vjp``.
 
-Runs in its own virtual environment (see README.md); prints one JSON line:
+Runs in its own virtual environment (see README.md), pinned to one core (it
+refuses to run otherwise) with XLA's CPU thread pools at one thread; prints
+one JSON line:
 
     python mlp_jax.py --weights mlp.npz --batch-size 8
 """
@@ -11,11 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from protocol import measure
+import footing
+
+# one thread for XLA's CPU client, set before JAX starts
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from protocol import measure  # noqa: E402
 
 
 def main() -> None:
@@ -25,6 +36,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--save", help="write the kernel Jacobian (.npy) here")
     args = parser.parse_args()
+    core = footing.require_pinned("mlp_jax")
     w = {k: jnp.asarray(v) for k, v in np.load(args.weights).items()}
 
     def features(kernel: jax.Array, bias: jax.Array) -> jax.Array:
@@ -51,6 +63,13 @@ def main() -> None:
                 "peer": "jax",
                 "method": f"lax.map(vjp, batch_size={args.batch_size})",
                 **timings,
+                "footing": {
+                    "side": "jax",
+                    "core": core,
+                    "threads": 1,
+                    **footing.machine(),
+                    "versions": {**footing.versions(), "jax": jax.__version__},
+                },
             }
         )
     )

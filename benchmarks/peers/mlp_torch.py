@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import footing
 import numpy as np
 import torch
 from protocol import measure
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--save", help="write the kernel Jacobian (.npy) here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    record = footing.pin_torch("mlp_torch", args.threads)
     model, x = build(dict(np.load(args.weights)))
     first = dict(model[0].named_parameters())
 
@@ -86,6 +87,7 @@ def main() -> None:
                 "method": args.method,
                 "chunk_size": args.chunk_size,
                 **timings,
+                "footing": record,
             }
         )
     )

@@ -8,6 +8,7 @@ with the previous result freed (:mod:`memory`).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -62,3 +63,68 @@ def relative_error(got: Any, want: Any, script: str) -> float:
     if got.shape != want.shape:
         raise SystemExit(f"{script}: shape {got.shape} != {want.shape}")
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+#: the least time each side of a paired round takes (more calls of a fast one)
+MIN_SIDE_S = 0.05
+
+
+def paired(
+    call: Callable[[], Any],
+    base: Callable[[], Any],
+    rounds: int = 10,
+    calls: int = 3,
+    budget_s: float = 20.0,
+) -> dict[str, float]:
+    """``call``'s time over ``base``'s (the same framework's plain step) in
+    one process: each round times ``calls`` calls of either side, the order
+    alternating, and takes the ratio of their medians; the median ratio over
+    the rounds and its 95% bootstrap interval (2,000 resamples, seeded). A
+    busy machine slows both sides of a round alike, which ratios of runs in
+    separate processes do not cancel. A side faster than
+    :data:`MIN_SIDE_S` over ``calls`` calls takes more calls per round;
+    fewer rounds (at least 5) where ``rounds`` would take more than
+    ``budget_s`` at the warm-up's pace."""
+    for side in (call, base):  # warm: first calls trace and settle
+        for _ in range(2):
+            side()
+    paces = {}
+    for name, side in (("call", call), ("base", base)):
+        start = time.perf_counter()
+        side()
+        paces[name] = time.perf_counter() - start
+    # a side of a few milliseconds takes more calls per round (each side's
+    # round at least MIN_SIDE_S), so that one slow call on a busy machine
+    # does not decide its median
+    counts = {
+        k: max(calls, math.ceil(MIN_SIDE_S / max(v, 1e-6))) for k, v in paces.items()
+    }
+    pace = sum(counts[k] * paces[k] for k in paces)
+    rounds = max(5, min(rounds, int(budget_s / max(pace, 1e-9))))
+    ratios, ours, theirs = [], [], []
+    for round_ in range(rounds):
+        medians = {}
+        order = ("call", "base") if round_ % 2 == 0 else ("base", "call")
+        for name in order:
+            side = call if name == "call" else base
+            found = []
+            for _ in range(counts[name]):
+                start = time.perf_counter()
+                side()
+                found.append(time.perf_counter() - start)
+            medians[name] = statistics.median(found)
+        ratios.append(medians["call"] / medians["base"])
+        ours.append(medians["call"])
+        theirs.append(medians["base"])
+    rng = np.random.default_rng(0)
+    samples = np.median(rng.choice(ratios, (2000, len(ratios))), axis=1)
+    return {
+        "ratio": statistics.median(ratios),
+        "low": float(np.quantile(samples, 0.025)),
+        "high": float(np.quantile(samples, 0.975)),
+        "rounds": rounds,
+        "calls": counts["call"],
+        "base_calls": counts["base"],
+        "call_ms": 1e3 * statistics.median(ours),
+        "base_ms": 1e3 * statistics.median(theirs),
+    }

@@ -5,36 +5,51 @@ matrix or a random projection, on the weights and batch that
 file.
 
 Runs in its own virtual environment (see README.md), with ``opacus`` for
-``clipped_opacus``; prints one JSON line per method:
+its methods, pinned to one core (it refuses to run otherwise: ``taskset -c
+N``) with one PyTorch thread; prints one JSON line per method, with the
+machine, PyTorch's MKLDNN state and every version (``footing.py``):
 
-    python reductions_torch.py --npz reductions.npz
-    python reductions_torch.py --npz reductions.npz --method clipped_vmap
+    taskset -c 0 python reductions_torch.py --npz reductions.npz
+    taskset -c 0 python reductions_torch.py --npz reductions.npz --method clipped_vmap
 
-Methods (``--method``, repeatable; default all, ``clipped_opacus`` only where
-Opacus imports):
+Methods (``--method``, repeatable; default all, Opacus's only where it
+imports):
 
 - ``plain``: the gradient of the loss summed over the batch (one backward
-  pass), the baseline;
-- ``clipped_opacus``: Opacus's ghost clipping (``make_private`` with
-  ``grad_sample_mode="ghost"``, flat clipping, no noise): the clipped sum
-  (Opacus 1.6 takes the ``Linear`` layer's norms from their ghost form,
-  the convolutions' from per-example gradients);
+  pass): the baseline every other method here is divided by (jacobkit's
+  side divides by TensorFlow's own plain step);
+- ``clipped_opacus_<mode>``, ``<mode>`` each of Opacus's ways of taking
+  per-example gradients: ``hooks``, ``functorch`` and ``ew`` (expanded
+  weights; ``GradSampleModule``'s modes) and ``ghost`` (ghost clipping,
+  ``make_private(grad_sample_mode="ghost")``; Opacus 1.6 takes the
+  ``Linear`` layer's norms from their ghost form, the convolutions' from
+  per-example gradients): ``make_private`` with flat clipping at C and no
+  noise, forward, backward and the optimizer's ``pre_step`` (clip, sum,
+  the zero noise, the average): the clipped sum;
 - ``clipped_vmap``: ``torch.func.vmap(grad)`` per-example gradients, their
   norms, each clipped to ``C``, summed;
 - ``gram_vmap``: ``vmap(grad)``, flattened to ``J`` ``(B, P)``, ``J Jᵀ``;
-- ``project_vmap``: ``vmap(grad)``, flattened, times a fixed Gaussian
-  ``(P, dim)/sqrt(dim)`` matrix (as TRAK's ``BasicProjector``; made once,
-  outside the timing; jacobkit's ``Project`` uses its own map, so only the
-  time compares).
+- ``project_vmap``: ``vmap(grad)``, each parameter's gradients mapped by the
+  very map jacobkit's ``reduce=jk.Project(dim)`` draws for that variable
+  (exported to the file: dense, or LoGra's Kronecker factors, applied as
+  ``jacobkit.problem.sketch`` applies them to materialized gradients);
+- ``sgd_step``: one plain training step (forward, the mean loss, backward,
+  ``torch.optim.SGD``'s update): the DP step's baseline;
+- ``dp_step_opacus_<mode>``: one DP-SGD training step of ``make_private``
+  (flat clipping at C, noise σ = :data:`NOISE`, SGD), each mode as above.
 
 Run each method in a fresh process where first calls compare: the vmap
 methods share ``vmap``'s first-call setup.
 
 Every method's last timed result is checked before its line is printed: the
-clipped sums and norms against jacobkit's ``ClippedSum``, the Gram matrix
-against ``jk.gram``. The errors (largest absolute difference over the
+clipped sums and norms against jacobkit's ``ClippedSum`` (Opacus's norms
+from its per-example gradients, or ghost clipping's own), the Gram matrix
+against ``jk.gram``, the projection against ``jk.Project``'s; a DP step by
+a twin without noise at learning rate 1, whose update times the batch must
+be jacobkit's clipped sum. The errors (largest absolute difference over the
 largest magnitude, per array, the largest over the arrays) go to stderr and
-into the JSON line; one above ``--tolerance`` ends the run with an error.
+into the JSON line; a method above ``--tolerance``, or one that raises,
+prints no line, and the run ends with an error after the others.
 """
 
 from __future__ import annotations
@@ -47,21 +62,101 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import footing
 import numpy as np
 import torch
 import torch.nn.functional as F
-from protocol import measure, relative_error
+from protocol import measure, paired, relative_error
 from torch.func import functional_call, grad, vmap
 
-METHODS = ("plain", "clipped_opacus", "clipped_vmap", "gram_vmap", "project_vmap")
+#: Opacus's ways of taking per-example gradients (``GradSampleModule``'s
+#: modes, and ghost clipping through ``make_private``)
+OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")
+METHODS = (
+    "plain",
+    *(f"clipped_opacus_{m}" for m in OPACUS_MODES),
+    "clipped_vmap",
+    "gram_vmap",
+    "project_vmap",
+    "sgd_step",
+    *(f"dp_step_opacus_{m}" for m in OPACUS_MODES),
+)
+#: the DP step's noise multiplier (DP-SGD's σ; its time includes drawing it)
+NOISE = 1.0
+#: the DP and plain steps' learning rate
+LR = 0.01
 
 #: a method: its call (timed) and the check of the call's result (the errors)
 Run = tuple[Callable[[], Any], Callable[[Any], dict[str, float]]]
 
 
-def build(arrays: dict[str, np.ndarray]) -> torch.nn.Sequential:
-    """The convnet with the exported weights (Keras layouts turned into
-    PyTorch's)."""
+class Classifier(torch.nn.Module):
+    """Hugging Face's ``BertForSequenceClassification`` called on one int
+    tensor ``(B, 3, T)`` (token ids, segment ids, padding mask), so that
+    every method feeds it as it feeds the convnet its images; the position
+    ids are passed per example (Opacus's per-example hooks need every
+    input's batch axis)."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # no attention mask: the file's padding masks are all ones (checked
+        # on loading), and Hugging Face's mask preparation branches on the
+        # mask's values, which vmap cannot trace
+        positions = torch.arange(x.shape[-1]).expand(x.shape[0], -1).contiguous()
+        return self.hf(
+            input_ids=x[:, 0].contiguous(),
+            token_type_ids=x[:, 1].contiguous(),
+            position_ids=positions,
+        ).logits
+
+
+def build_bert(arrays: dict[str, np.ndarray]) -> Classifier:
+    """BERT tiny as ``export_reductions.py --case bert`` wrote it: keras_hub's
+    ``BertTextClassifier`` as ``BertForSequenceClassification`` (tanh GELU,
+    keras_hub's ``gelu_approximate``; epsilon 1e-12; dropout 0, as the
+    Keras model runs in inference mode), with its weights."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=int(arrays["vocabulary_size"]),
+        hidden_size=int(arrays["hidden_dim"]),
+        num_hidden_layers=int(arrays["num_layers"]),
+        num_attention_heads=int(arrays["num_heads"]),
+        intermediate_size=int(arrays["intermediate_dim"]),
+        hidden_act="gelu_new",
+        max_position_embeddings=int(arrays["max_sequence_length"]),
+        type_vocab_size=2,
+        layer_norm_eps=1e-12,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout=0.0,
+        num_labels=int(arrays["num_classes"]),
+        attn_implementation="eager",
+    )
+    if not np.all(arrays["padding_mask"] == 1):
+        raise SystemExit("reductions_torch: BERT runs without a mask: pad nothing")
+    model = BertForSequenceClassification(config)
+    weights = {
+        k[len("hf__") :]: torch.from_numpy(arrays[k])
+        for k in arrays
+        if k.startswith("hf__")
+    }
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [m for m in missing if "position_ids" not in m]:
+        raise SystemExit(
+            f"reductions_torch: BERT weights missing {missing}, unexpected {unexpected}"
+        )
+    return Classifier(model)
+
+
+def build(arrays: dict[str, np.ndarray]) -> torch.nn.Module:
+    """The file's model with its weights: the convnet (Keras layouts turned
+    into PyTorch's) or BERT tiny (``build_bert``)."""
+    if str(arrays.get("case", "convnet")) == "bert":
+        return build_bert(arrays)
 
     def conv(name: str, stride: int) -> torch.nn.Conv2d:
         kernel = torch.from_numpy(arrays[f"{name}_kernel"])  # (kh, kw, in, out)
@@ -116,13 +211,30 @@ def error(got: Any, want: np.ndarray) -> float:
 def clipped_errors(
     clipped: dict[str, torch.Tensor], norms: Any, arrays: dict[str, np.ndarray]
 ) -> dict[str, float]:
-    return {
-        "clipped_err": max(
-            error(keras_layout(k, v), arrays["clipped_" + keras_name(k)])
+    """The clipped sum's error (the largest over the parameters) and, where
+    ``norms`` are given, the norms' against jacobkit's."""
+    if str(arrays.get("case", "convnet")) == "bert":  # PyTorch's names, layouts
+        pairs = [
+            (v.detach().numpy(), arrays["clipped__" + k.removeprefix("hf.")])
             for k, v in clipped.items()
-        ),
-        "norms_err": error(norms, arrays["norms"]),
+        ]
+    else:
+        pairs = [
+            (keras_layout(k, v), arrays["clipped_" + keras_name(k)])
+            for k, v in clipped.items()
+        ]
+    # over every parameter at once: a gradient that is 0 in exact arithmetic
+    # (an attention key's bias) holds rounding noise alone, which its own
+    # largest magnitude would turn into an error of order 1
+    found = {
+        "clipped_err": error(
+            np.concatenate([np.ravel(g) for g, _ in pairs]),
+            np.concatenate([np.ravel(w) for _, w in pairs]),
+        )
     }
+    if norms is not None:
+        found["norms_err"] = error(norms, arrays["norms"])
+    return found
 
 
 def opacus_version() -> str | None:
@@ -136,15 +248,29 @@ def opacus_version() -> str | None:
 class Methods:
     """Each method's call (what is timed) and its check of the result."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], dim: int, seed: int) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], threads: int) -> None:
         self.arrays = arrays
         self.clip = float(arrays["clip"])
-        # NHWC -> NCHW
-        self.x = torch.from_numpy(arrays["x"]).permute(0, 3, 1, 2).contiguous()
+        self.case = str(arrays.get("case", "convnet"))
+        if self.case == "bert":  # (B, 3, T): token ids, segment ids, mask
+            parts = ("token_ids", "segment_ids", "padding_mask")
+            self.x = torch.from_numpy(np.stack([arrays[p] for p in parts], 1)).long()
+        else:  # NHWC -> NCHW
+            self.x = torch.from_numpy(arrays["x"]).permute(0, 3, 1, 2).contiguous()
         self.y = torch.from_numpy(arrays["y"]).long()
         self.batch = self.x.shape[0]
-        self.dim = dim
-        self.seed = seed
+        self.threads = threads
+
+    def __getattr__(self, name: str) -> Any:
+        """``clipped_opacus_<mode>`` and ``dp_step_opacus_<mode>``."""
+        for prefix, make in (
+            ("clipped_opacus_", self.clipped_opacus),
+            ("dp_step_opacus_", self.dp_step_opacus),
+        ):
+            if name.startswith(prefix) and name[len(prefix) :] in OPACUS_MODES:
+                mode = name[len(prefix) :]
+                return lambda: make(mode)
+        raise AttributeError(name)
 
     # the per-example gradients every vmap method starts from
     def per_example(self) -> Callable[[], dict[str, torch.Tensor]]:
@@ -160,6 +286,21 @@ class Methods:
         grads = vmap(grad(loss), in_dims=(None, 0, 0))
         return lambda: grads(params, self.x, self.y)
 
+    def keras_rows(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """Per-example gradients ``(B, *shape)`` of parameter ``name`` in
+        the Keras layout of the variable it stands for."""
+        if self.case == "bert":  # each change a transpose of a 2-D view
+            hf = name.removeprefix("hf.")
+            shape = [int(n) for n in self.arrays[f"kshape__{hf}"]]
+            if str(self.arrays[f"layout__{hf}"]) != "same" and g.ndim == 3:
+                g = g.transpose(1, 2)
+            return g.reshape(self.batch, *shape)
+        if g.ndim == 5:  # (B, out, in, kh, kw) -> (B, kh, kw, in, out)
+            return g.permute(0, 3, 4, 2, 1)
+        if g.ndim == 3:  # (B, out, in) -> (B, in, out)
+            return g.transpose(1, 2)
+        return g
+
     def flat(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([g.reshape(self.batch, -1) for g in grads.values()], 1)
 
@@ -171,45 +312,108 @@ class Methods:
             loss = F.cross_entropy(model(self.x), self.y, reduction="sum")
             return torch.autograd.grad(loss, params)
 
-        return call, lambda result: {}
+        def check(result: Any) -> dict[str, float]:
+            if "logits" not in self.arrays:
+                return {}
+            with torch.no_grad():  # the same function as the Keras model
+                return {"logits_err": error(model(self.x), self.arrays["logits"])}
 
-    def clipped_opacus(self) -> Run:
+        return call, check
+
+    def private(self, mode: str, noise: float, lr: float) -> tuple[Any, ...]:
+        """Opacus's ``make_private`` on a fresh copy of the convnet, flat
+        clipping at C, one batch of the whole batch (no Poisson sampling):
+        the wrapped module, its optimizer, the criterion and the model."""
         from opacus import PrivacyEngine
 
         model = build(self.arrays)
         loader = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(self.x, self.y), batch_size=self.batch
         )
-        module, optimizer, criterion, _ = PrivacyEngine().make_private(
+        found = PrivacyEngine().make_private(
             module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            optimizer=torch.optim.SGD(model.parameters(), lr=lr),
             criterion=torch.nn.CrossEntropyLoss(),
             data_loader=loader,
-            noise_multiplier=0.0,
+            noise_multiplier=noise,
             max_grad_norm=self.clip,
             poisson_sampling=False,
             clipping="flat",
-            grad_sample_mode="ghost",
+            grad_sample_mode=mode,
         )
-        module.train()
+        # ghost clipping returns its own criterion (two backward passes)
+        criterion = found[2] if mode == "ghost" else torch.nn.CrossEntropyLoss()
+        found[0].train()
+        return found[0], found[1], criterion, model
+
+    def clipped_opacus(self, mode: str) -> Run:
+        """Opacus's clipped sum in ``mode``, no noise: what
+        ``jk.ClippedSum(C)`` returns (the optimizer's averaging undone in the
+        check)."""
+        module, optimizer, criterion, model = self.private(mode, 0.0, 0.0)
         named = list(model.named_parameters())
         expected = optimizer.expected_batch_size
 
         def call() -> list[torch.Tensor]:
             optimizer.zero_grad(set_to_none=True)
             criterion(module(self.x), self.y).backward()
-            # adds the (zero) noise, then divides by the expected batch size
+            # clips and sums, adds the (zero) noise, divides by the batch
             optimizer.pre_step()
             return [p.grad for _, p in named if p.grad is not None]
 
         def check(result: list[torch.Tensor]) -> dict[str, float]:
-            # undo the averaging: the sum of the clipped gradients
             clipped = {k: g * expected for (k, _), g in zip(named, result)}
-            return clipped_errors(
-                clipped, module.per_sample_gradient_norms, self.arrays
-            )
+            if mode == "ghost":
+                norms = module.per_sample_gradient_norms
+            else:  # the norms Opacus clipped by, from its per-example gradients
+                squares = [
+                    p.grad_sample.reshape(self.batch, -1).square().sum(1)
+                    for _, p in named
+                ]
+                norms = torch.stack(squares).sum(0).sqrt()
+            return clipped_errors(clipped, norms, self.arrays)
 
         return call, check
+
+    def dp_step_opacus(self, mode: str) -> Run:
+        """One DP-SGD training step in Opacus's ``mode``: forward, backward,
+        clip, sum, Gaussian noise (σ = :data:`NOISE`), the SGD update. Its
+        check is a twin without noise at learning rate 1 whose update
+        (times the batch) must be jacobkit's clipped sum."""
+        module, optimizer, criterion, _ = self.private(mode, NOISE, LR)
+
+        def step(module: Any, optimizer: Any, criterion: Any) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            criterion(module(self.x), self.y).backward()
+            optimizer.step()
+
+        def call() -> None:
+            step(module, optimizer, criterion)
+
+        def check(result: None) -> dict[str, float]:
+            twin, twin_optimizer, twin_criterion, model = self.private(mode, 0.0, 1.0)
+            before = {k: v.detach().clone() for k, v in model.named_parameters()}
+            step(twin, twin_optimizer, twin_criterion)
+            clipped = {
+                k: (before[k] - v.detach()) * twin_optimizer.expected_batch_size
+                for k, v in model.named_parameters()
+            }
+            return clipped_errors(clipped, None, self.arrays)
+
+        return call, check
+
+    def sgd_step(self) -> Run:
+        """One plain SGD training step (forward, the batch's mean loss,
+        backward, the update): the DP step's own baseline."""
+        model = build(self.arrays)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+
+        def call() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(self.x), self.y).backward()
+            optimizer.step()
+
+        return call, lambda result: {}
 
     def clipped_vmap(self) -> Run:
         per_example = self.per_example()
@@ -236,16 +440,45 @@ class Methods:
         return call, lambda result: {"gram_err": error(result, self.arrays["gram"])}
 
     def project_vmap(self) -> Run:
+        """``vmap(grad)``, each parameter's gradients in its Keras layout
+        mapped by jacobkit's own map of that variable (exported): a dense
+        ``(size, dim)`` matrix, or the Kronecker factors ``L``, ``R``
+        (``vec(Lᵀ G R)[:dim] / sqrt(dim)``, as ``jacobkit.problem.sketch``
+        applies them to materialized gradients); the sum over parameters.
+        Checked against jacobkit's ``reduce=jk.Project(dim)``."""
         per_example = self.per_example()
-        size = sum(p.numel() for p in build(self.arrays).parameters())
-        generator = torch.Generator().manual_seed(self.seed)
-        projection = torch.randn(size, self.dim, generator=generator)
-        projection /= math.sqrt(self.dim)
+        maps = {}
+        for name in (n for n, _ in build(self.arrays).named_parameters()):
+            key = (
+                "map__" + name.removeprefix("hf.")
+                if self.case == "bert"
+                else "map_" + keras_name(name)
+            )
+            maps[name] = {
+                part: torch.from_numpy(self.arrays[f"{key}_{part}"])
+                for part in ("dense", "left", "right")
+                if f"{key}_{part}" in self.arrays
+            }
+        dim = int(self.arrays["dim"])
+
+        def mapped(name: str, g: torch.Tensor) -> torch.Tensor:
+            g = self.keras_rows(name, g)
+            found = maps[name]
+            if "dense" in found:
+                return g.reshape(self.batch, -1) @ found["dense"]
+            units = g.shape[-1]
+            right = g.reshape(-1, units) @ found["right"]  # (B I, s)
+            right = right.reshape(self.batch, -1, right.shape[-1])  # (B, I, s)
+            both = torch.einsum("ia,rib->rab", found["left"], right)
+            return both.reshape(self.batch, -1)[:, :dim] / math.sqrt(dim)
 
         def call() -> torch.Tensor:
-            return self.flat(per_example()) @ projection
+            grads = per_example()
+            return sum(mapped(k, g) for k, g in grads.items())
 
-        return call, lambda result: {}
+        return call, lambda result: {
+            "projection_err": error(result, self.arrays["projection"])
+        }
 
 
 def main() -> None:
@@ -254,23 +487,33 @@ def main() -> None:
     parser.add_argument("--method", choices=METHODS, action="append")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dim", type=int, default=2048, help="projection_vmap's dim")
-    parser.add_argument("--seed", type=int, default=0, help="of the projection")
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=10,
+        help="rounds of each method against its own plain step in this "
+        "process (protocol.paired); 0: none",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    record = footing.pin_torch("reductions_torch", args.threads)
     opacus = opacus_version()
-    methods = args.method or [m for m in METHODS if opacus or m != "clipped_opacus"]
-    if "clipped_opacus" in methods and opacus is None:
-        raise SystemExit("reductions_torch: clipped_opacus needs opacus installed")
+    methods = args.method or [m for m in METHODS if opacus or "opacus" not in m]
+    if opacus is None and any("opacus" in m for m in methods) and args.method:
+        raise SystemExit("reductions_torch: the Opacus methods need opacus")
     if opacus is None and args.method is None:
-        print("reductions_torch: no opacus, clipped_opacus skipped", file=sys.stderr)
-    runs = Methods(dict(np.load(args.npz)), args.dim, args.seed)
+        print("reductions_torch: no opacus, its methods skipped", file=sys.stderr)
+    runs = Methods(dict(np.load(args.npz)), args.threads)
     failed = []
     for method in methods:
         call, check = getattr(runs, method)()
-        timings, result = measure(call, args.repeats)
-        errors = check(result)
+        try:
+            timings, result = measure(call, args.repeats)
+            errors = check(result)
+        except Exception as error:  # noqa: BLE001 - a mode that fails is reported
+            print(f"reductions_torch: {method} failed: {error!r}", file=sys.stderr)
+            failed.append(method)
+            continue
         del result
         print(
             f"reductions_torch: {method}: "
@@ -280,26 +523,30 @@ def main() -> None:
         if any(not v <= args.tolerance for v in errors.values()):
             failed.append(method)
             continue
+        # the method against PyTorch's own plain step (the DP step against
+        # the plain SGD step), alternating in this process
+        baseline = "sgd_step" if "step" in method else "plain"
+        if args.paired_rounds and method != baseline:
+            base, _ = getattr(runs, baseline)()
+            timings["paired"] = paired(call, base, args.paired_rounds)
         print(
             json.dumps(
                 {
                     "peer": "torch",
                     "method": method,
-                    "torch": torch.__version__,
-                    "opacus": opacus,
                     "batch": runs.batch,
-                    "threads": args.threads,
-                    **({"dim": args.dim} if method == "project_vmap" else {}),
+                    **({"noise": NOISE, "lr": LR} if "step" in method else {}),
                     **errors,
                     **timings,
+                    "footing": record,
                 }
             ),
             flush=True,
         )
     if failed:
         raise SystemExit(
-            f"reductions_torch: {', '.join(failed)} disagree with jacobkit's "
-            f"results in {args.npz} (tolerance {args.tolerance:g})"
+            f"reductions_torch: {', '.join(failed)} failed or disagree with "
+            f"jacobkit's results in {args.npz} (tolerance {args.tolerance:g})"
         )
 
 

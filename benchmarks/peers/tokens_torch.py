@@ -6,7 +6,8 @@ Hugging Face's ``GPT2LMHeadModel``, checked against jacobkit's
 ``explain.generate_and_attribute`` scores in that file.
 
 Runs in its own virtual environment (see README.md), with ``captum`` and
-``transformers``; prints one JSON line per method:
+``transformers``, pinned to one core with one PyTorch thread (it refuses to
+run otherwise; ``footing.py``); prints one JSON line per method:
 
     python tokens_torch.py --npz gpt2.npz --method captum_gradient_x_input
 
@@ -25,6 +26,14 @@ the tokens generated before it) and one backward pass per generated token.
 jacobkit takes all 32 rows from one pass over the whole sequence (causal
 masking): the gradients at the earlier tokens are the same, and its entries
 at later tokens are 0. Methods (``--method``, repeatable; default all):
+
+- ``plain_step``: one plain training step on the 96 tokens (the summed
+  next-token loss's gradient over every weight): the baseline every other
+  method is divided by (``--paired-rounds``: also paired with it in one
+  process), as jacobkit's side divides by TensorFlow's;
+- ``torch_batched``: the peer, jacobkit's work in PyTorch: one forward pass
+  over the whole sequence and the 32 targets' backward passes batched by
+  ``vmap`` (see :meth:`Methods.torch_batched`); the loops below are extras;
 
 - ``captum_gradient``: ``LayerGradientXActivation(multiply_by_inputs=False)``
   on ``transformer.wte`` (the plain gradient), its forward function captum's
@@ -64,11 +73,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import footing
 import numpy as np
 import torch
-from protocol import measure, relative_error
+from protocol import measure, paired, relative_error
 
 METHODS = (
+    "plain_step",
+    "torch_batched",
     "captum_gradient",
     "captum_gradient_x_input",
     "captum_llm_gradient_x_input",
@@ -99,6 +111,11 @@ def build(arrays: dict[str, np.ndarray]) -> Any:
         tie_word_embeddings=True,
         bos_token_id=None,  # GPT-2's 50256 is outside this vocabulary
         eos_token_id=None,
+        # attention as matmuls and a softmax: vmap batches their backward
+        # passes, while SDPA's CPU kernel has no batching rule and vmap
+        # falls back to a loop over the rows (torch 2.13; the loops' times
+        # are the same either way)
+        attn_implementation="eager",
     )
     model = GPT2LMHeadModel(config)
     names = [k for k in arrays if k.startswith("transformer.")]
@@ -255,6 +272,63 @@ class Methods:
 
         return call, check
 
+    def plain_step(self) -> Run:
+        """One plain training step of the model on the same 96 tokens: the
+        gradient of the summed next-token loss over every parameter (one
+        forward and one backward pass): the baseline each method here is
+        divided by, as jacobkit's side divides by TensorFlow's."""
+        model = build(self.arrays)
+        for parameter in model.parameters():
+            parameter.requires_grad_(True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        inputs, labels = self.tokens[:, :-1], self.tokens[:, 1:]
+
+        def call() -> tuple[torch.Tensor, ...]:
+            logits = model(inputs).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.reshape(-1), reduction="sum"
+            )
+            return torch.autograd.grad(loss, params)
+
+        return call, lambda result: {}
+
+    def torch_batched(self) -> Run:
+        """jacobkit's work, batched in PyTorch: one forward pass over the
+        whole sequence (causal masking), the 32 generated tokens'
+        log-probabilities at the positions before them, and one batched
+        backward pass of their 32 one-hot cotangents to the token embeddings
+        (``torch.func.vjp``, its backward function ``vmap``'d over the
+        cotangents; ``torch.autograd.grad(..., is_grads_batched=True)`` took
+        1.07-1.18x as long): ``(32, 1, T, D)``, the gradient's norm and
+        gradient x embedding."""
+        model = self.model
+        embedded = model.transformer.wte(self.tokens).detach()  # (1, T, D)
+        positions = torch.arange(self.prompt - 1, self.prompt - 1 + self.new)
+        targets = self.tokens[0, positions + 1]
+        eye = torch.eye(self.new)
+
+        rows = torch.arange(self.new)
+
+        def log_p(inputs: torch.Tensor) -> torch.Tensor:
+            logits = model(inputs_embeds=inputs).logits[0, positions]  # (new, V)
+            return torch.log_softmax(logits, dim=-1)[rows, targets]
+
+        def call() -> tuple[torch.Tensor, torch.Tensor]:
+            _, backward = torch.func.vjp(log_p, embedded)
+            (grads,) = torch.func.vmap(backward)(eye)  # (new, 1, T, D)
+            grads = grads[:, 0]
+            return grads.norm(dim=-1)[None], (grads * embedded).sum(-1)[None]
+
+        def check(result: Any) -> dict[str, float]:
+            return {
+                "scores_err": error(result[0].numpy(), self.arrays["scores_gradient"]),
+                "scores_x_input_err": error(
+                    result[1].numpy(), self.arrays["scores_gradient_x_input"]
+                ),
+            }
+
+        return call, check
+
     def torch_loop(self) -> Run:
         model = self.model
         embedded = model.transformer.wte(self.tokens)  # (1, T, D)
@@ -299,10 +373,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=10,
+        help="rounds of each method against its own plain step in this "
+        "process (protocol.paired); 0: none",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    record = footing.pin_torch("tokens_torch", args.threads)
     captum = version("captum")
-    methods = args.method or [m for m in METHODS if captum or m == "torch_loop"]
+    methods = args.method or [m for m in METHODS if captum or "captum" not in m]
     if captum is None and any(m.startswith("captum") for m in methods):
         raise SystemExit("tokens_torch: the captum methods need captum installed")
     runs = Methods(dict(np.load(args.npz)))
@@ -329,21 +410,22 @@ def main() -> None:
         if any(not v <= args.tolerance for v in errors.values()):
             failed.append(method)
             continue
+        if args.paired_rounds and method != "plain_step":
+            # against PyTorch's own plain step, alternating in this process
+            base, _ = runs.plain_step()
+            timings["paired"] = paired(call, base, args.paired_rounds)
         print(
             json.dumps(
                 {
                     "peer": "torch",
                     "method": method,
-                    "torch": torch.__version__,
-                    "captum": captum,
-                    "transformers": version("transformers"),
                     "prompt": runs.prompt,
                     "new_tokens": runs.new,
-                    "threads": args.threads,
                     "logits_err": logits_err,
                     **errors,
                     **timings,
                     "scores_per_s": runs.new / timings["steady_s"],
+                    "footing": record,
                 }
             ),
             flush=True,

@@ -199,6 +199,31 @@ class LayerRule:
         for every other call."""
         return None
 
+    def reverse_inputs(self, x: tf.Tensor) -> tf.Tensor | None:
+        """For a call whose kernel gradient is ``Σ_p dz[p]ᵀ x[p]``, the
+        factors of :meth:`factored` with their roles swapped (the kernel's
+        rows indexed by ``z``'s features: a tied embedding's reverse call,
+        ``z = x Wᵀ``): its inputs ``(B, P, D)``, so projections take the
+        cotangents' product with the left factor. ``None`` for every other
+        call."""
+        return None
+
+    def shared_norms(
+        self,
+        calls: list[tuple[tf.Tensor, tf.Tensor]],
+        *,
+        summed: bool,
+        form: str | None = None,
+    ) -> tuple[tf.Tensor, tf.Tensor] | None:
+        """Per-row norms ``(R,)`` of the kernel and bias gradients summed
+        over the layer's several ``calls`` (each its tapped input and
+        cotangents, as :meth:`norms` takes them), without forming the rows;
+        ``None`` where the rule has no such form: the rows are then formed,
+        summed and reduced (the norm of a sum is not a sum of norms).
+        ``form`` forces ``"gram"`` or ``"chunks"`` (``None``: see
+        :meth:`norms`)."""
+        return None
+
     def norms(
         self,
         x: tf.Tensor,

@@ -9,6 +9,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from jacobkit.layers import norms as layer_norms
 from jacobkit.layers.base import MaterializedNorms, Tapped, Weights
 
 
@@ -156,6 +157,21 @@ def _by_position(dz: tf.Tensor, positions: int) -> tf.Tensor:
     )
 
 
+#: a tied table's Gram-form norms cost this many times their multiply-adds
+#: against the formed tables' (:meth:`ReversibleEmbeddingRule.shared_norms`).
+#: NOTE (measured, ``benchmarks/tied_head.py``, the table's norms alone on a
+#: GPT2CausalLM of vocabulary 2,000 and width 64, 16 examples, 2 loaded
+#: cores, ``benchmarks/results/cpu/tied_head.md``): the Gram form took
+#: 0.51x the formed tables' time at 8 tokens, 0.75x at 32, 0.91x at 128 and
+#: 1.12x at 256 (two earlier runs: 0.54x, 0.65x, 0.93x at 64, 0.93-1.01x
+#: at 128, 1.05x at 256), where ``norms.GRAM_WEIGHT`` (2, measured on a
+#: convolution's einsums) put the crossover at 31 tokens: the Gram form's
+#: work is one batched matmul of the logits' cotangents, the formed tables'
+#: also writes and reads ``B K V D`` numbers. 0.5 puts it at about ``2 D``,
+#: 124 tokens there.
+TIED_GRAM_WEIGHT = 0.5
+
+
 class ReversibleEmbeddingRule(EmbeddingRule):
     """keras_hub's ``ReversibleEmbedding``, called forward (ids: a lookup, as
     ``Embedding``) or in reverse (``x @ W^T``, the logits; ``tanh(z / c) * c``
@@ -163,7 +179,11 @@ class ReversibleEmbeddingRule(EmbeddingRule):
     ``batch`` strategy then has a tap per call and sums their gradients. A
     reverse call's row has ``dr/dW[v] = sum_p G[b, p, v] x[b, p]``. The two
     kinds of call are told apart by their input: ids lack the feature axis
-    (``x`` has one axis fewer than a row's ``z``)."""
+    (``x`` has one axis fewer than a row's ``z``).
+
+    The norms of a row's gradient summed over both kinds of call are taken
+    in the Gram form (:meth:`shared_norms`) wherever the per-example
+    ``(vocabulary, D)`` tables would cost more or not fit in one chunk."""
 
     kind = "reversible_embedding"
 
@@ -221,3 +241,94 @@ class ReversibleEmbeddingRule(EmbeddingRule):
                 tf.einsum("bpd,bkpv->bkvd", inputs, g), (batch * rows, vocabulary, dim)
             )
         return kernel, tf.zeros((kernel.shape[0], 0), dz.dtype)
+
+    def reverse_inputs(self, x: tf.Tensor) -> tf.Tensor | None:
+        if x.dtype.is_integer:  # ids: a forward call
+            return None
+        return tf.reshape(x, (x.shape[0], -1, self.weight("kernel").shape[-1]))
+
+    def shared_norms(
+        self,
+        calls: list[tuple[tf.Tensor, tf.Tensor]],
+        *,
+        summed: bool,
+        form: str | None = None,
+    ) -> tuple[tf.Tensor, tf.Tensor] | None:
+        """Per-example rows' norms of the table's gradient summed over its
+        lookups and reverse calls, in the Gram form: each call's gradient is
+        ``Σ_p a[p] c[p]ᵀ``, ``(vocabulary, D)``, with ``a`` the one-hot row
+        of a lookup's id and ``c`` its cotangent ``(D,)``, or ``a`` a
+        reverse call's cotangent at the logits ``(vocabulary,)`` and ``c``
+        its input; so ``|Σ_i G_i|² = Σ_{i, j} Σ_{p, q} <a_i[p], a_j[q]>
+        <c_i[p], c_j[q]>`` (:func:`_pair`): per example and row, ``P² V``
+        multiply-adds for a reverse call against itself, a gather for a
+        lookup against a reverse call, ``P² D`` elsewhere, and ``(B, K, P,
+        P)`` held, never the ``(B, K, vocabulary, D)`` tables.
+
+        Where those tables are fewer multiply-adds, weighted by
+        :data:`TIED_GRAM_WEIGHT` (``w P² (D + K V)`` against ``K P D V``,
+        ``P`` the reverse calls' positions: sequences longer than about
+        ``D / w``), and fit in one chunk
+        (:data:`~jacobkit.layers.norms.CHUNK_ELEMENTS`), ``None``: they are
+        formed. Rows summed over the batch: ``None``."""
+        if summed or form == "chunks":
+            return None
+        vocabulary, dim = (int(n) for n in self.weight("kernel").shape)
+        batch, rows = int(calls[0][1].shape[0]), int(calls[0][1].shape[1])
+        sides = [_side(x, dz, vocabulary, dim) for x, dz in calls]
+        # the reverse calls' pairs dominate (P² V against a lookup's P² D)
+        positions = sum(int(s[1].shape[-2]) for s in sides if s[0].dtype != tf.int32)
+        gram = TIED_GRAM_WEIGHT * positions * positions * (dim + rows * vocabulary)
+        cheaper = gram < rows * positions * dim * vocabulary
+        formed = batch * rows * vocabulary * dim
+        if form is None and not (cheaper or formed > layer_norms.CHUNK_ELEMENTS):
+            return None
+        squares = tf.add_n(
+            [
+                _pair(sides[i], sides[j]) * (1.0 if i == j else 2.0)
+                for i in range(len(sides))
+                for j in range(i, len(sides))
+            ]
+        )  # (B, K)
+        kernel = tf.sqrt(tf.maximum(tf.reshape(squares, (-1,)), 0.0))
+        return kernel, tf.zeros((batch * rows,), kernel.dtype)
+
+
+#: one call of a tied table as ``Σ_p a[p] c[p]ᵀ``: a lookup's ids ``(B, P)``
+#: and cotangents ``(B, K, P, D)``, or a reverse call's cotangents ``(B, K,
+#: P, V)`` and inputs ``(B, P, D)``
+_Side = tuple[tf.Tensor, tf.Tensor]
+
+
+def _side(x: tf.Tensor, dz: tf.Tensor, vocabulary: int, dim: int) -> _Side:
+    batch, rows = dz.shape[0], dz.shape[1]
+    if x.shape.rank != dz.shape.rank - 1:  # ids (as gradients tells them)
+        ids = _ids(x, batch)
+        return ids, tf.reshape(dz, (batch, rows, ids.shape[1], dim))
+    inputs = tf.reshape(tf.cast(x, dz.dtype), (batch, -1, dim))
+    return tf.reshape(dz, (batch, rows, inputs.shape[1], vocabulary)), inputs
+
+
+def _pair(one: _Side, other: _Side) -> tf.Tensor:
+    """``Σ_{p, q} <a[p], a'[q]> <c[p], c'[q]>`` of two calls (:data:`_Side`),
+    per example and row: ``(B, K)``."""
+    lookup, lookup_other = one[0].dtype == tf.int32, other[0].dtype == tf.int32
+    if lookup and lookup_other:  # (B, 1, P, Q): equal ids
+        tables = tf.equal(one[0][:, None, :, None], other[0][:, None, None, :])
+        tables = tf.cast(tables, one[1].dtype)
+    elif lookup:  # the reverse call's cotangent at the lookup's id
+        gathered = tf.gather(other[0], one[0], axis=3, batch_dims=1)  # (B,K,Q,P)
+        tables = tf.transpose(gathered, (0, 1, 3, 2))
+    elif lookup_other:
+        tables = tf.gather(one[0], other[0], axis=3, batch_dims=1)  # (B, K, P, Q)
+    else:
+        tables = tf.einsum("bkpv,bkqv->bkpq", one[0], other[0])
+    ends = ("bkpd" if lookup else "bpd") + "," + ("bkqd" if lookup_other else "bqd")
+    features = tf.einsum(
+        f"{ends}->{'bkpq' if lookup or lookup_other else 'bpq'}",
+        one[1],
+        other[1],
+    )
+    if not (lookup or lookup_other):
+        features = features[:, None]
+    return tf.reduce_sum(tables * features, axis=(2, 3))

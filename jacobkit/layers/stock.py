@@ -43,6 +43,10 @@ KINDS = (
     LayerKind("EinsumDense", EinsumDenseRule, lora=EinsumDenseLoraRule),
     LayerKind("MultiHeadAttention", MultiHeadAttentionRule),
     LayerKind("Embedding", EmbeddingRule, lora=EmbeddingLoraRule),
+    # Keras's own (keras.layers.ReversibleEmbedding), which keras_hub's models
+    # build now: keras_hub's class of that name (below) is a subclass of it,
+    # or, in older keras_hub, a class of its own
+    LayerKind("ReversibleEmbedding", ReversibleEmbeddingRule),
     LayerKind("LayerNormalization", LayerNormalizationRule),
     LayerKind("BatchNormalization", BatchNormalizationRule),
     LayerKind("RMSNormalization", RMSNormalizationRule),

@@ -103,6 +103,8 @@ def starting_first(
 _NOT_AUTO = {
     "jacobian": "the same computation as chunked(rows), without a budget",
     "loop": "eager Python loop: slowest",
+    "grouped": "proposed where closed forms serve some of the targets and not "
+    "all (batch on those, a generic strategy on the others)",
     "forward": "one pass per parameter: only for targets with fewer parameters "
     "than rows (pass strategy='forward')",
 }

@@ -80,6 +80,7 @@ def start(
         lambda s: est.predicted_peak(s, num_rows, activations, result_bytes),
         policy,
     )
+    found, rejected = _with_grouped(problem, found, rejected, footprint)
     if closed_form or _summed_closed_form(problem):
         # the closed form computes B x K per-example rows for about the
         # price of K summed ones, and summed rows of a Dense layer with
@@ -139,6 +140,25 @@ def _with_shortcut(
         problem, found, fitting, footprint.fits, closed_form=closed_form
     )
     return kept, rejected + more, structure
+
+
+def _with_grouped(
+    problem: Problem,
+    found: list[Strategy],
+    rejected: list[Rejection],
+    footprint: Footprint,
+) -> tuple[list[Strategy], list[Rejection]]:
+    """Where closed forms serve some of the targets and not all, ``batch`` on
+    those and the generic candidate (``chunked``, else ``while``, as large
+    as fits) on the others first (:class:`~jacobkit.strategies.Grouped`):
+    a layer without a rule no longer sends every target to the generic
+    path. The registry's "not offered" of it goes where it is proposed."""
+    rest = next((s for s in found if s.name == "chunked"), None)
+    rest = rest or next((s for s in found if s.name == "while"), None)
+    grouped = None if rest is None else strategies.Grouped.proposed(problem, rest)
+    if grouped is None or not footprint.fits(grouped):
+        return found, rejected
+    return [grouped, *found], [r for r in rejected if r.label != grouped.name]
 
 
 def _too_big(shortcut: Strategy, footprint: Footprint) -> str:

@@ -41,6 +41,29 @@ def share_out(model: Any, targets: Sequence[Any]) -> tuple[LayerForm, ...] | Non
     """The layers of ``model`` whose rules cover ``targets`` between them
     (outermost first, see the module docstring), or ``None`` where some target
     is no part of any (or no Keras model holds them)."""
+    found, remaining = _shared(model, targets)
+    return tuple(found) if found and not remaining else None
+
+
+def served(model: Any, targets: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
+    """The positions among ``targets`` that each layer's rule covers (shared
+    out as :func:`share_out` does, from the layers' types alone: nothing is
+    traced), one tuple per layer; a target in none has no closed form."""
+    found, _ = _shared(model, targets)
+    return tuple(
+        tuple(
+            sorted(
+                i for p in form.projections for i in (p.kernel, p.bias) if i is not None
+            )
+        )
+        for form in found
+    )
+
+
+def _shared(
+    model: Any, targets: Sequence[Any]
+) -> tuple[list[LayerForm], dict[int, int]]:
+    """The layer forms found, and the targets left over (by id: position)."""
     remaining = {id(compat.unwrap(t)): i for i, t in enumerate(targets)}
     found: list[LayerForm] = []
     for layer, path in layer_tree.walk(model):
@@ -74,4 +97,4 @@ def share_out(model: Any, targets: Sequence[Any]) -> tuple[LayerForm, ...] | Non
         for i in ids:
             del remaining[i]
         found.append(LayerForm(layer, rule, tuple(projections)))
-    return tuple(found) if found and not remaining else None
+    return found, remaining

@@ -303,6 +303,11 @@ class Problem:
         other.key = dataclasses.replace(self.key, reduce=kind)
         return other
 
+    def restricted(self, indices: Sequence[int]) -> Problem:
+        """This problem on the targets at ``indices`` alone, as a list of
+        variables (:func:`restricted`)."""
+        return restricted(self, indices)
+
     def with_inputs(self, inputs: Any) -> Problem:
         """This problem on ``inputs`` of the same structure, shapes and dtypes
         (a shallow copy: nothing is traced or checked again)."""
@@ -322,3 +327,31 @@ class Problem:
                 lambda t: tf.TensorSpec(t.shape, t.dtype), self.inputs
             )
         )
+
+
+def restricted(problem: Problem, indices: Sequence[int]) -> Problem:
+    """``problem`` on the targets at ``indices`` alone (in that order),
+    as a list of variables: what one group of a grouped plan computes
+    (a shallow copy: nothing is traced again; its key names only those
+    targets, so nothing kept for the whole problem is taken for it)."""
+    chosen = tuple(indices)
+    if chosen == tuple(range(len(problem.targets))):
+        return problem
+    if problem.tensor_targets is not None or not chosen:
+        raise ValueError(
+            "a problem is restricted to a non-empty subset of its variables"
+        )
+    other = copy.copy(problem)
+    for cached in ("layer_rule", "projections", "forms", "layer_tap"):
+        other.__dict__.pop(cached, None)
+    other.layer = None
+    other.targets = tuple(problem.targets[i] for i in chosen)
+    other.target_names = tuple(problem.target_names[i] for i in chosen)
+    other.roles = targets.Roles()
+    differentiated = dataclasses.replace(
+        problem.key.differentiated, targets=tuple(id(t) for t in other.targets)
+    )
+    other.key = dataclasses.replace(
+        problem.key, differentiated=differentiated, layer=id(None)
+    )
+    return other

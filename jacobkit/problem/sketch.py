@@ -132,6 +132,22 @@ class TargetMap:
         assert self.left is not None and self.right is not None, "a Kronecker map"
         return self.of_mapped(tf.gather(self.held("left"), ids), cotangents)
 
+    def of_reversed(self, inputs: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
+        """A Kronecker map of ``G[b, k] = Σ_p cotangents[b, k, p]ᵀ
+        inputs[b, p]`` (:meth:`of_mapped`'s factors with their roles
+        swapped: a tied embedding's reverse call, whose gradient's rows are
+        the logits' features) without forming it: ``Lᵀ G R = Σ_p
+        (cotangents[p] L)ᵀ (inputs[p] R)``. ``inputs`` ``(B, P, D)`` and
+        ``cotangents`` ``(B, K, P, V)`` -> ``(B * K, dim)``, ``P V s + P D s
+        + P s²`` multiply-adds per row instead of ``P V D``."""
+        assert self.left is not None and self.right is not None, "a Kronecker map"
+        inputs = tf.cast(inputs, cotangents.dtype)
+        left = _times(cotangents, self.held("left"))  # (B, K, P, s)
+        right = _times(inputs, self.held("right"))  # (B, P, s)
+        both = tf.einsum("bkps,bpt->bkst", left, right)
+        batch, rows = cotangents.shape[0], cotangents.shape[1]
+        return self._kept(tf.reshape(both, (batch * rows, -1)))
+
     def _kept(self, both: tf.Tensor) -> tf.Tensor:
         return both[:, : self.dim] / tf.cast(math.sqrt(self.dim), both.dtype)
 

@@ -8,6 +8,7 @@ from jacobkit.strategies.base import Strategy
 from jacobkit.strategies.batch import Batch
 from jacobkit.strategies.chunked import Chunked
 from jacobkit.strategies.forward import Forward
+from jacobkit.strategies.grouped import Grouped
 from jacobkit.strategies.jacobian import Jacobian
 from jacobkit.strategies.loop import Loop
 from jacobkit.strategies.registry import register
@@ -22,6 +23,7 @@ BUILT_IN: tuple[type[Strategy], ...] = (
     Chunked,
     Forward,
     Structured,
+    Grouped,
 )
 
 for _cls in BUILT_IN:

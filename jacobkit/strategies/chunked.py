@@ -62,7 +62,7 @@ class Chunked(Strategy):
         """Fewer and fewer rows at once (:data:`REDUCED_CHUNKS`)."""
         return tuple(Chunked(c) for c in REDUCED_CHUNKS)
 
-    reduced_preference = 1
+    reduced_preference = 2
 
     def rows_at_once(self, num_rows: int) -> int:
         return min(self.chunk_size, num_rows)

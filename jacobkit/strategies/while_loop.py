@@ -50,7 +50,7 @@ class While(Strategy):
         vectorized fits."""
         return (While(1),)
 
-    reduced_preference = 2
+    reduced_preference = 3
 
     def rows_at_once(self, num_rows: int) -> int:
         return min(self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS, num_rows)

@@ -25,7 +25,7 @@ decoded by position or by rank.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import tensorflow as tf
@@ -57,6 +57,9 @@ Computation = Callable[[Any], Output]
 #: ``problem -> Computation``: a strategy's computation of any problem (with
 #: another reduction: ``problem.with_reduction(kind)``)
 Computations = Callable[[Any], Computation]
+#: one group of a grouped plan: the positions of its targets among the
+#: problem's, and the computations of the strategy that runs them
+Group = tuple[tuple[int, ...], Computations]
 
 
 class RowsSpec(Protocol):
@@ -92,6 +95,8 @@ class Problem(Protocol):
     def rows(self, inputs: Any) -> Any: ...
 
     def with_reduction(self, kind: Reduction) -> Any: ...
+
+    def restricted(self, indices: Sequence[int]) -> Any: ...
 
 
 class Call(Protocol):
@@ -199,6 +204,36 @@ class Reduction(abc.ABC):
         return tf.add_n(parts) if summed else tf.concat(parts, axis=0)
 
     # -- computing -----------------------------------------------------------
+    def grouped(self, problem: Problem, groups: Sequence[Group]) -> Computation:
+        """This kind over disjoint groups of the targets, each computed by its
+        own strategy on the problem restricted to them
+        (``problem.restricted``), in one computation. Here each target's
+        value is its group's, in the targets' order (the rows, their norms,
+        a projection's or a Gram's per-target parts: sums over the targets
+        are taken of these later), and every row's norm over all targets,
+        where the groups give them, is ``sqrt(sum of the groups' norms²)``.
+        A kind whose values need every target before they are formed (a
+        clipped sum: the rows' total norms before the weights) overrides it."""
+        built = [
+            (indices, computation(problem.restricted(indices)))
+            for indices, computation in groups
+        ]
+        count = len(problem.targets)
+
+        def combined(inputs: Any) -> Output:
+            values: list[Any] = [None] * count
+            squares = []
+            for indices, computation in built:
+                found = computation(inputs)
+                for i, value in zip(indices, found.values, strict=True):
+                    values[i] = value
+                if found.norms is not None:
+                    squares.append(tf.square(found.norms))
+            norms = tf.sqrt(tf.add_n(squares)) if squares else None
+            return Output(tuple(values), norms)
+
+        return combined
+
     @abc.abstractmethod
     def generic(
         self, problem: Problem, computation: Computations, native: frozenset[str]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -13,6 +14,7 @@ from jacobkit.problem.reduction.base import (
     Call,
     Computation,
     Computations,
+    Group,
     Output,
     Problem,
     Reduction,
@@ -183,6 +185,19 @@ class ClippedSum(Reduction):
             return Output(tuple(tf.convert_to_tensor(g) for g in sums), total)
 
         return clipped
+
+    def grouped(self, problem: Problem, groups: Sequence[Group]) -> Computation:
+        """Over groups of the targets: each group's per-target norms by its
+        strategy (natively where it computes norms), every row's total norm
+        ``sqrt(sum over the groups' targets of norm²)``, then the one
+        weighted backward pass of :meth:`generic` over every target at once
+        (the weights need every group's norms first)."""
+        norms = Norms()
+
+        def by_groups(norms_problem: Any) -> Computation:
+            return norms.grouped(norms_problem, groups)
+
+        return self.generic(problem, by_groups, frozenset({Norms.name}))
 
     def joined(self, parts: list[Any], *, summed: bool) -> Any:
         """The replicas' sums added up (their norms: :meth:`joined_norms`)."""

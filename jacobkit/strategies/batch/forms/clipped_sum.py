@@ -36,12 +36,13 @@ def contract(
 
     - where its norms form every row's gradient anyway (a convolution over
       few positions, a normalization: :meth:`LayerRule.forms_rows`, and a
-      layer called several times), those gradients are kept, and the sum is
-      them weighted by the scales: ``(R,) x (R, size)``;
-    - elsewhere (the Gram form: a Dense layer on vectors), the norms come
-      from the cotangents (as :mod:`.norm`) and the sum is one more
-      contraction of the cotangents, each row's scaled by
-      ``min(1, clip_norm / norm)``.
+      layer called several times whose rule has no
+      :meth:`LayerRule.shared_norms`), those gradients are kept, and the sum
+      is them weighted by the scales: ``(R,) x (R, size)``;
+    - elsewhere (the Gram form: a Dense layer on vectors, a tied embedding's
+      lookup and logits together), the norms come from the cotangents (as
+      :mod:`.norm`) and the sum is one more contraction of each call's
+      cotangents, each row's scaled by ``min(1, clip_norm / norm)``.
 
     NOTE (measured). The conv net of ``benchmarks/reductions.py`` (batch 32,
     one core): 18.7 ms with a second contraction for every layer, against
@@ -54,14 +55,14 @@ def contract(
     dzs = cotangents.every_row()
     targets = problem.targets
     xs, parts = taps
-    shared = len(parts) > len(set(parts))
     formed: dict[int, tuple[Any, Any]] = {}
     # each target's squared row norms (R,), in float32: a formed row's
     # squares summed at once (no square root to undo), a rule's norms squared
     squares: list[Any] = []
     for i, p in enumerate(projections(problem)):
         calls = [(x, dz) for x, dz, j in zip(xs, dzs, parts) if j == i]
-        if shared or all(p.rule.forms_rows(x, dz, summed=summed) for x, dz in calls):
+        norms = _norms(p.rule, calls, summed=summed)
+        if norms is None:
             shape = tuple(targets[p.kernel].shape)
             each = [p.rule.gradients(x, dz, shape, summed=summed) for x, dz in calls]
             kernel = added([k for k, _ in each])
@@ -69,11 +70,9 @@ def contract(
             formed[i] = (kernel, bias)
             squares.extend(squared_rows(g) for g in (kernel, bias) if g is not None)
         else:
-            ((x, dz),) = calls
-            kernel, bias = p.rule.norms(x, dz, summed=summed, map_chunks=map_chunks)
-            squares.append(tf.square(tf.cast(kernel, tf.float32)))
+            squares.append(tf.square(tf.cast(norms[0], tf.float32)))
             if p.bias is not None:
-                squares.append(tf.square(tf.cast(bias, tf.float32)))
+                squares.append(tf.square(tf.cast(norms[1], tf.float32)))
     total = tf.sqrt(tf.add_n(squares))
     scales = reduce.scales(total)
     batch, rows = int(dzs[0].shape[0]), int(dzs[0].shape[1])
@@ -89,19 +88,32 @@ def contract(
             kernel, bias = formed[i]
             sums.append((weighted(kernel), None if bias is None else weighted(bias)))
             continue
-        # the cotangents, each row's scaled, contracted once
-        ((x, dz),) = [(x, d) for x, d, j in zip(xs, dzs, parts) if j == i]
-        scale = tf.reshape(by_row, (*by_row.shape, *[1] * (dz.shape.rank - 2)))
-        kernel, bias = p.rule.gradients(
-            x,
-            dz * tf.cast(scale, dz.dtype),
-            tuple(targets[p.kernel].shape),
-            summed=True,
-        )
-        sums.append(
-            (
-                tf.reduce_sum(kernel, axis=0, keepdims=True),
-                tf.reduce_sum(bias, axis=0, keepdims=True),
+        # the cotangents, each row's scaled, contracted once per call
+        kernels: list[Any] = []
+        biases: list[Any] = []
+        for x, dz in ((x, d) for x, d, j in zip(xs, dzs, parts) if j == i):
+            scale = tf.reshape(by_row, (*by_row.shape, *[1] * (dz.shape.rank - 2)))
+            kernel, bias = p.rule.gradients(
+                x,
+                dz * tf.cast(scale, dz.dtype),
+                tuple(targets[p.kernel].shape),
+                summed=True,
             )
-        )
+            kernels.append(tf.reduce_sum(kernel, axis=0, keepdims=True))
+            biases.append(tf.reduce_sum(bias, axis=0, keepdims=True))
+        sums.append((added(kernels), added(biases)))
     return Output(tuple(s[0] for s in placed(problem, sums)), total)
+
+
+def _norms(rule: Any, calls: list[Any], *, summed: bool) -> Any:
+    """A part's row norms ``(kernel, bias)`` from its cotangents, without its
+    rows formed (one call: :meth:`~jacobkit.layers.LayerRule.norms`; several:
+    :meth:`~jacobkit.layers.LayerRule.shared_norms`); ``None`` where the rows
+    are formed for them anyway (:meth:`~jacobkit.layers.LayerRule.forms_rows`)
+    or the rule has no norms of several calls: then those rows are weighted."""
+    if len(calls) > 1:
+        return rule.shared_norms(calls, summed=summed)
+    ((x, dz),) = calls
+    if rule.forms_rows(x, dz, summed=summed):
+        return None
+    return rule.norms(x, dz, summed=summed, map_chunks=map_chunks)

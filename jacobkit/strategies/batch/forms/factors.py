@@ -58,7 +58,16 @@ def contract(
     its ids ``(B, P)`` (integers) in place of the one-hot patches
     (:func:`_lookup`); every other target as one ``(R, size)`` tensor of its
     rows' gradients (summed over the layer's calls): each a
-    :data:`~jacobkit.problem.reduction.Feature`."""
+    :data:`~jacobkit.problem.reduction.Feature`.
+
+    NOTE (why a tied table's rows are formed). A causal LM's token table,
+    looked up and called in reverse for the logits, has no factors of one
+    kind; its pairs in a Gram form would cost ``P² V`` per pair of rows
+    (the logits' cotangents against each other at every pair of positions)
+    against ``V D`` for the pair formed, plus ``P V D`` per row once:
+    cheaper only for sequences shorter than about ``sqrt(D)`` tokens. A
+    norm, a row against itself, has no such saving
+    (``ReversibleEmbeddingRule.shared_norms`` takes it in the Gram form)."""
     targets = problem.targets
     xs, parts = taps
     dzs = cotangents.every_row()

@@ -27,8 +27,10 @@ def contract(
 ) -> list[tf.Tensor]:
     """``reduce=jk.Project``: each target's part of every row's projection,
     ``(R, dim)`` (:mod:`jacobkit.problem.sketch`). A Kronecker map of a
-    factored part is applied to the factors, summed over its calls; other
-    parts' gradients are formed by their rule, then mapped."""
+    factored part is applied to the factors, summed over its calls (a
+    lookup's ids gather the left factor's rows; a tied table's reverse call
+    maps its factors swapped: ``TargetMap.of_reversed``); other parts'
+    gradients are formed by their rule, then mapped."""
     project = problem.reduction
     assert isinstance(project, Project), "a projection is asked for"
     maps = sketch.maps(problem, project)
@@ -46,6 +48,13 @@ def contract(
                 ids, cotangents = by_position(ids, dz, summed=summed)
                 kernels.append(kernel_map.of_lookup(ids, cotangents))
                 biases.append(None)  # an embedding has no bias
+            elif kernel_map.kronecker and p.rule.reverse_inputs(x) is not None:
+                # the factors swapped: the cotangents times the left factor
+                inputs, cotangents = by_position(
+                    p.rule.reverse_inputs(x), dz, summed=summed
+                )
+                kernels.append(kernel_map.of_reversed(inputs, cotangents))
+                biases.append(None)  # a tied table has no bias
             elif kernel_map.left is not None and p.rule.factored():
                 left = p.rule.unfold_times(x, kernel_map.held("left"))  # (B, P, s)
                 left, cotangents = by_position(left, dz, summed=summed)
