@@ -36,8 +36,10 @@ Every (model, oneDNN state) runs in a fresh process pinned to one core
     python benchmarks/privacy_fit.py --out benchmarks/results/cpu
 
 (``--models convnet,bert --onednn on`` for a part; ``--quick`` for a smoke
-run.) Opacus's side (``benchmarks/peers/``): its JSON, if present at
-``--peers``, fills the last column (see :func:`_peers`).
+run.) Opacus's side (``benchmarks/peers/reductions_torch.py``, its rows in
+``benchmarks/results/cpu/reductions.json``, or ``--peers``) fills the last
+column: Opacus's fastest correct mode over PyTorch's own plain step (see
+:func:`_peers`).
 """
 
 from __future__ import annotations
@@ -322,13 +324,26 @@ def _run(name: str, onednn: str, rounds: int, steps: int) -> dict[str, Any]:
 
 
 def _peers(path: Path) -> dict[str, Any]:
-    """Opacus's fastest correct DP step over its own plain step, per model,
-    from ``benchmarks/peers/``'s JSON: ``{model: {"mode": ..., "ratio": ...,
-    "low": ..., "high": ...}}`` (model names as :data:`MODELS`). Absent: an
-    empty dict (the column reads "not run")."""
+    """Opacus's fastest correct DP step over PyTorch's own plain step, per
+    model, from the peers' rows of ``benchmarks/reductions.py``'s JSON
+    (``benchmarks/peers/reductions_torch.py``: ``runs``' keys ``"<case>|Opacus
+    <mode>, DP-SGD step"``, each with its ``paired`` ratio; a mode whose step failed
+    its check has no row there): ``{model: {"mode", "ratio", "low", "high"}}``.
+    Absent: an empty dict (the column reads "not run")."""
     if not path.exists():
         return {}
-    found: dict[str, Any] = json.loads(path.read_text())
+    found: dict[str, Any] = {}
+    runs = json.loads(path.read_text()).get("runs", {})
+    for key, row in runs.items():
+        case, _, label = key.partition("|")
+        paired = row.get("paired") if isinstance(row, dict) else None
+        if not (label.startswith("Opacus") and label.endswith("DP-SGD step")):
+            continue
+        if not paired or "error" in row:
+            continue
+        mode = label.removeprefix("Opacus ").removesuffix(", DP-SGD step")
+        if case not in found or paired["ratio"] < found[case]["ratio"]:
+            found[case] = {"mode": mode, **paired}
     return found
 
 
@@ -452,7 +467,7 @@ def main() -> None:
         help="the table of these JSON files' rows (earlier runs), none run",
     )
     parser.add_argument(
-        "--peers", type=Path, default=HERE / "results" / "cpu" / "privacy_peers.json"
+        "--peers", type=Path, default=HERE / "results" / "cpu" / "reductions.json"
     )
     args = parser.parse_args()
     if args.quick:
