@@ -236,12 +236,12 @@ class PrivateModel(keras.Model):
             y_pred = self.model(x, training=False)
             self.first_checks(y, y_pred, variables)
         assert self.clipping is not None
-        gradients, norms, rows = self.gradients(variables, (x, y, weights))
-        self.optimizer.apply(gradients, variables)
+        sums, norms, rows = self.clipped_sums(variables, (x, y, weights))
+        if rows is None or self.has_metrics:  # before the update, as the rows
+            y_pred = self.model(x, training=False) if y_pred is None else y_pred
+        self.optimizer.apply(self.noisy(variables, sums), variables)
         self.dp_steps.assign_add(1)
         example = tf.reshape(tf.cast(weights, tf.float32), (batch, -1))[:, 0]
-        if rows is None or self.has_metrics:
-            y_pred = self.model(x, training=False) if y_pred is None else y_pred
         if rows is None:
             self.loss_tracker.update_state(
                 self.per_example_loss(y, y_pred), sample_weight=weights
@@ -257,14 +257,12 @@ class PrivateModel(keras.Model):
             return self.get_metrics_result()
         return self.compute_metrics(x, y, y_pred, weights)
 
-    def gradients(
+    def clipped_sums(
         self, variables: list[Any], data: tuple[Any, Any, Any]
     ) -> tuple[list[tf.Tensor], tf.Tensor, tf.Tensor | None]:
-        """The noisy gradients ``(clipped sum + noise) / (q * N)``, one per
-        variable, each example's norm before clipping, shape ``(B,)``, and
-        its weighted loss row where the compiled clipped sum gives them
-        (else ``None``). Noise: :func:`~jacobkit.privacy.step.noise` at this
-        step."""
+        """The clipped sums, one per variable, each example's norm before
+        clipping, shape ``(B,)``, and its weighted loss row where the
+        compiled clipped sum gives them (else ``None``)."""
         assert self.clipping is not None
         privacy = self.privacy
         rows = None
@@ -280,11 +278,17 @@ class PrivateModel(keras.Model):
                 Loss(self.per_example_loss),
                 privacy.training,
             )
+        return sums, norms, rows
+
+    def noisy(self, variables: list[Any], sums: list[Any]) -> list[tf.Tensor]:
+        """The noisy gradients ``(clipped sum + noise) / (q * N)``, one per
+        variable. Noise: :func:`~jacobkit.privacy.step.noise` at this step."""
+        assert self.clipping is not None
+        privacy = self.privacy
         std = privacy.noise_multiplier * self.clipping.total
         noise = step.noise(variables, privacy.seed, self.dp_steps, std)
         divisor = privacy.expected_batch_size
-        noisy = [(s + n) / divisor for s, n in zip(sums, noise, strict=True)]
-        return noisy, norms, rows
+        return [(s + n) / divisor for s, n in zip(sums, noise, strict=True)]
 
 
 def make_private(
