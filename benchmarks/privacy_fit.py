@@ -424,6 +424,14 @@ def _table(rows: list[dict], peers: dict, args: argparse.Namespace) -> str:
         "",
         "Models: " + "; ".join(f"`{k}`: {v}" for k, v in LABELS.items()) + ".",
         "",
+        "Opacus: its fastest mode whose step passed the peers' check, over "
+        "PyTorch's own plain SGD step, paired in one process "
+        "(`benchmarks/peers/reductions_torch.py`, read from "
+        "`benchmarks/results/cpu/reductions.json`): a fixed batch of 32, no "
+        "sampler, BERT without dropout, measured in its own run (oneDNN's "
+        "state is TensorFlow's: one figure for both rows). Compare ratios, not "
+        "times.",
+        "",
         "The Python overhead per compiled step: the same two `fit` loops on a "
         "trivial model (`Dense(1)` on one feature, the same sampler sizes) and "
         "the sampler's `__getitem__` alone, per step (ms, median), in each "
