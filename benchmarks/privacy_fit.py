@@ -384,8 +384,8 @@ def _table(rows: list[dict], peers: dict, args: argparse.Namespace) -> str:
         "padding and feeding), `jit_compile=False`, SGD; DP: C = 1, sigma = 1, "
         "all trainable variables clipped together. A step: the interval between "
         "consecutive `on_train_batch_end` (the feeding included). "
-        f"{first.get('rounds')} alternating rounds of {first.get('steps')} steps "
-        "a side; ratio: "
+        f"{_spread(rows, 'rounds')} alternating rounds of "
+        f"{_spread(rows, 'steps')} steps a side; ratio: "
         "median over rounds of the rounds' median DP step over their median "
         "plain step [95% bootstrap interval]; fastest: the fastest DP step over "
         "the fastest plain step (ms), which the load slowed least. First: the "
@@ -448,6 +448,14 @@ def _table(rows: list[dict], peers: dict, args: argparse.Namespace) -> str:
                 f"{r['feeding_ms']:.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _spread(rows: list[dict], key: str) -> str:
+    """``rows``' values of ``key``: one, or the smallest to the largest."""
+    found = sorted({r[key] for r in rows if key in r})
+    if not found:
+        return "?"
+    return str(found[0]) if len(found) == 1 else f"{found[0]} to {found[-1]}"
 
 
 def _fastest(row: dict) -> str:
