@@ -1,106 +1,515 @@
-"""``jk.privacy``'s DP step under ``model.fit`` against a plain step
-(issue 49), in one process, paired.
+"""``jk.privacy``'s compiled DP ``fit`` step against a compiled plain ``fit``
+step (issue 49), paired in one process, fed the same way.
 
-On scikit-learn's digits (1,437 training examples), a 64-32-10 MLP, an
-expected batch of 64 (Poisson, ``q = 64 / 1437``, padded to the sampler's
-sizes), ``C = 1``, ``sigma = 1``, SGD:
+Models: the reductions benchmark's conv net
+(``benchmarks/reductions_models.py``), its BERT tiny classifier, a
+tiny-config keras_hub ``GPT2CausalLM`` (random init, ``preprocessor=None``)
+and the same LM after ``backbone.enable_lora(4)``. Each trains on ``N``
+random examples, Poisson-sampled at rate ``q`` (expected batch ``q * N``)
+by a :class:`jk.privacy.PoissonSampler`, padded to its sizes:
 
-- ``private compiled``: ``make_private(...).fit(sampler)`` (no
-  ``run_eagerly``: the step on ``jk.function``);
-- ``private eager``: the same with ``compile(run_eagerly=True)`` (the step
-  on ``jk.jacobian``);
-- ``plain``: the same model's stock ``fit`` on shuffled batches of 64.
+- ``dp``: ``make_private(model, C=1, sigma=1).compile(SGD, loss)``,
+  ``fit(sampler)`` (compiled: no ``run_eagerly``);
+- ``plain``: a twin of the model (same weights) compiled with the same
+  per-example loss (Keras averages it) and SGD, ``fit`` on a sampler of the
+  same seed: the same batches, the same padding, the same ``PyDataset``
+  feeding, so that the ratio measures the DP work alone.
 
-Each is timed per epoch of 22 steps, after a first epoch that traces;
-rounds interleave the three; reported: the median epoch and its ratio to
-the plain one's.
+Both with ``jit_compile=False``. A step's time is the interval between
+consecutive ``on_train_batch_end`` calls inside ``fit`` (what ``fit`` spends
+per step, the feeding included); each round runs ``--steps`` steps of one
+side then of the other (the order alternating), and a round's ratio is the
+quotient of their median steps. Reported: the median ratio over the rounds
+and its 95% bootstrap interval, each side's median step, and the first step
+of each side's first ``fit`` (planning, which ``fit`` does for ``dp``, and
+tracing: ``dp`` traces every padded size in it).
 
-    python benchmarks/privacy_fit.py --rounds 5
+The Python overhead of a compiled step: the same two ``fit`` loops on a
+trivial model (``Dense(1)`` on one feature, same sampler sizes): Keras's loop,
+the callbacks, the feeding and a near-empty step; and the feeding alone
+(the sampler's ``__getitem__`` per step, in Python).
+
+Every (model, oneDNN state) runs in a fresh process pinned to one core
+(``taskset -c 1``) with one intra- and one inter-op thread; oneDNN off by
+``TF_ENABLE_ONEDNN_OPTS=0`` in its environment. One command reruns it all:
+
+    python benchmarks/privacy_fit.py --out benchmarks/results/cpu
+
+(``--models convnet,bert --onednn on`` for a part; ``--quick`` for a smoke
+run.) Opacus's side (``benchmarks/peers/reductions_torch.py``, its rows in
+``benchmarks/results/cpu/reductions.json``, or ``--peers``) fills the last
+column: Opacus's fastest correct mode over PyTorch's own plain step (see
+:func:`_peers`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
+from typing import Any
 
-from jacobkit import runtime
+import numpy as np
 
-runtime.start_tensorflow_quietly()
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODELS = ("convnet", "bert", "gpt2", "gpt2_lora")
+LABELS = {
+    "convnet": "conv net (Conv 3-32, Conv 32-64 s2, Dense 64-10; 32x32x3)",
+    "bert": "BERT tiny classifier (2 layers, hidden 64, vocab 1000, 32 tokens)",
+    "gpt2": "GPT2CausalLM (2 layers, hidden 64, vocab 1000, 32 tokens)",
+    "gpt2_lora": "the same GPT2CausalLM, enable_lora(4)",
+}
+#: training-set size and expected batch per model
+SIZES = {"convnet": (512, 32), "bert": (512, 32), "gpt2": (256, 16)}
+SIZES["gpt2_lora"] = SIZES["gpt2"]
+CORE = "1"
 
-import keras  # noqa: E402
 
-import jacobkit as jk  # noqa: E402
-from examples import dp_sgd  # noqa: E402
-
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+# --------------------------------------------------------------------------
+# one process: one model, one oneDNN state
 
 
-def _model() -> keras.Model:
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(32, activation="tanh"),
-            keras.layers.Dense(10),
-        ]
+def _case(name: str) -> tuple[Any, Any, Any, Any]:
+    """``(build, x, y, loss)``: ``build()`` makes the model with the same
+    weights every call (seeded)."""
+    import keras
+
+    n, _ = SIZES[name]
+    if name in ("convnet", "bert"):
+        sys.path.insert(0, str(ROOT))
+        from benchmarks import reductions_models
+
+        make = getattr(reductions_models, name)
+        case = make(batch=n)
+        return (lambda: make(batch=n).model), case.x, case.y, reductions_models.loss()
+
+    import keras_hub
+
+    vocabulary, length = 1000, 32
+
+    def build() -> Any:
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocabulary,
+            num_layers=2,
+            num_heads=4,
+            hidden_dim=64,
+            intermediate_dim=128,
+            max_sequence_length=length,
+        )
+        if name == "gpt2_lora":
+            backbone.enable_lora(4)
+        return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(1, vocabulary, (n, length)).astype("int32"),
+        "padding_mask": np.ones((n, length), "int32"),
+    }
+    y = np.roll(x["token_ids"], -1, axis=1)
+
+    def next_tokens(y_true: Any, y_pred: Any) -> Any:
+        """Each sequence's summed next-token cross-entropy (one row each)."""
+        return keras.ops.sum(
+            keras.losses.sparse_categorical_crossentropy(
+                y_true, y_pred, from_logits=True
+            ),
+            axis=-1,
+        )
+
+    return build, x, y, next_tokens
+
+
+class _Clock:
+    """Keras callback: the time of each ``on_train_batch_end``."""
+
+    def __init__(self) -> None:
+        import keras
+
+        class Clock(keras.callbacks.Callback):
+            def __init__(self, owner: _Clock) -> None:
+                super().__init__()
+                self.owner = owner
+
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                self.owner.ends.append(time.perf_counter())
+
+        self.ends: list[float] = []
+        self.callback = Clock(self)
+
+
+def _sides(build: Any, x: Any, y: Any, loss: Any, n: int, q: float) -> dict:
+    """``{"dp": fit(steps), "plain": fit(steps)}``, each ``fit`` one epoch of
+    ``steps`` steps on its own sampler of the same seed, returning the
+    start time and the clock."""
+    import keras
+
+    import jacobkit as jk
+
+    def fitter(model: Any) -> Any:
+        def fit(steps: int) -> tuple[float, list[float]]:
+            sampler = fit.sampler
+            sampler.steps_per_epoch = steps
+            clock = _Clock()
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                # a keras_hub task's own fit maps its preprocessor over a
+                # tf.data set, which a PyDataset is not: Keras's fit, as
+                # PrivateModel's calls
+                fitted = model.fit if hasattr(model, "privacy") else keras.Model.fit
+                args = () if hasattr(model, "privacy") else (model,)
+                fitted(*args, sampler, epochs=1, verbose=0, callbacks=[clock.callback])
+            return start, clock.ends
+
+        fit.sampler = jk.privacy.PoissonSampler((x, y), q, seed=0)
+        return fit
+
+    private = jk.privacy.make_private(
+        build(), l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=q, num_examples=n
+    )
+    private.compile(keras.optimizers.SGD(0.01), _per_example(loss), jit_compile=False)
+    plain = build()
+    plain.compile(keras.optimizers.SGD(0.01), _mean(loss), jit_compile=False)
+    return {"dp": fitter(private), "plain": fitter(plain)}
+
+
+def _per_example(loss: Any) -> Any:
+    return loss
+
+
+def _mean(loss: Any) -> Any:
+    """The same per-example loss, which Keras's ``compile`` averages over the
+    batch (a Keras loss: its reduction reset; a function: wrapped)."""
+    import keras
+
+    if isinstance(loss, keras.losses.Loss):
+        config = loss.get_config() | {"reduction": "sum_over_batch_size"}
+        return type(loss).from_config(config)
+    return loss
+
+
+def _bootstrap(ratios: list[float]) -> tuple[float, float]:
+    rng = np.random.default_rng(0)
+    samples = np.median(rng.choice(ratios, (2000, len(ratios))), axis=1)
+    return float(np.quantile(samples, 0.025)), float(np.quantile(samples, 0.975))
+
+
+def _paired(sides: dict, rounds: int, steps: int) -> dict[str, Any]:
+    """First steps, then ``rounds`` alternating rounds of ``steps`` steps."""
+    found: dict[str, Any] = {}
+    for name, fit in sides.items():  # the first fit: planning, tracing
+        start, ends = fit(max(3, steps // 2))
+        found[f"{name}_first_s"] = ends[0] - start
+    ratios: list[float] = []
+    medians: dict[str, list[float]] = {k: [] for k in sides}
+    fastest = {k: float("inf") for k in sides}
+    for r in range(rounds):
+        order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+        this = {}
+        for name in order:
+            _, ends = sides[name](steps + 1)
+            this[name] = statistics.median(np.diff(ends))
+            medians[name].append(this[name])
+            fastest[name] = min(fastest[name], float(np.min(np.diff(ends))))
+        ratios.append(this["dp"] / this["plain"])
+    low, high = _bootstrap(ratios)
+    found |= {"ratio": statistics.median(ratios), "low": low, "high": high}
+    found |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in medians.items()}
+    # the fastest steps, which other jobs slowed least: a second estimate
+    found |= {f"{k}_fastest_ms": 1e3 * v for k, v in fastest.items()}
+    found["fastest_ratio"] = fastest["dp"] / fastest["plain"]
+    found["rounds"], found["steps"] = rounds, steps
+    return found
+
+
+def _trivial(q: float, n: int, rounds: int, steps: int) -> dict[str, Any]:
+    """The loops on a trivial model, and the feeding alone (ms per step)."""
+    import keras
+
+    import jacobkit as jk
+
+    def build() -> Any:
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+
+    x = np.linspace(-1, 1, n, dtype="float32")[:, None]
+    y = np.zeros((n, 1), "float32")
+    loss = keras.losses.MeanSquaredError(reduction=None)
+    found = _paired(_sides(build, x, y, loss, n, q), rounds, steps)
+    sampler = jk.privacy.PoissonSampler((x, y), q, seed=0)
+    times = []
+    for i in range(len(sampler)):
+        start = time.perf_counter()
+        sampler[i]
+        times.append(time.perf_counter() - start)
+    return {
+        "trivial_dp_ms": found["dp_ms"],
+        "trivial_plain_ms": found["plain_ms"],
+        "feeding_ms": 1e3 * statistics.median(times),
+    }
+
+
+def _child(name: str, rounds: int, steps: int) -> dict[str, Any]:
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    from jacobkit import runtime
+
+    build, x, y, loss = _case(name)
+    n, batch = SIZES[name]
+    q = batch / n
+    found = _paired(_sides(build, x, y, loss, n, q), rounds, steps)
+    found |= _trivial(q, n, rounds, steps)
+    import jacobkit as jk
+
+    found |= {
+        "model": name,
+        "n": n,
+        "expected_batch": batch,
+        "sizes": list(jk.privacy.PoissonSampler((x, y), q).sizes),
+        "onednn": runtime.cpu_kind().onednn,
+        "versions": {
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "keras_hub": keras_hub.__version__,
+        },
+        "commit": _commit(),
+    }
+    return found
+
+
+def _commit() -> str:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout.strip() or "unknown"
+
+
+# --------------------------------------------------------------------------
+# the driver: a process per (model, oneDNN state), the table
+
+
+def _run(name: str, onednn: str, rounds: int, steps: int) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "TF_ENABLE_ONEDNN_OPTS": "1" if onednn == "on" else "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, __file__, "--child", name]
+    command += ["--rounds", str(rounds), "--steps", str(steps)]
+    if shutil.which("taskset"):
+        command = ["taskset", "-c", CORE, *command]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        return {"model": name, "error": (out.stderr or out.stdout).strip()[-800:]}
+    found: dict[str, Any] = json.loads(lines[-1])
+    found["onednn_asked"] = onednn
+    return found
+
+
+def _peers(path: Path) -> dict[str, Any]:
+    """Opacus's fastest correct DP step over PyTorch's own plain step, per
+    model, from the peers' rows of ``benchmarks/reductions.py``'s JSON
+    (``benchmarks/peers/reductions_torch.py``: ``runs``' keys ``"<case>|Opacus
+    <mode>, DP-SGD step"``, each with its ``paired`` ratio; a mode whose step failed
+    its check has no row there): ``{model: {"mode", "ratio", "low", "high"}}``.
+    Absent: an empty dict (the column reads "not run")."""
+    if not path.exists():
+        return {}
+    found: dict[str, Any] = {}
+    runs = json.loads(path.read_text()).get("runs", {})
+    for key, row in runs.items():
+        case, _, label = key.partition("|")
+        paired = row.get("paired") if isinstance(row, dict) else None
+        if not (label.startswith("Opacus") and label.endswith("DP-SGD step")):
+            continue
+        if not paired or "error" in row:
+            continue
+        mode = label.removeprefix("Opacus ").removesuffix(", DP-SGD step")
+        if case not in found or paired["ratio"] < found[case]["ratio"]:
+            found[case] = {"mode": mode, **paired}
+    return found
+
+
+def _machine() -> str:
+    cpu = "unknown CPU"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    cpu = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{cpu} ({', '.join(shown)}), {os.cpu_count()} cores"
+
+
+def _table(rows: list[dict], peers: dict, args: argparse.Namespace) -> str:
+    first = next((r for r in rows if "error" not in r), {})
+    versions = first.get("versions", {})
+    lines = [
+        "# The compiled DP fit step against a compiled plain fit step "
+        "(benchmarks/privacy_fit.py)",
+        "",
+        f"Machine: {_machine()}, measured under load (other jobs on both "
+        "cores): each (model, oneDNN state) in a fresh process pinned to core "
+        f"{CORE} (`taskset -c {CORE}`), one intra-op and one inter-op thread. "
+        f"TensorFlow {versions.get('tensorflow')}, Keras {versions.get('keras')}, "
+        f"keras_hub {versions.get('keras_hub')}. oneDNN off: "
+        "`TF_ENABLE_ONEDNN_OPTS=0`. Rerun on a quiet machine: "
+        "`python benchmarks/privacy_fit.py --out benchmarks/results/cpu`.",
+        "",
+        "Both sides `fit` on a PoissonSampler of the same seed (same batches, "
+        "padding and feeding), `jit_compile=False`, SGD; DP: C = 1, sigma = 1, "
+        "all trainable variables clipped together. A step: the interval between "
+        "consecutive `on_train_batch_end` (the feeding included). "
+        f"{_spread(rows, 'rounds')} alternating rounds of "
+        f"{_spread(rows, 'steps')} steps a side; ratio: "
+        "median over rounds of the rounds' median DP step over their median "
+        "plain step [95% bootstrap interval]; fastest: the fastest DP step over "
+        "the fastest plain step (ms), which the load slowed least. First: the "
+        "first step of the first `fit` (DP: planning and tracing every padded "
+        "size).",
+        "",
+        "| model | oneDNN | commit | N, E[batch], sizes | DP step (ms) | plain "
+        "step (ms) | DP / plain | fastest: DP / plain | first DP (s) | first "
+        "plain (s) | Opacus DP / plain |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['model']} | {r.get('onednn_asked')} | error: "
+                f"{r['error'].splitlines()[-1][:120]} |||||||||"
+            )
+            continue
+        peer = peers.get(r["model"])
+        opacus = (
+            f"{peer['ratio']:.2f} [{peer['low']:.2f}, {peer['high']:.2f}] "
+            f"({peer['mode']})"
+            if peer
+            else "not run"
+        )
+        sizes = r["sizes"]
+        lines.append(
+            f"| {r['model']} | {'on' if r['onednn'] else 'off'} | {r['commit']} | "
+            f"{r['n']}, {r['expected_batch']}, {sizes[0]}..{sizes[-1]} "
+            f"({len(sizes)}) | {r['dp_ms']:.1f} | {r['plain_ms']:.1f} | "
+            f"{r['ratio']:.2f} [{r['low']:.2f}, {r['high']:.2f}] | "
+            f"{_fastest(r)} | {r['dp_first_s']:.1f} | {r['plain_first_s']:.2f} | "
+            f"{opacus} |"
+        )
+    lines += [
+        "",
+        "Models: " + "; ".join(f"`{k}`: {v}" for k, v in LABELS.items()) + ".",
+        "",
+        "Opacus: its fastest mode whose step passed the peers' check, over "
+        "PyTorch's own plain SGD step, paired in one process "
+        "(`benchmarks/peers/reductions_torch.py`, read from "
+        "`benchmarks/results/cpu/reductions.json`): a fixed batch of 32, no "
+        "sampler, BERT without dropout, measured in its own run (oneDNN's "
+        "state is TensorFlow's: one figure for both rows). Compare ratios, not "
+        "times.",
+        "",
+        "The Python overhead per compiled step: the same two `fit` loops on a "
+        "trivial model (`Dense(1)` on one feature, the same sampler sizes) and "
+        "the sampler's `__getitem__` alone, per step (ms, median), in each "
+        "model's process:",
+        "",
+        "| process | oneDNN | trivial DP step | trivial plain step | feeding alone |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" not in r:
+            lines.append(
+                f"| {r['model']} | {'on' if r['onednn'] else 'off'} | "
+                f"{r['trivial_dp_ms']:.2f} | {r['trivial_plain_ms']:.2f} | "
+                f"{r['feeding_ms']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _spread(rows: list[dict], key: str) -> str:
+    """``rows``' values of ``key``: one, or the smallest to the largest."""
+    found = sorted({r[key] for r in rows if key in r})
+    if not found:
+        return "?"
+    return str(found[0]) if len(found) == 1 else f"{found[0]} to {found[-1]}"
+
+
+def _fastest(row: dict) -> str:
+    if "fastest_ratio" not in row:
+        return "-"
+    return (
+        f"{row['fastest_ratio']:.2f} ({row['dp_fastest_ms']:.1f} / "
+        f"{row['plain_fastest_ms']:.1f})"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    digits = dp_sgd.load_digits(0)
-    x, y = digits.x_train, digits.y_train
-    n = len(x)
-    q = 64 / n
-    runs = {}
-    for name in ("private compiled", "private eager"):
-        model = _model()
-        private = jk.privacy.make_private(
-            model,
-            l2_norm_clip=1.0,
-            noise_multiplier=1.0,
-            sampling_rate=q,
-            num_examples=n,
-        )
-        private.compile(
-            keras.optimizers.SGD(0.5), LOSS, run_eagerly=name.endswith("eager")
-        )
-        sampler = jk.privacy.PoissonSampler((x, y), q, seed=0)
-        runs[name] = lambda p=private, s=sampler: p.fit(s, epochs=1, verbose=0)
-    plain = _model()
-    plain.compile(
-        keras.optimizers.SGD(0.5),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    parser.add_argument("--child", choices=MODELS)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--onednn", default="on,off")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        nargs="*",
+        help="the table of these JSON files' rows (earlier runs), none run",
     )
-    runs["plain"] = lambda: plain.fit(x, y, batch_size=64, epochs=1, verbose=0)
-    first = {}
-    for name, run in runs.items():
-        start = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run()
-        first[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for round_ in range(args.rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["plain"])
-    print("| run | first epoch (s) | epoch (s, median) | per step (ms) | x plain |")
-    print("|---|---|---|---|---|")
-    for name in names:
-        median = statistics.median(times[name])
-        print(
-            f"| {name} | {first[name]:.2f} | {median:.3f} | "
-            f"{1e3 * median / 22:.1f} | {median / base:.1f} |"
-        )
+    parser.add_argument(
+        "--peers", type=Path, default=HERE / "results" / "cpu" / "reductions.json"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 3, 4
+    if args.child:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        from jacobkit import runtime
+
+        runtime.start_tensorflow_quietly()
+        print(json.dumps(_child(args.child, args.rounds, args.steps)))
+        return
+    rows = [r for path in args.rows or () for r in json.loads(path.read_text())]
+    for onednn in () if args.rows else args.onednn.split(","):
+        for name in args.models.split(","):
+            row = _run(name, onednn, args.rounds, args.steps)
+            print(json.dumps(row), file=sys.stderr)
+            rows.append(row)
+    text = _table(rows, _peers(args.peers), args)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "privacy_fit.md").write_text(text)
+        (args.out / "privacy_fit.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

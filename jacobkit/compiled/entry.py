@@ -51,10 +51,15 @@ class CompiledOutput(NamedTuple):
             clipped sum ``v.shape``, the projection ``rows_shape + (dim,)``.
         norms: every row's norm over all targets (``rows_shape``) where the
             kind has them (the clipped sum), else ``None``.
+        rows: the rows themselves (``rows_shape``; a :class:`~jacobkit.Loss`'s:
+            each example's weighted loss) where the computation's forward
+            pass gives them (``batch``'s clipped sum), else ``None``: a
+            by-product, no gradient flows through it.
     """
 
     values: dict[str, Any]
     norms: Any = None
+    rows: Any = None
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,11 @@ def _shaped(planned: _Planned, output: Output, count: Any) -> CompiledOutput:
     if norms is not None:
         norms = tf.reshape(norms, problem.rows_shape)
         norms = norms[:count] if cut else norms
-    return CompiledOutput(values, norms)
+    rows = output.rows
+    if rows is not None:
+        rows = tf.reshape(rows, problem.rows_shape)
+        rows = rows[:count] if cut else rows
+    return CompiledOutput(values, norms, rows)
 
 
 def function(

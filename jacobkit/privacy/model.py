@@ -100,6 +100,7 @@ class PrivateModel(keras.Model):
         self.per_example_loss: Any = None
         self.clipping: step.Clipping | None = None
         self.traced: TracedSums | None = None
+        self.has_metrics = False
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.model(inputs, training=training)
@@ -116,8 +117,11 @@ class PrivateModel(keras.Model):
         loss made with ``reduction=None``, or a function ``(y_true, y_pred)
         -> (batch,)``). ``metrics`` are computed on the model's outputs in
         inference mode (``training=False``), weighted by the batch's sample
-        weights (the padding: 0). ``jit_compile`` is off by default."""
+        weights (the padding: 0), from one more forward pass per step (none
+        without ``metrics``: see :meth:`train_step` for the loss).
+        ``jit_compile`` is off by default."""
         self.per_example_loss = checks.per_example_loss(loss)
+        self.has_metrics = bool(metrics) or bool(kwargs.get("weighted_metrics"))
         # planned for the previous loss: checked and planned anew
         self.clipping = None
         self.traced = None
@@ -205,7 +209,14 @@ class PrivateModel(keras.Model):
     def train_step(self, data: Any) -> dict[str, Any]:
         """One DP-SGD step on ``data``, ``(x, y)`` or ``(x, y,
         sample_weight)``, ``B`` examples (a :class:`PoissonSampler`'s
-        padding of weight 0)."""
+        padding of weight 0).
+
+        The logged ``"loss"``: the weighted mean of the examples' loss rows
+        (each example's loss, summed over its other axes). Compiled, where
+        the clipped sum's strategy gives its own forward pass's rows
+        (``batch``), those: the training pass's (dropout on), as a plain
+        ``fit`` logs, at no extra pass. Else (eager, other strategies) from
+        an inference-mode pass, which ``metrics`` get in any case."""
         if self.per_example_loss is None:
             raise ValueError("jacobkit.privacy: compile the private model first.")
         eager = tf.executing_eagerly()
@@ -216,36 +227,48 @@ class PrivateModel(keras.Model):
                 "private.prepare(sampler) first, or compile with run_eagerly=True."
             )
         x, y, weights = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self.model(x, training=False)
-        batch = tf.shape(tf.nest.flatten(y_pred)[0])[0]
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
         if weights is None:
             weights = tf.ones((batch,), tf.float32)
         variables = list(self.model.trainable_variables)
+        y_pred = None
         if self.clipping is None:  # eager, the first step: checked once
+            y_pred = self.model(x, training=False)
             self.first_checks(y, y_pred, variables)
         assert self.clipping is not None
-        gradients, norms = self.gradients(variables, (x, y, weights))
-        self.optimizer.apply(gradients, variables)
+        sums, norms, rows = self.clipped_sums(variables, (x, y, weights))
+        if rows is None or self.has_metrics:  # before the update, as the rows
+            y_pred = self.model(x, training=False) if y_pred is None else y_pred
+        self.optimizer.apply(self.noisy(variables, sums), variables)
         self.dp_steps.assign_add(1)
         example = tf.reshape(tf.cast(weights, tf.float32), (batch, -1))[:, 0]
-        self.loss_tracker.update_state(
-            self.per_example_loss(y, y_pred), sample_weight=weights
-        )
+        if rows is None:
+            self.loss_tracker.update_state(
+                self.per_example_loss(y, y_pred), sample_weight=weights
+            )
+        else:  # the rows are weighted: their sum over the weights' sum
+            total = tf.reduce_sum(example)
+            self.loss_tracker.update_state(
+                tf.math.divide_no_nan(tf.reduce_sum(rows), total), sample_weight=total
+            )
         over = tf.cast(norms > self.clipping.total, tf.float32)
         self.clipped.update_state(over, sample_weight=tf.cast(example > 0, tf.float32))
+        if y_pred is None:
+            return self.get_metrics_result()
         return self.compute_metrics(x, y, y_pred, weights)
 
-    def gradients(
+    def clipped_sums(
         self, variables: list[Any], data: tuple[Any, Any, Any]
-    ) -> tuple[list[tf.Tensor], tf.Tensor]:
-        """The noisy gradients ``(clipped sum + noise) / (q * N)``, one per
-        variable, and each example's norm before clipping, shape ``(B,)``.
-        Noise: :func:`~jacobkit.privacy.step.noise` at this step."""
+    ) -> tuple[list[tf.Tensor], tf.Tensor, tf.Tensor | None]:
+        """The clipped sums, one per variable, each example's norm before
+        clipping, shape ``(B,)``, and its weighted loss row where the
+        compiled clipped sum gives them (else ``None``)."""
         assert self.clipping is not None
         privacy = self.privacy
+        rows = None
         if not tf.executing_eagerly():
             assert self.traced is not None
-            sums, norms = self.traced(data)
+            sums, norms, rows = self.traced(data)
         else:
             sums, norms = step.clipped_sums(
                 self.model,
@@ -255,10 +278,17 @@ class PrivateModel(keras.Model):
                 Loss(self.per_example_loss),
                 privacy.training,
             )
+        return sums, norms, rows
+
+    def noisy(self, variables: list[Any], sums: list[Any]) -> list[tf.Tensor]:
+        """The noisy gradients ``(clipped sum + noise) / (q * N)``, one per
+        variable. Noise: :func:`~jacobkit.privacy.step.noise` at this step."""
+        assert self.clipping is not None
+        privacy = self.privacy
         std = privacy.noise_multiplier * self.clipping.total
         noise = step.noise(variables, privacy.seed, self.dp_steps, std)
         divisor = privacy.expected_batch_size
-        return [(s + n) / divisor for s, n in zip(sums, noise, strict=True)], norms
+        return [(s + n) / divisor for s, n in zip(sums, noise, strict=True)]
 
 
 def make_private(

@@ -79,9 +79,13 @@ class TracedSums:
             keys = dict(zip(fn.variables, group, strict=True))
             self.functions.append((fn, keys))
 
-    def __call__(self, data: tuple[Any, Any, Any]) -> tuple[list[Any], tf.Tensor]:
-        """The clipped sums, one per variable, and the ``n`` examples' norms
-        before clipping (``(n,)``), for a batch of ``n <= max(sizes)``."""
+    def __call__(
+        self, data: tuple[Any, Any, Any]
+    ) -> tuple[list[Any], tf.Tensor, tf.Tensor | None]:
+        """The clipped sums, one per variable, the ``n`` examples' norms
+        before clipping (``(n,)``), and their weighted loss rows from the
+        first group's forward pass (``(n,)``; ``None`` where its strategy
+        gives none), for a batch of ``n <= max(sizes)``."""
         x, y, w = data
         n = tf.shape(w)[0]
         largest = self.sizes[-1]
@@ -93,8 +97,7 @@ class TracedSums:
                     f"jacobkit.privacy: a batch of {known} examples, above the "
                     f"sampler's largest padded size ({largest})."
                 )
-            found = self.at_size(data, fits[0])
-            return list(found[:-1]), found[-1][:n]
+            return self.split(self.at_size(data, fits[0]), n)
         tf.debugging.assert_less_equal(
             n,
             largest,
@@ -106,12 +109,22 @@ class TracedSums:
         sizes = tf.constant(self.sizes, tf.int32)
         branch = tf.searchsorted(sizes, tf.reshape(n, [1]), side="left")[0]
         branches = [lambda size=size: self.at_size(data, size) for size in self.sizes]
-        found = tf.switch_case(branch, branches)
-        return list(found[:-1]), found[-1][:n]
+        return self.split(tf.switch_case(branch, branches), n)
+
+    def split(
+        self, found: Any, n: Any
+    ) -> tuple[list[Any], tf.Tensor, tf.Tensor | None]:
+        """:meth:`at_size`'s flat output as ``(sums, norms, rows)``, the
+        padding's norms and rows cut."""
+        sums, norms = list(found[: self.count]), found[self.count][:n]
+        rows = found[self.count + 1][:n] if len(found) > self.count + 1 else None
+        return sums, norms, rows
 
     def at_size(self, data: tuple[Any, Any, Any], size: int) -> tuple[Any, ...]:
-        """The sums and the padded norms ``(size,)`` of ``data`` padded to
-        ``size`` examples."""
+        """The sums, the padded norms ``(size,)`` and, where the first
+        group's computation gives them, its padded loss rows ``(size,)``, of
+        ``data`` padded to ``size`` examples (flat: one structure for every
+        branch of the switch; one strategy computes them all)."""
         x, y, w = data
         fed = (
             tf.nest.map_structure(lambda t: _padded(t, size, False), x),
@@ -120,9 +133,12 @@ class TracedSums:
         )
         sums: list[Any] = [None] * self.count
         squares: Any = 0.0
+        rows = []
         for fn, keys in self.functions:
             out = fn(fed)
             for key, i in keys.items():
                 sums[i] = out.values[key]
             squares = squares + tf.square(tf.cast(out.norms, tf.float32))
-        return (*sums, tf.sqrt(squares))
+            rows.append(out.rows)
+        given = [] if rows[0] is None else [tf.cast(rows[0], tf.float32)]
+        return (*sums, tf.sqrt(squares), *given)

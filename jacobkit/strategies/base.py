@@ -281,7 +281,9 @@ class Strategy(abc.ABC):
             fn = self.compiled_for(problem).fn
 
             def flat(inputs: Any) -> list[tf.Tensor]:
-                return [t for t in tf.nest.flatten(fn(inputs)) if t is not None]
+                out = fn(inputs)  # the rows, a by-product, stay behind
+                flat = tf.nest.flatten((out.values, out.norms))
+                return [t for t in flat if t is not None]
 
             kept[key] = problem.function(flat)
         found: Callable[[Any], Any] = kept[key]

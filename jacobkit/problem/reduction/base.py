@@ -41,10 +41,15 @@ class Output(NamedTuple):
             row's projection ``(R, dim)``, or the Gram's per-target features.
         norms: every row's norm over all targets, ``(R,)``, where the kind
             has them (the clipped sum); else ``None``.
+        rows: the rows themselves, ``(B, K)``, where the computation's own
+            forward pass gives them for free (``batch``'s clipped sum: a
+            DP step's training loss without another pass); else ``None``.
+            Not part of the reduction's result.
     """
 
     values: tuple[Any, ...]
     norms: Any = None
+    rows: Any = None
 
 
 #: ``inputs -> Output``: one computation of a reduction on a batch

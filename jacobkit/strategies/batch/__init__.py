@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from jacobkit.layers.base import Tapped
 from jacobkit.problem import Problem, through
-from jacobkit.problem.reduction import Rows
+from jacobkit.problem.reduction import Output, Rows
 from jacobkit.strategies import vectorize
 from jacobkit.strategies.base import Strategy
 from jacobkit.strategies.batch import checks
@@ -160,9 +160,13 @@ class Batch(Strategy):
 
             size = rows_per_chunk(rows, zs)
             taps = ([_in_z_dtype(tap) for tap in forward.taps], forward.parts)
-            return form(
+            found = form(
                 problem, taps, Cotangents(cotangents, rows, size), summed=summed
             )
+            if head is None and isinstance(found, Output) and found.norms is not None:
+                # the clipped sum: its pass's rows (a DP step's loss) ride along
+                found = found._replace(rows=tf.stop_gradient(forward.rows))
+            return found
 
         return compute
 
