@@ -177,7 +177,10 @@ def _head_maps(
             kernel = head.kernel(a.dtype)  # (C, classes)
             chosen = kernel if columns is None else tf.gather(kernel, columns, axis=1)
             scale = tf.cast(1.0 / (a.shape[1] * a.shape[2]), a.dtype)
-            scores = tf.einsum("bhwc,ck->bkhw", a, chosen) * scale  # the one matmul
+            # the one matmul: (B h w, C) @ (C, K), then (B, K, h, w)
+            flat = tf.matmul(tf.reshape(a, (-1, a.shape[-1])), chosen) * scale
+            shape = (-1, a.shape[1], a.shape[2], chosen.shape[-1])
+            scores = tf.transpose(tf.reshape(flat, shape), (0, 3, 1, 2))
             if head.softmax:
                 pooled = tf.reduce_mean(a, axis=(1, 2))  # (B, C)
                 logits = tf.matmul(pooled, kernel)
