@@ -174,6 +174,9 @@ def _head_maps(
 
         def maps(x: tf.Tensor, columns: tf.Tensor | None) -> tf.Tensor:
             a = forward(x)  # (B, h, w, C): a GlobalAveragePooling2D's input
+            # mixed precision: the maps in the kernel's dtype, as the
+            # generic path's gradients
+            a = tf.cast(a, head.head.kernel.dtype)
             kernel = head.kernel(a.dtype)  # (C, classes)
             chosen = kernel if columns is None else tf.gather(kernel, columns, axis=1)
             scale = tf.cast(1.0 / (a.shape[1] * a.shape[2]), a.dtype)
