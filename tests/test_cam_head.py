@@ -251,3 +251,14 @@ def test_a_keras_hub_image_classifier_takes_the_head():
     path = f"{backbone.name}/{last.name}"
     mine = explain.grad_cam(model, x, path, resize=False)
     _close(mine, _reference(model, path, x))
+
+
+def test_the_compiled_maps_read_the_heads_kernel_at_each_call(images):
+    # the kernel is read inside the compiled call, never kept: new weights
+    # (a training step, here an assignment) give new maps
+    model = _convnet(_softmax_layer)
+    explain.grad_cam(model, images, "feat", resize=False)
+    kernel = model.get_layer("head").kernel
+    kernel.assign(np.random.default_rng(3).normal(size=kernel.shape))
+    mine = explain.grad_cam(model, images, "feat", resize=False)
+    _close(mine, _reference(model, "feat", images))
