@@ -202,6 +202,8 @@ def test_classes_out_of_range_are_refused_in_jacobkits_words(images):
     model = _convnet(_softmax_layer)
     with pytest.raises(ValueError, match="class 7 is out of range .* 7 classes"):
         explain.grad_cam(model, images, "feat", classes=[7])
+    with pytest.raises(ValueError, match=r"expects shape \(None, 10, 10, 3\)"):
+        explain.grad_cam(model, images[..., :2], "feat")
 
 
 def test_mixed_precision_maps_in_the_kernels_dtype(images):

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from jacobkit.api import jacobian
 from jacobkit.explain._gradients import as_batch
+from jacobkit.keras import layer_tree
 from jacobkit.keras.graph import LayerTap, TapError
 from jacobkit.problem import pooled_head
 from jacobkit.problem.cache import PerModel
@@ -98,6 +99,10 @@ def grad_cam(
         if isinstance(layer, str)
         else layer
     )
+    mismatch = layer_tree.input_mismatch(model, x, [x])
+    if mismatch is not None:
+        # before either path: the compiled forward pass would bury it
+        raise ValueError(f"grad_cam(x=...): {mismatch}")
     head = _head(model, found, training, kwargs) if shortcut else None
     if head is not None:
         cam = _head_maps(model, found, x, head, classes)
