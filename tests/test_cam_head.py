@@ -1,6 +1,7 @@
 """Grad-CAM through a pooled linear head (``GlobalAveragePooling2D ->
-(Dropout) -> Dense(C)``, with or without a softmax): every class's map as one
-matmul of the activation by the head's kernel, no backward pass.
+(Dropout) -> Dense(C)``, with or without a softmax or a sigmoid): every
+class's map as one matmul of the activation by the head's kernel, no
+backward pass.
 
 Each case is checked against the generic path (``shortcut=False``: one
 ``jacobian`` call) and against a float64 reference that differentiates the
@@ -8,8 +9,8 @@ float64 copy of the whole model at the tapped activation by autodiff
 (``batch_jacobian``, every class), knowing nothing of the head.
 
 Tolerances (max relative difference to the largest map value), measured
-with oneDNN on: shortcut against float64 2.5e-7 (the conv nets, linear and
-softmax heads) and 2.7e-6 on MobileNetV2 (1000 classes, linear or softmax:
+with oneDNN on: shortcut against float64 2.6e-7 (the conv nets, linear,
+softmax and sigmoid heads) and 2.7e-6 on MobileNetV2 (1000 classes, linear or softmax:
 its float32 forward pass, the generic path's error too, 2.8e-6); shortcut
 against the generic path 3.3e-7 (conv nets) and 7.9e-7 (MobileNetV2). We
 allow 1e-5 everywhere.
@@ -77,6 +78,16 @@ def _softmax_layer(h):
     return keras.layers.Softmax()(h)
 
 
+def _sigmoid_dense(h):
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.layers.Dense(7, activation="sigmoid", name="head")(h)
+
+
+def _sigmoid_layer(h):
+    h = keras.layers.Dense(7, name="head")(keras.layers.GlobalAveragePooling2D()(h))
+    return keras.layers.Activation("sigmoid")(h)
+
+
 def _mlp_head(h):
     h = keras.layers.GlobalAveragePooling2D()(h)
     h = keras.layers.Dense(16, activation="relu", name="hidden")(h)
@@ -141,10 +152,19 @@ def test_mobilenet_v2_softmax_every_class_against_the_generic_path():
     _close(mine, _reference(model, "out_relu", x))
 
 
-@pytest.mark.parametrize("top", [_dropout_softmax, _softmax_layer])
-def test_softmax_heads_take_the_head_and_agree_both_ways(top, images):
+@pytest.mark.parametrize(
+    "top, after",
+    [
+        (_dropout_softmax, "a softmax"),
+        (_softmax_layer, "a softmax"),
+        (_sigmoid_dense, "sigmoid"),
+        (_sigmoid_layer, "sigmoid"),
+    ],
+)
+def test_heads_with_an_activation_take_the_head_and_agree_both_ways(top, after, images):
     model = _convnet(top)
-    assert pooled_head.find(model, model.get_layer("feat"), False).softmax
+    found = pooled_head.find(model, model.get_layer("feat"), False)
+    assert found.describe().endswith(f"'head' and {after}")
     mine = explain.grad_cam(model, images, "feat", resize=True)
     generic = explain.grad_cam(model, images, "feat", resize=True, shortcut=False)
     _close(mine, np.asarray(generic, np.float64))

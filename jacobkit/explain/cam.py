@@ -63,7 +63,8 @@ def grad_cam(
         training: passed to the model.
         shortcut: where ``layer``'s output reaches the output only through a
             pooled linear head (``GlobalAveragePooling2D``, ``Dropout``s,
-            ``Dense(C)``, linear or with a softmax; ``training=False``), take
+            ``Dense(C)``, linear or with a softmax or a stock elementwise
+            activation such as a sigmoid; ``training=False``), take
             the maps of every class as one matmul of ``A`` by the head's
             kernel, exact, with no backward pass
             (:mod:`jacobkit.problem.pooled_head`). ``False``, or any keyword
@@ -167,13 +168,14 @@ def _head_maps(
     classes: Sequence[int] | None,
 ) -> tf.Tensor:
     """Every chosen class's map through the pooled head, ``(B, K, h, w)``:
-    ``relu(A @ W[:, k] / hw)``, or with a softmax ``relu(p_k (A @ W[:, k] -
-    A @ W p) / hw)`` (:mod:`jacobkit.problem.pooled_head`'s NOTE), in one
-    compiled call with the forward pass."""
+    ``relu(A @ W[:, k] / hw)``, with a softmax ``relu(p_k (A @ W[:, k] -
+    A @ W p) / hw)``, with an elementwise ``f`` ``relu(f'(z_k) A @ W[:, k] /
+    hw)`` (:mod:`jacobkit.problem.pooled_head`'s NOTE), in one compiled call
+    with the forward pass."""
     width = int(head.head.kernel.shape[-1])
     columns = None if classes is None else _columns(classes, width)
     compiled = _FORWARD.of(model)
-    key = (id(layer), False, "head", head.softmax, columns is None)
+    key = (id(layer), False, "head", head, columns is None)
     if key not in compiled:
         forward = _forward(model, layer, False)
 
@@ -199,6 +201,16 @@ def _head_maps(
                 if columns is not None:
                     p = tf.gather(p, columns, axis=1)
                 scores = p[:, :, None, None] * (scores - mean[:, None])
+            elif head.elementwise is not None:
+                z = tf.matmul(tf.reduce_mean(a, axis=(1, 2)), chosen)
+                bias = head.bias(a.dtype)
+                if bias is not None:
+                    z += bias if columns is None else tf.gather(bias, columns)
+                with tf.GradientTape() as tape:  # f'(z): f acts elementwise
+                    tape.watch(z)
+                    y = head.elementwise(z)
+                slope = tape.gradient(y, z)
+                scores = slope[:, :, None, None] * scores
             return tf.nn.relu(scores)
 
         compiled[key] = tf.function(maps, reduce_retracing=True)

@@ -1,6 +1,7 @@
 """The pooled linear head: a layer's output ``A`` reaches the model's one
 output only through ``GlobalAveragePooling2D -> (Dropout) -> Dense(C)``,
-with the ``Dense`` linear or followed by a softmax.
+with the ``Dense`` linear or followed by a softmax or one stock elementwise
+activation (a sigmoid).
 
 NOTE (why the shortcut is exact). With ``A`` of shape ``(B, h, w, K)`` and
 ``n = h * w``, the head computes ``z = mean_hw(A) @ W + c`` (``Dropout`` and
@@ -9,10 +10,12 @@ its kin are the identity at inference). Each ``z[b, k]`` is linear in
 With a softmax on top (the ``Dense``'s activation, or a ``Softmax`` or
 ``Activation("softmax")`` layer after it), ``p = softmax(z)`` and the chain
 rule gives ``d p[b, k] / d A[b, i, j, :] = p[b, k] (W[:, k] - W p[b]) / n``.
-Both are closed forms in ``W``, ``A`` and (for the softmax) ``p``: every
-class's gradient at once, with no backward pass. Anything else on the way
-(a normalization, a ``Flatten``, a second ``Dense``, a sigmoid, a
-``GlobalMaxPooling2D``) is refused: the gradient is then taken generically.
+With an elementwise ``f`` (a sigmoid) instead, ``d f(z[b, k]) / d A[b, i,
+j, :] = f'(z[b, k]) W[:, k] / n``. All are closed forms in ``W``, ``A`` and
+``p`` or ``f'(z)``: every class's gradient at once, with no backward pass
+through the head. Anything else on the way (a normalization, a
+``Flatten``, a second ``Dense``, a ``GlobalMaxPooling2D``) is refused: the
+gradient is then taken generically.
 
 Found only where it is certain, as :mod:`.linear_head`: a Keras 3
 functional or ``Sequential`` model with one output, each layer on the path
@@ -38,15 +41,19 @@ __all__ = ["NotApplicable", "PooledHead", "find"]
 
 @dataclass(frozen=True)
 class PooledHead:
-    """``Y = head(mean_hw(A))`` (``softmax``: ``Y = softmax(head(...))``).
+    """``Y = after(head(mean_hw(A)))``.
 
     Attributes:
         head: the stock ``Dense(C)`` layer; its kernel is ``(K, C)``.
         softmax: whether a softmax over the ``C`` classes follows it.
+        elementwise: the stock elementwise activation that follows it (a
+            sigmoid: the Dense's own, or an ``Activation`` layer's), or
+            ``None``.
     """
 
     head: Any
     softmax: bool
+    elementwise: Any = None
 
     def kernel(self, dtype: tf.DType) -> tf.Tensor:
         """The head's kernel, ``(K, C)``, read now (never kept)."""
@@ -59,6 +66,8 @@ class PooledHead:
 
     def describe(self) -> str:
         tail = " and a softmax" if self.softmax else ""
+        if self.elementwise is not None:
+            tail = f" and {compat.activation_name(self.elementwise)}"
         return f"average pooling into linear head {self.head.name!r}{tail}"
 
 
@@ -76,9 +85,8 @@ def find(model: Any, layer: Any, training: bool) -> PooledHead:
         )
     keras = _keras(model)
     current, node = keras_graph.producer(model.outputs[0])
-    softmax = False
-    if _is_softmax_layer(keras, current):
-        softmax = True
+    after = _after_layer(keras, current)
+    if after is not None:
         current, node = _before(current, node)
     if functional.linear_kind(current) != "matmul":
         raise NotApplicable(
@@ -86,15 +94,19 @@ def find(model: Any, layer: Any, training: bool) -> PooledHead:
             "output is not a stock Dense layer"
         )
     head = current
-    activation = compat.stock_activation(keras, compat.activation(head))
-    if activation == "softmax" and not softmax:
-        softmax = True
-    elif activation != "linear":
-        raise NotApplicable(
-            f"pooled head: {head.name!r} has activation "
-            f"{compat.activation_name(compat.activation(head))!r}, not linear or "
-            "softmax (after a linear head)"
-        )
+    own = compat.activation(head)
+    name = compat.stock_activation(keras, own)
+    if name != "linear":
+        if after is None and name == "softmax":
+            after = "softmax"
+        elif after is None and layers.elementwise_activation(keras, own):
+            after = own
+        else:
+            raise NotApplicable(
+                f"pooled head: {head.name!r} has activation "
+                f"{compat.activation_name(own)!r}, not linear, softmax or a stock "
+                "elementwise one (alone after a linear head)"
+            )
     if functional.lora_or_quantized(head):
         raise NotApplicable(f"pooled head: {head.name!r} is LoRA/quantized")
     current, node = _before(current, node)
@@ -112,7 +124,9 @@ def find(model: Any, layer: Any, training: bool) -> PooledHead:
     if node.arguments.kwargs.get("mask") is not None:
         raise NotApplicable(f"pooled head: {current.name!r} is called with a mask")
     _ends_in(keras, keras_graph.single_input(current, node), layer)
-    return PooledHead(head, softmax)
+    if after == "softmax":
+        return PooledHead(head, softmax=True)
+    return PooledHead(head, softmax=False, elementwise=after)
 
 
 def _keras(model: Any) -> Any:
@@ -134,12 +148,20 @@ def _before(layer: Any, node: Any) -> tuple[Any, Any]:
     return keras_graph.producer(keras_graph.single_input(layer, node))
 
 
-def _is_softmax_layer(keras: Any, layer: Any) -> bool:
-    if type(layer) is keras.layers.Softmax:
-        return layer.axis in (-1, [-1], (-1,))
-    if type(layer) is keras.layers.Activation:
-        return compat.stock_activation(keras, layer.activation) == "softmax"
-    return False
+def _after_layer(keras: Any, layer: Any) -> Any:
+    """What the output layer applies after the head, where it is a stock
+    ``Softmax`` (last axis) or ``Activation`` layer: ``"softmax"``, an
+    elementwise activation, or ``None`` (another layer: maybe the head)."""
+    if type(layer) is keras.layers.Softmax and layer.axis in (-1, [-1], (-1,)):
+        return "softmax"
+    if type(layer) is not keras.layers.Activation:
+        return None
+    name = compat.stock_activation(keras, layer.activation)
+    if name == "softmax":
+        return "softmax"
+    if name != "linear" and layers.elementwise_activation(keras, layer.activation):
+        return layer.activation
+    return None
 
 
 def _identity_at_inference(layer: Any) -> bool:
