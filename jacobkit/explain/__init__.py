@@ -10,7 +10,10 @@ last axis, or the subset ``classes=[...]`` — shaped ``(B, K, ...)``, from one
 samples): the rows are the per-example classes, the target is the input
 (:class:`jacobkit.Inputs`) or a layer's activation (:class:`jacobkit.Output`).
 So ``jacobian`` picks the strategy, honours ``memory_budget`` and traces once
-per input signature. Integrated gradients come in a record with each row's
+per input signature. Grad-CAM through a pooled linear head
+(``GlobalAveragePooling2D -> Dense``) needs no gradient pass at all: every
+class's map is one matmul of the activations by the head's kernel.
+Integrated gradients come in a record with each row's
 completeness gap (:class:`IntegratedGradients`; a
 :class:`CompletenessWarning` where it is large). xplique and tf-keras-vis
 compute one class per call; their equivalent settings are given in each
