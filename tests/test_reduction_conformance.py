@@ -257,8 +257,16 @@ def _cases() -> list[Any]:
     for reduction in REDUCTIONS:
         for strategy in STRATEGIES:
             for name, mode in ROW_MODES:
+                if name == "gpt2" and strategy == "forward" and reduction.id != "rows":
+                    # forward's rows of GPT-2 take 70-100 s (a pass per chunk
+                    # of its parameters), and every other kind is composed
+                    # from those rows by the kind's generic computation,
+                    # which the other subjects check on forward: the rows
+                    # case checks forward on GPT-2 (the three others took
+                    # 220 s of the slow job)
+                    continue
                 # GPT-2 by the others: forward's rows took 94-97 s, the
-                # loop's 9-12 s, batch's refusal of the tied head 11 s
+                # loop's 9-12 s
                 slow = name == "gpt2" and strategy not in ("auto", "chunked")
                 found.append(
                     pytest.param(
