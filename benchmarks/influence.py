@@ -242,22 +242,8 @@ def _markdown(data: dict) -> str:
         "maps)` projects by the maps jacobkit drew (exported with the "
         "weights).",
         "",
-        f"Machine: {data.get('machine', 'not recorded')}.",
-        "",
     ]
-    sides: dict[str, dict] = {}
-    for row in measured.values():
-        if row.get("footing"):
-            sides.setdefault(row["footing"]["side"], row["footing"])
-    lines += [f"- {footing.describe(r)}" for _, r in sorted(sides.items())]
-    lines.append("")
-    if data.get("loaded"):
-        lines += [
-            "**Measured on a loaded machine** (2 cores shared with other "
-            "work): absolute times are inflated and noisy; read the ratios to "
-            "each framework's own plain step.",
-            "",
-        ]
+    lines += footing.machine_lines(data, measured)
     lines += [
         "| run | steady ms | × own plain step | paired in one process (95% "
         "interval) | × jacobkit (in own plain steps) | "

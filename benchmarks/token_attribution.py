@@ -474,22 +474,8 @@ def _markdown(data: dict) -> str:
         "per-target loops (captum's semantics, 32 forward and backward "
         "passes on growing prefixes) are labelled extras.",
         "",
-        f"Machine: {data.get('machine', 'not recorded')}.",
-        "",
     ]
-    sides: dict[str, dict] = {}
-    for row in measured.values():
-        if row.get("footing"):
-            sides.setdefault(row["footing"]["side"], row["footing"])
-    lines += [f"- {footing.describe(r)}" for _, r in sorted(sides.items())]
-    lines.append("")
-    if data.get("loaded"):
-        lines += [
-            "**Measured on a loaded machine** (2 cores shared with other "
-            "work): absolute times are inflated and noisy; read the ratios to "
-            "each framework's own plain step.",
-            "",
-        ]
+    lines += footing.machine_lines(data, measured)
     lines += [
         "| run | steady ms | × own plain step | paired in one process (95% "
         "interval) | first call s | first 3 calls s | "

@@ -155,3 +155,24 @@ def describe(record: dict[str, Any] | None) -> str:
 
 if __name__ == "__main__":  # a quick look at this machine and environment
     print(describe({"side": sys.executable, **machine(), "versions": versions()}))
+
+
+def machine_lines(data: dict[str, Any], measured: dict[str, Any]) -> list[str]:
+    """A results file's lines on where it was measured: the machine, each
+    side's footing (one line per framework) and, for a run labelled
+    ``--loaded``, that its absolute times are not to be read alone."""
+    lines = [f"Machine: {data.get('machine', 'not recorded')}.", ""]
+    sides: dict[str, dict[str, Any]] = {}
+    for row in measured.values():
+        if row.get("footing"):
+            sides.setdefault(row["footing"]["side"], row["footing"])
+    lines += [f"- {describe(r)}" for _, r in sorted(sides.items())]
+    lines.append("")
+    if data.get("loaded"):
+        lines += [
+            "**Measured on a loaded machine** (2 cores shared with other "
+            "work): absolute times are inflated and noisy; read the ratios to "
+            "each framework's own plain step.",
+            "",
+        ]
+    return lines
