@@ -87,19 +87,8 @@ def _reference(model, data, loss, clip, step):
             np.asarray(tf.convert_to_tensor(g), np.float64)
             for g in tape.gradient(row, variables)
         ]
-        norm = math.sqrt(sum(float(np.sum(g**2)) for g in grads))
-        scale = min(1.0, clip / norm) if norm > 0 else 1.0
-        for s, g in zip(sums, grads):
-            s += scale * g
-    update = []
-    for j, (v, s) in enumerate(zip(variables, sums)):
-        seed = tf.random.experimental.stateless_fold_in(
-            tf.constant([SEED, step], tf.int64), j
-        )
-        draw = tf.random.stateless_normal(v.shape, seed=seed, dtype=tf.float32)
-        noise = SIGMA * clip * np.asarray(draw, np.float64)
-        update.append(LR * (s + noise) / (Q * N))
-    return update
+        _add_clipped(sums, grads, clip)
+    return _noisy_update(variables, sums, clip, step)
 
 
 @pytest.mark.parametrize(
@@ -180,19 +169,8 @@ def _reference64(copy, data, loss, clip, step):
             np.asarray(tf.convert_to_tensor(g), np.float64)
             for g in tape.gradient(row, variables)
         ]
-        norm = math.sqrt(sum(float(np.sum(g**2)) for g in grads))
-        scale = min(1.0, clip / norm) if norm > 0 else 1.0
-        for s, g in zip(sums, grads):
-            s += scale * g
-    update = []
-    for j, (v, s) in enumerate(zip(variables, sums)):
-        seed = tf.random.experimental.stateless_fold_in(
-            tf.constant([SEED, step], tf.int64), j
-        )
-        draw = tf.random.stateless_normal(v.shape, seed=seed, dtype=tf.float32)
-        noise = SIGMA * clip * np.asarray(draw, np.float64)
-        update.append(LR * (s + noise) / (Q * N))
-    return update
+        _add_clipped(sums, grads, clip)
+    return _noisy_update(variables, sums, clip, step)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "lora"])
@@ -232,3 +210,25 @@ def test_a_compiled_step_without_dropout_equals_float64(name):
         worst = max(worst, float(np.maximum(np.abs(a - want) - spacing, 0).max()))
     print(f"largest error relative to the update: {worst / scale:.1e}")
     assert worst <= RTOL * scale
+
+
+def _add_clipped(sums: list, grads: list, clip: float) -> None:
+    """One example's gradients (float64), clipped to ``clip``, added in place."""
+    norm = math.sqrt(sum(float(np.sum(g**2)) for g in grads))
+    scale = min(1.0, clip / norm) if norm > 0 else 1.0
+    for s, g in zip(sums, grads):
+        s += scale * g
+
+
+def _noisy_update(variables, sums: list, clip: float, step: int) -> list:
+    """The SGD update from the clipped sums: the documented stateless noise
+    of each variable (seed, step, its index), divided by ``q * N``."""
+    update = []
+    for j, (v, s) in enumerate(zip(variables, sums)):
+        seed = tf.random.experimental.stateless_fold_in(
+            tf.constant([SEED, step], tf.int64), j
+        )
+        draw = tf.random.stateless_normal(v.shape, seed=seed, dtype=tf.float32)
+        noise = SIGMA * clip * np.asarray(draw, np.float64)
+        update.append(LR * (s + noise) / (Q * N))
+    return update
