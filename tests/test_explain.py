@@ -198,9 +198,11 @@ def test_integrated_gradients_trapezoid_is_xpliques_rule(images, baseline):
     chunked = explain.integrated_gradients(model, images, memory_budget=budget, **call)
     _close(np.asarray(chunked.maps), trapezoid)
     # the default rule is the plain mean, which differs at 5 steps (measured
-    # 1.5e-2 and 4.8e-2 here): xplique's numbers need rule="trapezoid"
+    # 7.9e-3 to 4.8e-2 here, by the random model the test order draws): the
+    # two rules are told apart 10x above _close's 1e-4; xplique's numbers
+    # need rule="trapezoid"
     riemann = np.mean(path, axis=0) * (images - x0)[:, None]
-    assert testing.max_relative_difference(trapezoid, riemann) > 1e-2
+    assert testing.max_relative_difference(trapezoid, riemann) > 1e-3
     default = explain.integrated_gradients(
         model, images, steps=steps, baseline=baseline
     )
