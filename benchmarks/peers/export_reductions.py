@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -78,13 +79,29 @@ def bert(args: argparse.Namespace) -> dict[str, np.ndarray]:
     for key, variable in zip(clipped.jacobians, model.trainable_variables):
         name, array = bert_layout.hf(variable.path, np.asarray(clipped[key]))
         arrays[f"clipped__{name}"] = array
+    # the projection's maps, each under the Hugging Face name of its
+    # variable, with the variable's Keras shape and layout change, so that
+    # the peer turns its gradients into Keras layouts and maps them alike
+    for _, variable, parts in _norms_gram_projection(arrays, case, loss, clipped, args):
+        name, layout = bert_layout.name_and_layout(variable.path)
+        arrays[f"kshape__{name}"] = np.asarray(variable.shape)
+        arrays[f"layout__{name}"] = np.asarray(layout)
+        arrays.update({f"map__{name}_{part}": m for part, m in parts.items()})
+    return arrays
+
+
+def _norms_gram_projection(
+    arrays: dict[str, np.ndarray], case: Any, loss: jk.Loss, clipped: Any, args: Any
+) -> list[tuple[str, Any, dict[str, np.ndarray]]]:
+    """What both cases export beside the clipped sums, into ``arrays``: the
+    norms, the clip, the Gram matrix and the projection by ``jk.Project``;
+    returns each target's key, variable and its map's parts (``dense``, or
+    the Kronecker ``left`` and ``right``), for the case to name."""
+    model = case.model
     arrays["norms"] = np.asarray(clipped.norms)
     arrays["clip"] = np.asarray(args.clip, "float32")
     gram = jk.gram(model, (case.x, case.y), None, outputs=loss, progress=False)
     arrays["gram"] = np.asarray(gram.matrix)
-    # the projection and its maps, each under the Hugging Face name of its
-    # variable, with the variable's Keras shape and layout change, so that
-    # the peer turns its gradients into Keras layouts and maps them alike
     project = jk.Project(args.dim)
     projected = jk.jacobian(
         model,
@@ -95,15 +112,16 @@ def bert(args: argparse.Namespace) -> dict[str, np.ndarray]:
     )
     arrays["projection"] = np.asarray(projected.projection)
     arrays["dim"] = np.asarray(args.dim)
+    found = []
     for key, variable in zip(projected.jacobians, model.trainable_variables):
-        name, layout = bert_layout.name_and_layout(variable.path)
-        arrays[f"kshape__{name}"] = np.asarray(variable.shape)
-        arrays[f"layout__{name}"] = np.asarray(layout)
-        found = sketch.target_map(project, key, tuple(variable.shape))
-        for part in ("dense", "left", "right"):
-            if getattr(found, part) is not None:
-                arrays[f"map__{name}_{part}"] = getattr(found, part)
-    return arrays
+        target = sketch.target_map(project, key, tuple(variable.shape))
+        parts = {
+            part: getattr(target, part)
+            for part in ("dense", "left", "right")
+            if getattr(target, part) is not None
+        }
+        found.append((key, variable, parts))
+    return found
 
 
 def main() -> None:
@@ -146,25 +164,9 @@ def main() -> None:
             f"export_reductions: jacobkit's result has keys {list(clipped.jacobians)}"
             f", not {missing}"
         )
-    arrays["norms"] = np.asarray(clipped.norms)
-    arrays["clip"] = np.asarray(args.clip, "float32")
-    gram = jk.gram(model, (case.x, case.y), None, outputs=loss, progress=False)
-    arrays["gram"] = np.asarray(gram.matrix)
-    project = jk.Project(args.dim)
-    projected = jk.jacobian(
-        model,
-        (case.x, case.y),
-        model.trainable_variables,
-        outputs=loss,
-        reduce=project,
-    )
-    arrays["projection"] = np.asarray(projected.projection)
-    arrays["dim"] = np.asarray(args.dim)
-    for key, variable in zip(projected.jacobians, model.trainable_variables):
-        found = sketch.target_map(project, key, tuple(variable.shape))
-        for part in ("dense", "left", "right"):
-            if getattr(found, part) is not None:
-                arrays[f"map_{key.replace('/', '_')}_{part}"] = getattr(found, part)
+    for key, _, parts in _norms_gram_projection(arrays, case, loss, clipped, args):
+        flat = key.replace("/", "_")
+        arrays.update({f"map_{flat}_{part}": m for part, m in parts.items()})
     np.savez(args.out, **arrays)
     print(f"wrote {args.out}")
 
