@@ -353,3 +353,17 @@ def _block(tensors: Any) -> None:
             continue
         if tensor.shape.num_elements():
             tf.reshape(tensor, (-1,))[:1].numpy()
+
+
+def check_wrapped(owner: type[Strategy], field: str, value: Any, why: str) -> None:
+    """A strategy that runs another (``Structured(inner=...)``,
+    ``Grouped(rest=...)``): ``value`` is a configured strategy or a registered
+    name, neither ``owner`` nor ``"auto"``; ``why`` says what it computes."""
+    spelled = f"strategies.{owner.__name__}({field}={value!r})"
+    if not isinstance(value, (Strategy, str)):
+        raise TypeError(
+            f"{spelled}: expected a configured strategy such as "
+            "Chunked(chunk_size=8) or a registered name such as 'while'."
+        )
+    if isinstance(value, owner) or value in (owner.name, "auto"):
+        raise ValueError(f"{spelled}: {why}")

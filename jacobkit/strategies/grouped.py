@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, final
 from jacobkit.keras import state
 from jacobkit.problem import Problem, forms
 from jacobkit.problem.reduction import Computation, Rows
-from jacobkit.strategies.base import Strategy
+from jacobkit.strategies.base import Strategy, check_wrapped
 from jacobkit.strategies.registry import get as get_strategy
 
 #: the target names a label shows of the generic group (then "+ N more")
@@ -67,17 +67,13 @@ class Grouped(Strategy):
     trace_weight = 5.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rest, (Strategy, str)):
-            raise TypeError(
-                f"strategies.Grouped(rest={self.rest!r}): expected a configured "
-                "strategy such as Chunked(chunk_size=8) or a registered name "
-                "such as 'while'."
-            )
-        if isinstance(self.rest, Grouped) or self.rest in ("grouped", "auto"):
-            raise ValueError(
-                f"strategies.Grouped(rest={self.rest!r}): the rest runs the "
-                "targets without a closed form; use 'chunked', 'while', ..."
-            )
+        check_wrapped(
+            Grouped,
+            "rest",
+            self.rest,
+            "the rest runs the targets without a closed form; use 'chunked', "
+            "'while', ...",
+        )
         if self.uncovered is not None:
             names = tuple(self.uncovered)
             if not names or not all(isinstance(n, str) for n in names):

@@ -25,7 +25,7 @@ from jacobkit.problem import PerModel, Problem, structure
 from jacobkit.problem.reduction import Output
 from jacobkit.problem.solution import Stats
 from jacobkit.strategies import vectorize
-from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.base import ZERO, Strategy, check_wrapped
 from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
 
@@ -74,18 +74,14 @@ class Structured(Strategy):
     tolerance: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inner, (Strategy, str)):
-            raise TypeError(
-                f"strategies.Structured(inner={self.inner!r}): expected a "
-                "configured strategy such as Chunked(chunk_size=8) or a "
-                "registered name such as 'while'."
-            )
-        if isinstance(self.inner, Structured) or self.inner in ("structured", "auto"):
-            raise ValueError(
-                f"strategies.Structured(inner={self.inner!r}): the inner strategy "
-                "computes the rows the structure leaves; use 'chunked', 'while', "
-                "'batch', ... (auto picks structured itself where it applies)."
-            )
+        check_wrapped(
+            Structured,
+            "inner",
+            self.inner,
+            "the inner strategy computes the rows the structure leaves; use "
+            "'chunked', 'while', 'batch', ... (auto picks structured itself "
+            "where it applies).",
+        )
         if isinstance(self.probes, bool) or not isinstance(self.probes, int):
             raise TypeError(
                 f"strategies.Structured(probes={self.probes!r}): expected an int "
