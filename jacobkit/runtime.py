@@ -305,12 +305,16 @@ class ProcessState:
         pfor_rules: TensorFlow's own pfor rules while jacobkit's replace
             them, by op type, with how many vectorized passes are being
             converted now (:mod:`jacobkit.strategies.vectorize`).
+        gradient_rules: TensorFlow's own gradient entries while jacobkit's
+            replace them, by op type, with how many computations are being
+            traced now (:mod:`jacobkit.strategies.gradients`).
     """
 
     facts: dict[Hashable, Any] = field(default_factory=dict)
     notices: set[Hashable] = field(default_factory=set)
     meters: list[Any] = field(default_factory=list)
     pfor_rules: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    gradient_rules: dict[str, tuple[Any, int]] = field(default_factory=dict)
 
 
 #: the one module-level mutable state of this kind (see :class:`ProcessState`)

@@ -17,7 +17,7 @@ from jacobkit.problem import PerModel, Problem
 from jacobkit.problem.plan import Plan
 from jacobkit.problem.reduction import Computation, Flat, Ghost, Lookup, Output, Rows
 from jacobkit.problem.solution import Solution, Stats
-from jacobkit.strategies import precision
+from jacobkit.strategies import gradients, precision
 
 ZERO = tf.UnconnectedGradients.ZERO
 
@@ -256,7 +256,8 @@ class Strategy(abc.ABC):
             precision.warn_if_bfloat16_far_off(problem, compiled=self.compiled)
             # the cached computation takes the inputs as its argument: closing
             # over this call's would keep them alive for the life of the model
-            fn = self.computation(problem.detached())
+            # traced under jacobkit's convolution gradients (oneDNN off)
+            fn = gradients.within(self.computation(problem.detached()))
             compiled[key] = _Compiled(problem.function(fn) if self.compiled else fn)
         entry: _Compiled = compiled[key]
         return entry

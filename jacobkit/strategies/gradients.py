@@ -1,0 +1,178 @@
+"""TensorFlow's gradients as the strategies trace them: under TensorFlow's
+own CPU kernels (oneDNN off), a convolution's input gradient is taken as the
+forward convolution of the cotangent with the flipped kernel, not by
+``Conv2DBackpropInput``.
+
+NOTE (why the two are the same numbers). For ``y = conv(x, W)`` at stride 1
+and no dilation, ``y[i] = sum_a x[i + a - p] W[a]`` (``p`` the leading
+padding), so ``dx[j] = sum_a dy[j - a + p] W[a]^T``: with ``a' = k - 1 - a``
+this is the convolution of ``dy`` (padded by ``k - 1 - p`` before and ``k -
+1 - p'`` after, ``p'`` the trailing padding) with ``W`` reversed along its
+window and its input and output channels swapped. The same products, summed
+in another order (float32: within 3e-7 of ``Conv2DBackpropInput`` relative to
+the largest entry, on the generator below).
+
+NOTE (measured, one core, TF 2.21, Intel Xeon with AVX-512, under load:
+paired in one process, median of the rounds' ratios). TensorFlow's own
+``Conv2DBackpropInput`` ran at 55-90 GFLOP/s on the wide generator's shapes
+(``B=64, T=128``, Conv1D 64->128 by 5 and 128->128 by 3) where the forward
+convolution of the same products ran at 135-145 (its GEMM probe: 140).
+The whole default call (``structured(while)``, the wide generator's first
+Conv1D, 144 features) took 0.65x its time with this rule, ``structured(batch)``
+0.75x. With oneDNN on the two ops cost the same (70 and 83 GFLOP/s forward
+against 62 and 83 backward): nothing is replaced there. A per-row filter
+gradient as the patches' matmul cost what ``Conv2DBackpropFilter`` does (the
+same numbers: TensorFlow's kernel is that matmul): left as it is.
+
+The rule is in place only while a strategy's computation is traced (every
+thread then: another thread's gradient gets the same numbers in exact
+arithmetic), and put back after; where TensorFlow keeps its gradients
+elsewhere (another version), nothing is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
+
+from jacobkit import runtime
+
+_OP = "Conv2D"
+_LOCK = threading.Lock()
+
+
+def within(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under :func:`convolution_rules` (a strategy's computation:
+    its Python runs when it is traced)."""
+
+    @functools.wraps(fn)
+    def ruled(*args: Any, **kwargs: Any) -> Any:
+        with convolution_rules():
+            return fn(*args, **kwargs)
+
+    return ruled
+
+
+def replaces() -> bool:
+    """Whether :func:`convolution_rules` replaces anything here: TensorFlow's
+    own CPU kernels (oneDNN off), no GPU visible (a convolution could run
+    there, where this is not measured)."""
+    if tf.config.list_logical_devices("GPU"):
+        return False
+    return not runtime.cpu_kind().onednn
+
+
+def _registry() -> dict[str, Any] | None:
+    found = getattr(getattr(_ops, "_gradient_registry", None), "_registry", None)
+    if not isinstance(found, dict) or not isinstance(found.get(_OP), dict):
+        return None
+    return found
+
+
+@contextlib.contextmanager
+def convolution_rules() -> Iterator[None]:
+    """``Conv2D``'s gradient replaced by :func:`_conv2d_gradient` for the
+    block where :func:`replaces` (nested and concurrent blocks share one
+    replacement)."""
+    registry = _registry() if replaces() else None
+    if registry is None:
+        yield
+        return
+    held = runtime.PROCESS.gradient_rules  # TensorFlow's own entry, the depth
+    with _LOCK:
+        own, depth = held.get(_OP, (registry[_OP], 0))
+        if depth == 0:
+            registry[_OP] = _replaced(own)
+        held[_OP] = (own, depth + 1)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            own, depth = held.pop(_OP)
+            if depth > 1:
+                held[_OP] = (own, depth - 1)
+            else:
+                registry[_OP] = own
+
+
+def _replaced(entry: dict[Any, Any]) -> dict[Any, Any]:
+    """The registry's entry for ``Conv2D`` with its function replaced (the
+    other fields, where it was registered, kept)."""
+    keys = [key for key, value in entry.items() if callable(value)]
+    if len(keys) != 1:  # pragma: no cover - the layout of TF changed
+        return entry
+    own = entry[keys[0]]
+    return {**entry, keys[0]: functools.partial(_conv2d_gradient, own)}
+
+
+def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
+    """``Conv2D``'s gradient: TensorFlow's own (``own``) but where
+    :func:`flipped_padding` applies, there the input's by :func:`input_gradient`
+    and the kernel's by TensorFlow's own ``Conv2DBackpropFilter``."""
+    pads = flipped_padding(op)
+    if pads is None:
+        return own(op, grad)
+    x, kernel = op.inputs[0], op.inputs[1]
+    kernel_gradient = _gen_nn_ops.conv2d_backprop_filter(
+        x,
+        tf.shape(kernel),
+        grad,
+        dilations=op.get_attr("dilations"),
+        strides=op.get_attr("strides"),
+        padding=op.get_attr("padding"),
+        explicit_paddings=op.get_attr("explicit_paddings"),
+        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
+        data_format=op.get_attr("data_format"),
+    )
+    return [input_gradient(grad, kernel, pads), kernel_gradient]
+
+
+def flipped_padding(op: Any) -> list[list[int]] | None:
+    """How :func:`input_gradient` pads the cotangent of ``op`` (a ``Conv2D``)
+    on its two spatial axes, or ``None`` where it does not apply: a stride or
+    dilation other than 1, a layout other than ``NHWC``, explicit padding, a
+    kernel of unknown window."""
+    strides = list(op.get_attr("strides"))
+    dilations = list(op.get_attr("dilations"))
+    padding = _text(op.get_attr("padding"))
+    layout = _text(op.get_attr("data_format"))
+    window = op.inputs[1].shape[:2]
+    if strides != [1, 1, 1, 1] or dilations != [1, 1, 1, 1] or layout != "NHWC":
+        return None
+    if padding not in ("SAME", "VALID") or not window.is_fully_defined():
+        return None
+    pads = []
+    for size in (int(window[0]), int(window[1])):
+        # TensorFlow's SAME pads (k - 1) // 2 before and the rest after
+        before = (size - 1) // 2 if padding == "SAME" else 0
+        after = size - 1 - before if padding == "SAME" else 0
+        pads.append([size - 1 - before, size - 1 - after])
+    return pads
+
+
+def input_gradient(
+    grad: tf.Tensor, kernel: tf.Tensor, pads: list[list[int]]
+) -> tf.Tensor:
+    """A stride-1 ``Conv2D``'s input gradient, ``(B, H, W, I)``, from its
+    cotangent ``grad`` ``(B, H', W', O)`` and kernel ``(kh, kw, I, O)``: the
+    forward convolution of ``grad`` padded by ``pads`` with the kernel
+    reversed along its window, input and output channels swapped."""
+    flipped = tf.transpose(tf.reverse(kernel, [0, 1]), (0, 1, 3, 2))
+    if all(before == after for before, after in pads):
+        # an odd window under SAME: TensorFlow's SAME pads the same amounts
+        window = kernel.shape[:2]
+        if all(before == (int(k) - 1) // 2 for (before, _), k in zip(pads, window)):
+            return tf.nn.conv2d(grad, flipped, 1, "SAME")
+    padded = tf.pad(grad, [[0, 0], pads[0], pads[1], [0, 0]])
+    return tf.nn.conv2d(padded, flipped, 1, "VALID")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
