@@ -13,26 +13,28 @@ in another order (float32: within 3e-7 of ``Conv2DBackpropInput`` relative to
 the largest entry, on the generator below).
 
 NOTE (measured, one core, TF 2.21, Intel Xeon with AVX-512, under load:
-paired in one process, median of the rounds' ratios). With oneDNN off, one
-row of the wide generator (``B=64, T=128``; Conv1D 128->128 by 3 and 64->128
-by 5): TensorFlow's ``Conv2DBackpropInput`` ran at 83 and 90 GFLOP/s, the
-forward convolution of the same products at 145 and 137 (the GEMM probe:
-140); four rows stacked on the batch axis (pfor's way) 76 and 56 against 90
-and 61. The cotangent's patches times the kernel as one GEMM (im2col) ran at
-80 and 52 (53 and 18 stacked), ``k`` shifted GEMMs summed at 101 and 92:
-slower than the forward convolution, so not taken. The whole call (the wide
-generator's first Conv1D, 144 features;
-``benchmarks/results/cpu/conv_gradients.md``, 5 rounds under heavy load)
-took 0.69x its time with this rule by default (``structured(while)``),
-``structured(while)`` 0.71x, ``structured(batch)`` 0.74x,
-``structured(chunked(16))`` 0.71x; the default then 0.54x TensorFlow's
-``tape.jacobian``. With oneDNN on the two ops cost about the same (one row:
-70 and 84 GFLOP/s forward against 62 and 83 backward; stacked 73 and 79
-against 73 and 81) and the whole call was no faster with the rule
-(``structured(while)`` 1.05x, ``structured(batch)`` 1.21x, 3 rounds):
-nothing is replaced there. A row's filter gradient as the patches' matmul
-cost what ``Conv2DBackpropFilter`` does (the same numbers: TensorFlow's
-kernel is that matmul): left as it is.
+paired in one process, median of the rounds' ratios;
+``benchmarks/results/cpu/conv_gradients.md``). With oneDNN off, one row of
+the wide generator (``B=64, T=128``; Conv1D 128->128 by 3 and 64->128 by 5):
+TensorFlow's ``Conv2DBackpropInput`` ran at 83 and 90 GFLOP/s, the forward
+convolution of the same products at 145 and 137 (the GEMM probe: 140; in
+the results file, more loaded: 20 and 21 against 32 and 30, probe 34); four
+rows stacked on the batch axis (pfor's way) 20 and 20 against 35 and 29.
+The cotangent's patches times the kernel as one GEMM (im2col) ran at 16 and
+12 (16 and 8 stacked), ``k`` shifted GEMMs summed at 24 and 17: slower than
+the forward convolution, so not taken. The whole call (the wide
+generator's first Conv1D, 144 features, 5 rounds) took 0.69x its time with
+this rule by default (``structured(while)``), ``structured(while)`` 0.71x,
+``structured(batch)`` 0.74x, ``structured(chunked(16))`` 0.71x; the default
+then 0.54x TensorFlow's ``tape.jacobian``, at 71% of the GEMM rate on its
+200 GFLOP (47% before). With oneDNN on the two ops cost the same (one row:
+40 and 48 GFLOP/s forward against 41 and 44 backward; stacked 41 and 52
+against 49 and 48), the whole call was no faster with the rule (default
+1.04x, ``structured(while)`` 1.03x, ``structured(batch)`` 1.00x, 3 rounds;
+the same numbers: oneDNN's backward kernel is this convolution): nothing is
+replaced there. A row's filter gradient as the patches' matmul cost what
+``Conv2DBackpropFilter`` does (the same numbers: TensorFlow's kernel is
+that matmul): left as it is.
 
 The rule is in place only while a strategy's computation is traced (every
 thread then: another thread's gradient gets the same numbers in exact
