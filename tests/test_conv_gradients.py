@@ -107,6 +107,8 @@ def test_not_replaced_under_onednn(monkeypatch):
         jk.strategies.Chunked(2),
         jk.strategies.Batch(),
         jk.strategies.Jacobian(),
+        jk.strategies.Loop(),  # eager: the rule in place during each call
+        jk.strategies.Forward(),  # forward mode: the rule differentiated
     ],
     ids=lambda s: s.label,
 )
