@@ -87,6 +87,9 @@ class PrivateModel(keras.Model):
             seeded with and the accountant composes.
     """
 
+    #: fit's train function (Keras's, or :class:`SizedSteps`)
+    train_function: Any
+
     def __init__(
         self, model: Any, privacy: Privacy, per_layer: bool | Mapping[str, float]
     ) -> None:
