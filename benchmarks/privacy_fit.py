@@ -300,12 +300,16 @@ def _traced(fit: Any, step: float) -> dict[str, Any]:
     }
 
 
-def _by_size(fit: Any, repeats: int) -> dict[str, Any]:
+def _by_size(fit: Any, switch: Any, repeats: int) -> dict[str, Any]:
     """The ``dp`` side's step on a batch of each size its run traced (all
     real examples; its trace called as ``fit`` calls it), ``repeats`` rounds
     over the sizes, the order alternating: the median per size (ms) and the
     line ``a + b * size`` through them (least squares), ``b`` what one
-    padded example costs."""
+    padded example costs. Beside it, paired (the order alternating), the
+    ``switch`` side's train function on the same batch from a ``tf.data``
+    iterator of unknown batch size (the switch, as in its ``fit``, the
+    feeding aside): the median over sizes and rounds of by size over
+    switch, the step alone."""
     import tensorflow as tf
 
     steps = fit.model.train_function
@@ -317,12 +321,30 @@ def _by_size(fit: Any, repeats: int) -> dict[str, Any]:
         )
         for size in sizes
     }
+    # each size's batch again and again, its size unknown to the trace
+    iterators = {
+        size: iter(tf.data.Dataset.from_tensors(b).repeat().unbatch().batch(size))
+        for size, b in batches.items()
+    }
+    sides = {
+        "dp": lambda size: steps.run(batches[size]),
+        "switch": lambda size: switch.model.train_function(iterators[size]),
+    }
+    begin = time.perf_counter()
+    for size in sizes:  # the switch's first calls: not timed with the rest
+        sides["switch"](size)
+    warm = time.perf_counter() - begin  # a retrace would show here
     times: dict[int, list[float]] = {size: [] for size in sizes}
+    ratios: list[float] = []
     for r in range(repeats):
         for size in sizes if r % 2 == 0 else sizes[::-1]:
-            start = time.perf_counter()
-            float(steps.run(batches[size])["loss"])
-            times[size].append(time.perf_counter() - start)
+            this = {}
+            for name in sides if r % 2 == 0 else list(sides)[::-1]:
+                start = time.perf_counter()
+                float(sides[name](size)["loss"])
+                this[name] = time.perf_counter() - start
+            times[size].append(this["dp"])
+            ratios.append(this["dp"] / this["switch"])
     medians = [1e3 * statistics.median(times[size]) for size in sizes]
     slope, intercept = (
         np.polyfit(sizes, medians, 1) if len(sizes) > 1 else (float("nan"), 0.0)
@@ -332,6 +354,8 @@ def _by_size(fit: Any, repeats: int) -> dict[str, Any]:
         "per_example_ms": float(slope),
         "fixed_ms": float(intercept),
         "by_size_retraced": steps.tracing_count - count,
+        "step_by_switch": statistics.median(ratios),
+        "switch_warm_s": warm,
     }
 
 
@@ -402,7 +426,7 @@ def _child(name: str, rounds: int, steps: int) -> dict[str, Any]:
     q = batch / n
     sides = _sides(build, x, y, loss, n, q)
     found = _paired(sides, rounds, steps)
-    found |= _by_size(sides["dp"], rounds)
+    found |= _by_size(sides["dp"], sides["switch"], rounds)
     found |= {"ladders": _ladders(n, q)}
     found |= _trivial(q, n, rounds, steps)
     import jacobkit as jk
@@ -606,12 +630,17 @@ def _first_steps(rows: list[dict]) -> str:
         "every step of `dp` over the benchmark (first steps and rounds), the "
         "sizes its step traced when first met, and those steps' time beyond "
         "the median step (the first step's included). Switch / plain: its "
-        "steady step's ratio, as the first table's (the same rounds).",
+        "steady step's ratio, as the first table's (the same rounds). The step "
+        "alone: each size the run traced, the by-size step on a batch of it "
+        "against the switch's on the same batch from a `tf.data` iterator of "
+        "unknown batch size (the feeding aside), paired, alternating: the "
+        "median of the pairs' ratios.",
         "",
         "| model | oneDNN | commit | planning: by size / switch (s) | first "
         "step by size (s) | first step by switch (s) | first plain (s) | run: "
-        "sizes traced, steps | run: tracing steps' extra (s) | switch / plain |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "sizes traced, steps | run: tracing steps' extra (s) | switch / plain | "
+        "step alone: by size / switch |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -622,7 +651,8 @@ def _first_steps(rows: list[dict]) -> str:
             f"{r['plain_first_s']:.2f} | {r['run_traced']} of {r['n_sizes']}, "
             f"{r['run_steps']} | {r['run_trace_s']:.1f} | "
             f"{r['switch_ratio']:.2f} [{r['switch_low']:.2f}, "
-            f"{r['switch_high']:.2f}] |"
+            f"{r['switch_high']:.2f}] | "
+            f"{_optional(r, 'step_by_switch')} |"
         )
     return "\n".join(lines)
 
@@ -673,6 +703,10 @@ def _ladder_table(rows: list[dict]) -> str:
             f"{len(two['sizes'])}, {two['padded']:.1f} | {met} | {minus} |"
         )
     return "\n".join(lines)
+
+
+def _optional(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}" if key in row else "-"
 
 
 def _spread(rows: list[dict], key: str) -> str:

@@ -253,6 +253,25 @@ def test_the_sampler_pads_to_a_few_sizes_with_weight_zero():
     assert not np.array_equal(sampler[0][1][: len(first)], first)
 
 
+def test_fewer_sizes_per_doubling_pad_more():
+    """``sizes_per_doubling=2``: the same quantiles' range in half the
+    sizes (8 to 64 by 8, 12, 16, 24, ...), each draw padded by at most half
+    its size; a spacing not a power of two, or beside ``sizes=``, refused."""
+    x = np.arange(200, dtype="float32")[:, None]
+    data = (x, np.arange(200))
+    sampler = jk.privacy.PoissonSampler(data, 0.1, seed=0, sizes_per_doubling=2)
+    assert sampler.sizes == (8, 12, 16, 24, 32, 48, 64)
+    for t in range(len(sampler)):
+        n = len(sampler.indices(t))
+        size = len(sampler[t][2])
+        assert size == min(s for s in sampler.sizes if s >= n) <= max(8, 1.5 * n)
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match="a power of two"):
+            jk.privacy.PoissonSampler(data, 0.1, sizes_per_doubling=bad)
+    with pytest.raises(ValueError, match="no sizes= beside it"):
+        jk.privacy.PoissonSampler(data, 0.1, sizes=(8, 64), sizes_per_doubling=2)
+
+
 def test_an_empty_draw_is_padded_with_weight_zero():
     sampler = jk.privacy.PoissonSampler((np.ones((3, 2)), np.zeros(3)), 1e-6)
     xb, yb, wb = sampler[0]
