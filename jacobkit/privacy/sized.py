@@ -19,7 +19,13 @@ sizes it meets (of a ladder from the 1e-3 to the 1 - 1e-10 quantile of the
 batch size, the few around the mean come first; the far ones may never
 come). The price: a step that meets a new size pays that size's trace
 then, and each step leaves ``tf.data`` in Python (one ``next`` on the
-iterator, a fraction of a millisecond: see ``benchmarks/privacy_fit.py``).
+iterator). Measured under load (``benchmarks/privacy_fit.py``), paired with
+Keras's switch in one process: the first step after planning 1.3 to 4.0 s
+against 10.6 to 21.2 s on a conv net, 8 to 19 s against 77 to 171 s on
+BERT tiny; runs of 67 steps traced 6 of their 10 sizes; the step alone
+0.81 to 0.94 of the switch's; ``fit``'s loop on a trivial model 0.3 to
+1.9 ms a step cheaper than with the switch in 5 of 6 processes (1.1 ms
+dearer in one).
 
 ``steps_per_execution`` is honoured as Keras does: that many steps per
 call (each its own DP step), the logs of the last. Eager
