@@ -665,11 +665,13 @@ class _Traces(keras.callbacks.Callback):
         self.counts.append(self.model.train_function.tracing_count)
 
 
-def test_fit_traces_only_the_sizes_its_batches_come_in():
+def test_fit_traces_only_the_sizes_its_batches_come_in(caplog):
     """``fit``'s step is traced once per batch size that comes, when it
     first comes (the first step: one size), not once per padded size of the
     sampler: after a few steps, the step's traces and each planned
-    ``jk.function``'s equal the distinct sizes of the batches drawn."""
+    ``jk.function``'s equal the distinct sizes of the batches drawn; and
+    TensorFlow does not warn of frequent retracing (5 traces in the last 10
+    calls of one function would)."""
     model = _mlp()
     x, y = _data(model)
     sampler = _Recording((x, y), Q, seed=SEED, steps_per_epoch=4)
@@ -677,7 +679,9 @@ def test_fit_traces_only_the_sizes_its_batches_come_in():
     # with metrics: their variables, made in a trace, would trace it twice
     private.compile(keras.optimizers.SGD(0.1), LOSS, metrics=["accuracy"])
     traces = _Traces()
-    private.fit(sampler, epochs=2, verbose=0, callbacks=[traces])
+    with caplog.at_level("WARNING", logger="tensorflow"):
+        private.fit(sampler, epochs=2, verbose=0, callbacks=[traces])
+    assert "retracing" not in caplog.text
     drawn = sampler.drawn
     assert len(drawn) == int(private.dp_steps.numpy()) == 8
     sizes = set(drawn)
