@@ -10,6 +10,11 @@ by a :class:`jk.privacy.PoissonSampler`, padded to its sizes:
 
 - ``dp``: ``make_private(model, C=1, sigma=1).compile(SGD, loss)``,
   ``fit(sampler)`` (compiled: no ``run_eagerly``);
+- ``switch``: the same private step as ``dp`` under Keras's own train
+  function (what ``fit`` ran before ``SizedSteps``): the batch taken inside
+  the trace, its size unknown, the step switching on it, so that its first
+  trace traces every padded size; ``dp`` traces one size per size met, when
+  first met (``jacobkit.privacy.sized``). Each side has its own twin model;
 - ``plain``: a twin of the model (same weights) compiled with the same
   per-example loss (Keras averages it) and SGD, ``fit`` on a sampler of the
   same seed: the same batches, the same padding, the same ``PyDataset``
@@ -20,9 +25,12 @@ consecutive ``on_train_batch_end`` calls inside ``fit`` (what ``fit`` spends
 per step, the feeding included); each round runs ``--steps`` steps of one
 side then of the other (the order alternating), and a round's ratio is the
 quotient of their median steps. Reported: the median ratio over the rounds
-and its 95% bootstrap interval, each side's median step, and the first step
-of each side's first ``fit`` (planning, which ``fit`` does for ``dp``, and
-tracing: ``dp`` traces every padded size in it).
+and its 95% bootstrap interval, each side's median step, the planning
+(``prepare``, timed apart, the ``dp`` side first: a later side may find the
+plan in jacobkit's disk cache) and the first step of each side's first
+``fit`` (tracing: one size for ``dp``, every size for ``switch``), and, for
+``dp``, the sizes traced over the whole run and the steps that traced them
+(their time beyond the median step).
 
 The Python overhead of a compiled step: the same two ``fit`` loops on a
 trivial model (``Dense(1)`` on one feature, same sampler sizes): Keras's loop,
@@ -141,15 +149,21 @@ class _Clock:
 
             def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
                 self.owner.ends.append(time.perf_counter())
+                count = getattr(self.model.train_function, "tracing_count", None)
+                self.owner.traces.append(count)
 
+        self.start = 0.0
         self.ends: list[float] = []
+        #: the step's traces after each step (``dp``'s train function)
+        self.traces: list[int | None] = []
         self.callback = Clock(self)
 
 
 def _sides(build: Any, x: Any, y: Any, loss: Any, n: int, q: float) -> dict:
-    """``{"dp": fit(steps), "plain": fit(steps)}``, each ``fit`` one epoch of
-    ``steps`` steps on its own sampler of the same seed, returning the
-    start time and the clock."""
+    """``{"dp": fit(steps), "switch": fit(steps), "plain": fit(steps)}``,
+    each ``fit`` one epoch of ``steps`` steps on its own sampler of the same
+    seed, returning the start time and the clock (``fit.prepare()``: the DP
+    sides' planning, before their first ``fit``)."""
     import keras
 
     import jacobkit as jk
@@ -159,7 +173,8 @@ def _sides(build: Any, x: Any, y: Any, loss: Any, n: int, q: float) -> dict:
             sampler = fit.sampler
             sampler.steps_per_epoch = steps
             clock = _Clock()
-            start = time.perf_counter()
+            fit.clocks.append(clock)
+            start = clock.start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 # a keras_hub task's own fit maps its preprocessor over a
@@ -171,15 +186,32 @@ def _sides(build: Any, x: Any, y: Any, loss: Any, n: int, q: float) -> dict:
             return start, clock.ends
 
         fit.sampler = jk.privacy.PoissonSampler((x, y), q, seed=0)
+        fit.model = model
+        fit.clocks = []
         return fit
 
-    private = jk.privacy.make_private(
-        build(), l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=q, num_examples=n
-    )
-    private.compile(keras.optimizers.SGD(0.01), _per_example(loss), jit_compile=False)
+    def private(switch: bool) -> Any:
+        found = jk.privacy.make_private(
+            build(),
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            sampling_rate=q,
+            num_examples=n,
+        )
+        found.compile(keras.optimizers.SGD(0.01), _per_example(loss), jit_compile=False)
+        fit = fitter(found)
+
+        def prepare() -> None:
+            found.prepare(fit.sampler)
+            if switch:  # Keras's own train function (fit keeps a made one)
+                keras.Model.make_train_function(found, force=True)
+
+        fit.prepare = prepare
+        return fit
+
     plain = build()
     plain.compile(keras.optimizers.SGD(0.01), _mean(loss), jit_compile=False)
-    return {"dp": fitter(private), "plain": fitter(plain)}
+    return {"dp": private(False), "switch": private(True), "plain": fitter(plain)}
 
 
 def _per_example(loss: Any) -> Any:
@@ -207,9 +239,16 @@ def _paired(sides: dict, rounds: int, steps: int) -> dict[str, Any]:
     """First steps, then ``rounds`` alternating rounds of ``steps`` steps."""
     found: dict[str, Any] = {}
     for name, fit in sides.items():  # the first fit: planning, tracing
+        planning = 0.0
+        if hasattr(fit, "prepare"):
+            begin = time.perf_counter()
+            fit.prepare()
+            planning = time.perf_counter() - begin
+            found[f"{name}_plan_s"] = planning
         start, ends = fit(max(3, steps // 2))
-        found[f"{name}_first_s"] = ends[0] - start
-    ratios: list[float] = []
+        # as before the planning was timed apart: planning and first step
+        found[f"{name}_first_s"] = planning + ends[0] - start
+    ratios: dict[str, list[float]] = {k: [] for k in sides if k != "plain"}
     medians: dict[str, list[float]] = {k: [] for k in sides}
     fastest = {k: float("inf") for k in sides}
     for r in range(rounds):
@@ -220,14 +259,130 @@ def _paired(sides: dict, rounds: int, steps: int) -> dict[str, Any]:
             this[name] = statistics.median(np.diff(ends))
             medians[name].append(this[name])
             fastest[name] = min(fastest[name], float(np.min(np.diff(ends))))
-        ratios.append(this["dp"] / this["plain"])
-    low, high = _bootstrap(ratios)
-    found |= {"ratio": statistics.median(ratios), "low": low, "high": high}
+        for name, found_ratios in ratios.items():
+            found_ratios.append(this[name] / this["plain"])
+    low, high = _bootstrap(ratios["dp"])
+    found |= {"ratio": statistics.median(ratios["dp"]), "low": low, "high": high}
+    if "switch" in ratios:
+        low, high = _bootstrap(ratios["switch"])
+        found |= {
+            "switch_ratio": statistics.median(ratios["switch"]),
+            "switch_low": low,
+            "switch_high": high,
+        }
     found |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in medians.items()}
+    found |= _traced(sides["dp"], found["dp_ms"] / 1e3)
     # the fastest steps, which other jobs slowed least: a second estimate
     found |= {f"{k}_fastest_ms": 1e3 * v for k, v in fastest.items()}
     found["fastest_ratio"] = fastest["dp"] / fastest["plain"]
     found["rounds"], found["steps"] = rounds, steps
+    return found
+
+
+def _traced(fit: Any, step: float) -> dict[str, Any]:
+    """The ``dp`` side's whole run: its steps, the sizes its step traced (of
+    the sampler's), and the time of the steps that traced beyond ``step``
+    (the median step, s; the first step of a ``fit`` from its start: its
+    first-ever step, planning aside, included)."""
+    steps, extra, count = 0, 0.0, 0
+    for clock in fit.clocks:
+        for i, traces in enumerate(clock.traces):
+            steps += 1
+            if traces is not None and traces > count:
+                count = traces
+                before = clock.ends[i - 1] if i else clock.start
+                extra += clock.ends[i] - before - step
+    return {
+        "run_steps": steps,
+        "run_traced": count,
+        "run_trace_s": extra,
+        "n_sizes": len(fit.sampler.sizes),
+    }
+
+
+def _by_size(fit: Any, switch: Any, repeats: int) -> dict[str, Any]:
+    """The ``dp`` side's step on a batch of each size its run traced (all
+    real examples; its trace called as ``fit`` calls it), ``repeats`` rounds
+    over the sizes, the order alternating: the median per size (ms) and the
+    line ``a + b * size`` through them (least squares), ``b`` what one
+    padded example costs. Beside it, paired (the order alternating), the
+    ``switch`` side's train function on the same batch from a ``tf.data``
+    iterator of unknown batch size (the switch, as in its ``fit``, the
+    feeding aside): the median over sizes and rounds of by size over
+    switch, the step alone."""
+    import tensorflow as tf
+
+    steps = fit.model.train_function
+    count = steps.tracing_count
+    sizes = sorted({key[0][0][0] for key in steps.traces})
+    batches = {
+        size: tf.nest.map_structure(
+            tf.convert_to_tensor, fit.sampler.batch(np.arange(size))
+        )
+        for size in sizes
+    }
+    # each size's batch again and again, its size unknown to the trace
+    iterators = {
+        size: iter(tf.data.Dataset.from_tensors(b).repeat().unbatch().batch(size))
+        for size, b in batches.items()
+    }
+    sides = {
+        "dp": lambda size: steps.run(batches[size]),
+        "switch": lambda size: switch.model.train_function(iterators[size]),
+    }
+    begin = time.perf_counter()
+    for size in sizes:  # the switch's first calls: not timed with the rest
+        sides["switch"](size)
+    warm = time.perf_counter() - begin  # a retrace would show here
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    ratios: list[float] = []
+    for r in range(repeats):
+        for size in sizes if r % 2 == 0 else sizes[::-1]:
+            this = {}
+            for name in sides if r % 2 == 0 else list(sides)[::-1]:
+                start = time.perf_counter()
+                float(sides[name](size)["loss"])
+                this[name] = time.perf_counter() - start
+            times[size].append(this["dp"])
+            ratios.append(this["dp"] / this["switch"])
+    medians = [1e3 * statistics.median(times[size]) for size in sizes]
+    slope, intercept = (
+        np.polyfit(sizes, medians, 1) if len(sizes) > 1 else (float("nan"), 0.0)
+    )
+    return {
+        "by_size": dict(zip(map(str, sizes), medians)),
+        "per_example_ms": float(slope),
+        "fixed_ms": float(intercept),
+        "by_size_retraced": steps.tracing_count - count,
+        "step_by_switch": statistics.median(ratios),
+        "switch_warm_s": warm,
+    }
+
+
+def _ladders(n: int, q: float) -> dict[str, Any]:
+    """Per spacing (sizes per doubling, 4 and 2): the sizes, the expected
+    padded batch, and the expected sizes a run meets after ``T`` steps (each
+    size ``s`` met with probability ``1 - (1 - p_s)^T``), from the binomial."""
+    from scipy.stats import binom
+
+    from jacobkit.privacy.sampling import padded_sizes
+
+    draws = np.arange(n + 1)
+    mass = binom.pmf(draws, n, q)
+    found = {}
+    for per in (4, 2):
+        sizes = np.array(padded_sizes(n, q, per))
+        # a draw above the largest: probability < 1e-10, counted at the largest
+        index = np.minimum(np.searchsorted(sizes, np.maximum(draws, 1)), len(sizes) - 1)
+        each = np.bincount(index, weights=mass, minlength=len(sizes))
+        found[str(per)] = {
+            "sizes": sizes.tolist(),
+            "padded": float(np.sum(mass * sizes[index])),
+            "met": {
+                str(t): float(np.sum(1 - (1 - each) ** t))
+                for t in (10, 100, 1000, 10000)
+            },
+        }
     return found
 
 
@@ -253,6 +408,7 @@ def _trivial(q: float, n: int, rounds: int, steps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     return {
         "trivial_dp_ms": found["dp_ms"],
+        "trivial_switch_ms": found["switch_ms"],
         "trivial_plain_ms": found["plain_ms"],
         "feeding_ms": 1e3 * statistics.median(times),
     }
@@ -268,7 +424,10 @@ def _child(name: str, rounds: int, steps: int) -> dict[str, Any]:
     build, x, y, loss = _case(name)
     n, batch = SIZES[name]
     q = batch / n
-    found = _paired(_sides(build, x, y, loss, n, q), rounds, steps)
+    sides = _sides(build, x, y, loss, n, q)
+    found = _paired(sides, rounds, steps)
+    found |= _by_size(sides["dp"], sides["switch"], rounds)
+    found |= {"ladders": _ladders(n, q)}
     found |= _trivial(q, n, rounds, steps)
     import jacobkit as jk
 
@@ -389,8 +548,10 @@ def _table(rows: list[dict], peers: dict, args: argparse.Namespace) -> str:
         "median over rounds of the rounds' median DP step over their median "
         "plain step [95% bootstrap interval]; fastest: the fastest DP step over "
         "the fastest plain step (ms), which the load slowed least. First: the "
-        "first step of the first `fit` (DP: planning and tracing every padded "
-        "size).",
+        "first step of the first `fit`, planning included (DP: planning and "
+        "tracing the first batch's size; rows of the table below with a switch "
+        "column, and every row before it had one, traced every padded size "
+        "there).",
         "",
         "| model | oneDNN | commit | N, E[batch], sizes | DP step (ms) | plain "
         "step (ms) | DP / plain | fastest: DP / plain | first DP (s) | first "
@@ -437,17 +598,115 @@ def _table(rows: list[dict], peers: dict, args: argparse.Namespace) -> str:
         "the sampler's `__getitem__` alone, per step (ms, median), in each "
         "model's process:",
         "",
-        "| process | oneDNN | trivial DP step | trivial plain step | feeding alone |",
-        "|---|---|---:|---:|---:|",
+        "| process | oneDNN | trivial DP step | trivial DP step, switch | "
+        "trivial plain step | feeding alone |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" not in r:
+            switch = r.get("trivial_switch_ms")
             lines.append(
                 f"| {r['model']} | {'on' if r['onednn'] else 'off'} | "
-                f"{r['trivial_dp_ms']:.2f} | {r['trivial_plain_ms']:.2f} | "
-                f"{r['feeding_ms']:.2f} |"
+                f"{r['trivial_dp_ms']:.2f} | "
+                f"{'-' if switch is None else f'{switch:.2f}'} | "
+                f"{r['trivial_plain_ms']:.2f} | {r['feeding_ms']:.2f} |"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + _first_steps(rows) + _ladder_table(rows) + "\n"
+
+
+def _first_steps(rows: list[dict]) -> str:
+    """The first steps' table: the rows that timed the switch beside."""
+    rows = [r for r in rows if "switch_first_s" in r]
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "",
+        "The first step, by size or by switch, paired in one process (each side "
+        "its own twin model, the by-size side first): planning (`prepare`, "
+        "timed apart), then the first step of the first `fit`: `dp` traces the "
+        "first batch's size (`jacobkit.privacy.sized`), `switch` (Keras's own "
+        "train function, what `fit` ran before) every padded size. The run: "
+        "every step of `dp` over the benchmark (first steps and rounds), the "
+        "sizes its step traced when first met, and those steps' time beyond "
+        "the median step (the first step's included). Switch / plain: its "
+        "steady step's ratio, as the first table's (the same rounds). The step "
+        "alone: each size the run traced, the by-size step on a batch of it "
+        "against the switch's on the same batch from a `tf.data` iterator of "
+        "unknown batch size (the feeding aside), paired, alternating: the "
+        "median of the pairs' ratios.",
+        "",
+        "| model | oneDNN | commit | planning: by size / switch (s) | first "
+        "step by size (s) | first step by switch (s) | first plain (s) | run: "
+        "sizes traced, steps | run: tracing steps' extra (s) | switch / plain | "
+        "step alone: by size / switch |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {'on' if r['onednn'] else 'off'} | {r['commit']} | "
+            f"{r['dp_plan_s']:.1f} / {r['switch_plan_s']:.1f} | "
+            f"{r['dp_first_s'] - r['dp_plan_s']:.1f} | "
+            f"{r['switch_first_s'] - r['switch_plan_s']:.1f} | "
+            f"{r['plain_first_s']:.2f} | {r['run_traced']} of {r['n_sizes']}, "
+            f"{r['run_steps']} | {r['run_trace_s']:.1f} | "
+            f"{r['switch_ratio']:.2f} [{r['switch_low']:.2f}, "
+            f"{r['switch_high']:.2f}] | "
+            f"{_optional(r, 'step_by_switch')} |"
+        )
+    return "\n".join(lines)
+
+
+def _ladder_table(rows: list[dict]) -> str:
+    """Four sizes per doubling against two: the traces each costs over a
+    run and its padding's compute, from the measured trace and step."""
+    rows = [r for r in rows if "ladders" in r and r.get("run_traced")]
+    if not rows:
+        return ""
+    horizons = ("100", "1000", "10000")
+    lines = [
+        "",
+        "",
+        "Fewer sizes (`PoissonSampler(sizes_per_doubling=2)`) against the "
+        "default four per doubling: a size's trace is the mean extra time of "
+        "the run's steps that traced (the table above), one padded example's "
+        "cost the slope of the DP step's time against its batch size (each "
+        "traced size timed on a batch of it, all examples real; `a + b * "
+        "size` by least squares, over the sizes the run traced); the sizes "
+        "met and the expected padded batch from the binomial. Cost over T "
+        "steps: the sizes met by T times a size's trace, plus T times the "
+        "expected padded batch times b; the table gives two per doubling's "
+        "cost minus four's (s; negative: two per doubling is cheaper).",
+        "",
+        "| model | oneDNN | commit | a size's trace (s) | step: a + b * size "
+        "(ms) | 4 per doubling: sizes, E[padded] | 2 per doubling: sizes, "
+        "E[padded] | sizes met after 100 / 1000 / 10000 steps (4; 2) | 2 minus "
+        "4 after 100 / 1000 / 10000 steps (s) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        trace = r["run_trace_s"] / r["run_traced"]
+        b = r["per_example_ms"] / 1e3
+        four, two = r["ladders"]["4"], r["ladders"]["2"]
+
+        def cost(ladder: dict, steps: str, trace: float = trace, b: float = b) -> float:
+            return float(
+                ladder["met"][steps] * trace + int(steps) * b * ladder["padded"]
+            )
+
+        met = " / ".join(f"{four['met'][t]:.1f}; {two['met'][t]:.1f}" for t in horizons)
+        minus = " / ".join(f"{cost(two, t) - cost(four, t):+.0f}" for t in horizons)
+        lines.append(
+            f"| {r['model']} | {'on' if r['onednn'] else 'off'} | {r['commit']} | "
+            f"{trace:.1f} | {r['fixed_ms']:.1f} + {r['per_example_ms']:.2f} * "
+            f"size | {len(four['sizes'])}, {four['padded']:.1f} | "
+            f"{len(two['sizes'])}, {two['padded']:.1f} | {met} | {minus} |"
+        )
+    return "\n".join(lines)
+
+
+def _optional(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}" if key in row else "-"
 
 
 def _spread(rows: list[dict], key: str) -> str:

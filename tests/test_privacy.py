@@ -253,6 +253,25 @@ def test_the_sampler_pads_to_a_few_sizes_with_weight_zero():
     assert not np.array_equal(sampler[0][1][: len(first)], first)
 
 
+def test_fewer_sizes_per_doubling_pad_more():
+    """``sizes_per_doubling=2``: the same quantiles' range in half the
+    sizes (8 to 64 by 8, 12, 16, 24, ...), each draw padded by at most half
+    its size; a spacing not a power of two, or beside ``sizes=``, refused."""
+    x = np.arange(200, dtype="float32")[:, None]
+    data = (x, np.arange(200))
+    sampler = jk.privacy.PoissonSampler(data, 0.1, seed=0, sizes_per_doubling=2)
+    assert sampler.sizes == (8, 12, 16, 24, 32, 48, 64)
+    for t in range(len(sampler)):
+        n = len(sampler.indices(t))
+        size = len(sampler[t][2])
+        assert size == min(s for s in sampler.sizes if s >= n) <= max(8, 1.5 * n)
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match="a power of two"):
+            jk.privacy.PoissonSampler(data, 0.1, sizes_per_doubling=bad)
+    with pytest.raises(ValueError, match="no sizes= beside it"):
+        jk.privacy.PoissonSampler(data, 0.1, sizes=(8, 64), sizes_per_doubling=2)
+
+
 def test_an_empty_draw_is_padded_with_weight_zero():
     sampler = jk.privacy.PoissonSampler((np.ones((3, 2)), np.zeros(3)), 1e-6)
     xb, yb, wb = sampler[0]
@@ -613,3 +632,82 @@ def test_per_layer_clipping_is_refused_on_the_compiled_step():
     private.compile(_optimizer("sgd", 0.05), LOSS)
     with pytest.raises(NotImplementedError, match="run_eagerly=True"):
         private.prepare(sampler)
+
+
+class _Recording(jk.privacy.PoissonSampler):
+    """A sampler recording the size of each batch ``fit`` trains on (from
+    its first epoch on: not the batches Keras peeks at for the dataset's
+    shapes before it)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drawn = None
+
+    def on_epoch_begin(self):
+        if self.drawn is None:
+            self.drawn = []
+
+    def __getitem__(self, index):
+        found = super().__getitem__(index)
+        if self.drawn is not None:
+            self.drawn.append(len(found[2]))
+        return found
+
+
+class _Traces(keras.callbacks.Callback):
+    """The step's traces after each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.counts.append(self.model.train_function.tracing_count)
+
+
+def test_fit_traces_only_the_sizes_its_batches_come_in(caplog):
+    """``fit``'s step is traced once per batch size that comes, when it
+    first comes (the first step: one size), not once per padded size of the
+    sampler: after a few steps, the step's traces and each planned
+    ``jk.function``'s equal the distinct sizes of the batches drawn; and
+    TensorFlow does not warn of frequent retracing (5 traces in the last 10
+    calls of one function would)."""
+    model = _mlp()
+    x, y = _data(model)
+    sampler = _Recording((x, y), Q, seed=SEED, steps_per_epoch=4)
+    private = _private(model, seed=SEED)
+    # with metrics: their variables, made in a trace, would trace it twice
+    private.compile(keras.optimizers.SGD(0.1), LOSS, metrics=["accuracy"])
+    traces = _Traces()
+    with caplog.at_level("WARNING", logger="tensorflow"):
+        private.fit(sampler, epochs=2, verbose=0, callbacks=[traces])
+    assert "retracing" not in caplog.text
+    drawn = sampler.drawn
+    assert len(drawn) == int(private.dp_steps.numpy()) == 8
+    sizes = set(drawn)
+    # draws of binomial(40, 0.25): several sizes, far fewer than the ladder's
+    assert 1 < len(sizes) < len(sampler.sizes) == 15
+    assert private.train_function.tracing_count == len(sizes)
+    for fn, _ in private.traced.functions:
+        assert fn.tracing_count == len(sizes)
+    # traced when first met: the count after step t is the sizes up to t
+    assert traces.counts == [len(set(drawn[: t + 1])) for t in range(8)]
+
+
+def test_steps_per_execution_takes_the_same_steps():
+    """``compile(steps_per_execution=3)``: each call of the train function
+    takes three DP steps (the last call of an epoch of 4 steps, one): the
+    same weights as one step per call, bit for bit (the same traced step on
+    the same batches)."""
+    weights = []
+    for each in (1, 3):
+        model = _mlp()
+        x, y = _data(model)
+        sampler = jk.privacy.PoissonSampler((x, y), Q, seed=SEED, steps_per_epoch=4)
+        private = _private(model, seed=SEED)
+        private.compile(keras.optimizers.SGD(0.1), LOSS, steps_per_execution=each)
+        private.fit(sampler, epochs=2, verbose=0)
+        assert int(private.dp_steps.numpy()) == 8
+        weights.append([v.numpy() for v in model.trainable_variables])
+    for one, three in zip(*weights):
+        np.testing.assert_array_equal(one, three)

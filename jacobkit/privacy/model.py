@@ -22,8 +22,9 @@ expected batch size ``q * N``; the compiled optimizer applies it.
 Compiled or eager: ``fit`` on a :class:`~jacobkit.privacy.PoissonSampler`
 runs a compiled step (no ``run_eagerly``): before ``fit`` traces it, the
 step is planned on the sampler's first batch, one
-:func:`jacobkit.function` per clipping group, switched on the batch's
-padded size (:mod:`jacobkit.privacy.traced`). With
+:func:`jacobkit.function` per clipping group (:mod:`jacobkit.privacy.traced`),
+and traced once per padded size, when a batch of that size first comes
+(:mod:`jacobkit.privacy.sized`: the first step traces one size). With
 ``compile(run_eagerly=True)`` each step calls :func:`jacobkit.jacobian`
 instead (:func:`jacobkit.privacy.step.clipped_sums`); both compute the same
 step.
@@ -42,6 +43,7 @@ import tensorflow as tf
 from jacobkit.privacy import checks, step
 from jacobkit.privacy.accounting import check_parameters, epsilon
 from jacobkit.privacy.sampling import PoissonSampler
+from jacobkit.privacy.sized import SizedSteps, applies
 from jacobkit.privacy.traced import TracedSums
 from jacobkit.problem.loss import Loss
 
@@ -84,6 +86,9 @@ class PrivateModel(keras.Model):
         dp_steps: the DP steps taken (an int64 variable): what the noise is
             seeded with and the accountant composes.
     """
+
+    #: fit's train function (Keras's, or :class:`SizedSteps`)
+    train_function: Any
 
     def __init__(
         self, model: Any, privacy: Privacy, per_layer: bool | Mapping[str, float]
@@ -163,6 +168,11 @@ class PrivateModel(keras.Model):
             (x, y, weights),
             sampler.sizes,
         )
+        if self.has_metrics:
+            # the compiled metrics' variables made now, eagerly: a traced step
+            # that makes variables is traced twice (SizedSteps counts traces)
+            self.compute_metrics(x, y, self.model(x, training=False), weights)
+            self.reset_metrics()
 
     def first_checks(self, y: Any, y_pred: Any, variables: list[Any]) -> None:
         """The loss's rows checked, the clipping groups found (eagerly)."""
@@ -209,6 +219,23 @@ class PrivateModel(keras.Model):
                 stacklevel=2,
             )
         return super().fit(x, *args, **kwargs)
+
+    def make_train_function(self, force: bool = False) -> Any:
+        """``fit``'s train function: compiled, one trace per batch size, made
+        when a batch of that size first comes
+        (:class:`~jacobkit.privacy.sized.SizedSteps`); eager or under a
+        ``tf.distribute`` strategy, Keras's own."""
+        if self.train_function is not None and not force:
+            return self.train_function
+        if not applies(self):
+            super().make_train_function(force=force)
+        else:
+            if not self.optimizer.built:
+                # built now, not in the first trace: a trace that creates
+                # variables is traced a second time (with metrics compiled)
+                self.optimizer.build(list(self.model.trainable_variables))
+            self.train_function = SizedSteps(self)
+        return self.train_function
 
     def epsilon(self, delta: float, accountant: str = "rdp") -> float:
         """Epsilon at ``delta`` after the steps taken so far

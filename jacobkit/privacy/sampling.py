@@ -10,11 +10,21 @@ drawn by NumPy's generator seeded with ``(seed, t)``, so a run is
 reproducible whatever ``fit`` peeks at or prefetches.
 
 Padding: a draw of ``n`` examples is padded to ``bucket(n)`` (four sizes
-per doubling: ..., 32, 40, 48, 56, 64, 80, ...;
+per doubling by default: ..., 32, 40, 48, 56, 64, 80, ...;
 :func:`jacobkit.problem.padding.bucket`) by repeating its last example with
-sample weight 0, so a compiled step traces a few times (an expected batch
-of 64 meets about seven sizes), not once per size. A padded example adds
-exactly 0 to the clipped sum (its loss row is ``0 * loss``). The sizes
+sample weight 0, so a compiled step traces a few times, once per size a
+draw comes in (:mod:`jacobkit.privacy.sized`), not once per batch size. A
+padded example adds exactly 0 to the clipped sum (its loss row is ``0 *
+loss``), but costs as a real one.
+
+Fewer sizes per doubling (``sizes_per_doubling=2``: ..., 32, 48, 64, 96,
+...) trace fewer sizes over a run and pad more: for ``N = 512, q = 1/16``
+(an expected batch of 32; ten sizes by default) a run meets about 4, 6 and
+7.6 sizes in 10, 100 and 1000 steps with four per doubling, 2.6, 3.3 and
+4.5 with two, whose padded batch is 11% larger on average (38.6 examples
+against 34.7; the draw's mean is 32). Two per doubling pays where the
+traces saved cost more than the padding: runs shorter than the traces'
+time over the padding's time per step (see ``docs/privacy.md``). The sizes
 (:attr:`PoissonSampler.sizes`) run from the bucket of the draw size the
 binomial undershoots with probability :data:`SMALL` (smaller draws are
 padded up to it: only cost) to the bucket of the size it exceeds with
@@ -39,7 +49,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobkit.privacy.accounting import check_parameters
-from jacobkit.problem.padding import bucket
+from jacobkit.problem.padding import SIZES_PER_DOUBLING, bucket
 
 #: the probability per step of a draw larger than the largest size
 OVERFLOW = 1e-10
@@ -48,15 +58,18 @@ OVERFLOW = 1e-10
 SMALL = 1e-3
 
 
-def padded_sizes(num_examples: int, sampling_rate: float) -> tuple[int, ...]:
+def padded_sizes(
+    num_examples: int, sampling_rate: float, per_doubling: int = SIZES_PER_DOUBLING
+) -> tuple[int, ...]:
     """The sizes a Poisson draw of ``binomial(num_examples, sampling_rate)``
-    examples is padded to: every bucket from the :data:`SMALL` quantile's to
-    the ``1 - OVERFLOW`` quantile's."""
+    examples is padded to: every bucket (``per_doubling`` sizes per
+    doubling) from the :data:`SMALL` quantile's to the ``1 - OVERFLOW``
+    quantile's."""
     from scipy.stats import binom
 
     low = max(1, int(binom.ppf(SMALL, num_examples, sampling_rate)))
     high = max(low, int(binom.isf(OVERFLOW, num_examples, sampling_rate)) + 1)
-    return tuple(sorted({bucket(n) for n in range(low, high + 1)}))
+    return tuple(sorted({bucket(n, per_doubling) for n in range(low, high + 1)}))
 
 
 def _arrays(data: Any) -> tuple[Any, ...]:
@@ -106,6 +119,10 @@ class PoissonSampler(keras.utils.PyDataset):
             a draw above the largest stops the run (see the module's
             docstring: choose the largest with a negligible probability to
             be exceeded).
+        sizes_per_doubling: the default sizes' spacing, a power of two: 4
+            (..., 32, 40, 48, 56, 64, ...), or 2 (..., 32, 48, 64, ...),
+            fewer traces for more padding (see the module's docstring); not
+            with ``sizes``.
         **kwargs: ``keras.utils.PyDataset``'s (``workers``, ...).
 
     Attributes:
@@ -121,9 +138,22 @@ class PoissonSampler(keras.utils.PyDataset):
         seed: int = 0,
         steps_per_epoch: int | None = None,
         sizes: tuple[int, ...] | None = None,
+        sizes_per_doubling: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if sizes_per_doubling is not None and (
+            isinstance(sizes_per_doubling, bool)
+            or not isinstance(sizes_per_doubling, int)
+            or sizes_per_doubling < 1
+            or sizes_per_doubling & (sizes_per_doubling - 1)
+            or sizes is not None
+        ):
+            raise ValueError(
+                "jacobkit.privacy.PoissonSampler(sizes_per_doubling="
+                f"{sizes_per_doubling!r}): expected a power of two (1, 2, 4, "
+                "8, ...), and no sizes= beside it (it spaces the default sizes)."
+            )
         check_parameters(sampling_rate, 0.0)
         self.arrays = _arrays(data)
         self.num_examples = len(tf.nest.flatten(self.arrays[1])[0])
@@ -137,7 +167,11 @@ class PoissonSampler(keras.utils.PyDataset):
         self.epoch = 0
         #: the padded sizes, smallest to largest (:func:`padded_sizes`)
         self.sizes = (
-            padded_sizes(self.num_examples, self.sampling_rate)
+            padded_sizes(
+                self.num_examples,
+                self.sampling_rate,
+                sizes_per_doubling or SIZES_PER_DOUBLING,
+            )
             if sizes is None
             else tuple(int(s) for s in sizes)
         )

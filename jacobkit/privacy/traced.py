@@ -1,15 +1,21 @@
 """The clipped sums inside ``fit``'s compiled ``train_step``
 (:class:`TracedSums`), on :func:`jacobkit.function`.
 
-``fit`` traces its step with the dataset's shapes, where a Poisson sample's
-batch size is unknown (``None``). The step switches on the size
-(``tf.switch_case``) to one branch per padded size of the sampler
-(:attr:`jacobkit.privacy.PoissonSampler.sizes`), where the batch, padded to
-that size with weight-0 examples, has a known shape: each branch is one
-signature of the :class:`~jacobkit.Function` (traced once), and only the
-branch of the batch's size runs. So a step costs the clipped sum of its own
-padded size, and the sizes trace once each, in the first trace of
-``fit``'s step.
+A batch whose size the trace knows (``fit``'s own train function traces
+each batch size apart: :mod:`jacobkit.privacy.sized`; ``train_on_batch``)
+is padded to the smallest padded size of the sampler
+(:attr:`jacobkit.privacy.PoissonSampler.sizes`) that holds it (a sampler's
+batch is of one already) and computed by that size's signature of each
+:class:`~jacobkit.Function`: a trace costs one size.
+
+Of unknown size (``None``: a step traced from a ``tf.data`` iterator, as
+Keras's own train function does under a ``tf.distribute`` strategy), the
+step switches on the size (``tf.switch_case``) to one branch per padded
+size, where the batch, padded to that size with weight-0 examples, has a
+known shape: each branch is one signature, and only the branch of the
+batch's size runs. A step then costs the clipped sum of its own padded
+size, but its trace traces every size (TensorFlow traces every branch of a
+switch): 10 to 14 of them for a sampler's default sizes.
 """
 
 from __future__ import annotations

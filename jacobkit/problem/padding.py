@@ -42,13 +42,14 @@ _CHECKED = PerModel(
 SIZES_PER_DOUBLING = 4
 
 
-def bucket(size: int) -> int:
+def bucket(size: int, per_doubling: int = SIZES_PER_DOUBLING) -> int:
     """The padded size of a batch of ``size`` examples: ``size`` rounded up
-    to a multiple of ``2**(floor(log2(size)) - 2)`` (sizes up to 8 are
-    their own)."""
+    to a multiple of ``2**floor(log2(size)) / per_doubling`` (a power of
+    two; sizes up to ``2 * per_doubling`` are their own): with the default 4,
+    ..., 32, 40, 48, 56, 64, 80, ...; with 2, ..., 32, 48, 64, 96, ..."""
     if size < 1:
         raise ValueError(f"a batch of {size} examples has nothing to pad")
-    step = 2 ** max(0, size.bit_length() - 1 - (SIZES_PER_DOUBLING.bit_length() - 1))
+    step = 2 ** max(0, size.bit_length() - 1 - (per_doubling.bit_length() - 1))
     return -(-size // step) * step
 
 
