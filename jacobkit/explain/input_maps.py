@@ -23,6 +23,7 @@ from jacobkit.explain._gradients import (
     mean_gradients,
     row_values,
 )
+from jacobkit.keras import state
 
 
 def saliency(
@@ -150,11 +151,19 @@ def integrated_gradients(
 
     Returns:
         :class:`IntegratedGradients`: the maps ``(B, K, *x.shape[1:])`` and
-        the gap ``(B, K)``, from one more forward pass at ``x`` and ``x0``
-        (in a stateless scope: ``training=True`` moves no statistics, and
-        draws its own dropout masks, which the gap then includes). A
+        the gap ``(B, K)``, from one more forward pass at ``x0`` and one at
+        ``x``. A
         :class:`~jacobkit.explain.completeness.CompletenessWarning` where a
         row's gap is above 5% of its ``|f(x) - f(x0)|``.
+
+    With ``training=True`` the call is one draw of the model's randomness
+    and state (:func:`jacobkit.keras.state.one_call`): every pass starts
+    from the state as it was, and the call moves it once, as one ``model(x,
+    training=True)`` would (the pass at ``x`` comes last). The path's
+    points run batched together (as captum and xplique batch them), so in
+    training mode they share one chunk's batch statistics and draw that
+    chunk's dropout masks; ``f(x)`` and ``f(x0)`` see their own batch's.
+    The gap includes those differences.
 
     With ``rule="trapezoid"``, the same maps as xplique's
     ``IntegratedGradients(steps=steps, baseline_value=0)`` for a zero
@@ -174,12 +183,12 @@ def integrated_gradients(
     x0 = tf.zeros_like(x) if baseline is None else _baseline(baseline, x)
     alphas = tf.linspace(0.0, 1.0, count)
     path = [x0 + tf.cast(a, x.dtype) * (x - x0) for a in alphas]
-    mean = mean_gradients(
-        model, path, classes, memory_budget, path_weights(count, rule), **kwargs
-    )
+    weights = path_weights(count, rule)
+    with state.one_call(bool(kwargs.get("training", False))):
+        mean = mean_gradients(model, path, classes, memory_budget, weights, **kwargs)
+        # x's pass last: the state moves as model(x, training=True) moves it
+        start, outputs = row_values(model, [x0, x], classes, **kwargs)
     maps = mean * tf.cast((x - x0)[:, None], mean.dtype)
-    ends = row_values(model, tf.concat([x, x0], axis=0), classes, **kwargs)
-    outputs, start = ends[: x.shape[0]], ends[x.shape[0] :]
     summed = tf.reduce_sum(tf.reshape(maps, (*maps.shape[:2], -1)), axis=-1)
     gap = completeness.gap_of(np.asarray(summed), outputs - start)
     completeness.warn_if_large(
@@ -226,6 +235,11 @@ def smoothgrad(
     smooth_noise=noise)`` draw other noise (and tf-keras-vis scales it by
     the input's range, then takes ``|.|`` and the channel max): their means
     agree with this one in distribution, not to the last digit.
+
+    With ``training=True`` the call is one draw, as
+    :func:`integrated_gradients`'s: it moves the model's state once, as one
+    ``model(x, training=True)`` would, from one more forward pass at ``x``
+    (the noisy copies' passes move nothing).
     """
     x = as_batch(x, "smoothgrad")
     if int(samples) < 1:
@@ -239,7 +253,12 @@ def smoothgrad(
         x + tf.random.stateless_normal(x.shape, (seed, i), stddev=noise, dtype=x.dtype)
         for i in range(int(samples))
     ]
-    return mean_gradients(model, noisy, classes, memory_budget, **kwargs)
+    training = bool(kwargs.get("training", False))
+    with state.one_call(training):
+        maps = mean_gradients(model, noisy, classes, memory_budget, **kwargs)
+        if training:  # the pass whose moves the call keeps: model(x)'s
+            row_values(model, [x], classes, **kwargs)
+    return maps
 
 
 def _baseline(baseline: Any, x: tf.Tensor) -> tf.Tensor:
