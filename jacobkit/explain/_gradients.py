@@ -66,11 +66,19 @@ def input_gradients(
 
 
 def row_values(
-    model: Any, x: tf.Tensor, classes: Sequence[int] | None, **kwargs: Any
-) -> np.ndarray:
-    """The rows :func:`input_gradients` differentiates, at ``x``: ``(B,
-    K)`` (float64), one forward pass with the call's ``training=`` and
-    ``output=``, in a stateless scope (the model's state untouched)."""
+    model: Any,
+    points: Sequence[tf.Tensor],
+    classes: Sequence[int] | None,
+    **kwargs: Any,
+) -> list[np.ndarray]:
+    """The rows :func:`input_gradients` differentiates, at each of
+    ``points`` (batches of one shape, ``(B, ...)``): ``(B, K)`` each
+    (float64), one forward pass each, in order, with the call's
+    ``training=`` and ``output=``. Each pass is one of the call's draw
+    (:func:`jacobkit.keras.state.one_call`; outside one, nothing moves):
+    with ``training=True`` the last point's pass is the one whose moves the
+    call keeps, and each point sees its own batch statistics, as
+    ``model(point, training=True)`` would."""
     call = Call(
         model,
         Inputs(),
@@ -79,8 +87,12 @@ def row_values(
         training=kwargs.get("training", False),
         output=kwargs.get("output"),
     )
-    rows = call.problem(x).per_example_rows(x)
-    return np.asarray(tf.cast(rows, tf.float64))
+    problem = call.problem(points[0])
+    found = []
+    for point in points:
+        rows = problem.per_example_rows(point)
+        found.append(np.asarray(tf.cast(rows, tf.float64)))
+    return found
 
 
 def copies_per_call(

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from jacobkit.api import jacobian
 from jacobkit.explain._gradients import as_batch
-from jacobkit.keras import layer_tree
+from jacobkit.keras import layer_tree, state
 from jacobkit.keras.graph import LayerTap, TapError
 from jacobkit.problem import pooled_head
 from jacobkit.problem.cache import PerModel
@@ -83,7 +83,11 @@ def grad_cam(
 
     Otherwise the gradients come from one :func:`jacobkit.jacobian` call with an
     :class:`jacobkit.Output` target (per-example rows, every class), the
-    activations from one forward pass. With ``resize=False``: the same
+    activations from one forward pass. With ``training=True`` both passes
+    are one draw (:func:`jacobkit.keras.state.one_call`): the same dropout
+    masks and batch statistics, and the call moves the model's state
+    (BatchNormalization's moving statistics, the dropout seeds) once, as
+    one ``model(x, training=True)`` would. With ``resize=False``: the same
     numbers as tf-keras-vis's ``Gradcam(...)(score, x,
     penultimate_layer=layer, normalize_cam=False, expand_cam=False)``, one
     class per call (measured within 2e-7), when ``layer`` is a Keras
@@ -108,7 +112,8 @@ def grad_cam(
     if head is not None:
         cam = _head_maps(model, found, x, head, classes)
     else:
-        cam = _generic(model, found, x, classes, training, kwargs)
+        with state.one_call(training):
+            cam = _generic(model, found, x, classes, training, kwargs)
     if not resize:
         return cam
     height, width = int(x.shape[1]), int(x.shape[2])
@@ -240,19 +245,22 @@ def _columns(classes: Sequence[int], width: int) -> list[int]:
 def _activation(model: Any, layer: Any, x: tf.Tensor, training: bool) -> tf.Tensor:
     """``layer``'s output on ``x``, from one compiled forward pass of
     ``model`` with the layer's node tapped (the model is not changed; the
-    function is traced once per model, layer and input signature)."""
+    function is traced once per model, layer and input signature). With
+    ``training=True``, what the pass assigns goes to the call's draw
+    (:func:`jacobkit.keras.state.function`), not to the model."""
     compiled = _FORWARD.of(model)
     key = (id(layer), training)
     if key not in compiled:
-        compiled[key] = tf.function(
-            _forward(model, layer, training), reduce_retracing=True
+        compiled[key] = state.function(
+            _forward(model, layer, training), True, training, reduce_retracing=True
         )
     activation: tf.Tensor = compiled[key](x)
     return activation
 
 
 def _forward(model: Any, layer: Any, training: bool) -> Any:
-    """``x -> layer's output``: ``model`` run with the layer's node tapped."""
+    """``x -> layer's output``: ``model`` run with the layer's node tapped,
+    one pass of the call's draw (:func:`jacobkit.keras.state.drawn`)."""
     try:
         tap = LayerTap(model, layer)
     except TapError as err:
@@ -266,7 +274,8 @@ def _forward(model: Any, layer: Any, training: bool) -> Any:
             found.append(outputs)
             return outputs
 
-        tap(x, training, hook)
+        with state.drawn():
+            tap(x, training, hook)
         return found[0]
 
     return forward

@@ -18,7 +18,12 @@ by (a class the input hardly moves), and relative to it any gap is large.
 
 The gap shrinks as ``steps`` grows: about as ``1 / steps`` with the mean of
 the path's points (``rule="riemann"``), as ``1 / steps^2`` with the
-trapezoid rule where the gradient is smooth along the path. Where it does
+trapezoid rule where the gradient is smooth along the path, faster still
+with Gauss-Legendre's points (the default), exact for a gradient polynomial
+of degree ``2 steps - 1`` along the path; neither of those two
+evaluates the gradient at an end, where a ReLU network's can be degenerate
+(at a zero baseline with zero biases every unit sits at its kink). Where it
+does
 not shrink, the path crosses a region where the model is steep: a zero
 embedding into an RMS normalization (``x / sqrt(mean(x^2) + eps)``, whose
 gradient at 0 is ``1 / sqrt(eps)``) is one; another baseline helps there.
@@ -86,8 +91,9 @@ def warn_if_large(
         f"completeness gap; worst: row {where}, gap {float(gap[worst]):.3g} "
         f"against f(x) - f(baseline) = {float(change[worst]):.3g}). The "
         f"integral is approximated with steps={steps}: more steps shrink the "
-        f"gap (about as 1/steps; rule='trapezoid' as 1/steps^2 on a smooth "
-        f"path); if it does not shrink, the path runs through a steep region: "
+        f"gap (rule='riemann' about as 1/steps, 'trapezoid' as 1/steps^2, "
+        f"'gauss_legendre' faster on a smooth path); if it does not shrink, "
+        f"the path runs through a steep region: "
         f"{hint} The gap is in the result's .gap.",
         CompletenessWarning,
         stacklevel=runtime.caller_stacklevel(),

@@ -27,7 +27,9 @@ carries no token's information (the pad token's direction) and, RMS
 normalization being blind to scale, the path's start is as well
 conditioned as the tokens themselves, whatever the pad row's own size in a
 trained table; on other models (GPT-2, BERT: a position embedding is
-added, so the normalization never sees 0) it keeps zeros.
+added, so the normalization never sees 0) it keeps zeros. (Measured with
+the Riemann mean, the default rule then; the default is now Gauss-Legendre,
+whose points exclude the path's ends.)
 """
 
 from __future__ import annotations
@@ -56,18 +58,18 @@ def path_gradients(
     tapped: Any,
     inputs: Any,
     labels: tuple[Any, Any, Any],
-    path: tuple[np.ndarray, np.ndarray, list[float]],
+    path: tuple[np.ndarray, np.ndarray, tuple[list[float], list[float]]],
     kwargs: Any,
 ) -> np.ndarray:
     """The weighted sum over the path's points ``e0 + a (e - e0)`` (``a``
-    from 0 to 1; ``path``: ``(e, e0, weights)``, one weight per point) of
-    every row's gradient there, ``(B, rows, T, D)``: all points in one call,
-    the batch repeated per point. The model runs with ``tapped``'s output
-    shifted by ``-(1 - a)(e - e0)``, an input of a wrapping function and the
-    target (its gradient is the embedding's)."""
-    embedded, start, weights = path
+    in ``[0, 1]``; ``path``: ``(e, e0, (alphas, weights))``, one weight per
+    point, :func:`jacobkit.explain.input_maps.path_points`) of every row's
+    gradient there, ``(B, rows, T, D)``: all points in one call, the batch
+    repeated per point. The model runs with ``tapped``'s output shifted by
+    ``-(1 - a)(e - e0)``, an input of a wrapping function and the target
+    (its gradient is the embedding's)."""
+    embedded, start, (alphas, weights) = path
     steps = len(weights)
-    alphas = np.linspace(0.0, 1.0, steps)
     offsets = np.concatenate([-(1 - a) * (embedded - start) for a in alphas])
     data = _repeated(inputs, steps, offsets)
     wanted, marks, fn = labels

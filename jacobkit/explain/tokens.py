@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from jacobkit import api
 from jacobkit.explain import completeness
-from jacobkit.explain.input_maps import RULES, path_weights
+from jacobkit.explain.input_maps import RULES, path_points
 from jacobkit.explain.token_paths import baseline_embeddings, end_values, path_gradients
 from jacobkit.keras.embeddings import embedding_layer
 from jacobkit.keras.lm_head import LinearHead, linear_head
@@ -84,7 +84,7 @@ def token_attribution(
     positions: tuple[int, int] | None = None,
     steps: int = 16,
     baseline: int | str | None = "auto",
-    rule: str = "riemann",
+    rule: str = "gauss_legendre",
     memory_budget: int | float | str | None = None,
     strategy: Any = "auto",
 ) -> TokenAttribution:
@@ -100,8 +100,8 @@ def token_attribution(
         method: ``"gradient"`` (the gradient's L2 norm over the embedding),
             ``"gradient_x_input"`` (the sum of gradient x embedding) or
             ``"integrated_gradients"`` (the sum over the embedding of ``(e -
-            e0) x`` the mean gradient on ``steps`` points from the baseline
-            ``e0`` to the embedding ``e``, ends included).
+            e0) x`` the weighted mean gradient on ``steps`` points from the
+            baseline ``e0`` to the embedding ``e``, placed by ``rule``).
         targets: a causal LM's target token per position ``(B, T)`` (each
             position's log-probability of ``targets[b, t]``); default: the
             next input token, rows ``0 .. T - 2``.
@@ -111,8 +111,7 @@ def token_attribution(
             attribute (rows ``start .. stop - 1`` only; default: all).
         per_dimension: keep the gradients ``(B, rows, T, D)`` too (integrated
             gradients: the path's mean gradient).
-        steps: integrated gradients' points on the path (>= 2), ends
-            included.
+        steps: integrated gradients' points on the path (>= 2).
         baseline: integrated gradients' ``e0``: ``"auto"`` (the default:
             ``"pad"`` on a model with an RMS normalization, Gemma's or
             Llama's, where a zero start is degenerate; else zeros),
@@ -120,8 +119,9 @@ def token_attribution(
             scaled at each position to that position's embedding's RMS), or
             a token id whose embedding every position starts from. See
             :mod:`jacobkit.explain.token_paths` for the measurements.
-        rule: integrated gradients' average of the path's gradients, as
-            :func:`jacobkit.explain.integrated_gradients`'s.
+        rule: integrated gradients' points and average of their gradients,
+            as :func:`jacobkit.explain.integrated_gradients`'s (default
+            ``"gauss_legendre"``; ``"riemann"`` up to 0.2.0).
         memory_budget: as :func:`jacobkit.jacobian`.
         strategy: as :func:`jacobkit.jacobian`.
 
@@ -172,7 +172,7 @@ def token_attribution(
             None if wanted is None else np.asarray(wanted),
         )  # fmt: skip
     origin, described = baseline_embeddings(model, layer, embedded, baseline)
-    path = (embedded, origin, path_weights(steps, rule))
+    path = (embedded, origin, path_points(steps, rule))
     gradients = path_gradients(model, layer, inputs, labels, path, kwargs)
     gradients = gradients * mask[:, None, :, None]  # padding: exactly 0
     scores = np.einsum("bktd,btd->bkt", gradients, embedded - origin)
@@ -198,8 +198,9 @@ def _check_path(steps: Any, rule: Any) -> None:
         raise ValueError(f"token_attribution(steps={steps!r}): need an int >= 2.")
     if rule not in RULES:
         raise ValueError(
-            f"token_attribution(rule={rule!r}): expected 'riemann' (the mean of "
-            "the path's gradients) or 'trapezoid' (the trapezoid rule)."
+            f"token_attribution(rule={rule!r}): expected 'gauss_legendre' "
+            "(Gauss-Legendre quadrature), 'trapezoid' (the trapezoid rule) or "
+            "'riemann' (the mean of the path's gradients)."
         )
 
 

@@ -22,6 +22,9 @@ the innermost collector of this context (:func:`offer`):
   and offers them to its caller: an enclosing computation's trace, or
 - eagerly, the call's :class:`Draw` (opened by :func:`jacobkit.engine.run`
   around the whole call), which :meth:`Draw.apply` assigns once at the end;
+  inside a call that makes several (an explain function's
+  :func:`jacobkit.jacobian` calls and its own passes, :func:`one_call`),
+  each hands its values to that call's draw instead, which assigns once;
 - inside a ``jk.function`` (:mod:`jacobkit.compiled`), traced into the
   caller's own ``tf.function``, its :class:`Moves`, which assigns them in
   the trace, once per call.
@@ -203,9 +206,35 @@ class Draw(_Collector):
 
     def apply(self) -> None:
         """Assign the last pass's values: the state moves as one call of the
-        model moves it. Nothing where no pass assigned anything."""
+        model moves it. Nothing where no pass assigned anything. Inside an
+        enclosing call's draw (:func:`one_call`), hand them to it instead:
+        it assigns, once, what its last pass assigned."""
+        collectors = _COLLECTORS.get()
+        if collectors and isinstance(collectors[-1], Draw):
+            collectors[-1].take(self.updates)
+            return
         for variable, value in self.updates:
             variable.assign(value)
+
+
+@contextlib.contextmanager
+def one_call(training: bool) -> Iterator[None]:
+    """Everything inside is one call: one draw of the model's randomness
+    and one set of moves (an explain function's :func:`jacobkit.jacobian`
+    calls and its own passes, each in :func:`drawn`). Every pass inside
+    starts from the state as it was on entry (the calls inside hand their
+    values here, :meth:`Draw.apply`, instead of assigning them); on a
+    normal exit, the values of the last pass to assign each variable are
+    assigned, once. The caller orders its passes so that the last is
+    ``model(x, training=True)``'s own. With ``training=False``, nothing:
+    nothing is assigned."""
+    if not training:
+        yield
+        return
+    draw = Draw()
+    with draw:
+        yield
+    draw.apply()
 
 
 class Moves(_Collector):
@@ -226,13 +255,15 @@ class Moves(_Collector):
             variable.assign(value)
 
 
-def function(fn: Callable[..., Any], autograph: bool, training: bool) -> Any:
-    """``tf.function(fn, autograph=autograph)``; with ``training=True``, a
-    :class:`Compiled` one (with ``training=False`` nothing is assigned: the
-    plain function, at no cost)."""
+def function(
+    fn: Callable[..., Any], autograph: bool, training: bool, **options: Any
+) -> Any:
+    """``tf.function(fn, autograph=autograph, **options)``; with
+    ``training=True``, a :class:`Compiled` one (with ``training=False``
+    nothing is assigned: the plain function, at no cost)."""
     if not training:
-        return tf.function(fn, autograph=autograph)
-    return Compiled(lambda f: tf.function(f, autograph=autograph), fn)
+        return tf.function(fn, autograph=autograph, **options)
+    return Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
 
 
 class Compiled:
