@@ -12,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
+from jacobkit.planner import paired
+from jacobkit.planner.paired import OTHER, PRIOR
 from jacobkit.problem.reduction import Flat, Ghost
 from jacobkit.reductions import arrangement
 from jacobkit.reductions import features as feats
@@ -19,37 +21,50 @@ from tests.test_gram import _close, _rows
 from tests.test_reductions import LOSS, _wide
 
 
-def test_the_faster_median_is_chosen_the_rule_on_a_tie():
-    assert arrangement.choose({False: [3.0, 1.0], True: [1.5, 1.5]}) is True
-    assert arrangement.choose({False: [1.0, 2.0], True: [1.6, 1.6]}) is False
-    assert arrangement.choose({False: [1.0, 1.0], True: [1.0, 1.0]}) is False
-    assert arrangement.choose({False: [1.0], True: []}) is False
+def test_the_faster_best_call_is_kept_the_prior_on_a_tie():
+    assert paired.choose({PRIOR: [3.0, 1.0], OTHER: [1.5, 0.9]}) == OTHER
+    assert paired.choose({PRIOR: [3.0, 1.0], OTHER: [1.5, 1.2]}) == PRIOR
+    assert paired.choose({PRIOR: [1.0, 1.0], OTHER: [1.0, 1.0]}) == PRIOR
+    assert paired.choose({PRIOR: [1.0], OTHER: []}) == PRIOR
 
 
 def test_the_schedule_times_steady_calls_of_each_then_keeps_one():
-    """The first call runs the rule's arrangement, the third traces the
-    formed one; neither trace is counted; the faster is kept after six."""
-    trial = arrangement.Trial()
-    # seconds per call: the traces (calls 0 and 2) slow, formed faster
-    seconds = [9.0, 2.0, 9.0, 1.0, 2.2, 1.1]
+    """The first call runs the prior's way, the third traces the other;
+    neither trace is counted; the faster is kept after six calls."""
+    trial = paired.Trial()
+    # seconds per call: the traces (calls 0 and 2) slow, the other faster
+    seconds = [9.0, 2.0, 9.0, 1.5, 2.2, 1.1]
     ran = []
     for took in seconds:
-        formed = trial.next()
-        ran.append(formed)
-        trial.record(formed, took, differs=True)
-    assert tuple(ran) == arrangement.SCHEDULE
-    assert trial.times == {False: [2.0, 2.2], True: [1.0, 1.1]}
-    assert trial.chosen is True
-    assert [trial.next() for _ in range(3)] == [True] * 3
-    trial.record(True, 99.0, differs=True)  # nothing more is timed
-    assert trial.times == {False: [2.0, 2.2], True: [1.0, 1.1]}
+        way = trial.next()
+        ran.append(way)
+        trial.record(way, took)
+    assert tuple(ran) == paired.SCHEDULE
+    assert trial.times == {PRIOR: [2.0, 2.2], OTHER: [1.5, 1.1]}
+    assert trial.kept == OTHER
+    assert [trial.next() for _ in range(3)] == [OTHER] * 3
+    trial.record(OTHER, 99.0)  # nothing more is timed
+    assert trial.times == {PRIOR: [2.0, 2.2], OTHER: [1.5, 1.1]}
 
 
-def test_the_rule_kept_from_the_start_where_nothing_differs():
-    trial = arrangement.Trial()
-    trial.record(trial.next(), 1.0, differs=False)
-    assert trial.chosen is False
-    assert [trial.next() for _ in range(3)] == [False] * 3
+def test_a_much_slower_other_way_is_dropped_after_one_timed_call():
+    trial = paired.Trial()
+    for took in [9.0, 1.0, 9.0, 2.0 * paired.GIVE_UP]:
+        trial.record(trial.next(), took)
+    assert trial.kept == PRIOR
+    assert trial.times == {PRIOR: [1.0], OTHER: [2.0 * paired.GIVE_UP]}
+
+
+def test_the_rule_kept_from_the_start_where_nothing_differs(monkeypatch):
+    """Targets all formed under the rule (the wide model
+    of tests/test_reductions, its convolution alone): no other
+    arrangement, nothing timed, the rule's kept after the first call."""
+    model, inputs = _wide()
+    conv = [v for v in model.trainable_variables if "conv" in v.path]
+    first = jk.gram(model, inputs, layer=conv, outputs=LOSS, progress=False)
+    assert set(first.forms.values()) == {"materialized"}
+    (trial,) = arrangement._TRIALS.of(model).values()
+    assert trial.kept == PRIOR and trial.calls == 0
 
 
 def test_the_formed_rows_tried_only_where_factors_are_and_they_fit():
@@ -89,17 +104,18 @@ def test_gram_follows_the_schedule_then_runs_the_one_chosen(keep, monkeypatch):
 
     def chosen(times):
         seen.append({k: len(v) for k, v in times.items()})
-        return keep
+        return OTHER if keep else PRIOR
 
-    monkeypatch.setattr(arrangement, "choose", chosen)
+    monkeypatch.setattr(paired, "choose", chosen)
+    monkeypatch.setattr(paired, "GIVE_UP", float("inf"))  # whatever the clock
     model, inputs = _wide()
     rows = _rows(model, inputs, LOSS)
     every = set()
-    for formed in (*arrangement.SCHEDULE, keep, keep):
+    for way in (*paired.SCHEDULE, int(keep), int(keep)):
         result = jk.gram(model, inputs, outputs=LOSS, progress=False)
         forms = set(result.forms.values())
         every |= forms
-        assert (forms == {"materialized"}) is formed, result.forms
+        assert (forms == {"materialized"}) is (way == OTHER), result.forms
         _close(result.matrix, rows @ rows.T)
-    assert seen == [{False: 2, True: 2}]
+    assert seen == [{PRIOR: 2, OTHER: 2}]
     assert every == {"ghost", "materialized"}

@@ -31,6 +31,7 @@ import tensorflow as tf
 from jacobkit import planner, runtime
 from jacobkit.batches import collect, distribute, passes, source
 from jacobkit.memory import budget as budgets
+from jacobkit.planner import paired
 from jacobkit.problem import Call, PerModel
 from jacobkit.problem.loss import Loss
 from jacobkit.reductions import arrangement, blocks
@@ -238,7 +239,7 @@ def _blocks(
     if distribute is None:
         key = (call.key, chosen, _shapes(probe), size, symmetric, allowed, norms)
         trial = arrangement.trial(call.model, key)
-    formed = trial is not None and trial.next()
+    formed = trial is not None and trial.next() == paired.OTHER
     run = blocks.Blocks(
         call,
         chosen,
@@ -253,11 +254,13 @@ def _blocks(
     began = time.perf_counter()
     matrix = run.matrix()
     took = time.perf_counter() - began
-    if trial is not None and trial.chosen is None:
+    if trial is not None and trial.kept is None:
         assert run.first is not None and run.problem is not None, "a chunk ran"
         limit = DEFAULT_CHUNK_BYTES if allowed is None else allowed
-        other = formed or arrangement.differs(run.first, run.problem.targets, limit)
-        trial.record(formed, took, differs=other)
+        if formed or arrangement.differs(run.first, run.problem.targets, limit):
+            trial.record(paired.OTHER if formed else paired.PRIOR, took)
+        else:
+            trial.end()
     return run, matrix
 
 
