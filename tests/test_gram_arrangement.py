@@ -77,6 +77,13 @@ def test_the_formed_rows_tried_only_where_factors_are_and_they_fit():
     # formed: 6 rows x 32 float32 = 768 bytes; two chunks within half
     assert arrangement.differs(ghost, [small], 4 * 768)
     assert not arrangement.differs(ghost, [small], 4 * 768 - 1)
+    # the factored target a small share of the numbers: not timed
+    large = tf.Variable(tf.zeros((8, 4 * 10)))
+    both = feats.ChunkFeatures((*ghost.features, *flat.features), 6, "batch")
+    share = 32 / (32 + 320)
+    assert share < arrangement.MIN_SHARE
+    assert not arrangement.differs(both, [small, large], 2**30)
+    assert arrangement.differs(both, [small, small], 2**30)
 
 
 def test_factors_formed_forms_every_targets_rows():
