@@ -25,7 +25,7 @@ def verdict(monkeypatch):
     seen: list[dict[int, int]] = []
 
     def answer(way):
-        def choose(times):
+        def choose(times, noise=1.0):
             seen.append({k: len(v) for k, v in times.items()})
             return way
 

@@ -11,8 +11,9 @@ call traces nothing more than before), the third traces the other, and the
 untraced calls are timed, alternating; the faster by its best timed call
 (as ``jacobian``'s trials judge: the first run after a trace is slow while
 the allocator grows) is kept from the seventh call on, the prior's on a
-tie. An other way whose first timed call took over :data:`GIVE_UP` times
-the prior's best is dropped there (one slow steady call, not two).
+tie or within the trial's noise. An other way whose first timed call took
+over :data:`GIVE_UP` times the prior's best is dropped there (one slow
+steady call, not two).
 """
 
 from __future__ import annotations
@@ -30,19 +31,22 @@ TIMED = frozenset({1, 3, 4, 5})
 GIVE_UP = 2.0
 
 
-def choose(times: dict[int, list[float]]) -> int:
+def choose(times: dict[int, list[float]], noise: float = 1.0) -> int:
     """The way to keep from each one's timed calls (seconds): the other
-    where its best call is faster than the prior's best, else the prior."""
+    where its best call is faster than the prior's best by more than
+    ``noise`` (a factor: 1.15 is 15%), else the prior."""
     if not times.get(OTHER) or not times.get(PRIOR):
         return PRIOR
-    return OTHER if min(times[OTHER]) < min(times[PRIOR]) else PRIOR
+    return OTHER if min(times[OTHER]) * noise < min(times[PRIOR]) else PRIOR
 
 
 @dataclass
 class Trial:
     """One problem's two ways: what each timed call took, and the one kept
-    (``None`` while timing)."""
+    (``None`` while timing); ``noise``: by how much the other must be
+    faster to be kept (:func:`choose`)."""
 
+    noise: float = 1.0
     calls: int = 0
     times: dict[int, list[float]] = field(
         default_factory=lambda: {PRIOR: [], OTHER: []}
@@ -66,7 +70,7 @@ class Trial:
         if len(other) == 1 and prior and other[0] > GIVE_UP * min(prior):
             self.kept = PRIOR
         elif self.calls == len(SCHEDULE):
-            self.kept = choose(self.times)
+            self.kept = choose(self.times, self.noise)
 
     def end(self, way: int = PRIOR) -> None:
         """Keep ``way`` from now on, untimed (nothing else to try, or a

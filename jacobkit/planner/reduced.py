@@ -93,7 +93,8 @@ class Reduced:
         self.index = fitting
         #: the candidate timed against :attr:`index` (``None``: none)
         self.other = self._other()
-        self.trial = paired.Trial()
+        # the other kept only where faster beyond jacobian's trials' noise
+        self.trial = paired.Trial(noise=policy.noise)
         if self.other is None:
             self.trial.end()
         self.calls = 0
@@ -189,7 +190,11 @@ class Reduced:
         was, now = self.candidates[self.index], self.candidates[self.other]
         self.switches.append(
             Switch(
-                self.calls, 0, was.strategy, now.strategy, f"faster: {self._rates()}"
+                self.calls + 1,
+                0,
+                was.strategy,
+                now.strategy,
+                f"faster: {self._rates()}",
             )
         )
         self.index, self.other = self.other, None
@@ -249,6 +254,7 @@ class Reduced:
             self.budget,
             self.result_bytes,
             self.num_rows,
+            predicted_time_s=self._best(chosen),
             predicted_peak_bytes=int(chosen.predicted_bytes * self.scale),
             estimates=tuple(
                 Estimate(
@@ -283,7 +289,15 @@ class Reduced:
         if self.switches:  # the other won: it is the chosen one
             return [(chosen, paired.OTHER)]
         found = [(chosen, paired.PRIOR)]
-        return found if other is None else [*found, (other, paired.OTHER)]
+        if other is None or not self.trial.times[paired.OTHER]:
+            return found
+        return [*found, (other, paired.OTHER)]
+
+    def _best(self, chosen: Candidate) -> float | None:
+        """The chosen candidate's best timed call (seconds), if timed."""
+        way = paired.OTHER if self.switches else paired.PRIOR
+        times = self.trial.times[way]
+        return min(times) if times else None
 
     def _per_row(self, way: int) -> float | None:
         times = self.trial.times[way]
