@@ -17,20 +17,31 @@ the first that then fits (a :class:`~jacobkit.planner.BudgetWarning`,
 once). Measured, why: on an LSTM the prior predicted ``chunked(16)`` at 2.5
 MiB and its run took 24 MiB (pfor over the recurrent loop keeps every
 step's tensors per row).
+
+Where the first that fits is not ``batch``'s closed forms of every target
+(one backward pass per row of an example, against one per row: never
+timed), the prior is unsure of the speed: the calls then time it against
+the next fitting candidate of another strategy (``grouped`` against
+``chunked``, ``chunked`` against ``while(1)``) on their steady calls
+(:mod:`jacobkit.planner.paired`: the first call runs the first as before,
+the third traces the other), and keep the faster from the seventh call on.
+A run over the budget ends the trial. The plan lists the other as pending
+(not :attr:`~jacobkit.problem.plan.Plan.settled`) until then.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from jacobkit import memory
-from jacobkit.planner import estimates
+from jacobkit.planner import estimates, paired
 from jacobkit.planner.footprint import Overruns
 from jacobkit.planner.opening import memory_prior
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.probes import peak_measurable
 from jacobkit.problem import Problem
-from jacobkit.problem.plan import Estimate, Plan, Rejection
+from jacobkit.problem.plan import Estimate, Plan, Rejection, Switch
 from jacobkit.problem.solution import Solution
 from jacobkit.strategies import REGISTRY, Strategy
 
@@ -80,6 +91,14 @@ class Reduced:
                 raise ValueError(self._refusal(problem, policy))
             fitting = 0  # the default budget: run the first candidate
         self.index = fitting
+        #: the candidate timed against :attr:`index` (``None``: none)
+        self.other = self._other()
+        # the other kept only where faster beyond jacobian's trials' noise
+        self.trial = paired.Trial(noise=policy.noise)
+        if self.other is None:
+            self.trial.end()
+        self.calls = 0
+        self.switches: list[Switch[Strategy]] = []
 
     def _candidates(self, problem: Problem) -> list[Candidate]:
         """Every registered strategy's configurations for a reduced call
@@ -102,6 +121,20 @@ class Reduced:
             Candidate(s, estimates.predicted_peak(s, rows, prior, self.result_bytes))
             for s, rows in found
         ]
+
+    def _other(self) -> int | None:
+        """The candidate to time against the first that fits: the next that
+        fits of another strategy, where the first is not the closed forms
+        of every target (``reduced_preference`` 0)."""
+        first = self.candidates[self.index].strategy
+        if first.reduced_preference == 0:
+            return None
+        for i in range(self.index + 1, len(self.candidates)):
+            c = self.candidates[i]
+            fits = c.predicted_bytes * self.scale <= self.allowed
+            if fits and type(c.strategy) is not type(first):
+                return i
+        return None
 
     def _first_fitting(self, after: int = -1) -> int | None:
         for i, c in enumerate(self.candidates):
@@ -128,7 +161,12 @@ class Reduced:
         """One call by the current candidate, its peak measured where the
         device reports it; a run over the budget moves later calls to the
         first candidate that fits the corrected predictions."""
-        ran = self.candidates[self.index]
+        self.calls += 1
+        way = self.trial.next()
+        timed = self.other if way == paired.OTHER else self.index
+        assert timed is not None, "an other way only where there is one"
+        ran = self.candidates[timed]
+        began = time.perf_counter()
         if self.device is None:
             solved = ran.strategy.solve(problem)
         else:
@@ -136,8 +174,38 @@ class Reduced:
                 solved = ran.strategy.solve(problem)
             peak = self.peak = int(measured.extra_bytes or 0)
             if peak > self.allowed:
-                self._back_off(ran, peak)
+                self.trial.end()  # memory decides: the first that fits
+                if timed == self.index:
+                    self._back_off(ran, peak)
+                else:
+                    self.scale = max(self.scale, peak / max(ran.predicted_bytes, 1))
+        self.trial.record(way, time.perf_counter() - began)
+        if self.trial.kept == paired.OTHER and self.other is not None:
+            self._switch()
         return replace(solved, plan=self.plan())
+
+    def _switch(self) -> None:
+        """The other candidate was faster: later calls run it."""
+        assert self.other is not None
+        was, now = self.candidates[self.index], self.candidates[self.other]
+        self.switches.append(
+            Switch(
+                self.calls + 1,
+                0,
+                was.strategy,
+                now.strategy,
+                f"faster: {self._rates()}",
+            )
+        )
+        self.index, self.other = self.other, None
+        self.trial.end(paired.PRIOR)  # the one kept now runs as the first
+
+    def _rates(self) -> str:
+        """Each way's best timed call, the other's first."""
+        best = {w: min(t) for w, t in self.trial.times.items() if t}
+        return " vs ".join(
+            f"{best[w] * 1e3:.3g} ms" for w in (paired.OTHER, paired.PRIOR) if w in best
+        )
 
     def _back_off(self, ran: Candidate, peak: int) -> None:
         self.scale = max(self.scale, peak / max(ran.predicted_bytes, 1))
@@ -156,7 +224,8 @@ class Reduced:
         self._overruns.backed_off(ran.strategy, what, peak, self.strategy)
 
     def plan(self) -> Plan:
-        """What runs next, with every candidate's prediction."""
+        """What runs next, with every candidate's prediction, the timed
+        trial's rates, and what is still to be timed (``pending``)."""
         chosen = self.candidates[self.index]
         allowed = memory.format_bytes(int(self.allowed))
         skipped = [
@@ -166,22 +235,73 @@ class Reduced:
                 f"{allowed} a plan may use",
                 memory=True,
             )
+            if c.predicted_bytes * self.scale > self.allowed
+            else Rejection(c.strategy, self._lost(c))
             for c in self.candidates[: self.index]
         ]
+        other = None if self.other is None else self.candidates[self.other]
+        pending = () if other is None or self.trial.kept is not None else (other,)
+        if (
+            other is not None
+            and self.trial.kept is not None
+            and self.trial.times[paired.OTHER]
+        ):
+            skipped.append(
+                Rejection(other.strategy, f"not faster when timed: {self._rates()}")
+            )
         return Plan(
             chosen.strategy,
             self.budget,
             self.result_bytes,
             self.num_rows,
+            predicted_time_s=self._best(chosen),
             predicted_peak_bytes=int(chosen.predicted_bytes * self.scale),
-            estimates=(
+            estimates=tuple(
                 Estimate(
-                    chosen.strategy, None, None, self.peak, chosen.predicted_bytes
-                ),
+                    c.strategy,
+                    self._per_row(way),
+                    None,
+                    self.peak if c is chosen else None,
+                    c.predicted_bytes,
+                )
+                for c, way in self._timed(chosen, other)
             ),
+            pending=tuple(c.strategy for c in pending),
             rejected=(*self.rejected, *skipped),
+            switches=tuple(self.switches),
             source="predicted" if self.peak is None else "measured",
+            calls=self.calls,
         )
+
+    def _lost(self, candidate: Candidate) -> str:
+        """Why a candidate that fits runs no more: it lost the timed trial,
+        or it is a configuration of that loser's with fewer rows at once."""
+        loser = self.switches[0].old if self.switches else None
+        if candidate.strategy == loser:
+            return f"slower when timed: {self._rates()}"
+        return f"not timed: {loser.label if loser else 'another'} was slower"
+
+    def _timed(
+        self, chosen: Candidate, other: Candidate | None
+    ) -> list[tuple[Candidate, int]]:
+        """The candidates with an estimate: the one that runs (the trial's
+        prior, or the other once it won) and the one timed against it."""
+        if self.switches:  # the other won: it is the chosen one
+            return [(chosen, paired.OTHER)]
+        found = [(chosen, paired.PRIOR)]
+        if other is None or not self.trial.times[paired.OTHER]:
+            return found
+        return [*found, (other, paired.OTHER)]
+
+    def _best(self, chosen: Candidate) -> float | None:
+        """The chosen candidate's best timed call (seconds), if timed."""
+        way = paired.OTHER if self.switches else paired.PRIOR
+        times = self.trial.times[way]
+        return min(times) if times else None
+
+    def _per_row(self, way: int) -> float | None:
+        times = self.trial.times[way]
+        return min(times) / max(self.num_rows, 1) if times else None
 
 
 def _scaled(predicted: int, scale: float) -> str:

@@ -101,6 +101,9 @@ class Blocks:
     distribute: tf.distribute.Strategy | None = None
     #: also each row's gradient norm, per set (``gram(norms=True)``)
     with_norms: bool = False
+    #: every target's rows formed, the factors' cost rule set aside
+    #: (:mod:`jacobkit.reductions.arrangement`)
+    formed: bool = False
     blocks: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     #: each set's rows' norms, chunk by chunk (with :attr:`with_norms`)
     norms: tuple[list[np.ndarray], list[np.ndarray]] = field(
@@ -208,7 +211,7 @@ class Blocks:
         """A chunk's features and a block of their products
         (:func:`~jacobkit.reductions.features.with_products`)."""
         found, block, problem = feats.with_products(
-            self.call, x, self.chosen, count, self.distribute
+            self.call, x, self.chosen, count, self.distribute, self.formed
         )
         if self.problem is None:
             self.problem = problem
@@ -217,10 +220,10 @@ class Blocks:
     def _features(self, x: Any) -> feats.ChunkFeatures:
         if self.distribute is not None:
             found, problem = feats.of_chunk_on_replicas(
-                self.call, x, self.chosen, self.distribute
+                self.call, x, self.chosen, self.distribute, self.formed
             )
         else:
-            found, problem = feats.of_chunk(self.call, x, self.chosen)
+            found, problem = feats.of_chunk(self.call, x, self.chosen, self.formed)
         if self.problem is None:
             self.problem = problem
         return found

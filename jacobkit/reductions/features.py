@@ -51,15 +51,18 @@ class ChunkFeatures:
         }
 
 
-def problem_of(call: Call, x: Any) -> Problem:
-    """The chunk ``x``'s problem, reduced to the Gram's factors."""
-    return call.problem(x).with_reduction(Factors())
+def problem_of(call: Call, x: Any, formed: bool = False) -> Problem:
+    """The chunk ``x``'s problem, reduced to the Gram's factors (``formed``:
+    every target's rows formed, :class:`Factors`' ``formed``)."""
+    return call.problem(x).with_reduction(Factors(formed=formed))
 
 
-def of_chunk(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Problem]:
+def of_chunk(
+    call: Call, x: Any, chosen: Any, formed: bool = False
+) -> tuple[ChunkFeatures, Problem]:
     """The chunk ``x``'s features, and its problem, as ``chosen`` (a
     strategy, or ``auto``) solves the Gram's factors."""
-    problem = problem_of(call, x)
+    problem = problem_of(call, x, formed)
     solution = chosen.solve(problem)
     found = ChunkFeatures(
         tuple(solution.output.values), problem.num_rows, solution.strategy.name
@@ -99,6 +102,7 @@ def with_products(
     chosen: Any,
     count: int | None = None,
     strategy: tf.distribute.Strategy | None = None,
+    formed: bool = False,
 ) -> tuple[ChunkFeatures, tf.Tensor, Problem]:
     """:func:`of_chunk`, and a block of the inner products of the chunk's
     rows: with themselves ``(R, R)`` (``count=None``: a diagonal block of a
@@ -116,12 +120,12 @@ def with_products(
     are traced with each problem's factors, not once per process)."""
     total = source.batch_size(x)
     if strategy is not None:
-        found, problem = of_chunk_on_replicas(call, x, chosen, strategy)
+        found, problem = of_chunk_on_replicas(call, x, chosen, strategy, formed)
         return found, _products(found, count, total), problem
-    problem = problem_of(call, x)
+    problem = problem_of(call, x, formed)
     ran = chosen.planned(problem)
     if not ran.compiled:  # an eager strategy: its features, then the products
-        found, problem = of_chunk(call, x, ran)
+        found, problem = of_chunk(call, x, ran, formed)
         return found, _products(found, count, total), problem
     compiled = _with_products(ran, problem, split=count is not None)
     if count is None:
@@ -176,7 +180,11 @@ def _with_products(ran: Any, problem: Problem, split: bool = False) -> Any:
 
 
 def of_chunk_on_replicas(
-    call: Call, x: Any, chosen: Any, strategy: tf.distribute.Strategy
+    call: Call,
+    x: Any,
+    chosen: Any,
+    strategy: tf.distribute.Strategy,
+    formed: bool = False,
 ) -> tuple[ChunkFeatures, Problem]:
     """The chunk ``x``'s features as :func:`of_chunk` gives them, its
     examples split into one contiguous piece per replica of ``strategy``
@@ -195,7 +203,7 @@ def of_chunk_on_replicas(
         tf.nest.map_structure(lambda a, i=i: np.asarray(a)[edges[i] : edges[i + 1]], x)
         for i in range(len(edges) - 1)
     ]
-    problem = problem_of(call, pieces[0])
+    problem = problem_of(call, pieces[0], formed)
     ran = chosen.planned(problem)
     size = source.batch_size(pieces[0])
     replicated = distribute.Replicas(

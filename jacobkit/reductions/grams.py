@@ -11,7 +11,10 @@ as those factors (the ghost form); an embedding's per-example lookup as its
 ids and cotangents (:func:`jacobkit.layers.norms.ghost_lookup_pairs`);
 every other target's rows are its gradients, formed by the ``batch``
 strategy's closed forms or, where no closed form serves a target, by the
-strategy ``auto`` picks.
+strategy ``auto`` picks. A rule predicts; the calls of one problem then time
+that arrangement against every target's rows formed, and keep the faster
+(:mod:`jacobkit.reductions.arrangement`): a Gram is never slower for long
+than materializing the per-example gradients and multiplying them.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ import tensorflow as tf
 from jacobkit import planner, runtime
 from jacobkit.batches import collect, distribute, passes, source
 from jacobkit.memory import budget as budgets
+from jacobkit.planner import paired
 from jacobkit.problem import Call, PerModel
 from jacobkit.problem.loss import Loss
-from jacobkit.reductions import blocks
+from jacobkit.reductions import arrangement, blocks
 from jacobkit.reductions import features as feats
 
 #: what a chunk pair may hold without a memory budget, at least (fixed, not a
@@ -69,7 +73,9 @@ class GramResult:
             the batch (``outputs="features"``) are summed over the whole set.
         rows_shape_a, rows_shape_b: each set's rows, as ``jacobian()``'s.
         forms: each target's form: ``"ghost"`` (from the layer's input and
-            output cotangents) or ``"materialized"``.
+            output cotangents) or ``"materialized"``: the cost rule's, or
+            every target materialized where that measured faster on this
+            problem's earlier calls (:mod:`jacobkit.reductions.arrangement`).
         strategy: what computed the rows (``"batch"``, or the strategy
             ``auto`` picked where no closed form serves every target).
         chunk_examples: examples per chunk.
@@ -186,17 +192,18 @@ def gram(
         probe = sets[0].first(size or PROBE_EXAMPLES)
         if size is None:
             size = _sized(call, probe, allowed, chosen)
-        run = blocks.Blocks(
+        run, matrix = _blocks(
             call,
             chosen,
             sets,
             size,
-            symmetric=b is None,
-            progress=progress,
-            distribute=distribute,
-            with_norms=norms,
+            probe,
+            allowed,
+            b is None,
+            norms,
+            progress,
+            distribute,
         )
-        matrix = run.matrix()
     norms_a, norms_b = run.set_norms()
     first, problem = run.first, run.problem
     assert first is not None and problem is not None, "the set has a chunk"
@@ -211,6 +218,50 @@ def gram(
         norms_a=norms_a,
         norms_b=norms_b,
     )
+
+
+def _blocks(
+    call: Call,
+    chosen: Any,
+    sets: list[blocks.ExampleSet],
+    size: int,
+    probe: Any,
+    allowed: int | None,
+    symmetric: bool,
+    norms: bool,
+    progress: bool,
+    distribute: tf.distribute.Strategy | None,
+) -> tuple[blocks.Blocks, np.ndarray]:
+    """The matrix, block by block, in the arrangement this problem's trial
+    runs next (:mod:`jacobkit.reductions.arrangement`), the call timed for
+    it; replicas run the rule's (their pieces' calls are not timed)."""
+    trial = None
+    if distribute is None:
+        key = (call.key, chosen, _shapes(probe), size, symmetric, allowed, norms)
+        trial = arrangement.trial(call.model, key)
+    formed = trial is not None and trial.next() == paired.OTHER
+    run = blocks.Blocks(
+        call,
+        chosen,
+        sets,
+        size,
+        symmetric=symmetric,
+        progress=progress,
+        distribute=distribute,
+        with_norms=norms,
+        formed=formed,
+    )
+    began = time.perf_counter()
+    matrix = run.matrix()
+    took = time.perf_counter() - began
+    if trial is not None and trial.kept is None:
+        assert run.first is not None and run.problem is not None, "a chunk ran"
+        limit = DEFAULT_CHUNK_BYTES if allowed is None else allowed
+        if formed or arrangement.differs(run.first, run.problem.targets, limit):
+            trial.record(paired.OTHER if formed else paired.PRIOR, took)
+        else:
+            trial.end()
+    return run, matrix
 
 
 def _check_distribute(strategy: Any) -> None:
@@ -279,13 +330,16 @@ def _sized(call: Call, probe: Any, allowed: int | None, chosen: Any) -> int:
     (TracIn's checkpoints, many test sets) probes nothing, and builds no
     problem for it (0.16 ms of a 3 ms call on notebook 07's digits)."""
     kept = _CHUNK_EXAMPLES.of(call.model)
-    shapes = tuple(tuple(np.shape(t)) for t in tf.nest.flatten(probe))
-    key = (call.key, chosen, shapes, allowed)
+    key = (call.key, chosen, _shapes(probe), allowed)
     if key not in kept:
         first = feats.shapes_of_chunk(call, probe, chosen)
         kept[key] = _chunk_size(first, source.batch_size(probe), allowed)
     size: int = kept[key]
     return size
+
+
+def _shapes(chunk: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(np.shape(t)) for t in tf.nest.flatten(chunk))
 
 
 def _chunk_size(first: feats.ChunkFeatures, examples: int, allowed: int | None) -> int:

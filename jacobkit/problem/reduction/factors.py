@@ -97,10 +97,17 @@ class Factors(Reduction):
     """Internal (``jk.gram``): every row's gradient per target as a
     :data:`Feature`. The ``batch`` strategy keeps a layer's factors where the
     exact Gram is cheaper from them; any other strategy gives its rows
-    flattened (:class:`Flat`)."""
+    flattened (:class:`Flat`).
+
+    Attributes:
+        formed: every target's rows formed (:class:`Flat`), the factors'
+            cost rule set aside: the arrangement ``jk.gram`` times against
+            the rule's (:mod:`jacobkit.reductions.arrangement`).
+    """
 
     name = "factors"
     public = False
+    formed: bool = False
 
     def check(self, problem: Problem) -> None:
         refuse_tensor_targets(problem, self, "pairs")

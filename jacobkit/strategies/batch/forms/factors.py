@@ -58,7 +58,9 @@ def contract(
     its ids ``(B, P)`` (integers) in place of the one-hot patches
     (:func:`_lookup`); every other target as one ``(R, size)`` tensor of its
     rows' gradients (summed over the layer's calls): each a
-    :data:`~jacobkit.problem.reduction.Feature`.
+    :data:`~jacobkit.problem.reduction.Feature`. ``Factors(formed=True)``:
+    every target's rows formed (the arrangement ``jk.gram`` times against
+    the cost rule's).
 
     NOTE (why a tied table's rows are formed). A causal LM's token table,
     looked up and called in reverse for the logits, has no factors of one
@@ -69,13 +71,15 @@ def contract(
     norm, a row against itself, has no such saving
     (``ReversibleEmbeddingRule.shared_norms`` takes it in the Gram form)."""
     targets = problem.targets
+    kind = problem.reduction
+    formed = isinstance(kind, Factors) and kind.formed
     xs, parts = taps
     dzs = cotangents.every_row()
     out: list[Any] = [None] * len(targets)
     for i, p in enumerate(projections(problem)):
         shape = tuple(targets[p.kernel].shape)
         calls = [pair[:2] for pair in zip(xs, dzs, parts) if pair[2] == i]
-        lookup = None if summed else _lookup(p.rule, calls, shape)
+        lookup = None if summed or formed else _lookup(p.rule, calls, shape)
         if lookup is not None:  # an embedding has no bias
             out[p.kernel] = Lookup(*lookup)
             continue
@@ -84,11 +88,15 @@ def contract(
             if p.rule.factored()
             else []
         )
-        ghost = bool(pairs) and layer_norms.ghost_pairs(
-            sum(int(u.shape[1]) for u, _ in pairs),
-            int(pairs[0][0].shape[-1]),
-            int(pairs[0][1].shape[-1]),
-            int(pairs[0][1].shape[1]),
+        ghost = (
+            bool(pairs)
+            and not formed
+            and layer_norms.ghost_pairs(
+                sum(int(u.shape[1]) for u, _ in pairs),
+                int(pairs[0][0].shape[-1]),
+                int(pairs[0][1].shape[-1]),
+                int(pairs[0][1].shape[1]),
+            )
         )
         if ghost:
             patches = tf.concat([u for u, _ in pairs], axis=1)
