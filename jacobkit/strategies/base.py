@@ -98,6 +98,13 @@ class Strategy(abc.ABC):
         (``auto``'s memory prior)."""
         return False
 
+    def vectorized_rows(self) -> bool:
+        """Whether rows are vectorized into one backward pass by pfor
+        (``chunked``, ``jacobian``): the forward pass is kept once and each
+        row in flight holds its own cotangents, batched (``auto``'s memory
+        prior, :meth:`jacobkit.planner.scratch.MemoryPrior.vectorized_peak`)."""
+        return False
+
     def passes_in_flight(self, num_rows: int) -> int:
         """Separate backward passes running at once on ``num_rows`` rows, each
         with its own kernels' scratch space (``auto``'s memory prior, see
