@@ -118,7 +118,9 @@ class Chunked(Strategy):
                     fallback_to_while_loop=False,
                 )
 
-        return rows_in_chunks(problem, self.chunk_size, vectorized, per_chunk)
+        return rows_in_chunks(
+            problem, self.chunk_size, vectorized, per_chunk, shared=True
+        )
 
 
 class _PforErrors(logging.Filter):
