@@ -360,7 +360,9 @@ def _auto_markdown(found: dict) -> str:
         "one, strategies share compiled computations: auto's `while` is "
         "`while`'s), the problem built before it by a `loop` call, so a first "
         "call is the strategy's own tracing and run (auto's: its planning "
-        "too). Steady: "
+        "too); one process each, they move the most under load (auto's "
+        "first call runs what its first strategy's does: see the auto page). "
+        "Steady: "
         "the median of one call of each in turn per round (after calls 1-3 of "
         "each), "
         "and the median of the per-round ratios to auto's call.",
