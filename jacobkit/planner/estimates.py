@@ -110,10 +110,13 @@ def predicted_peak(
 def vectorized_in_flight(at_once: int, num_rows: int) -> int:
     """Rows whose vectorized backward tensors are alive at once where pfor
     runs ``at_once`` of ``num_rows`` rows per pass: two chunks' rows where
-    there is more than one chunk (the first chunk and the loop's body
-    overlap, :func:`jacobkit.strategies.chunks.map_chunks`).
+    there is more than one chunk (:func:`jacobkit.strategies.chunks.
+    map_chunks` runs one chunk at a time, yet the wide generator's
+    ``chunked(36)`` measured what 72 rows predict; why is not known).
 
-    Measured (TF 2.21, CPU, oneDNN on), against the prior's count of
+    Measured (TF 2.21, 2-core CPU, 2 inter-op threads, oneDNN on; pinned
+    to one core, ``chunked(32)`` below measured 15.1 MiB and ``chunked(16)``
+    11.7), against the prior's count of
     :meth:`~jacobkit.planner.scratch.MemoryPrior.vectorized_peak` for these
     rows (results included):
 
