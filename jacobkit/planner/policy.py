@@ -52,7 +52,9 @@ class Policy:
             - generator B=64 T=128 (64/128/128 filters), target conv1:
               chunked(144) predicted at 13x (chunked(36) measured at 23x);
               first calls while 1.97 s, chunked(36) 2.50 s. The smaller
-              generators predict 4.4-13x.
+              generators predict 4.4-13x. (Predictions of the prior before
+              vectorized rows were counted by their own backward tensors:
+              now chunked(144) 2614 MiB against while(10)'s 95.)
         start_peak_factor: see ``start_trace_factor``.
         start_slack_bytes: a vectorized start may also peak this much above
             ``start_peak_factor`` times the cheapest's predicted peak: a few

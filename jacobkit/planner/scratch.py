@@ -63,10 +63,11 @@ class MemoryPrior:
 
     Attributes:
         row_bytes: the forward pass's activations: what one row's backward
-            pass keeps, per row alive at once in a vectorized pass (pfor,
-            ``batch``).
+            pass keeps, per row alive at once in a vectorized pass
+            (``batch``; the bound of pfor's, :meth:`vectorized_peak`).
         sequential: what a row's backward pass holds where rows run one
-            after another over one kept forward pass (``loop``, ``while``);
+            after another over one kept forward pass (``loop``, ``while``),
+            and per row batched by pfor (``chunked``, ``jacobian``);
             ``None``: unknown, ``row_bytes`` per row is used instead.
         scratch_bytes: the gradient kernels' work space of one backward pass
             (:func:`scratch_bytes`; 0 where none was measured).

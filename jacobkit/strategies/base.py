@@ -86,9 +86,10 @@ class Strategy(abc.ABC):
 
     def rows_at_once(self, num_rows: int) -> int:
         """Rows whose backward passes are alive at once on ``num_rows`` rows
-        (``auto``'s memory prior: each holds about one forward pass's
-        activations in a vectorized pass, its own cotangents where rows run
-        one after another, :meth:`sequential_rows`)."""
+        (``auto``'s memory prior: each holds its own cotangents where rows
+        run one after another, :meth:`sequential_rows`, or are batched by
+        pfor, :meth:`vectorized_rows`; else about one forward pass's
+        activations)."""
         return num_rows
 
     def sequential_rows(self) -> bool:
