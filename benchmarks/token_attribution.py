@@ -150,9 +150,8 @@ def child(method: str, repeats: int) -> None:
         call = plain_step(model, tokens)
     elif method.startswith("jacobkit"):
         kind = "gradient_x_input" if "input" in method else "gradient"
-        # auto starts on while (cheapest to trace) and tries the vectorized
-        # strategy only after enough calls to pay for its tracing; named, it
-        # runs from the first call
+        # auto starts on chunked(32) here (its vectorized rows cost a few
+        # MiB); named, chunked runs its default chunks of 16 rows
         strategy = "chunked" if "chunked" in method else "auto"
 
         def call():
@@ -360,7 +359,9 @@ def _auto_markdown(found: dict) -> str:
         "one, strategies share compiled computations: auto's `while` is "
         "`while`'s), the problem built before it by a `loop` call, so a first "
         "call is the strategy's own tracing and run (auto's: its planning "
-        "too). Steady: "
+        "too); one process each, they move the most under load (auto's "
+        "first call runs what its first strategy's does: see the auto page). "
+        "Steady: "
         "the median of one call of each in turn per round (after calls 1-3 of "
         "each), "
         "and the median of the per-round ratios to auto's call.",

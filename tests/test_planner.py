@@ -16,7 +16,8 @@ import jacobkit as jk
 from jacobkit import engine, memory, planner, testing
 from jacobkit.planner import Probe, estimates
 from jacobkit.problem import Call
-from jacobkit.strategies import Batch, Chunked, While
+from jacobkit.problem.liveness import SequentialMemory
+from jacobkit.strategies import Batch, Chunked, Jacobian, While
 from jacobkit.strategies.structured import NoShortcut
 from jacobkit.testing import examples
 from tests.cases import (
@@ -43,6 +44,18 @@ def _no_structure(monkeypatch):
         raise NoShortcut("off in test_planner")
 
     monkeypatch.setattr(jk.strategies.Structured, "check", refuse)
+
+
+@pytest.fixture(autouse=True)
+def _cheapest_start():
+    """These tests follow switches from the start cheapest to trace
+    (``while``): no slack for a vectorized start, which this generator's
+    few MiB per vectorized row would take (``chunked(48)`` predicted at
+    37.3 MiB against ``while(10)``'s 4.3, measured 28 and 2.6;
+    :func:`test_starts_vectorized_where_it_costs_little_memory` tests the
+    slack)."""
+    with planner.use_policy(start_slack_bytes=0):
+        yield
 
 
 @pytest.fixture
@@ -115,27 +128,100 @@ def test_every_call_runs_every_row_at_once_by_default(generator, eager_trials):
     assert "trying it" in first.reason
 
 
+#: a generator whose vectorized rows cost much more memory than ``while``:
+#: measured (TF 2.21, 2-core CPU, oneDNN on) ``chunked(144)`` 2184-2756 MiB,
+#: ``chunked(36)`` 1182 MiB, ``while(10)`` 38-60 MiB
+WIDE_CONV = {
+    "batch": 64,
+    "sequence": 128,
+    "channels": 8,
+    "filters": 64,
+    "filters2": 128,
+    "filters3": 128,
+    "features": 144,
+}
+
+
 def test_starts_vectorized_where_it_costs_little_memory():
     """Where computing every row at once is predicted to peak within
-    ``Policy.start_peak_factor`` of ``while``'s (a wide MLP: the result dominates),
-    the first call vectorizes every row (on a Dense target, by the closed
+    ``Policy.start_peak_factor`` of ``while``'s plus its ``start_slack_bytes``
+    (a wide MLP: the result dominates; a small generator: a few MiB), the
+    first call vectorizes every row (on a Dense target, by the closed
     form of ``batch``, whose chunks of rows cost the least work and
-    memory); where it costs much more (the generator's conv activations per
-    row), it starts on ``while``. Squared outputs (no closed form) on the MLP
-    at B=64: ``chunked(144)`` is predicted at 810 MiB, ``while`` at 580 MiB
-    (the 288 MiB result twice)."""
-    wide = examples.build("mlp", batch=256, inputs=512, hidden=1024, features=144)
-    assert jk.plan(wide.model, wide.inputs, wide.layer).strategy == Batch()
-    narrow = examples.build("mlp", batch=64, inputs=512, hidden=1024, features=144)
-    square = jk.plan(
-        narrow.model, narrow.inputs, narrow.layer, outputs=OUTPUTS["callable"]
+    memory); where it costs much more (the wide generator's conv cotangents
+    per row), it starts on ``while``. Predicted: squared outputs (no closed
+    form) on the MLP at B=64, ``chunked(144)`` 724 MiB against ``while``'s
+    584 (the 288 MiB result twice; measured 577 and 578); the small
+    generator's ``chunked(48)`` 37.3 MiB against 4.3 (measured 28 and 2.6,
+    steady 0.65x while's time); the wide one's ``chunked(144)`` 2614 MiB
+    against 95 (measured: :data:`WIDE_CONV`)."""
+    with planner.use_policy(planner.Policy()):
+        wide = examples.build("mlp", batch=256, inputs=512, hidden=1024, features=144)
+        assert jk.plan(wide.model, wide.inputs, wide.layer).strategy == Batch()
+        narrow = examples.build("mlp", batch=64, inputs=512, hidden=1024, features=144)
+        square = jk.plan(
+            narrow.model, narrow.inputs, narrow.layer, outputs=OUTPUTS["callable"]
+        )
+        assert square.strategy == Chunked(144)
+        small = examples.build("generator", **SIZES)
+        assert jk.plan(small.model, small.inputs, small.layer).strategy == Chunked(48)
+        conv = examples.build("generator", **WIDE_CONV)
+        assert jk.plan(conv.model, conv.inputs, conv.layer).strategy == While(10)
+        # a budget that shrinks chunked to while's size does not change that
+        tight = jk.plan(conv.model, conv.inputs, conv.layer, memory_budget="256MiB")
+        assert tight.strategy.name == "while"
+
+
+def test_vectorized_rows_are_predicted_from_their_own_backward_tensors():
+    """A pfor-vectorized pass keeps the forward pass once and batches each
+    row's backward tensors: the sequential rows' count
+    (:class:`~jacobkit.problem.liveness.SequentialMemory`) for its rows in
+    flight, two chunks' where there is more than one, never more than a
+    forward pass's activations per row."""
+    rows = SequentialMemory(first_row=3 * 2**20, per_row=2**20)
+    prior = planner.MemoryPrior(row_bytes=6 * 2**20, sequential=rows)
+    result = 2**20
+
+    def peak(strategy):
+        return estimates.predicted_peak(strategy, 32, prior, result)
+
+    two_results = 2 * result
+    assert peak(Chunked(32)) == rows.peak(32) + two_results
+    assert peak(Jacobian()) == rows.peak(32) + two_results
+    assert peak(Chunked(8)) == rows.peak(16) + two_results
+    assert peak(Chunked(1)) == rows.peak(2) + two_results
+    # the activations' count bounds it (here: 2 rows of 6 MiB)
+    few = planner.MemoryPrior(row_bytes=2**20 // 2, sequential=rows)
+    assert estimates.predicted_peak(Chunked(32), 32, few, result) == (
+        33 * 2**19 + two_results
     )
-    assert square.strategy == Chunked(144)
-    conv = examples.build("generator", **SIZES)
-    assert jk.plan(conv.model, conv.inputs, conv.layer).strategy == While(10)
-    # a budget that shrinks chunked to while's size does not change that
-    tight = jk.plan(conv.model, conv.inputs, conv.layer, memory_budget="64MiB")
-    assert tight.strategy.name == "while"
+    # unknown sequential memory: the activations per row, as before
+    unknown = planner.MemoryPrior(row_bytes=2**20)
+    assert estimates.predicted_peak(Chunked(4), 32, unknown, 0) == 5 * 2**20
+
+
+def test_the_start_takes_the_slack_for_little_memory_only():
+    """:func:`~jacobkit.planner.selection.starting_first` given priors: the
+    vectorized candidate starts within ``start_peak_factor`` x the cheapest's
+    peak + ``start_slack_bytes``, not beyond; nor where it traces more than
+    ``start_trace_factor`` x the cheapest."""
+    from jacobkit.planner import selection
+
+    policy = planner.Policy()
+    mib = 2**20
+    found = [While(10), Chunked(32), Jacobian()]
+
+    def first(chunked_peak, jacobian_peak=10**12):
+        peaks = {"while": 8 * mib, "chunked": chunked_peak, "jacobian": jacobian_peak}
+        return selection.starting_first(
+            list(found), 32, lambda s: peaks[s.name], policy
+        )[0]
+
+    limit = int(policy.start_peak_factor * 8 * mib + policy.start_slack_bytes)
+    assert first(limit) == Chunked(32)
+    assert first(limit + 1) == While(10)
+    # jacobian traces 2.5x while: never the start, however little it takes
+    assert first(10**12, jacobian_peak=8 * mib) == While(10)
 
 
 def test_plan_before_any_call_runs_nothing(generator):
@@ -387,6 +473,45 @@ def test_a_slow_run_after_the_trace_does_not_make_tracing_free():
     assert estimates.estimate(strategy, faster).trace_s == pytest.approx(0.30)
 
 
+def test_a_strategy_compiled_before_the_plan_has_its_trace_measured():
+    """Where the current strategy's computation was compiled before the plan
+    ran it (a fixed strategy's call in this process), no run traces: its
+    trace is its computation's first call's excess over the fastest run
+    (:attr:`~jacobkit.problem.plan.Probe.first_call_s`). Unmeasured, it
+    left every other candidate's predicted trace unknown, never tried."""
+    strategy = While(10)
+
+    def probe(call, seconds, first=None):
+        return Probe(strategy, call, 0, 144, seconds, False, first_call_s=first)
+
+    runs = [probe(1, 0.30, first=2.0), probe(2, 0.20), probe(3, 0.25)]
+    found = estimates.estimate(strategy, runs)
+    assert found.trace_s == pytest.approx(1.80)
+    chunked = estimates.predicted_trace_s(Chunked(144), None, found, 144)
+    assert chunked == pytest.approx(1.80 * Chunked.trace_weight / While.trace_weight)
+    assert estimates.estimate(strategy, runs[1:]).trace_s is None
+
+
+def test_auto_after_a_fixed_strategy_still_tries_the_others(generator):
+    """``auto`` after ``strategy=While(10)`` on the same problem: its first
+    call reuses while's computation (nothing traces), and the candidates
+    are tried as after a trace of its own (``rent=0``: as soon as the rate
+    is known)."""
+    ex = generator
+    jk.jacobian(ex.model, ex.inputs, ex.layer, strategy=While(10))
+    ran = []
+    with planner.use_policy(rent=0.0):
+        for _ in range(2):
+            result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+            (run,) = result.plan.last_call
+            ran.append(run)
+    assert ran[0].strategy == While(10) and not ran[0].traced
+    assert ran[0].first_call_s is not None
+    assert result.plan.estimate(While(10)).trace_s is not None
+    # the second call tries the next candidate (it traces)
+    assert ran[1].strategy == Chunked(48) and ran[1].traced, result.plan.summary()
+
+
 def test_use_policy_changes_new_sessions_and_restores_the_outer_policy(generator):
     outer = planner.current_policy()
     with planner.use_policy(eager_rows=100) as policy:
@@ -397,7 +522,8 @@ def test_use_policy_changes_new_sessions_and_restores_the_outer_policy(generator
         ex = generator
         # 48 rows, at most 100 start on the eager loop
         assert jk.plan(ex.model, ex.inputs, ex.layer).strategy.name == "loop"
-    assert planner.current_policy() == outer == planner.Policy()
+    # the outer policy: this module's (:func:`_cheapest_start`)
+    assert planner.current_policy() == outer == planner.Policy(start_slack_bytes=0)
     # sessions are kept per policy: outside the block, a traced start again
     assert jk.plan(ex.model, ex.inputs, ex.layer).strategy.name == "while"
 

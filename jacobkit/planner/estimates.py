@@ -30,8 +30,10 @@ def estimate(
     what the current strategy does now. The tracing time is the largest
     excess of a traced run over its rows at the fastest rate seen (a strategy traced
     again for another number of rows reuses much of the first trace, so the
-    first one is what a new strategy costs). ``earlier`` (e.g. from the disk
-    cache) fills what the probes do not measure yet.
+    first one is what a new strategy costs); where the strategy's computation
+    was compiled before its first run here (:attr:`~jacobkit.problem.plan.
+    Probe.first_call_s`), the excess of that traced first call. ``earlier``
+    (e.g. from the disk cache) fills what the probes do not measure yet.
     """
     mine = [p for p in probes if p.strategy == strategy]
     steady = [p.seconds / p.rows for p in mine if not p.traced]
@@ -49,6 +51,14 @@ def estimate(
         # first call, once tracing had become cheap)
         fastest = min(steady)
         excess = max(p.seconds - fastest * p.rows for p in traced)
+        trace_s = excess if excess > 0 else None
+    elif steady:
+        # compiled before this plan ran it (a fixed strategy's call in this
+        # process): no run traces, and unmeasured, its trace made every
+        # other candidate's unpredictable (None): none was ever tried
+        fastest = min(steady)
+        before = [p.first_call_s - fastest * p.rows for p in mine if p.first_call_s]
+        excess = max(before, default=0.0)
         trace_s = excess if excess > 0 else None
     if earlier is not None:
         rate = earlier.seconds_per_row if rate is None else rate
@@ -71,7 +81,10 @@ def predicted_peak(
     and one forward pass's activations per row alive at once (where rows run
     one after another, :meth:`~jacobkit.strategies.Strategy.sequential_rows`:
     the traced pass's tensors alive at its peak and each further row's own,
-    :class:`~jacobkit.problem.liveness.SequentialMemory`), the gradient
+    :class:`~jacobkit.problem.liveness.SequentialMemory`; where pfor
+    vectorizes them, :meth:`~jacobkit.strategies.Strategy.vectorized_rows`,
+    the same with the rows of two chunks in flight,
+    :func:`vectorized_in_flight`; never more than the activations' count), the gradient
     kernels' scratch space per backward pass in flight
     (:mod:`jacobkit.planner.scratch`), the Jacobians (twice, where
     they are stacked into the result:
@@ -83,11 +96,48 @@ def predicted_peak(
     scratch = prior.scratch_in_flight(strategy.passes_in_flight(num_rows))
     eager = 0 if strategy.compiled else prior.eager_bytes
     results = strategy.result_copies * result_bytes
-    rows = prior.sequential_peak(at_once) if strategy.sequential_rows() else None
-    if rows is None:
-        rows = (1 + at_once) * prior.row_bytes
+    rows = None
+    if strategy.sequential_rows():
+        rows = prior.sequential_peak(at_once)
+    elif strategy.vectorized_rows():
+        rows = prior.vectorized_peak(vectorized_in_flight(at_once, num_rows))
+    whole = (1 + at_once) * prior.row_bytes
+    rows = whole if rows is None else min(rows, whole)
     run = int(rows + scratch + results + eager)
     return max(run, check_peak(strategy, prior, result_bytes))
+
+
+def vectorized_in_flight(at_once: int, num_rows: int) -> int:
+    """Rows whose vectorized backward tensors are alive at once where pfor
+    runs ``at_once`` of ``num_rows`` rows per pass: two chunks' rows where
+    there is more than one chunk (:func:`jacobkit.strategies.chunks.
+    map_chunks` runs one chunk at a time, yet the wide generator's
+    ``chunked(36)`` measured what 72 rows predict; why is not known).
+
+    Measured (TF 2.21, 2-core CPU, 2 inter-op threads, oneDNN on; pinned
+    to one core, ``chunked(32)`` below measured 15.1 MiB and ``chunked(16)``
+    11.7), against the prior's count of
+    :meth:`~jacobkit.planner.scratch.MemoryPrior.vectorized_peak` for these
+    rows (results included):
+
+    =========================================  ==========  =========  ========
+    problem                                    strategy    measured   prior
+    =========================================  ==========  =========  ========
+    GPT-2 token attribution (2 layers, 64)     chunked(32) 28.6 MiB   33.6
+    same                                       chunked(16) 19.2 MiB   33.6
+    generator B=16 T=64 (8 -> 32, 48 rows)     chunked(48) 28-44 MiB  37.3
+    same                                       chunked(36) 28-35 MiB  55
+    generator B=64 T=128 (64/128/128, 144)     chunked(144) 2184-2756 2614
+    same                                       chunked(36) 1182 MiB   1318
+    MLP 512-1024-1024-144, B=64, squared rows  chunked(144) 577 MiB   724
+    =========================================  ==========  =========  ========
+
+    One chunk's rows alone put the wide generator's ``chunked(36)`` at 670
+    MiB, under its measured 1182. The forward pass's activations per row
+    (the count before) put them at 201, 122, 9248 and 2364 MiB."""
+    if at_once >= num_rows:
+        return num_rows
+    return min(num_rows, 2 * at_once)
 
 
 #: an eager forward pass's measured peak over the layers' outputs it holds

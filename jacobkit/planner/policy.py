@@ -52,8 +52,23 @@ class Policy:
             - generator B=64 T=128 (64/128/128 filters), target conv1:
               chunked(144) predicted at 13x (chunked(36) measured at 23x);
               first calls while 1.97 s, chunked(36) 2.50 s. The smaller
-              generators predict 4.4-13x.
+              generators predict 4.4-13x. (Predictions of the prior before
+              vectorized rows were counted by their own backward tensors:
+              now chunked(144) 2614 MiB against while(10)'s 95.)
         start_peak_factor: see ``start_trace_factor``.
+        start_slack_bytes: a vectorized start may also peak this much above
+            ``start_peak_factor`` times the cheapest's predicted peak: a few
+            MiB is little memory whatever the ratio, and small problems are
+            where a row-by-row loop's per-op overhead costs the most.
+            Measured (2-core CPU, under load, oneDNN on), 2-layer GPT-2 token
+            attribution (96 tokens, hidden 64, 32 rows): ``chunked(32)``
+            28.6 MiB against ``while(10)``'s 3.7 (predicted 33.6 and 7.3),
+            steady 0.72x while's time, first call 1.67 s against 2.11;
+            generator B=16 T=64 (8 -> 32 filters, 48 rows): ``chunked(48)``
+            28 MiB against 2.6 (predicted 37.3 and 4.3), steady 0.65x,
+            first call 0.44 s against 0.63. The wide generator (B=64, T=128,
+            64/128/128, 144 rows) stays on ``while``: ``chunked(144)``
+            predicted at 2.6 GiB (measured 2.2-2.7) against 95 MiB.
         noise: rates within this factor are measurement noise on a busy
             machine; the lower peak wins among them.
         race_peak_factor: a candidate is tried only if its predicted peak is
@@ -108,6 +123,7 @@ class Policy:
     rent: float = 5.0
     start_trace_factor: float = 2.0
     start_peak_factor: float = 2.5
+    start_slack_bytes: int = 64 * 2**20
     noise: float = 1.15
     race_peak_factor: float = 1
     race_slack_bytes: int = 256 * 2**20

@@ -49,6 +49,10 @@ def run(strategy: Strategy, problem: Problem, call: int, device: str | None) -> 
         seconds=seconds,
         traced=stats.traced,
         peak_bytes=peak,
+        # compiled before this plan ran it: its trace was measured then
+        first_call_s=(
+            stats.trace_time_s if not stats.traced and stats.trace_time_s else None
+        ),
     )
     return Ran(tuple(output.values), probe)
 

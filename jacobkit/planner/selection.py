@@ -9,8 +9,8 @@ another, and which wins.
   explainability code often calls ``jacobian`` once or a few times.
 - Starting: the cheapest to trace, unless a candidate that computes more
   rows at once traces within the policy's ``start_trace_factor`` of it and
-  is predicted to peak within its ``start_peak_factor`` of it: then that
-  one (:func:`starting_first`).
+  is predicted to peak within its ``start_peak_factor`` of it (plus its
+  ``start_slack_bytes``): then that one (:func:`starting_first`).
 - Trying another (a ski-rental rule): a candidate is tried on real calls
   once the time spent running the current strategy
   (tracing not counted) reaches the policy's ``rent`` times the
@@ -78,7 +78,8 @@ def starting_first(
     """``found`` (cheapest to trace first) with the strategy the first call
     runs moved to the front: of those tracing within the policy's
     ``start_trace_factor`` of the cheapest and predicted to peak within its
-    ``start_peak_factor`` of it, the one computing the most rows at once
+    ``start_peak_factor`` of it plus its ``start_slack_bytes``, the one
+    computing the most rows at once
     (the cheapest on a tie). Peaks are compared as configured for every one
     of the ``num_rows`` rows, before a budget made them smaller:
     how much memory vectorizing rows costs is a property of the problem."""
@@ -90,6 +91,7 @@ def starting_first(
 
     cheapest = found[0]
     limit = policy.start_peak_factor * unbudgeted_peak(cheapest)
+    limit += policy.start_slack_bytes
     close = [
         s
         for s in found

@@ -45,6 +45,11 @@ class Probe(Generic[StrategyT]):
         seconds: wall time, tracing included if ``traced``.
         traced: whether the strategy was traced (compiled) for this run.
         peak_bytes: peak device memory during the run, when measured.
+        first_call_s: where the run did not trace because its computation
+            was compiled before this plan ran it (a fixed strategy's call,
+            or another plan's, in this process): that computation's traced
+            first call, in seconds (``None``: it traced here, or runs
+            eagerly).
     """
 
     strategy: StrategyT
@@ -54,6 +59,7 @@ class Probe(Generic[StrategyT]):
     seconds: float
     traced: bool
     peak_bytes: int | None = None
+    first_call_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -86,9 +86,10 @@ class Strategy(abc.ABC):
 
     def rows_at_once(self, num_rows: int) -> int:
         """Rows whose backward passes are alive at once on ``num_rows`` rows
-        (``auto``'s memory prior: each holds about one forward pass's
-        activations in a vectorized pass, its own cotangents where rows run
-        one after another, :meth:`sequential_rows`)."""
+        (``auto``'s memory prior: each holds its own cotangents where rows
+        run one after another, :meth:`sequential_rows`, or are batched by
+        pfor, :meth:`vectorized_rows`; else about one forward pass's
+        activations)."""
         return num_rows
 
     def sequential_rows(self) -> bool:
@@ -96,6 +97,13 @@ class Strategy(abc.ABC):
         over the one forward pass the tape kept (``loop``, ``while``): a row
         alive then holds its cotangents, not a forward pass's activations
         (``auto``'s memory prior)."""
+        return False
+
+    def vectorized_rows(self) -> bool:
+        """Whether rows are vectorized into one backward pass by pfor
+        (``chunked``, ``jacobian``): the forward pass is kept once and each
+        row in flight holds its own cotangents, batched (``auto``'s memory
+        prior, :meth:`jacobkit.planner.scratch.MemoryPrior.vectorized_peak`)."""
         return False
 
     def passes_in_flight(self, num_rows: int) -> int:

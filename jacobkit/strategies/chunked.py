@@ -67,6 +67,9 @@ class Chunked(Strategy):
     def rows_at_once(self, num_rows: int) -> int:
         return min(self.chunk_size, num_rows)
 
+    def vectorized_rows(self) -> bool:
+        return True
+
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "chunk_size", check_chunk_size(self.name, self.chunk_size)
@@ -115,7 +118,9 @@ class Chunked(Strategy):
                     fallback_to_while_loop=False,
                 )
 
-        return rows_in_chunks(problem, self.chunk_size, vectorized, per_chunk)
+        return rows_in_chunks(
+            problem, self.chunk_size, vectorized, per_chunk, shared=True
+        )
 
 
 class _PforErrors(logging.Filter):

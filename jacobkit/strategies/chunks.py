@@ -45,11 +45,14 @@ def rows_in_chunks(
     chunk_size: int,
     gradients: ChunkGradients,
     per_chunk: PerChunk = as_rows,
+    *,
+    shared: bool = False,
 ) -> Callable[[Any], list[tf.Tensor]]:
     """``inputs -> each target's (R, *v.shape)``, or what ``per_chunk``
     keeps of each chunk (:func:`as_norms`): one tape, then ``chunk_size``
     rows at a time (:func:`map_chunks`), by ``gradients`` (``chunked``:
-    vectorized)."""
+    vectorized). ``shared``: the chunks of one size run one function,
+    traced once (:func:`_traced_once`)."""
     targets = problem.targets
     num_rows = problem.num_rows
     blocked = problem.blocked
@@ -63,9 +66,34 @@ def rows_in_chunks(
             cotangents = one_hot_rows(start, size, num_rows, rows.dtype)
             return per_chunk(gradients(tape, rows, cotangents), blocked)
 
-        return map_chunks(chunk, num_rows, chunk_size)
+        return map_chunks(
+            _traced_once(chunk) if shared else chunk, num_rows, chunk_size
+        )
 
     return compute
+
+
+def _traced_once(
+    chunk: Callable[[Any, int], list[tf.Tensor]],
+) -> Callable[[Any, int], list[tf.Tensor]]:
+    """``chunk`` as one nested ``tf.function`` per chunk size: the first
+    chunk (run before :func:`map_chunks`' loop, which needs its shapes) and
+    the loop's body call the same traced function, so a vectorized
+    gradient is converted by pfor once, not twice. Measured on a 2-layer
+    GPT-2's token attribution (32 rows, hidden 64; 2-core CPU under load,
+    fresh processes alternating): ``chunked(16)``'s first call 5.3 and 5.7 s
+    against 6.4 and 6.4 s before, the same steady call (38-51 ms)."""
+    functions: dict[int, Any] = {}
+
+    def once(start: Any, size: int) -> list[tf.Tensor]:
+        if size not in functions:
+            functions[size] = tf.function(
+                lambda s: chunk(s, size),  # noqa: B023 - one size each
+                autograph=False,
+            )
+        return list(functions[size](tf.cast(start, tf.int32)))
+
+    return once
 
 
 def check_chunk_size(name: str, chunk_size: Any) -> int:

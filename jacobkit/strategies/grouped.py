@@ -221,6 +221,9 @@ class Grouped(Strategy):
     def sequential_rows(self) -> bool:
         return self.resolved_rest().sequential_rows()
 
+    def vectorized_rows(self) -> bool:
+        return self.resolved_rest().vectorized_rows()
+
     def passes_in_flight(self, num_rows: int) -> int:
         return self.resolved_rest().passes_in_flight(num_rows)
 

@@ -24,6 +24,9 @@ class Jacobian(Strategy):
 
     trace_weight = 2.5
 
+    def vectorized_rows(self) -> bool:
+        return True
+
     def check(self, problem: Problem) -> None:
         precision.refuse_float16_vectorized(problem, self.name)
 

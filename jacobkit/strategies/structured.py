@@ -121,6 +121,10 @@ class Structured(Strategy):
         """The inner strategy's."""
         return self.resolved_inner().sequential_rows()
 
+    def vectorized_rows(self) -> bool:
+        """The inner strategy's."""
+        return self.resolved_inner().vectorized_rows()
+
     def passes_in_flight(self, num_rows: int) -> int:
         """The inner strategy's."""
         return self.resolved_inner().passes_in_flight(num_rows)
