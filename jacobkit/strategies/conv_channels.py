@@ -1,0 +1,79 @@
+"""The rows of a linear head's input when they are one channel each at a
+convolution's output (:mod:`jacobkit.problem.conv_channels`, where the NOTE
+says why it is exact): every row's cotangent at the convolution's input from
+a small convolution of its one channel, then the rest of the backward pass
+to the targets as the inner strategy runs rows: in a ``tf.while_loop``
+(``while``: its rows in flight) or vectorized in chunks (``chunked``,
+``jacobian``: its rows at once).
+
+NOTE (measured: ``benchmarks/results/cpu/conv_gradients.md``). On the users'
+wide generator (128 rows of ``conv3``'s output, 128 -> 128 by 3) this skips
+the dense input gradient of ``conv3`` for every row: about half the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit.problem import Problem
+from jacobkit.problem.conv_channels import ConvChannels
+from jacobkit.strategies import vectorize
+from jacobkit.strategies.base import ZERO, Strategy
+from jacobkit.strategies.chunks import map_chunks
+
+#: the inner strategies whose way of running rows this reproduces
+SUPPORTED = ("while", "chunked", "jacobian")
+
+
+def supports(inner: Strategy) -> bool:
+    """Whether ``inner`` runs rows in a way :func:`rows_fn` reproduces."""
+    return inner.name in SUPPORTED
+
+
+def rows_fn(
+    problem: Problem, found: ConvChannels, inner: Strategy
+) -> Callable[[Any], list[tf.Tensor]]:
+    """``inputs -> each target's (R, *v.shape)``: the Jacobians of
+    ``problem``'s rows (one channel each of ``found.conv``'s output), with
+    ``inner``'s rows in flight (sequential) or at once (vectorized)."""
+    targets = problem.targets
+    x_problem = found.input_problem
+    num_rows = len(found.channels)
+    sequential = inner.sequential_rows()
+    at_once = inner.rows_at_once(num_rows)
+    signature = [tf.TensorSpec(t.shape, t.dtype) for t in targets]
+
+    def compute(inputs: Any) -> list[tf.Tensor]:
+        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+            tape.watch(targets)
+            x = x_problem.call_model(inputs)  # (B, *S, I)
+        slopes = found.slopes(x)  # (B, *S', R), act' at the rows' channels
+
+        def gradients(seed: tf.Tensor) -> list[tf.Tensor]:
+            found_ = tape.gradient(
+                x, targets, output_gradients=seed, unconnected_gradients=ZERO
+            )
+            return [tf.convert_to_tensor(g) for g in found_]
+
+        if sequential:
+            return list(
+                tf.map_fn(
+                    lambda r: gradients(found.cotangents(slopes, r[None])[0]),
+                    tf.range(num_rows),
+                    parallel_iterations=at_once,
+                    fn_output_signature=signature,
+                )
+            )
+
+        def chunk(start: Any, size: int) -> list[tf.Tensor]:
+            seeds = found.cotangents(slopes, tf.range(start, start + size))
+            return list(
+                vectorize.vectorized_map(gradients, seeds, fallback_to_while_loop=False)
+            )
+
+        return map_chunks(chunk, num_rows, at_once)
+
+    return compute
