@@ -140,7 +140,7 @@ def section(out: Path) -> list[str]:
         "conv3's output, taken to conv3's input by a one-channel "
         "convolution) and without it (`before`: every row through conv3's "
         "dense input gradient); two copies of the model, alternating, one "
-        "core, one thread; ratio = median of the rounds' after/before. "
+        "core, one thread; ratio = median of the rounds' after/before (their range). "
         "The share of the GEMM rate is on each one's exact work: before "
         f"{BEFORE_FLOP / 1e9:.1f} GFLOP, after {AFTER_FLOP / 1e9:.1f} GFLOP.",
         "",
@@ -165,11 +165,16 @@ def section(out: Path) -> list[str]:
         ]
         for key, row in data["rows"].items():
             ratio = row.get("ratio_to_before")
+            spread = (
+                f" ({min(row['ratios']):.2f}-{max(row['ratios']):.2f})"
+                if "ratios" in row
+                else ""
+            )
             lines.append(
                 f"| {key} | `{row['plan']}` | {row['steady_s']:.2f} s | "
                 f"{row['first_s']:.2f} s | {row['work_gflop']:.1f} GFLOP | "
                 f"{100 * row['of_gemm_rate']:.0f}% | "
-                f"{'' if ratio is None else f'{ratio:.2f}'} | "
+                f"{'' if ratio is None else f'{ratio:.2f}{spread}'} | "
                 f"{row['max_rel_diff']:.1e} |"
             )
         lines.append("")
@@ -185,6 +190,12 @@ def write(out: Path, data: dict[str, Any], loaded: bool) -> None:
     data["loaded"] = loaded
     every["onednn on" if data["onednn"] else "onednn off"] = data
     path.write_text(json.dumps(every, indent=1) + "\n")
+    render(out)
+
+
+def render(out: Path) -> None:
+    """This section of ``conv_gradients.md`` rewritten from
+    ``conv_channels.json`` (kept after the rest)."""
     md = out / "conv_gradients.md"
     text = md.read_text() if md.exists() else ""
     text = text.split(HEADING)[0].rstrip("\n")
@@ -196,7 +207,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--loaded", action="store_true")
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite the markdown section"
+    )
     args = parser.parse_args()
+    if args.render:
+        return render(args.out)
     write(args.out, measure(args.rounds), args.loaded)
 
 

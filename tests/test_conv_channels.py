@@ -22,9 +22,9 @@ from jacobkit.strategies import conv_channels
 from jacobkit.testing import examples
 from jacobkit.testing.example import randomize_weights
 
-# float64 models against the float64 reference: measured at most 3.7e-16
+# float64 models against the float64 reference: measured at most 9.9e-16
 # relative to the largest entry (the same products summed in another order);
-# the tolerance, 1e-13, is ~270x that.
+# the tolerance, 1e-13, is ~100x that.
 TOLERANCE = 1e-13
 
 S = jk.strategies
@@ -147,7 +147,7 @@ def test_the_default_call_uses_it_and_the_plan_says_so(taken):
     ex = _generator()
     result = jk.jacobian(ex.model, ex.inputs, "conv1")
     assert result.strategy == "structured"
-    assert "'conv3''s 5 one-channel cotangents taken to its input" in str(
+    assert "5 one-channel cotangents at 'conv3' taken to its input" in str(
         result.plan
     ), str(result.plan)
     assert taken

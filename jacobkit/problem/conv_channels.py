@@ -70,7 +70,7 @@ class ConvChannels:
 
     def describe(self) -> str:
         return (
-            f"{self.conv.name!r}'s {len(self.channels)} one-channel cotangents "
+            f"{len(self.channels)} one-channel cotangents at {self.conv.name!r} "
             "taken to its input at once"
         )
 
