@@ -312,6 +312,10 @@ def write(out: Path, data: dict[str, Any], loaded: bool) -> None:
                         + " |"
                     )
             lines.append("")
+    # the one-channel step's section (``conv_channels.py``), kept after these
+    from conv_channels import section
+
+    lines += section(out)
     (out / "conv_gradients.md").write_text("\n".join(lines))
 
 

@@ -9,6 +9,11 @@ a stock Keras class used once); anywhere else :func:`find` says why not:
 - separable channels (:mod:`.separable_channels`: the target's output
   channel ``f`` reaches only output feature ``f``; one backward pass).
 
+Within a linear head's rows, one more step (:mod:`.conv_channels`): the
+head's input is a convolution's output, each row one channel of it, so the
+rows' cotangents at the convolution's input come from one small convolution
+each (:func:`find_conv_channels`).
+
 Each module's NOTE says why its shortcut is exact. This one finds them and
 keeps what it found per model and problem.
 """
@@ -21,19 +26,22 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.problem import functional, linear_head, separable_channels
+from jacobkit.problem import conv_channels, functional, linear_head, separable_channels
 from jacobkit.problem.cache import PerModel
+from jacobkit.problem.conv_channels import ConvChannels
 from jacobkit.problem.functional import NotApplicable
 from jacobkit.problem.linear_head import LinearHead
 from jacobkit.problem.problem import Problem
 from jacobkit.problem.separable_channels import SeparableChannels
 
 __all__ = [
+    "ConvChannels",
     "LinearHead",
     "NotApplicable",
     "SeparableChannels",
     "Structure",
     "find",
+    "find_conv_channels",
     "find_head",
     "find_separable",
 ]
@@ -42,6 +50,7 @@ Structure = LinearHead | SeparableChannels
 
 _FOUND = PerModel("find: the exact shortcut found per problem, or why none")
 _HEADS = PerModel("find_head: the linear head found at any width per problem")
+_CONVS = PerModel("find_conv_channels: the one-channel rows found per problem")
 
 
 def find(problem: Problem) -> Structure:
@@ -60,8 +69,8 @@ def find(problem: Problem) -> Structure:
 def _cached(
     cache: dict[Any, Any],
     problem: Problem,
-    finder: Callable[[Problem], Structure],
-) -> Structure:
+    finder: Callable[[Problem], Any],
+) -> Any:
     """``finder(problem)`` kept in ``cache`` (the model's entry of one of
     this module's slots) per problem, or the reason it raised
     :class:`NotApplicable` (raised again)."""
@@ -81,8 +90,7 @@ def _cached(
     found = cache[key]
     if isinstance(found, _Reason):
         raise NotApplicable(found.text)
-    structure: Structure = found
-    return structure
+    return found
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,34 @@ def _find(problem: Problem) -> Structure:
     raise NotApplicable("; ".join(reasons))
 
 
+def find_conv_channels(problem: Problem) -> ConvChannels:
+    """The rows of ``problem`` (a linear head's sub-problem) as one channel
+    each at a convolution's output (cached per model and problem; a
+    detached problem is traced on zeros of its inputs' shapes).
+
+    Raises:
+        NotApplicable: they are not, or not certainly.
+    """
+    found = _cached(
+        _CONVS.of(problem.model),
+        problem,
+        lambda p: conv_channels.find(_on_values(p), functional.graph(p)),
+    )
+    assert isinstance(found, ConvChannels)
+    return found
+
+
+def _on_values(problem: Problem) -> Problem:
+    """``problem`` on zeros where it holds ``tf.TensorSpec``s (a detached
+    problem: what is found from it keeps no values)."""
+    return problem.with_inputs(
+        tf.nest.map_structure(
+            lambda t: tf.zeros(t.shape, t.dtype) if isinstance(t, tf.TensorSpec) else t,
+            problem.inputs,
+        )
+    )
+
+
 def find_head(problem: Problem) -> LinearHead:
     """The model's linear head whatever its width (cached per model and
     problem): ``batch`` seeds its backward pass at the head's input with the
@@ -132,12 +168,7 @@ def _any_head(problem: Problem) -> LinearHead:
     """The linear head of any width (:func:`find_head`). A detached problem
     (a strategy's build) holds specs: zeros of their shapes serve (the
     head's sub-problem keeps no values)."""
-    problem = problem.with_inputs(
-        tf.nest.map_structure(
-            lambda t: tf.zeros(t.shape, t.dtype) if isinstance(t, tf.TensorSpec) else t,
-            problem.inputs,
-        )
-    )
+    problem = _on_values(problem)
     return linear_head.find(
         problem,
         functional.graph(problem),

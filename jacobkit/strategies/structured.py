@@ -24,7 +24,7 @@ import tensorflow as tf
 from jacobkit.problem import PerModel, Problem, structure
 from jacobkit.problem.reduction import Output
 from jacobkit.problem.solution import Stats
-from jacobkit.strategies import vectorize
+from jacobkit.strategies import conv_channels, vectorize
 from jacobkit.strategies.base import ZERO, Strategy, check_wrapped
 from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
@@ -131,7 +131,25 @@ class Structured(Strategy):
 
     def describe(self, problem: Problem) -> str:
         """The shortcut used for ``problem``, in words (for plans)."""
-        return structure.find(problem).describe()
+        found = structure.find(problem)
+        text = found.describe()
+        if isinstance(found, structure.LinearHead):
+            sub = found.sub_problem.with_inputs(problem.inputs)
+            if _separable_or_none(sub) is None:
+                channels = self._conv_channels_or_none(sub)
+                if channels is not None:
+                    text = f"{text}; {channels.describe()}"
+        return text
+
+    def _conv_channels_or_none(self, sub: Problem) -> structure.ConvChannels | None:
+        """The one-channel rows of a linear head's sub-problem, where the
+        inner strategy runs rows in a way they reproduce."""
+        if not conv_channels.supports(self.resolved_inner()):
+            return None
+        try:
+            return structure.find_conv_channels(sub)
+        except structure.NotApplicable:
+            return None
 
     def check(self, problem: Problem) -> None:
         """Refuse (:class:`NoShortcut`, with the reason in words) where no
@@ -166,11 +184,13 @@ class Structured(Strategy):
             return separable_fn
         sub = found.sub_problem.with_inputs(problem.inputs)
         separable = _separable_or_none(sub)
-        inner_fn = (
-            _separable_fn(sub, separable)
-            if separable is not None
-            else self.resolved_inner().build(sub)
-        )
+        channels = self._conv_channels_or_none(sub)
+        if separable is not None:
+            inner_fn = _separable_fn(sub, separable)
+        elif channels is not None:
+            inner_fn = conv_channels.rows_fn(sub, channels, self.resolved_inner())
+        else:
+            inner_fn = self.resolved_inner().build(sub)
         prefix = problem.rows_shape[:-1]
 
         def compute(inputs: Any) -> Any:
