@@ -139,19 +139,6 @@ class PrivateModel(keras.Model):
         variables = list(self.model.trainable_variables)
         self.first_checks(y, self.model(x, training=False), variables)
         assert self.clipping is not None
-        if len(self.clipping.groups) > 1:
-            # NOTE (a known bug, not yet found). With one jk.function per
-            # clipping group, the compiled step computed one group's clipped
-            # sums with weights other than the model's in about 1 run in 4
-            # when another model of the same architecture was alive in the
-            # process (relative error 1e-2; the eager step always matched).
-            # Refused rather than a silently wrong private step.
-            raise NotImplementedError(
-                "jacobkit.privacy: per-layer clipping runs eagerly for now: "
-                "compile the private model with run_eagerly=True. Its compiled "
-                "step is not yet exact in every case, and a private step must "
-                "be."
-            )
         # a step traced before planned other sizes: traced anew
         self.train_function = None
         self.traced = TracedSums(
