@@ -129,15 +129,15 @@ def _optimizer(kind: str, lr: float) -> keras.optimizers.Optimizer:
     [
         (_mlp, "sgd", False, True),
         pytest.param(_mlp, "sgd", False, False, marks=pytest.mark.slow),
-        (_mlp, "adam", True, False),
-        (_conv, "sgd", True, False),
+        (_mlp, "adam", True, True),
+        (_conv, "sgd", True, True),
         pytest.param(_conv, "adam", False, True, marks=pytest.mark.slow),
     ],
     ids=[
         "mlp-sgd-whole-eager",
         "mlp-sgd-whole-compiled",
-        "mlp-adam-per_layer-compiled",
-        "conv-sgd-per_layer-compiled",
+        "mlp-adam-per_layer-eager",
+        "conv-sgd-per_layer-eager",
         "conv-adam-whole-eager",
     ],
 )
@@ -590,3 +590,26 @@ def test_the_compiled_step_logs_its_own_passes_loss_without_another_pass():
     private.train_function = None  # the step traced anew
     private.train_on_batch(*sampler[2][:2], sample_weight=sampler[2][2])
     assert model.passes == before
+
+
+def test_per_layer_clipping_is_refused_on_the_compiled_step():
+    """A known bug: the compiled step with one ``jk.function`` per clipping
+    group computed a group's clipped sums with other weights in about 1 run
+    in 4 when a model of the same architecture was alive in the process
+    (relative error 1e-2; the eager step always matched). Until it is found,
+    the compiled per-layer step is refused in words, never silently wrong."""
+    model = _mlp()
+    x, y = _data(model)
+    sampler = jk.privacy.PoissonSampler((x, y), Q, seed=4, sizes=(6, 14))
+    private = jk.privacy.make_private(
+        model,
+        l2_norm_clip=1.0,
+        noise_multiplier=0.8,
+        sampling_rate=Q,
+        num_examples=N,
+        seed=SEED,
+        per_layer=True,
+    )
+    private.compile(_optimizer("sgd", 0.05), LOSS)
+    with pytest.raises(NotImplementedError, match="run_eagerly=True"):
+        private.prepare(sampler)

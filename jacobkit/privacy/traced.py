@@ -141,14 +141,4 @@ class TracedSums:
             squares = squares + tf.square(tf.cast(out.norms, tf.float32))
             rows.append(out.rows)
         given = [] if rows[0] is None else [tf.cast(rows[0], tf.float32)]
-        # NOTE (why every value waits for every group). A group's computation
-        # reads the other groups' variables too (its forward pass), but only
-        # its own sums feed their update: nothing orders those reads before
-        # the optimizer's update of the other groups' variables but the
-        # automatic control dependencies on the nested call, which TensorFlow
-        # 2.21's graph optimizations did not keep (with grappler off it held):
-        # in about 1 model in 10, its first step read a variable of another
-        # group after its update (that group's sums 1e-2 off). Each value
-        # returned after all of them are computed makes every update depend
-        # on every group's reads.
-        return tuple(tf.tuple([*sums, tf.sqrt(squares), *given]))
+        return (*sums, tf.sqrt(squares), *given)
