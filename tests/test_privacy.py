@@ -249,8 +249,13 @@ def test_the_sampler_pads_to_a_few_sizes_with_weight_zero():
     again = jk.privacy.PoissonSampler((x, np.arange(200)), 0.1, seed=0)
     np.testing.assert_array_equal(again[3][1], sampler[3][1])
     first = sampler[0][1]
+    sampler.on_epoch_end()  # no epoch began: Keras's call before its first
+    np.testing.assert_array_equal(sampler[0][1], first)
+    sampler.on_epoch_begin()
     sampler.on_epoch_end()
     assert not np.array_equal(sampler[0][1][: len(first)], first)
+    step = sampler.steps_per_epoch  # the second epoch's first step
+    np.testing.assert_array_equal(sampler[0][1], again.batch(again.indices(step))[1])
 
 
 def test_fewer_sizes_per_doubling_pad_more():
@@ -692,6 +697,46 @@ def test_fit_traces_only_the_sizes_its_batches_come_in(caplog):
         assert fn.tracing_count == len(sizes)
     # traced when first met: the count after step t is the sizes up to t
     assert traces.counts == [len(set(drawn[: t + 1])) for t in range(8)]
+
+
+class _Steps(jk.privacy.PoissonSampler):
+    """A sampler recording the run's step of each batch drawn in an epoch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = []
+        self.inside = False
+
+    def on_epoch_begin(self):
+        super().on_epoch_begin()
+        self.inside = True
+
+    def on_epoch_end(self):
+        super().on_epoch_end()
+        self.inside = False
+
+    def __getitem__(self, index):
+        if self.inside:
+            self.steps.append(self.epoch * self.steps_per_epoch + index)
+        return super().__getitem__(index)
+
+
+def test_fit_draws_the_runs_steps_in_order():
+    """Two ``fit`` calls of two epochs of 3 steps draw steps 0 to 11 of the
+    run, each epoch its own three (Keras's ``on_epoch_end`` before a first
+    epoch moves nothing; before, the first epoch drew steps 3 to 5)."""
+    model = _mlp()
+    x, y = _data(model)
+    sampler = _Steps((x, y), Q, seed=SEED, steps_per_epoch=3)
+    private = _private(model, seed=SEED)
+    private.compile(keras.optimizers.SGD(0.1), LOSS)
+    private.fit(sampler, epochs=2, verbose=0)
+    private.fit(sampler, epochs=2, verbose=0)
+    # fit's shuffle=True permutes the batches within each epoch
+    epochs = [sorted(sampler.steps[i : i + 3]) for i in range(0, 12, 3)]
+    assert epochs == [list(range(i, i + 3)) for i in range(0, 12, 3)]
+    assert int(private.dp_steps.numpy()) == 12
+    assert sampler.epoch == 4
 
 
 def test_steps_per_execution_takes_the_same_steps():

@@ -164,7 +164,10 @@ class PoissonSampler(keras.utils.PyDataset):
             if steps_per_epoch is None
             else int(steps_per_epoch)
         )
+        #: the epoch whose steps are drawn (step ``t`` of the run is
+        #: ``epoch * steps_per_epoch + index``)
         self.epoch = 0
+        self._begun = False
         #: the padded sizes, smallest to largest (:func:`padded_sizes`)
         self.sizes = (
             padded_sizes(
@@ -238,6 +241,20 @@ class PoissonSampler(keras.utils.PyDataset):
             raise IndexError(index)
         return self.batch(self.indices(self.epoch * self.steps_per_epoch + index))
 
+    def on_epoch_begin(self) -> None:
+        """An epoch begins: its end moves the draws on (:meth:`on_epoch_end`)."""
+        self._begun = True
+
     def on_epoch_end(self) -> None:
-        """The next epoch draws the next steps of the run."""
-        self.epoch += 1
+        """The next epoch draws the next steps of the run, where an epoch
+        began (:meth:`on_epoch_begin`) since the last end.
+
+        NOTE (why not every call). Keras's ``fit`` calls ``on_epoch_end``
+        once more, before its first epoch (its epoch iterator's ``reset``):
+        counted, a run's first step drew step ``steps_per_epoch``'s
+        examples, not step 0's, and the steps of a run were not those
+        ``(seed, t)`` names. A loop of one's own calls
+        ``on_epoch_begin()`` and ``on_epoch_end()`` around each epoch."""
+        if self._begun:
+            self.epoch += 1
+            self._begun = False
