@@ -34,6 +34,11 @@ runs; each figure is the median over rounds.
   its bootstrap interval): on a shared machine the separate processes
   above move by ±10% from run to run, and a round's slowdown falls on both
   sides alike here;
+- ``--first-calls`` (with ``--cases``): the first call alone of the plain
+  step, the Gram matrix, the clipped sum and the projection, each in a
+  fresh process, the processes alternating within each round; the median
+  per-round ratio to the plain step's first call and the graph ops each
+  first call built (every trace), merged into ``--out``'s results;
 - ``gram over N`` / ``projection over N``: a dataset of N examples in batches
   of 32, with TensorFlow's own allocator peak (its pooled CPU allocator):
   the peak must not grow with N.
@@ -124,8 +129,9 @@ TORCH_SGD = "PyTorch SGD step"
 SIZES = (64, 256, 1024)
 
 
-def child(case: str, method: str, repeats: int) -> None:
-    """One run; prints one JSON line."""
+def child(case: str, method: str, repeats: int, first_only: bool = False) -> None:
+    """One run; prints one JSON line (``first_only``: the first call alone,
+    with the graph ops it built, :func:`_counting_ops`)."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE / "peers"))
@@ -207,6 +213,15 @@ def child(case: str, method: str, repeats: int) -> None:
     def settled() -> bool:
         return not plans or plans[0] is None or plans[0].settled
 
+    if first_only:
+        import time
+
+        built_ops = _counting_ops()
+        start = time.perf_counter()
+        call()
+        first_s = time.perf_counter() - start
+        print(json.dumps({"first_s": first_s, "graph_ops": len(built_ops)}))
+        return
     timings, _ = measure(call, repeats, settled=settled)
     if method in TF_DP and method != TF_SGD:
         # a DP step against TensorFlow's plain SGD step, in this process
@@ -216,6 +231,58 @@ def child(case: str, method: str, repeats: int) -> None:
         timings["paired"] = paired(call, plain_step(built))
     strategy = None if not plans or plans[0] is None else plans[0].strategy.label
     print(json.dumps({**timings, "strategy": strategy, "footing": record}))
+
+
+def _counting_ops() -> list[str]:
+    """The op types TensorFlow's graph building creates from now on in this
+    process (the ops of every trace: a private hook of TensorFlow's, read
+    by this benchmark only)."""
+    from tensorflow.python.framework import ops
+
+    built: list[str] = []
+    create = ops.Graph._create_op_internal
+
+    def counted(graph: Any, op_type: str, *args: Any, **kwargs: Any) -> Any:
+        built.append(op_type)
+        return create(graph, op_type, *args, **kwargs)
+
+    ops.Graph._create_op_internal = counted
+    return built
+
+
+#: the first calls compared with the plain step's (``--first-calls``)
+FIRST_METHODS = ("plain step", "gram", "clipped sum", "projection")
+
+
+def first_calls(me: list[str], case: str, rounds: int) -> dict:
+    """Each of :data:`FIRST_METHODS`' first call in a fresh process, the
+    processes alternating within each round; per method the median first
+    call, the median per-round ratio to the plain step's of the same round
+    and the graph ops its first call built."""
+    import statistics
+
+    found: dict[str, list[dict]] = {m: [] for m in FIRST_METHODS}
+    for _ in range(rounds):
+        for method in FIRST_METHODS:
+            found[method].append(runs.run([*me, "--first", case, method]))
+    out: dict[str, dict] = {}
+    for method, each in found.items():
+        ratios = [
+            run["first_s"] / plain["first_s"]
+            for run, plain in zip(each, found["plain step"], strict=True)
+            if "error" not in run and "error" not in plain
+        ]
+        good = [run for run in each if "error" not in run]
+        if not good:
+            out[method] = {"error": each[-1].get("error")}
+            continue
+        out[method] = {
+            "first_s": statistics.median(r["first_s"] for r in good),
+            "ratio": statistics.median(ratios) if ratios else None,
+            "ratios": ratios,
+            "graph_ops": good[-1]["graph_ops"],
+        }
+    return out
 
 
 def plain_step(built: Any) -> Callable[[], list]:
@@ -376,6 +443,13 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("CASE", "METHOD"))
     parser.add_argument("--over", nargs=2, metavar=("METHOD", "EXAMPLES"))
     parser.add_argument("--paired", metavar="CASE")
+    parser.add_argument("--first", nargs=2, metavar=("CASE", "METHOD"))
+    parser.add_argument(
+        "--first-calls",
+        action="store_true",
+        help="rerun the first calls against the plain step's only (--cases), "
+        "keeping --out's other figures",
+    )
     parser.add_argument("--peers-python")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
@@ -408,8 +482,25 @@ def main() -> None:
         return child_over(args.over[0], int(args.over[1]))
     if args.paired:
         return child_paired(args.paired, PAIRED_ROUNDS)
+    if args.first:
+        return child(*args.first, repeats=0, first_only=True)
     me = [sys.executable, str(Path(__file__).resolve())]
     out = Path(args.out)
+    if args.first_calls:
+        data = json.loads((out / "reductions.json").read_text())
+        data["first_calls"] = {
+            **data.get("first_calls", {}),
+            **{
+                case: {
+                    "machine": runs.machine(),
+                    "loaded": args.loaded,
+                    "rounds": args.rounds,
+                    "methods": first_calls(me, case, args.rounds),
+                }
+                for case in args.cases.split(",")
+            },
+        }
+        return _write(data, out)
     if args.over_only or args.paired_only:
         data = json.loads((out / "reductions.json").read_text())
         if args.over_only:
@@ -496,6 +587,7 @@ def main() -> None:
         }
         data["paired"] = {**kept.get("paired", {}), **data["paired"]}
         data["over"] = kept["over"]
+        data["first_calls"] = kept.get("first_calls", {})
         data["over_machine"] = kept.get("over_machine", kept.get("machine"))
     _write(data, out)
 
@@ -575,6 +667,7 @@ def _markdown(data: dict) -> str:
     for case in PEER_CASES:
         lines += _dp_step(case, measured)
     lines += _paired(data.get("paired", {}))
+    lines += _first_calls(data.get("first_calls", {}))
     lines += [
         "## Peak over a dataset (conv net, batches of 32)",
         "",
@@ -776,6 +869,41 @@ def _paired(paired: dict) -> list[str]:
         lines.append(
             f"| {case} | {found['ratio']:.2f} | {interval} | "
             f"{found['plain_ms']:.1f} | {found['clipped_ms']:.1f} |"
+        )
+    return [*lines, ""]
+
+
+def _first_calls(first: dict) -> list[str]:
+    """The first calls over the plain step's (``--first-calls``)."""
+    if not first:
+        return []
+    lines = [
+        "## First calls ÷ the plain step's first call",
+        "",
+        "Each method's first call (tracing included) in its own fresh process, "
+        "the processes alternating within each round; the median of the "
+        "per-round ratios to the plain step's first call of the same round, and "
+        "the graph ops TensorFlow built during the call (every trace: the "
+        "inspecting pass, the checks, the computation). Goal: ≤ 1.5.",
+        "",
+        "| model | run | first call s | ÷ plain step's first call | per round | "
+        "graph ops |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case, found in sorted(first.items()):
+        loaded = ", loaded" if found.get("loaded") else ""
+        for method, row in found["methods"].items():
+            if "error" in row:
+                lines.append(f"| {case} | {method} | error: {row['error']} | | | |")
+                continue
+            ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
+            each = ", ".join(f"{r:.2f}" for r in row["ratios"])
+            lines.append(
+                f"| {case} | {method} | {row['first_s']:.2f} | {ratio} | {each} | "
+                f"{row['graph_ops']:,} |"
+            )
+        lines.append(
+            f"\n{case}: {found['rounds']} rounds on {found['machine']}{loaded}.\n"
         )
     return [*lines, ""]
 

@@ -18,7 +18,10 @@ def per_example_matmul(patches: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
     2.5 ms, one core).
     """
     if cotangents.shape[1] == 1:
-        return tf.matmul(patches, cotangents[:, 0], transpose_a=True)[:, None]
+        # Squeeze and ExpandDims: no strided slices (their begin, end and
+        # strides constants, per target)
+        found = tf.matmul(patches, tf.squeeze(cotangents, 1), transpose_a=True)
+        return tf.expand_dims(found, 1)
     return tf.matmul(tf.transpose(patches, (0, 2, 1))[:, None], cotangents)
 
 

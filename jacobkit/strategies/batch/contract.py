@@ -145,4 +145,11 @@ class Cotangents:
         """Every row's cotangents, ``(B, R, *z.shape[1:])`` each (example-major,
         so that one contraction writes the result once)."""
         found = map_chunks(self.of, self.rows, self.size)
-        return [tf.experimental.numpy.moveaxis(dz, 0, 1) for dz in found]
+        # one Transpose each (NumPy's moveaxis built its permutation from
+        # shape ops)
+        return [
+            tf.experimental.numpy.moveaxis(dz, 0, 1)
+            if dz.shape.rank is None
+            else tf.transpose(dz, (1, 0, *range(2, dz.shape.rank)))
+            for dz in found
+        ]

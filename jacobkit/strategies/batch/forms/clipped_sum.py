@@ -78,8 +78,16 @@ def contract(
     batch, rows = int(dzs[0].shape[0]), int(dzs[0].shape[1])
     by_row = tf.reshape(scales, (1, rows) if summed else (batch, rows))
 
+    # the scales as one (1, R) row, cast once per dtype: a tensordot per
+    # target built its shape constants and reshapes in Python (188 constants
+    # and 83 reshapes of BERT tiny's 3,028-op clipped sum), one Einsum op does
+    # the same contraction
+    row_scales: dict[Any, Any] = {}
+
     def weighted(rows: Any) -> Any:  # (R, ...) -> (1, ...)
-        return tf.tensordot(tf.cast(scales, rows.dtype), rows, 1)[None]
+        if rows.dtype not in row_scales:
+            row_scales[rows.dtype] = tf.cast(tf.reshape(scales, (1, -1)), rows.dtype)
+        return tf.einsum("zr,r...->z...", row_scales[rows.dtype], rows)
 
     # each part's sum with a leading axis of 1, as _placed lays rows out
     sums: list[tuple[Any, Any]] = []
@@ -102,7 +110,9 @@ def contract(
             kernels.append(tf.reduce_sum(kernel, axis=0, keepdims=True))
             biases.append(tf.reduce_sum(bias, axis=0, keepdims=True))
         sums.append((added(kernels), added(biases)))
-    return Output(tuple(s[0] for s in placed(problem, sums)), total)
+    # the leading axis of 1 dropped by Squeeze (an axis attribute), not a
+    # strided slice (three constants per target)
+    return Output(tuple(tf.squeeze(s, 0) for s in placed(problem, sums)), total)
 
 
 def _norms(rule: Any, calls: list[Any], *, summed: bool) -> Any:

@@ -107,8 +107,18 @@ def contract(
         else:
             found = [p.rule.gradients(x, dz, shape, summed=summed) for x, dz in calls]
             kernel = added([k for k, _ in found])
-            out[p.kernel] = Flat(tf.reshape(kernel, (tf.shape(kernel)[0], -1)))
+            out[p.kernel] = Flat(_flat_rows(kernel))
             bias = added([b for _, b in found])
         if p.bias is not None:
-            out[p.bias] = Flat(tf.reshape(bias, (tf.shape(bias)[0], -1)))
+            out[p.bias] = Flat(_flat_rows(bias))
     return Output(tuple(out))
+
+
+def _flat_rows(rows: Any) -> Any:
+    """``(R, ...)`` rows as ``(R, size)``, by a reshape to a static shape
+    where the row count is known (``tf.shape(rows)[0]`` built a Shape, a
+    strided slice with its three constants and a Pack per target: 195
+    constants of BERT tiny's first ``jk.gram``)."""
+    if rows.shape[0] is None:
+        return tf.reshape(rows, (tf.shape(rows)[0], -1))
+    return tf.reshape(rows, (int(rows.shape[0]), -1))
