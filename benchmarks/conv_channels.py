@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conv_gradients import ROWS, SIZES, WORK_FLOP
+from conv_gradients import ROWS, SIZES, WORK_FLOP, load_note, save_kind
 
 _POSITIONS = SIZES["batch"] * SIZES["sequence"]
 BEFORE_FLOP = WORK_FLOP
@@ -151,13 +151,7 @@ def section(out: Path) -> list[str]:
             "",
             f"GEMM probe {data['gemm_gflops']:.0f} GFLOP/s (median of one probe "
             f"a round); {data['rounds']} rounds after {WARM} warm-up calls "
-            "each."
-            + (
-                " **Measured under load** (2 cores shared with other work): "
-                "absolute times are inflated; read the paired ratios."
-                if data.get("loaded")
-                else ""
-            ),
+            "each." + load_note(data),
             "",
             "| run | auto's plan | steady | first call | work | of the GEMM "
             "rate | after / before (paired) | max rel. diff |",
@@ -184,12 +178,7 @@ def section(out: Path) -> list[str]:
 def write(out: Path, data: dict[str, Any], loaded: bool) -> None:
     """Add ``data`` to the kind's section of ``conv_channels.json``, and
     rewrite this section of ``conv_gradients.md`` (kept after the rest)."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "conv_channels.json"
-    every = json.loads(path.read_text()) if path.exists() else {}
-    data["loaded"] = loaded
-    every["onednn on" if data["onednn"] else "onednn off"] = data
-    path.write_text(json.dumps(every, indent=1) + "\n")
+    save_kind(out / "conv_channels.json", data, loaded)
     render(out)
 
 

@@ -30,19 +30,18 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-SIZES = {
-    "batch": 64,
-    "sequence": 128,
-    "channels": 16,
-    "filters": 64,
-    "filters2": 128,
-    "filters3": 128,
-    "features": 144,
-}
+# the repository's root: the suite's problems, this checkout's jacobkit
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.suite.problems import WIDE_GENERATOR  # noqa: E402
+
+#: the suite's wide generator, ``auto``'s headline problem
+SIZES = WIDE_GENERATOR
 #: rows after the linear head's shortcut (its 128 input channels)
 ROWS = SIZES["filters3"]
 _POSITIONS = SIZES["batch"] * SIZES["sequence"]
@@ -244,15 +243,36 @@ def op_rates(rows_at_once: tuple[int, ...] = (1, 4)) -> dict[str, Any]:
     return found
 
 
+def kind_name(onednn: bool) -> str:
+    """A section's name in the results: the kind of convolution kernels."""
+    return "onednn on" if onednn else "onednn off"
+
+
+def save_kind(path: Path, data: dict[str, Any], loaded: bool) -> dict[str, Any]:
+    """``data`` (marked ``loaded`` or not) written as its kind's section of
+    the JSON file at ``path``, the other kind's kept; every section."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    every = json.loads(path.read_text()) if path.exists() else {}
+    data["loaded"] = loaded
+    every[kind_name(data["onednn"])] = data
+    path.write_text(json.dumps(every, indent=1) + "\n")
+    return every
+
+
+def load_note(section: dict[str, Any]) -> str:
+    """The sentence a section measured under load carries (else nothing)."""
+    if not section.get("loaded"):
+        return ""
+    return (
+        " **Measured under load** (2 cores shared with other work): "
+        "absolute times are inflated; read the paired ratios."
+    )
+
+
 def write(out: Path, data: dict[str, Any], loaded: bool) -> None:
     """Add ``data`` to the kind's section of ``conv_gradients.json``; the
     markdown rewritten from every section."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "conv_gradients.json"
-    every = json.loads(path.read_text()) if path.exists() else {}
-    data["loaded"] = loaded
-    every["onednn on" if data["onednn"] else "onednn off"] = data
-    path.write_text(json.dumps(every, indent=1) + "\n")
+    every = save_kind(out / "conv_gradients.json", data, loaded)
     lines = [
         "# A convolution's input gradient as a forward convolution",
         "",
@@ -273,13 +293,7 @@ def write(out: Path, data: dict[str, Any], loaded: bool) -> None:
             "",
             f"GEMM probe {section['gemm_gflops']:.0f} GFLOP/s (median of "
             "one probe a round; each time's share of the rate is against its "
-            f"round's probe); {section['rounds']} rounds."
-            + (
-                " **Measured under load** (2 cores shared with other work): "
-                "absolute times are inflated; read the paired ratios."
-                if section.get("loaded")
-                else ""
-            ),
+            f"round's probe); {section['rounds']} rounds." + load_note(section),
             "",
             "| run | steady | first call | of the GEMM rate | rule / own "
             "(paired) | max rel. diff |",
@@ -341,8 +355,7 @@ def main() -> None:
 
         path = args.out / "conv_gradients.json"
         every = json.loads(path.read_text()) if path.exists() else {}
-        name = "onednn on" if runtime.cpu_kind().onednn else "onednn off"
-        data = every[name]
+        data = every[kind_name(runtime.cpu_kind().onednn)]
         data["ops"] = op_rates()
         return write(args.out, data, data.get("loaded", args.loaded))
     data = measure(args.rounds, args.only)

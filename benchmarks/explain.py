@@ -117,24 +117,18 @@ def _per_class_gradcam(model, layer, x, classes):
     layer's node tapped so that nested backbones work too."""
     from jacobkit.keras.graph import LayerTap
     from jacobkit.problem.targets import find_layer
+    from jacobkit.testing.reference_targets import watched_output
 
     tap = LayerTap(model, find_layer(model, layer, with_variables=False))
 
     @tf.function
     def cam(x, k):
-        acts = []
         with tf.GradientTape() as tape:
-
-            def hook(call, args, kwargs):
-                a = call(*args, **kwargs)
-                tape.watch(a)
-                acts.append(a)
-                return a
-
-            y = tap(x, False, hook)[:, k]
-        grads = tape.gradient(y, acts[0])
+            y, a = watched_output(tap, tape, x, False)
+            y = y[:, k]
+        grads = tape.gradient(y, a)
         weights = tf.reduce_mean(grads, axis=(1, 2))
-        return tf.nn.relu(tf.einsum("bc,bhwc->bhw", weights, acts[0]))
+        return tf.nn.relu(tf.einsum("bc,bhwc->bhw", weights, a))
 
     x = tf.constant(x)
     return lambda: tf.stack([cam(x, tf.constant(k)) for k in range(classes)], 1)

@@ -140,6 +140,7 @@ def child(method: str, repeats: int) -> None:
 
     from jacobkit import explain
     from jacobkit.keras import graph
+    from jacobkit.testing.reference_targets import watched_output
 
     record = footing.pin_tensorflow("token_attribution")
     model, tokens = build()
@@ -172,19 +173,10 @@ def child(method: str, repeats: int) -> None:
         tap = graph.LayerTap(model, model.backbone.token_embedding, lookup=True)
 
         def one(position, target):
-            held = []
-
             with tf.GradientTape() as tape:
-
-                def hook(call, args, kwargs):
-                    out = call(*args, **kwargs)
-                    tape.watch(out)
-                    held.append(out)
-                    return out
-
-                logits = tap(x, False, hook)
+                logits, embedded = watched_output(tap, tape, x, False)
                 log_p = tf.nn.log_softmax(logits[0, position])[target]
-            return tape.gradient(log_p, held[0])
+            return tape.gradient(log_p, embedded)
 
         if not method.endswith("eager"):
             # compiled once: the loop at its fastest; eager, as a loop of

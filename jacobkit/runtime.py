@@ -320,6 +320,34 @@ class ProcessState:
 #: the one module-level mutable state of this kind (see :class:`ProcessState`)
 PROCESS = ProcessState()
 _PROCESS_LOCK = threading.Lock()
+_RULES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def rule_replaced(
+    registry: MutableMapping[str, Any],
+    key: str,
+    held: dict[str, tuple[Any, int]],
+    replacement: Callable[[Any], Any],
+) -> Iterator[None]:
+    """``registry[key]`` replaced by ``replacement(own)`` for the block, then
+    TensorFlow's ``own`` entry put back; nested and concurrent blocks share
+    one replacement (``held`` keeps ``own`` and how many blocks are open: one
+    of :class:`ProcessState`'s ``*_rules``)."""
+    with _RULES_LOCK:
+        own, depth = held.get(key, (registry[key], 0))
+        if depth == 0:
+            registry[key] = replacement(own)
+        held[key] = (own, depth + 1)
+    try:
+        yield
+    finally:
+        with _RULES_LOCK:
+            own, depth = held.pop(key)
+            if depth > 1:
+                held[key] = (own, depth - 1)
+            else:
+                registry[key] = own
 
 
 def measured_once(key: Hashable, measure: Callable[[], T]) -> T:

@@ -27,6 +27,7 @@ from jacobkit import explain, testing
 from jacobkit.keras.graph import LayerTap
 from jacobkit.problem import pooled_head
 from jacobkit.problem.targets import find_layer
+from jacobkit.testing.reference_targets import watched_output
 
 TOL = 1e-5
 
@@ -36,19 +37,11 @@ def _reference(model, layer, x):
     each output at ``layer``'s output by autodiff of the whole float64 model."""
     model64 = testing.float64_copy(model)
     tap = LayerTap(model64, find_layer(model64, layer, with_variables=False))
-    found = []
     with tf.GradientTape() as tape:
-
-        def hook(call, args, kwargs):
-            a = call(*args, **kwargs)
-            tape.watch(a)
-            found.append(a)
-            return a
-
-        y = tap(tf.constant(x, tf.float64), False, hook)
-    grads = tape.batch_jacobian(y, found[0])  # (B, C, h, w, K)
+        y, a = watched_output(tap, tape, tf.constant(x, tf.float64), False)
+    grads = tape.batch_jacobian(y, a)  # (B, C, h, w, K)
     weights = tf.reduce_mean(grads, axis=(2, 3))
-    return tf.nn.relu(tf.einsum("bkc,bhwc->bkhw", weights, found[0])).numpy()
+    return tf.nn.relu(tf.einsum("bkc,bhwc->bkhw", weights, a)).numpy()
 
 
 def _close(actual, expected):

@@ -51,6 +51,7 @@ from jacobkit import explain, testing
 from jacobkit.keras import state
 from jacobkit.keras.graph import LayerTap
 from jacobkit.problem.targets import find_layer
+from jacobkit.testing.reference_targets import watched_output
 
 TOL = 1e-5
 STATS_RTOL = 1e-6
@@ -153,19 +154,12 @@ def _tape_cam(model, layer, x, dtype):
     """Grad-CAM the obvious way, ``(B, K, h, w)``: ``A`` and ``Y`` from one
     ``training=True`` pass, ``d sum_b Y[b, k] / d A`` by a tape."""
     tap = LayerTap(model, find_layer(model, layer, with_variables=False))
-    found = []
     with tf.GradientTape() as tape:
-
-        def hook(call, args, kwargs):
-            a = call(*args, **kwargs)
-            tape.watch(a)
-            found.append(a)
-            return a
-
-        summed = tf.reduce_sum(tap(tf.constant(x, dtype), True, hook), axis=0)
-    grads = tape.jacobian(summed, found[0])  # (K, B, h, w, C)
+        y, a = watched_output(tap, tape, tf.constant(x, dtype), True)
+        summed = tf.reduce_sum(y, axis=0)
+    grads = tape.jacobian(summed, a)  # (K, B, h, w, C)
     weights = tf.reduce_mean(grads, axis=(2, 3))  # (K, B, C)
-    return tf.nn.relu(tf.einsum("kbc,bhwc->bkhw", weights, found[0])).numpy()
+    return tf.nn.relu(tf.einsum("kbc,bhwc->bkhw", weights, a)).numpy()
 
 
 def _close(actual, expected) -> float:

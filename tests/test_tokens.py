@@ -465,25 +465,12 @@ def test_the_auto_baseline_is_the_scaled_pad_token_where_rms_norms_are(request, 
     np.testing.assert_allclose(cosine, 1.0, rtol=1e-6)
 
 
-def test_auto_starts_token_attribution_vectorized(monkeypatch):
-    """Given its prior, ``auto``'s first call of token attribution runs
-    every row at once by ``chunked``: a vectorized row holds its own
-    backward tensors, not a forward pass's activations, so its predicted
-    peak is within ``Policy.start_peak_factor`` of ``while``'s plus
-    ``start_slack_bytes`` (the benchmark's GPT-2: ``chunked(32)`` predicted
-    at 33.6 MiB against 7.3, measured 28.6 and 3.7; it was predicted at
-    201 MiB and never tried). That GPT-2 and rows: 32 rows, over
-    ``while``'s 10 in flight (at or under them, both compute every row at
-    once, and the cheaper to trace starts)."""
+def _plans_of_each_call(monkeypatch) -> list:
+    """The plan of every ``jacobian`` call that follows, in order (through the
+    ``api`` module, as ``explain`` calls it), with no measurements read from
+    or written to the cache: this process's own."""
     from jacobkit import api
 
-    keras.utils.set_random_seed(0)
-    backbone = hub_models.gpt2(
-        1000, layers=2, hidden=64, intermediate=128, length=128, heads=4
-    )
-    gpt2 = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
-    ids = np.random.default_rng(0).integers(1, 1000, (1, 96)).astype("int32")
-    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     monkeypatch.setenv("JACOBKIT_CACHE_DIR", "")
     plans = []
     real = api.jacobian
@@ -494,6 +481,27 @@ def test_auto_starts_token_attribution_vectorized(monkeypatch):
         return result
 
     monkeypatch.setattr(api, "jacobian", keeping_plans)
+    return plans
+
+
+def test_auto_starts_token_attribution_vectorized(monkeypatch):
+    """Given its prior, ``auto``'s first call of token attribution runs
+    every row at once by ``chunked``: a vectorized row holds its own
+    backward tensors, not a forward pass's activations, so its predicted
+    peak is within ``Policy.start_peak_factor`` of ``while``'s plus
+    ``start_slack_bytes`` (the benchmark's GPT-2: ``chunked(32)`` predicted
+    at 33.6 MiB against 7.3, measured 28.6 and 3.7; it was predicted at
+    201 MiB and never tried). That GPT-2 and rows: 32 rows, over
+    ``while``'s 10 in flight (at or under them, both compute every row at
+    once, and the cheaper to trace starts)."""
+    keras.utils.set_random_seed(0)
+    backbone = hub_models.gpt2(
+        1000, layers=2, hidden=64, intermediate=128, length=128, heads=4
+    )
+    gpt2 = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    ids = np.random.default_rng(0).integers(1, 1000, (1, 96)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    plans = _plans_of_each_call(monkeypatch)
     explain.token_attribution(
         gpt2, x, positions=(63, 95), targets=ids, memory_budget="256MiB"
     )
@@ -513,22 +521,13 @@ def test_auto_ends_on_the_strategy_its_own_probes_measured_fastest(monkeypatch):
     compiled a strategy for the same problem, auto's first call traces
     nothing (its trace is then its computation's first call's,
     ``Probe.first_call_s``)."""
-    from jacobkit import api, planner
+    from jacobkit import planner
 
     keras.utils.set_random_seed(0)
     backbone = hub_models.gpt2(VOCABULARY, **SIZES)
     gpt2 = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
 
-    monkeypatch.setenv("JACOBKIT_CACHE_DIR", "")  # this process's measurements
-    plans = []
-    real = api.jacobian
-
-    def keeping_plans(*args, **kwargs):
-        result = real(*args, **kwargs)
-        plans.append(result.plan)
-        return result
-
-    monkeypatch.setattr(api, "jacobian", keeping_plans)
+    plans = _plans_of_each_call(monkeypatch)
     with planner.use_policy(rent=0.0) as policy:
         for _ in range(10):
             explain.token_attribution(gpt2, _tokens())

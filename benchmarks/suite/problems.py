@@ -245,6 +245,19 @@ def full_suite() -> list[BenchProblem]:
     return merge_duplicates(problems)
 
 
+#: the users' wide generator (issue 8): B=64, T=128, C=16 with Conv1D
+#: 64/128/128 -> Dense(144); ``auto``'s headline and ``conv_gradients.py``'s
+WIDE_GENERATOR = {
+    "batch": 64,
+    "sequence": 128,
+    "channels": 16,
+    "filters": 64,
+    "filters2": 128,
+    "filters3": 128,
+    "features": 144,
+}
+
+
 def auto_suite() -> list[BenchProblem]:
     """The problems of ``auto``'s targets (issue 8): the users' generator at
     B=64, T=128, C=16 with Conv1D 64/128/128 → Dense(144), target the first
@@ -256,15 +269,7 @@ def auto_suite() -> list[BenchProblem]:
         BenchProblem(
             id="generator-conv1-F144-B64-wide",
             builder="generator",
-            sizes={
-                "batch": 64,
-                "sequence": 128,
-                "channels": 16,
-                "filters": 64,
-                "filters2": 128,
-                "filters3": 128,
-                "features": 144,
-            },
+            sizes=dict(WIDE_GENERATOR),
             layer="conv1",
             chunk_sizes=(8, 36),
             headline=True,

@@ -36,7 +36,6 @@ import tensorflow as tf
 from jacobkit import layers
 from jacobkit.keras import compat
 from jacobkit.keras import graph as keras_graph
-from jacobkit.keras.compat import as_tf_variable
 from jacobkit.problem import functional
 from jacobkit.problem.call import Call
 from jacobkit.problem.functional import Graph, NotApplicable
@@ -156,11 +155,7 @@ def find(problem: Problem, graph: Graph) -> ConvChannels:
         )
     _check_conv(keras, conv, rank)
     keras_graph.used_once(conv)
-    own = {id(as_tf_variable(v)) for v in conv.weights}
-    if any(id(t) in own for t in problem.targets):
-        raise NotApplicable(
-            f"one-channel rows: the targets include {conv.name!r}'s own variables"
-        )
+    functional.refuse_own_variables(problem, conv, "one-channel rows")
     x = keras_graph.single_input(conv, node)
     if type(keras_graph.producer(x)[0]).__name__ == "InputLayer":
         raise NotApplicable(f"one-channel rows: {conv.name!r} reads the model's input")

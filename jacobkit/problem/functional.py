@@ -77,3 +77,14 @@ def linear_kind(layer: Any) -> str | None:
 
 def lora_or_quantized(layer: Any) -> bool:
     return compat.lora_enabled(layer) or bool(compat.quantization_mode(layer))
+
+
+def refuse_own_variables(problem: Problem, layer: Any, structure: str) -> None:
+    """Raise :data:`NotApplicable` where ``problem``'s targets include
+    ``layer``'s own variables: a structure that rewrites ``layer``'s pass
+    (``structure`` names it in the message) keeps no gradient of them."""
+    own = {id(compat.as_tf_variable(v)) for v in layer.weights}
+    if any(id(t) in own for t in problem.targets):
+        raise NotApplicable(
+            f"{structure}: the targets include {layer.name!r}'s own variables"
+        )

@@ -21,7 +21,6 @@ import tensorflow as tf
 
 from jacobkit.keras import compat
 from jacobkit.keras import graph as keras_graph
-from jacobkit.keras.compat import as_tf_variable
 from jacobkit.problem import functional
 from jacobkit.problem.call import Call
 from jacobkit.problem.functional import Graph, NotApplicable
@@ -95,11 +94,7 @@ def find(
     if functional.lora_or_quantized(head):
         raise NotApplicable(f"linear head: {head.name!r} is LoRA/quantized")
     keras_graph.used_once(head)
-    head_vars = {id(as_tf_variable(v)) for v in head.weights}
-    if any(id(t) in head_vars for t in problem.targets):
-        raise NotApplicable(
-            f"linear head: the targets include {head.name!r}'s own variables"
-        )
+    functional.refuse_own_variables(problem, head, "linear head")
     h = keras_graph.single_input(head, node)
     width = int(head.kernel.shape[0])
     rows_width = len(functional.channels(problem))

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,7 +56,6 @@ from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
 from jacobkit import runtime
 
 _OP = "Conv2D"
-_LOCK = threading.Lock()
 
 
 def within(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -97,21 +95,10 @@ def convolution_rules() -> Iterator[None]:
     if registry is None:
         yield
         return
-    held = runtime.PROCESS.gradient_rules  # TensorFlow's own entry, the depth
-    with _LOCK:
-        own, depth = held.get(_OP, (registry[_OP], 0))
-        if depth == 0:
-            registry[_OP] = _replaced(own)
-        held[_OP] = (own, depth + 1)
-    try:
+    with runtime.rule_replaced(
+        registry, _OP, runtime.PROCESS.gradient_rules, _replaced
+    ):
         yield
-    finally:
-        with _LOCK:
-            own, depth = held.pop(_OP)
-            if depth > 1:
-                held[_OP] = (own, depth - 1)
-            else:
-                registry[_OP] = own
 
 
 def _replaced(entry: dict[Any, Any]) -> dict[Any, Any]:

@@ -31,7 +31,6 @@ keeps its rules elsewhere (another version), nothing is replaced.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,7 +40,6 @@ from tensorflow.python.ops.parallel_for import pfor as _pfor
 from jacobkit import runtime
 
 _RULE = "BatchMatMulV2"
-_LOCK = threading.Lock()
 
 
 def vectorized_map(fn: Callable[[Any], Any], elems: Any, **kwargs: Any) -> Any:
@@ -70,20 +68,10 @@ def safe_rules() -> Iterator[None]:
     if registry is None:
         yield
         return
-    held = runtime.PROCESS.pfor_rules  # pfor's own rule and the depth
-    with _LOCK:
-        own, depth = held.get(_RULE, (registry[_RULE], 0))
-        registry[_RULE] = _batch_matmul
-        held[_RULE] = (own, depth + 1)
-    try:
+    with runtime.rule_replaced(
+        registry, _RULE, runtime.PROCESS.pfor_rules, lambda own: _batch_matmul
+    ):
         yield
-    finally:
-        with _LOCK:
-            own, depth = held.pop(_RULE)
-            if depth > 1:
-                held[_RULE] = (own, depth - 1)
-            else:
-                registry[_RULE] = own
 
 
 def _batch_matmul(pfor_input: Any) -> Any:

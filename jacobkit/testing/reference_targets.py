@@ -86,20 +86,31 @@ class ReferenceTarget:
             packed = tf.nest.pack_sequence_as(inputs, flat)
             return model(packed, **call_kwargs), watched
         if self.layer is not None:
-            found: list[Any] = []
-
-            def hook(call: Any, args: Any, kwargs: Any) -> Any:
-                activation = call(*args, **kwargs)
-                tape.watch(activation)
-                found.append(activation)
-                return activation
-
             tap = graph.LayerTap(model, self.layer, lookup=True)
             training = bool(call_kwargs.get("training", False))
-            return tap(inputs, training, hook), found
+            outputs, activation = watched_output(tap, tape, inputs, training)
+            return outputs, [activation]
         watched = [compat.as_tf_variable(v) for v in self.variables]
         tape.watch(watched)
         return model(inputs, **call_kwargs), watched
+
+
+def watched_output(
+    tap: graph.LayerTap, tape: tf.GradientTape, inputs: Any, training: bool
+) -> tuple[Any, Any]:
+    """``tap``'s model run on ``inputs`` with the tapped layer's output
+    watched by ``tape`` (call it inside the tape's block, eager or traced):
+    the model's outputs, and that layer output, as the layer gave it."""
+    found: list[Any] = []
+
+    def hook(call: Any, args: Any, kwargs: Any) -> Any:
+        activation = call(*args, **kwargs)
+        tape.watch(activation)
+        found.append(activation)
+        return activation
+
+    outputs = tap(inputs, training, hook)
+    return outputs, found[0]
 
 
 def resolve(layer: Any, model: Any, inputs: Any) -> ReferenceTarget:
