@@ -145,21 +145,12 @@ class PrivateModel(keras.Model):
         self.first_checks(y, self.model(x, training=False), variables)
         assert self.clipping is not None
         if len(self.clipping.groups) > 1:
-            # NOTE (a known bug, not yet fixed). With one jk.function per
-            # clipping group, the compiled step's first step sometimes
-            # computed one group's clipped sums (1e-2 off) with exactly one
-            # variable of ANOTHER group read after this step's own optimizer
-            # update (matched to 1e-5 by the eager sums at those mixed
-            # weights): a group's forward pass reads every group's variables,
-            # but only its own sums feed their update, and the ordering
-            # TensorFlow's automatic control dependencies put in the graph
-            # (each update after both calls; the reads among the nested
-            # functions' control outputs) did not hold at run time. Seen in
-            # about 1 model in 10 on a loaded machine, in none of 72 when it
-            # was quieter; not seen with grappler off (32 models). No other
-            # model's variables are read. Refused rather than a silently
-            # wrong private step; one computation for all groups (one
-            # forward pass whose outputs feed every update) would remove it.
+            # NOTE (a known bug). One jk.function per group: a group's
+            # forward pass reads every group's variables, but only its own
+            # sums feed their update, and in about 1 model in 10 (loaded) a
+            # variable of another group was read after this step's update
+            # of it, although the graph orders each update after both
+            # calls. One computation for all groups would remove it.
             raise NotImplementedError(
                 "jacobkit.privacy: per-layer clipping runs eagerly for now: "
                 "compile the private model with run_eagerly=True. Its compiled "
