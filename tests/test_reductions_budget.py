@@ -105,7 +105,8 @@ def test_without_closed_forms_a_tight_budget_holds_fewer_rows(reduce):
     ``chunked(16)``, measured 24 MiB): the first run over an 8 MiB budget
     moves the next calls to fewer rows at once, with a BudgetWarning. The
     head's closed form runs beside it (a grouped plan: batch on the head,
-    chunked on the LSTM)."""
+    chunked on the LSTM), or, where the reduced call's timed trial finds it
+    faster, ``while`` on every target."""
     model, inputs = _lstm()
     free = _call(model, inputs, reduce)
     assert free.plan.strategy == jk.strategies.Grouped(
@@ -116,7 +117,13 @@ def test_without_closed_forms_a_tight_budget_holds_fewer_rows(reduce):
         warnings.simplefilter("always")
         results = [_call(model, inputs, reduce, memory_budget="8MiB") for _ in range(3)]
     last = results[-1].plan
-    assert last.strategy.name == "grouped" and last.strategy.chunk_size < 16
+    # fewer rows at once: grouped on smaller chunks, or, where auto's timed
+    # trial of the next fitting candidate (calls 2-6) found it faster, while
+    # (one row at a time; chosen in a loaded CI run)
+    if last.strategy.name == "grouped":
+        assert last.strategy.chunk_size < 16
+    else:
+        assert last.strategy.name == "while", last.strategy
     assert last.source == "measured"
     # each warning once: the back-off, and (where even one row at a time
     # measured over the allowed 85%: 7-8 MiB here) that the budget is not held
