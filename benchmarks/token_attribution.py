@@ -433,7 +433,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "token_attribution.json").write_text(json.dumps(data, indent=1))
-    (out / "token_attribution.md").write_text(_markdown(data))
+    page = out / "token_attribution.md"
+    kept = page.read_text().partition(AUTO_SECTION) if page.exists() else ("", "", "")
+    # the section --auto wrote stays: the two runs are separate
+    page.write_text(_markdown(data).rstrip("\n") + "\n\n" + "".join(kept[1:]))
     print(_markdown(data))
 
 
