@@ -618,10 +618,11 @@ def test_the_compiled_step_logs_its_own_passes_loss_without_another_pass():
 
 def test_per_layer_clipping_is_refused_on_the_compiled_step():
     """A known bug: the compiled step with one ``jk.function`` per clipping
-    group computed a group's clipped sums with other weights in about 1 run
-    in 4 when a model of the same architecture was alive in the process
-    (relative error 1e-2; the eager step always matched). Until it is found,
-    the compiled per-layer step is refused in words, never silently wrong."""
+    group sometimes computed a group's clipped sums (relative error 1e-2)
+    with a variable of another group read after this step's update of it
+    (the eager step always matched). Until one computation serves every
+    group, the compiled per-layer step is refused in words, never silently
+    wrong."""
     model = _mlp()
     x, y = _data(model)
     sampler = jk.privacy.PoissonSampler((x, y), Q, seed=4, sizes=(6, 14))

@@ -78,18 +78,18 @@ def contract(
     batch, rows = int(dzs[0].shape[0]), int(dzs[0].shape[1])
     by_row = tf.reshape(scales, (1, rows) if summed else (batch, rows))
 
-    # the scales as one (1, R) row, cast once per dtype: a tensordot per
-    # target built its shape constants and reshapes in Python (188 constants
-    # and 83 reshapes of BERT tiny's 3,028-op clipped sum), one Einsum op does
-    # the same contraction
+    # the scales as one (1, R) row, cast once per dtype, and each target's
+    # rows weighted by one matmul on them flattened to a static shape: a
+    # tensordot per target built its shape constants and reshapes in Python
+    # (188 constants and 83 reshapes of BERT tiny's 3,028-op clipped sum).
+    # NOTE (measured). An Einsum "zr,r...->z..." instead took the conv net of
+    # benchmarks/reductions.py's clipped sum from 9.6 to 12.1 ms (one core,
+    # oneDNN on); the matmul, 9.4 ms
     row_scales: dict[Any, Any] = {}
 
     def weighted(rows: Any) -> Any:  # (R, ...) -> (1, ...)
         if rows.dtype not in row_scales:
             row_scales[rows.dtype] = tf.cast(tf.reshape(scales, (1, -1)), rows.dtype)
-        # NOTE (measured). An Einsum "zr,r...->z..." here took the conv net
-        # of benchmarks/reductions.py's clipped sum from 9.6 to 12.1 ms (one
-        # core, oneDNN on); a matmul on the rows flattened, 9.4 ms
         shape = rows.shape[1:]
         if not shape.is_fully_defined():
             return tf.tensordot(row_scales[rows.dtype][0], rows, 1)[None]
