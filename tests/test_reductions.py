@@ -140,6 +140,80 @@ def test_clipped_sum_agrees_with_float64(case, name):
     )
 
 
+#: the groups of each model's targets (positions in trainable_variables):
+#: per layer, and on the MLP the hidden layer's kernel and bias apart (a
+#: group that splits a layer: ``batch`` contracts its cotangents twice)
+GROUPS = {
+    "mlp": ((0,), (1,), (2, 3)),
+    "tokens": ((0,), (1, 2), (3, 4)),
+    "conv": ((0, 1), (2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+def test_grouped_clipped_sum_agrees_with_float64(case, name):
+    """``jk.ClippedSum(clips, groups=...)``: each group's part of every
+    row's gradient clipped to its own norm (per-layer DP-SGD), in one call;
+    the reference: every row's float64 gradient, each group's norm, scale
+    and sum in numpy. ``result.norms``: the whole row's norm."""
+    model, inputs = MODELS[name]()
+    strategy = case.make(inputs[0].shape[0])
+    variables = model.trainable_variables
+    want, flat = _per_example(model, inputs)
+    groups = GROUPS[name]
+    assert sorted(i for g in groups for i in g) == list(range(len(variables)))
+    parts = [
+        np.sqrt(sum(np.sum(want[i].reshape(len(flat), -1) ** 2, 1) for i in g))
+        for g in groups
+    ]
+    # each group's median: some rows clipped in each group, some not
+    clips = tuple(float(np.median(n)) for n in parts)
+    reduce = jk.ClippedSum(clips, groups=groups)
+    if _refuses(strategy):
+        with pytest.raises(ValueError):
+            jk.jacobian(
+                model, inputs, variables, strategy=strategy, outputs=LOSS, reduce=reduce
+            )
+        return
+    sums = [None] * len(variables)
+    for g, clip, n in zip(groups, clips, parts):
+        assert 0 < np.sum(n > clip) < len(n)
+        scales = np.minimum(1.0, clip / n)
+        for i in g:
+            sums[i] = np.tensordot(scales, want[i], 1)
+    result = jk.jacobian(
+        model, inputs, variables, strategy=strategy, outputs=LOSS, reduce=reduce
+    )
+    _close(list(result.jacobians.values()), sums)
+    norms = np.linalg.norm(flat, axis=1)
+    np.testing.assert_allclose(
+        np.asarray(result.norms), norms, rtol=0, atol=RTOL * norms.max()
+    )
+
+
+def test_grouped_clipped_sum_refuses_bad_groups_in_words():
+    model, inputs = _mlp()
+    variables = model.trainable_variables
+    for groups in (((0, 1), (2,)), ((0, 1), (1, 2, 3))):
+        with pytest.raises(ValueError, match="exactly once"):
+            jk.jacobian(
+                model,
+                inputs,
+                variables,
+                outputs=LOSS,
+                reduce=jk.ClippedSum(1.0, groups=groups),
+            )
+    with pytest.raises(ValueError, match="one clip norm per group"):
+        jk.ClippedSum((1.0, 2.0), groups=((0, 1, 2, 3),))
+    with pytest.raises(ValueError, match="one per group"):
+        jk.ClippedSum((1.0, -2.0), groups=((0, 1), (2, 3)))
+    with pytest.raises(ValueError, match="each group not empty"):
+        jk.ClippedSum(1.0, groups=((0, 1), ()))
+    with pytest.raises(ValueError, match="positive number"):
+        jk.ClippedSum((1.0, 2.0))  # several norms need groups
+
+
 @pytest.mark.parametrize("strategy", ["batch", "loop", "auto"])
 def test_clipped_sum_over_a_dataset_is_one_sum(strategy):
     model, inputs = _tokens()

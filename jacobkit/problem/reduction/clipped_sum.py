@@ -60,27 +60,52 @@ class ClippedSum(Reduction):
             and is refused (checked on the first padded call per model and
             loss, by one forward pass: :func:`jacobkit.problem.padding.
             check_batch_size`).
+        groups: clip each group of the targets to its own norm instead
+            (per-layer DP-SGD): the targets' positions (in the order
+            ``layer=`` gives them) in groups that cover each target once,
+            e.g. ``((0, 1), (2, 3))``; ``clip_norm`` is then one norm per
+            group (or one for all). Row ``r``'s gradient of group ``g``,
+            ``g_{r,g}``, is scaled by ``min(1, C_g / |g_{r,g}|)`` (its norm
+            over the group's targets); every group's from the same forward
+            pass in one computation (one draw of the model's randomness,
+            and every group's sums depend on one read of each variable).
+            ``result.norms`` stays every row's norm over all targets.
     """
 
-    clip_norm: float
+    clip_norm: float | tuple[float, ...]
     pad_batches: bool = False
+    groups: tuple[tuple[int, ...], ...] | None = None
 
     name = "clipped_sum"
     sums_batches = True
     generic_passes = 2
 
     def __post_init__(self) -> None:
-        value = _scalar(self.clip_norm)
+        if self.groups is not None:
+            object.__setattr__(self, "groups", _groups(self.groups))
+        value = self.clip_norm
+        if self.groups is not None and isinstance(value, (list, tuple)):
+            value = tuple(_scalar(v) for v in value)
+            if len(value) != len(self.groups):
+                raise ValueError(
+                    f"jk.ClippedSum(clip_norm={value!r}, groups=...): expected "
+                    f"one clip norm per group ({len(self.groups)}), or one for all."
+                )
+        else:
+            value = _scalar(value)
         object.__setattr__(self, "clip_norm", value)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not float(value) > 0
-        ):
-            raise ValueError(
-                f"jk.ClippedSum(clip_norm={value!r}): expected a positive number "
-                "(the largest L2 norm a row's gradient keeps)."
-            )
+        several = isinstance(value, tuple) and self.groups is not None
+        for one in value if several else (value,):
+            if (
+                isinstance(one, bool)
+                or not isinstance(one, numbers.Real)
+                or not float(one) > 0
+            ):
+                raise ValueError(
+                    f"jk.ClippedSum(clip_norm={value!r}): expected a positive "
+                    "number (the largest L2 norm a row's gradient keeps)"
+                    + (", one per group or one for all." if self.groups else ".")
+                )
         if not isinstance(self.pad_batches, bool):
             raise ValueError(
                 f"jk.ClippedSum(pad_batches={self.pad_batches!r}): expected True "
@@ -91,11 +116,39 @@ class ClippedSum(Reduction):
     def pads_batches(self) -> bool:  # type: ignore[override]  # others: False
         return self.pad_batches
 
-    def scales(self, norms: Any) -> Any:
-        """``min(1, clip_norm / norm)`` per row (1 for a zero gradient)."""
+    def clips(self, count: int) -> tuple[tuple[tuple[int, ...], float], ...]:
+        """Each group of ``count`` targets with its clip norm: one group of
+        every target where no ``groups`` were given."""
+        groups = self.groups or (tuple(range(count)),)
+        value = self.clip_norm
+        norms = value if isinstance(value, tuple) else (value,) * len(groups)
+        return tuple((g, float(c)) for g, c in zip(groups, norms, strict=True))
+
+    def scales(self, norms: Any, clip: float | None = None) -> Any:
+        """``min(1, clip / norm)`` per row (1 for a zero gradient);
+        ``clip``: ``clip_norm`` where not given (one group)."""
         norms = tf.convert_to_tensor(norms)
-        clip = tf.cast(self.clip_norm, norms.dtype)
+        if clip is None:
+            assert not isinstance(self.clip_norm, tuple), "one clip norm per group"
+        clip = tf.cast(self.clip_norm if clip is None else clip, norms.dtype)
         return tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, 1e-30))
+
+    def target_scales(self, squares: Sequence[Any]) -> tuple[list[Any], Any]:
+        """From each target's squared row norms ``(R,)`` (float32, in the
+        targets' order): each target's row scales ``(R,)``, its group's
+        ``min(1, C_g / norm_g)`` (the same tensor for a group's targets), and
+        every row's norm over all targets ``(R,)``."""
+        total = tf.sqrt(tf.add_n(list(squares)))
+        found: list[Any] = [None] * len(squares)
+        for group, clip in self.clips(len(squares)):
+            if len(group) == len(squares):
+                norms = total  # one group: its norm is the total
+            else:
+                norms = tf.sqrt(tf.add_n([squares[i] for i in group]))
+            scale = self.scales(norms, clip)
+            for i in group:
+                found[i] = scale
+        return found, total
 
     def check(self, problem: Problem) -> None:
         """Refuse tensor targets, and rows that are not one per example:
@@ -105,6 +158,16 @@ class ClippedSum(Reduction):
         ``jk.Loss(..., each=True)`` several per example: clipping those
         bounds no example's gradient (for DP-SGD, no privacy)."""
         refuse_tensor_targets(problem, self, "clips")
+        count = len(problem.targets)
+        if self.groups is not None and sorted(
+            i for g in self.groups for i in g
+        ) != list(range(count)):
+            raise ValueError(
+                f"jacobian(reduce=jk.ClippedSum(..., groups={self.groups!r})): "
+                f"the groups must hold each of the {count} targets' positions "
+                f"(0 to {count - 1}, in the order of layer=: "
+                f"{', '.join(problem.target_names)}) exactly once."
+            )
         loss = problem.rows_spec.loss
         if loss is None or loss.each:
             mode = problem.rows_spec.mode
@@ -149,17 +212,22 @@ class ClippedSum(Reduction):
     def generic(
         self, problem: Problem, computation: Computations, native: frozenset[str]
     ) -> Computation:
-        """Each row's norm (over every target) by the strategy, natively where
-        it computes norms, else from its rows; then one backward pass of the
-        rows weighted by ``min(1, C / norm)``. That pass gives ``sum_r s_r
-        g_r`` at once: the gradient of ``sum_r s_r row_r`` is the scaled
-        rows' gradients summed, and no row's gradient is formed. Both run in
-        one computation, over one draw of the model's randomness (every
-        forward pass of a call sees the same state: :mod:`jacobkit.keras.state`)."""
+        """Each row's norm (over every target, and over each group's) by the
+        strategy, natively where it computes norms, else from its rows; then
+        one backward pass of the rows weighted by ``min(1, C / norm)``. That
+        pass gives ``sum_r s_r g_r`` at once: the gradient of ``sum_r s_r
+        row_r`` is the scaled rows' gradients summed, and no row's gradient
+        is formed. With ``groups``, one backward pass per group over the same
+        forward pass (the tape kept), each weighted by its group's scales
+        and asking for its group's targets only. All run in one computation,
+        over one draw of the model's randomness (every forward pass of a
+        call sees the same state: :mod:`jacobkit.keras.state`).
+        """
         self.check(problem)
         by_norms = Norms.name in native
         first = computation(problem.with_reduction(Norms() if by_norms else Rows()))
         targets = list(problem.targets)
+        clips = self.clips(len(targets))
 
         def clipped(inputs: Any) -> Output:
             found = first(inputs).values
@@ -169,20 +237,27 @@ class ClippedSum(Reduction):
                 else squared_rows(f)
                 for f in found
             ]
-            total = tf.sqrt(tf.add_n(squares))
-            scales = self.scales(total)
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
+            scales, total = self.target_scales(squares)
+            with tf.GradientTape(
+                watch_accessed_variables=False, persistent=len(clips) > 1
+            ) as tape:
                 tape.watch(targets)
                 rows = problem.rows(inputs)
-            sums = tape.gradient(
-                rows,
-                targets,
-                output_gradients=tf.reshape(
-                    tf.cast(scales, rows.dtype), tf.shape(rows)
-                ),
-                unconnected_gradients=ZERO,
-            )
-            return Output(tuple(tf.convert_to_tensor(g) for g in sums), total)
+            sums: list[Any] = [None] * len(targets)
+            for group, _ in clips:
+                weights = tf.reshape(
+                    tf.cast(scales[group[0]], rows.dtype), tf.shape(rows)
+                )
+                found_sums = tape.gradient(
+                    rows,
+                    [targets[i] for i in group],
+                    output_gradients=weights,
+                    unconnected_gradients=ZERO,
+                )
+                for i, g in zip(group, found_sums, strict=True):
+                    sums[i] = tf.convert_to_tensor(g)
+            del tape
+            return Output(tuple(sums), total)
 
         return clipped
 
@@ -202,6 +277,21 @@ class ClippedSum(Reduction):
     def joined(self, parts: list[Any], *, summed: bool) -> Any:
         """The replicas' sums added up (their norms: :meth:`joined_norms`)."""
         return tf.add_n(parts)
+
+
+def _groups(groups: Any) -> Any:
+    """``groups`` as a tuple of tuples of ints (anything else kept, refused
+    in words)."""
+    try:
+        found = tuple(tuple(int(i) for i in g) for g in groups)
+    except (TypeError, ValueError):
+        found = None
+    if not found or any(not g for g in found):
+        raise ValueError(
+            f"jk.ClippedSum(groups={groups!r}): expected groups of target "
+            "positions, e.g. ((0, 1), (2, 3)), each group not empty."
+        )
+    return found
 
 
 def _scalar(value: Any) -> Any:

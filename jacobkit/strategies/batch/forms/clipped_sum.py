@@ -28,8 +28,9 @@ def contract(
     problem: Problem, taps: Taps, cotangents: Cotangents, *, summed: bool
 ) -> Output:
     """``reduce=jk.ClippedSum``: each target's sum of the rows' gradients
-    scaled to norm at most ``clip_norm`` (over all targets together), then
-    every row's norm ``(R,)``.
+    scaled to norm at most ``clip_norm`` (over all targets together, or over
+    each of its ``groups``, each to its own norm), then every row's norm
+    ``(R,)`` over all targets.
 
     A row's gradient is linear in its cotangent, so no second backward pass
     is needed (the book-keeping of ghost clipping). Per part:
@@ -58,7 +59,7 @@ def contract(
     formed: dict[int, tuple[Any, Any]] = {}
     # each target's squared row norms (R,), in float32: a formed row's
     # squares summed at once (no square root to undo), a rule's norms squared
-    squares: list[Any] = []
+    squares: list[Any] = [None] * len(targets)
     for i, p in enumerate(projections(problem)):
         calls = [(x, dz) for x, dz, j in zip(xs, dzs, parts) if j == i]
         norms = _norms(p.rule, calls, summed=summed)
@@ -68,43 +69,44 @@ def contract(
             kernel = added([k for k, _ in each])
             bias = None if p.bias is None else added([b for _, b in each])
             formed[i] = (kernel, bias)
-            squares.extend(squared_rows(g) for g in (kernel, bias) if g is not None)
-        else:
-            squares.append(tf.square(tf.cast(norms[0], tf.float32)))
+            squares[p.kernel] = squared_rows(kernel)
             if p.bias is not None:
-                squares.append(tf.square(tf.cast(norms[1], tf.float32)))
-    total = tf.sqrt(tf.add_n(squares))
-    scales = reduce.scales(total)
+                squares[p.bias] = squared_rows(bias)
+        else:
+            squares[p.kernel] = tf.square(tf.cast(norms[0], tf.float32))
+            if p.bias is not None:
+                squares[p.bias] = tf.square(tf.cast(norms[1], tf.float32))
+    # each target's scales (R,): its group's (jk.ClippedSum(groups=...); one
+    # group of every target by default)
+    scales, total = reduce.target_scales(squares)
     batch, rows = int(dzs[0].shape[0]), int(dzs[0].shape[1])
-    by_row = tf.reshape(scales, (1, rows) if summed else (batch, rows))
 
-    # the scales as one (1, R) row, cast once per dtype, and each target's
-    # rows weighted by one matmul on them flattened to a static shape: a
-    # tensordot per target built its shape constants and reshapes in Python
-    # (188 constants and 83 reshapes of BERT tiny's 3,028-op clipped sum).
+    # the scales as one (1, R) row, cast once per group and dtype, and each
+    # target's rows weighted by one matmul on them flattened to a static
+    # shape: a tensordot per target built its shape constants and reshapes in
+    # Python (188 constants and 83 reshapes of BERT tiny's 3,028-op clipped
+    # sum).
     # NOTE (measured). An Einsum "zr,r...->z..." instead took the conv net of
     # benchmarks/reductions.py's clipped sum from 9.6 to 12.1 ms (one core,
     # oneDNN on); the matmul, 9.4 ms
-    row_scales: dict[Any, Any] = {}
+    row_scales: dict[tuple[int, Any], Any] = {}
 
-    def weighted(rows: Any) -> Any:  # (R, ...) -> (1, ...)
-        if rows.dtype not in row_scales:
-            row_scales[rows.dtype] = tf.cast(tf.reshape(scales, (1, -1)), rows.dtype)
+    def weighted(rows: Any, target: int) -> Any:  # (R, ...) -> (1, ...)
+        key = (id(scales[target]), rows.dtype)
+        if key not in row_scales:
+            row_scales[key] = tf.cast(tf.reshape(scales[target], (1, -1)), rows.dtype)
+        by = row_scales[key]
         shape = rows.shape[1:]
         if not shape.is_fully_defined():
-            return tf.tensordot(row_scales[rows.dtype][0], rows, 1)[None]
+            return tf.tensordot(by[0], rows, 1)[None]
         flat = tf.reshape(rows, (int(rows.shape[0]), -1))
-        found = tf.matmul(row_scales[rows.dtype], flat)
+        found = tf.matmul(by, flat)
         return tf.reshape(found, (1, *shape.as_list()))
 
-    # each part's sum with a leading axis of 1, as _placed lays rows out
-    sums: list[tuple[Any, Any]] = []
-    for i, p in enumerate(projections(problem)):
-        if i in formed:  # the rows' gradients, weighted
-            kernel, bias = formed[i]
-            sums.append((weighted(kernel), None if bias is None else weighted(bias)))
-            continue
-        # the cotangents, each row's scaled, contracted once per call
+    def contracted(i: int, p: Any, target: int) -> tuple[Any, Any]:
+        """Part ``i``'s ``(kernel, bias)`` sums, the cotangents of each call
+        scaled by ``target``'s scales and contracted once per call."""
+        by_row = tf.reshape(scales[target], (1, rows) if summed else (batch, rows))
         kernels: list[Any] = []
         biases: list[Any] = []
         for x, dz in ((x, d) for x, d, j in zip(xs, dzs, parts) if j == i):
@@ -117,7 +119,27 @@ def contract(
             )
             kernels.append(tf.reduce_sum(kernel, axis=0, keepdims=True))
             biases.append(tf.reduce_sum(bias, axis=0, keepdims=True))
-        sums.append((added(kernels), added(biases)))
+        return added(kernels), added(biases)
+
+    # each part's sum with a leading axis of 1, as _placed lays rows out
+    sums: list[tuple[Any, Any]] = []
+    for i, p in enumerate(projections(problem)):
+        if i in formed:  # the rows' gradients, weighted
+            kernel, bias = formed[i]
+            sums.append(
+                (
+                    weighted(kernel, p.kernel),
+                    None if bias is None or p.bias is None else weighted(bias, p.bias),
+                )
+            )
+            continue
+        # the cotangents, each row's scaled, contracted once per call (twice
+        # where the kernel and the bias are in groups of their own: a user's
+        # grouping; the second call's kernel is left unused)
+        kernel, bias = contracted(i, p, p.kernel)
+        if p.bias is not None and scales[p.bias] is not scales[p.kernel]:
+            bias = contracted(i, p, p.bias)[1]
+        sums.append((kernel, bias))
     # the leading axis of 1 dropped by Squeeze (an axis attribute), not a
     # strided slice (three constants per target)
     return Output(tuple(tf.squeeze(s, 0) for s in placed(problem, sums)), total)
