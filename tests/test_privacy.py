@@ -36,8 +36,8 @@ N, Q, SEED = 40, 0.25, 7
 RTOL = {"sgd": 1e-6, "adam": 2e-4}
 
 
-def _mlp() -> keras.Model:
-    keras.utils.set_random_seed(0)
+def _mlp(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
             keras.Input((6,)),
@@ -47,8 +47,8 @@ def _mlp() -> keras.Model:
     )
 
 
-def _conv() -> keras.Model:
-    keras.utils.set_random_seed(0)
+def _conv(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
     inputs = keras.Input((6, 6, 1))
     h = keras.layers.Conv2D(3, 3, activation="relu", name="conv")(inputs)
     h = keras.layers.Flatten()(h)
@@ -129,15 +129,17 @@ def _optimizer(kind: str, lr: float) -> keras.optimizers.Optimizer:
     [
         (_mlp, "sgd", False, True),
         pytest.param(_mlp, "sgd", False, False, marks=pytest.mark.slow),
+        (_mlp, "adam", True, False),
         (_mlp, "adam", True, True),
-        (_conv, "sgd", True, True),
+        (_conv, "sgd", True, False),
         pytest.param(_conv, "adam", False, True, marks=pytest.mark.slow),
     ],
     ids=[
         "mlp-sgd-whole-eager",
         "mlp-sgd-whole-compiled",
+        "mlp-adam-per_layer-compiled",
         "mlp-adam-per_layer-eager",
-        "conv-sgd-per_layer-eager",
+        "conv-sgd-per_layer-compiled",
         "conv-adam-whole-eager",
     ],
 )
@@ -145,7 +147,17 @@ def test_two_steps_equal_the_float64_reference(build, kind, per_layer, eager):
     """Two steps of ``train_on_batch``: eager (``run_eagerly=True``:
     ``jk.jacobian``) or compiled (``fit``'s step: ``jk.function``, switched
     on the padded size)."""
-    model = build()
+    worst, clipped_some = _two_steps(build(), kind, per_layer, eager)
+    print(f"largest error relative to the update: {worst:.1e}")
+    assert worst <= RTOL[kind]
+    assert clipped_some or per_layer
+
+
+def _two_steps(model, kind: str, per_layer, eager: bool) -> tuple[float, bool]:
+    """Two DP steps of ``model`` by ``train_on_batch`` against the float64
+    reference: the largest error of the weights beyond one float32 spacing,
+    relative to the update's largest value, and whether some example was
+    clipped."""
     x, y = _data(model)
     copy = jk.testing.float64_copy(model)
     # draws of 6 and 13 examples: the second padded to 14 (one of weight 0);
@@ -191,16 +203,11 @@ def test_two_steps_equal_the_float64_reference(build, kind, per_layer, eager):
         update = max(float(np.abs(w - b).max()) for w, b in zip(weights, before))
         for want, got in zip(weights, after):
             spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
-            error = np.abs(want - got)
-            worst = max(worst, float(np.max(np.maximum(error - spacing, 0))) / update)
-            assert np.all(error <= RTOL[kind] * update + spacing), (
-                t,
-                float(np.max(np.maximum(error - spacing, 0))) / update,
-            )
+            error = np.maximum(np.abs(want - got) - spacing, 0)
+            worst = max(worst, float(np.max(error)) / update)
         before = after
     assert int(private.dp_steps.numpy()) == 2
-    assert clipped_some or per_layer
-    print(f"largest error relative to the update: {worst:.1e}")
+    return worst, clipped_some
 
 
 def test_the_sampler_includes_each_example_with_probability_q():
@@ -616,28 +623,29 @@ def test_the_compiled_step_logs_its_own_passes_loss_without_another_pass():
     assert model.passes == before
 
 
-def test_per_layer_clipping_is_refused_on_the_compiled_step():
-    """A known bug: the compiled step with one ``jk.function`` per clipping
-    group sometimes computed a group's clipped sums (relative error 1e-2)
-    with a variable of another group read after this step's update of it
-    (the eager step always matched). Until one computation serves every
-    group, the compiled per-layer step is refused in words, never silently
-    wrong."""
-    model = _mlp()
-    x, y = _data(model)
-    sampler = jk.privacy.PoissonSampler((x, y), Q, seed=4, sizes=(6, 14))
-    private = jk.privacy.make_private(
-        model,
-        l2_norm_clip=1.0,
-        noise_multiplier=0.8,
-        sampling_rate=Q,
-        num_examples=N,
-        seed=SEED,
-        per_layer=True,
-    )
-    private.compile(_optimizer("sgd", 0.05), LOSS)
-    with pytest.raises(NotImplementedError, match="run_eagerly=True"):
-        private.prepare(sampler)
+#: models of the per-layer stress test (each its own weights and trace)
+STRESS_MODELS = 10
+
+
+def test_compiled_per_layer_steps_of_many_models_equal_the_reference():
+    """A bug the one computation removed: the compiled step with one
+    ``jk.function`` per clipping group sometimes computed a group's clipped
+    sums (relative error 1e-2) with a variable of another group read after
+    this step's update of it (the eager step always matched; TF's graph
+    optimizations reordered the read, although the control edges were
+    there). It showed in about 1 model in 10 (machine loaded), so here
+    ``STRESS_MODELS`` models of their own weights, Adam (an update of one
+    group changes what another reads), two compiled steps each against the
+    float64 reference. Measured by hand (see the changelog): the per-group
+    path failed this test's count of models in about half of the runs
+    under load; the one computation, never."""
+    failed = []
+    for seed in range(STRESS_MODELS):
+        build = _mlp if seed % 2 == 0 else _conv
+        worst, _ = _two_steps(build(seed + 1), "adam", True, False)
+        if worst > RTOL["adam"]:
+            failed.append((seed, worst))
+    assert not failed, failed
 
 
 class _Recording(jk.privacy.PoissonSampler):

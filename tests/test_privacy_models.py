@@ -30,6 +30,7 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
+from jacobkit.privacy import step as privacy_step
 from jacobkit.testing import examples
 from tests import hub_models
 
@@ -75,8 +76,9 @@ def _bert():
     return model, example.inputs, rng.integers(0, 3, N), CLASS_LOSS
 
 
-def _reference(model, data, loss, clip, step):
-    """The SGD update of one DP step, float32 tape per example."""
+def _reference(model, data, loss, clip, step, groups=None):
+    """The SGD update of one DP step, float32 tape per example (``groups``:
+    ``(indices, clip)`` each, per-layer clipping)."""
     x, y, w = data
     variables = model.trainable_variables
     with keras.StatelessScope(), tf.GradientTape(persistent=True) as tape:
@@ -87,14 +89,25 @@ def _reference(model, data, loss, clip, step):
             np.asarray(tf.convert_to_tensor(g), np.float64)
             for g in tape.gradient(row, variables)
         ]
-        _add_clipped(sums, grads, clip)
+        _add_clipped(sums, grads, clip, groups)
     return _noisy_update(variables, sums, clip, step)
 
 
 @pytest.mark.parametrize(
-    "build", [_gpt2, _bert, lambda: _gpt2(lora=True)], ids=["gpt2", "bert", "lora"]
+    "build, per_layer, eager",
+    [
+        (_gpt2, False, False),
+        (_bert, False, False),
+        (lambda: _gpt2(lora=True), False, False),
+        (_bert, True, False),
+        (_bert, True, True),
+    ],
+    ids=["gpt2", "bert", "lora", "bert-per_layer", "bert-per_layer-eager"],
 )
-def test_a_compiled_step_under_dropout_equals_the_tape(build):
+def test_a_compiled_step_under_dropout_equals_the_tape(build, per_layer, eager):
+    """Per layer (``per_layer=True``), every layer's clipped sum from one
+    forward pass: one draw of the dropout masks for all layers, the tape's
+    (one ``jk.jacobian`` per layer drew its own masks per layer)."""
     model, x, y, loss = build()
     dropout = [
         layer
@@ -113,14 +126,21 @@ def test_a_compiled_step_under_dropout_equals_the_tape(build):
         sampling_rate=Q,
         num_examples=N,
         seed=SEED,
+        per_layer=per_layer,
     )
-    private.compile(keras.optimizers.SGD(LR), loss)
-    private.prepare(sampler)
+    private.compile(keras.optimizers.SGD(LR), loss, run_eagerly=eager)
+    if not eager:
+        private.prepare(sampler)
+    clipping = privacy_step.clipping_for(
+        model, model.trainable_variables, clip, per_layer
+    )
+    groups = list(zip(clipping.groups, clipping.clips))
+    assert len(groups) > 1 or not per_layer
     worst = 0.0
     for t in range(2):
         data = sampler[t]
         before = [np.asarray(v, np.float64) for v in model.trainable_variables]
-        update = _reference(model, data, loss, clip, t)
+        update = _reference(model, data, loss, clip, t, groups)
         private.train_on_batch(*data[:2], sample_weight=data[2])
         after = [np.asarray(v, np.float64) for v in model.trainable_variables]
         scale = max(float(np.abs(u).max()) for u in update)
@@ -212,12 +232,15 @@ def test_a_compiled_step_without_dropout_equals_float64(name):
     assert worst <= RTOL * scale
 
 
-def _add_clipped(sums: list, grads: list, clip: float) -> None:
-    """One example's gradients (float64), clipped to ``clip``, added in place."""
-    norm = math.sqrt(sum(float(np.sum(g**2)) for g in grads))
-    scale = min(1.0, clip / norm) if norm > 0 else 1.0
-    for s, g in zip(sums, grads):
-        s += scale * g
+def _add_clipped(sums: list, grads: list, clip: float, groups=None) -> None:
+    """One example's gradients (float64), clipped to ``clip``, added in
+    place; with ``groups`` (``(indices, clip)`` each), each group's part
+    clipped to its own."""
+    for group, bound in groups or [(range(len(grads)), clip)]:
+        norm = math.sqrt(sum(float(np.sum(grads[j] ** 2)) for j in group))
+        scale = min(1.0, bound / norm) if norm > 0 else 1.0
+        for j in group:
+            sums[j] += scale * grads[j]
 
 
 def _noisy_update(variables, sums: list, clip: float, step: int) -> list:

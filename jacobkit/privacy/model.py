@@ -22,7 +22,8 @@ expected batch size ``q * N``; the compiled optimizer applies it.
 Compiled or eager: ``fit`` on a :class:`~jacobkit.privacy.PoissonSampler`
 runs a compiled step (no ``run_eagerly``): before ``fit`` traces it, the
 step is planned on the sampler's first batch, one
-:func:`jacobkit.function` per clipping group (:mod:`jacobkit.privacy.traced`),
+:func:`jacobkit.function` for every clipping group (:mod:`jacobkit.privacy.traced`;
+per layer, ``jk.ClippedSum(groups=...)``: one forward pass),
 and traced once per padded size, when a batch of that size first comes
 (:mod:`jacobkit.privacy.sized`: the first step traces one size). With
 ``compile(run_eagerly=True)`` each step calls :func:`jacobkit.jacobian`
@@ -144,19 +145,6 @@ class PrivateModel(keras.Model):
         variables = list(self.model.trainable_variables)
         self.first_checks(y, self.model(x, training=False), variables)
         assert self.clipping is not None
-        if len(self.clipping.groups) > 1:
-            # NOTE (a known bug). One jk.function per group: a group's
-            # forward pass reads every group's variables, but only its own
-            # sums feed their update, and in about 1 model in 10 (loaded) a
-            # variable of another group was read after this step's update
-            # of it, although the graph orders each update after both
-            # calls. One computation for all groups would remove it.
-            raise NotImplementedError(
-                "jacobkit.privacy: per-layer clipping runs eagerly for now: "
-                "compile the private model with run_eagerly=True. Its compiled "
-                "step is not yet exact in every case, and a private step must "
-                "be."
-            )
         # a step traced before planned other sizes: traced anew
         self.train_function = None
         self.traced = TracedSums(
@@ -357,7 +345,9 @@ def make_private(
         per_layer: clip layer by layer: ``True``, each of the ``L`` layers
             with trained variables to ``C / sqrt(L)``; or a dict ``{layer
             path: C_l}`` naming each. The noise's scale is then ``sigma *
-            sqrt(sum C_l^2)`` (``sigma * C`` with ``True``).
+            sqrt(sum C_l^2)`` (``sigma * C`` with ``True``). Every layer's
+            clipped sum comes from one forward pass (one draw of dropout's
+            masks), eagerly or compiled.
         training: the model's ``training`` flag in the step (dropout on).
             ``BatchNormalization`` training on batch statistics is refused.
 

@@ -26,9 +26,9 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit.compiled import Function, function
+from jacobkit.privacy import step
 from jacobkit.privacy.step import Clipping
 from jacobkit.problem.loss import Loss
-from jacobkit.problem.reduction import ClippedSum
 
 
 def _padded(t: Any, size: int, zeros: bool) -> tf.Tensor:
@@ -46,8 +46,9 @@ def _padded(t: Any, size: int, zeros: bool) -> tf.Tensor:
 
 class TracedSums:
     """The clipped sums of a batch ``(x, y, w)`` of unknown size, traceable
-    (see the module's docstring): one :class:`~jacobkit.Function` per
-    clipping group, planned eagerly on ``example``.
+    (see the module's docstring): one :class:`~jacobkit.Function` for
+    every clipping group (``jk.ClippedSum(groups=...)``), planned eagerly on
+    ``example``.
 
     Args:
         model: the user's model.
@@ -71,26 +72,31 @@ class TracedSums:
     ) -> None:
         self.sizes = tuple(sizes)
         self.count = len(variables)
-        self.functions: list[tuple[Function, dict[str, int]]] = []
-        for group, clip in zip(clipping.groups, clipping.clips, strict=True):
-            fn = function(
-                model,
-                [variables[i] for i in group],
-                example=example,
-                outputs=loss,
-                reduce=ClippedSum(clip),
-                training=training,
+        # one function for every clipping group: one forward pass, one draw
+        # of the model's randomness, every group's sums from the same reads
+        # (:func:`jacobkit.privacy.step.reduction`)
+        self.function: Function = function(
+            model,
+            list(variables),
+            example=example,
+            outputs=loss,
+            reduce=step.reduction(clipping),
+            training=training,
+        )
+        # the targets' keys, in the order the variables were given
+        self.keys = tuple(self.function.variables)
+        if len(self.keys) != self.count:
+            raise ValueError(
+                f"jacobkit.privacy: {self.count} trained variables, but "
+                f"{len(self.keys)} distinct targets (a variable listed twice?)."
             )
-            # the targets' keys, in the order the variables were given
-            keys = dict(zip(fn.variables, group, strict=True))
-            self.functions.append((fn, keys))
 
     def __call__(
         self, data: tuple[Any, Any, Any]
     ) -> tuple[list[Any], tf.Tensor, tf.Tensor | None]:
         """The clipped sums, one per variable, the ``n`` examples' norms
         before clipping (``(n,)``), and their weighted loss rows from the
-        first group's forward pass (``(n,)``; ``None`` where its strategy
+        clipped sum's forward pass (``(n,)``; ``None`` where its strategy
         gives none), for a batch of ``n <= max(sizes)``."""
         x, y, w = data
         n = tf.shape(w)[0]
@@ -127,8 +133,8 @@ class TracedSums:
         return sums, norms, rows
 
     def at_size(self, data: tuple[Any, Any, Any], size: int) -> tuple[Any, ...]:
-        """The sums, the padded norms ``(size,)`` and, where the first
-        group's computation gives them, its padded loss rows ``(size,)``, of
+        """The sums, the padded norms ``(size,)`` and, where the
+        computation gives them, its padded loss rows ``(size,)``, of
         ``data`` padded to ``size`` examples (flat: one structure for every
         branch of the switch; one strategy computes them all)."""
         x, y, w = data
@@ -137,14 +143,8 @@ class TracedSums:
             tf.nest.map_structure(lambda t: _padded(t, size, False), y),
             _padded(w, size, True),
         )
-        sums: list[Any] = [None] * self.count
-        squares: Any = 0.0
-        rows = []
-        for fn, keys in self.functions:
-            out = fn(fed)
-            for key, i in keys.items():
-                sums[i] = out.values[key]
-            squares = squares + tf.square(tf.cast(out.norms, tf.float32))
-            rows.append(out.rows)
-        given = [] if rows[0] is None else [tf.cast(rows[0], tf.float32)]
-        return (*sums, tf.sqrt(squares), *given)
+        out = self.function(fed)
+        sums = [out.values[key] for key in self.keys]
+        norms = tf.cast(out.norms, tf.float32)
+        given = [] if out.rows is None else [tf.cast(out.rows, tf.float32)]
+        return (*sums, norms, *given)
