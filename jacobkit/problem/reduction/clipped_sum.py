@@ -222,6 +222,13 @@ class ClippedSum(Reduction):
         and asking for its group's targets only. All run in one computation,
         over one draw of the model's randomness (every forward pass of a
         call sees the same state: :mod:`jacobkit.keras.state`).
+
+        NOTE (measured, loaded machine, batch 32, paired). The weighted
+        backward passes per group took 1.6x one plain backward pass on the
+        benchmarks' conv net (3 groups) and 4.5x on BERT tiny (22 groups);
+        the groups' weighted losses stacked ``(G,)`` and one vectorized
+        ``tape.jacobian`` instead, 5.0x and 12.6x (each group's pass asks
+        only its own targets, so the passes of the upper layers are short).
         """
         self.check(problem)
         by_norms = Norms.name in native
