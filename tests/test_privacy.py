@@ -702,8 +702,7 @@ def test_fit_traces_only_the_sizes_its_batches_come_in(caplog):
     # draws of binomial(40, 0.25): several sizes, far fewer than the ladder's
     assert 1 < len(sizes) < len(sampler.sizes) == 15
     assert private.train_function.tracing_count == len(sizes)
-    for fn, _ in private.traced.functions:
-        assert fn.tracing_count == len(sizes)
+    assert private.traced.function.tracing_count == len(sizes)
     # traced when first met: the count after step t is the sizes up to t
     assert traces.counts == [len(set(drawn[: t + 1])) for t in range(8)]
 
