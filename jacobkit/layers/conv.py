@@ -290,7 +290,10 @@ ONEDNN_EXAMPLE_FILTER_MACS = 2**23
 #: oneDNN off): 41 k multiply-adds (32 images 8x8x8 -> 16) 0.34 / 0.54 ms;
 #: 85 k (256 images 16x16x3 -> 16) 3.9 / 4.9; 226 k 1.80 / 1.77; 903 k
 #: 1.83 / 1.59: a loop iteration per example costs what a small
-#: example's arithmetic does.
+#: example's arithmetic does. Both thresholds were measured against the
+#: ``tf.map_fn`` loop; one op per example (:data:`UNROLLED_EXAMPLES`) costs
+#: 0.65-0.79x the loop, so their crossovers now lie lower (to be measured
+#: again).
 EIGEN_EXAMPLE_FILTER_MACS = 2**18
 
 
