@@ -2,7 +2,9 @@
 example (``layers.conv.example_filters``), the path large convolutions take,
 forced on small ones (``example_filter_macs() == 0``, as under
 TensorFlow's own CPU kernels): per-example rows, loss
-rows, norms and the clipped sum against float64, over strides and padding.
+rows, norms and the clipped sum against float64, over strides and padding,
+with one op per example written into the graph (a small batch) and by a
+``tf.map_fn`` loop (a batch over ``conv.UNROLLED_EXAMPLES``, forced).
 
 Tolerance: measured at most 4.8e-7 of the largest value (float32 against
 float64, oneDNN on); the bound is the suite's 1e-5.
@@ -27,9 +29,12 @@ GEOMETRIES = {
 }
 
 
-@pytest.fixture
-def by_example(monkeypatch):
-    """Every Conv2D takes the per-example path; counts its calls."""
+@pytest.fixture(params=["unrolled", "loop"])
+def by_example(monkeypatch, request):
+    """Every Conv2D takes the per-example path, one op per example or a
+    while loop; counts its calls."""
+    if request.param == "loop":
+        monkeypatch.setattr(conv_rule, "UNROLLED_EXAMPLES", 0)
     calls = []
     original = conv_rule.example_filters
 

@@ -290,7 +290,10 @@ ONEDNN_EXAMPLE_FILTER_MACS = 2**23
 #: oneDNN off): 41 k multiply-adds (32 images 8x8x8 -> 16) 0.34 / 0.54 ms;
 #: 85 k (256 images 16x16x3 -> 16) 3.9 / 4.9; 226 k 1.80 / 1.77; 903 k
 #: 1.83 / 1.59: a loop iteration per example costs what a small
-#: example's arithmetic does.
+#: example's arithmetic does. Both thresholds were measured against the
+#: ``tf.map_fn`` loop; one op per example (:data:`UNROLLED_EXAMPLES`) costs
+#: 0.65-0.79x the loop, so their crossovers now lie lower (to be measured
+#: again).
 EIGEN_EXAMPLE_FILTER_MACS = 2**18
 
 
@@ -306,6 +309,20 @@ def example_filter_macs() -> float:
     if runtime.cpu_kind().onednn:
         return ONEDNN_EXAMPLE_FILTER_MACS
     return EIGEN_EXAMPLE_FILTER_MACS
+
+
+#: :func:`example_filters` writes one ``Conv2DBackpropFilter`` per example
+#: into the graph for batches of at most this many examples (a
+#: ``tf.map_fn`` while loop for larger ones, one loop whatever the batch).
+#: NOTE (measured, one core, loaded machine, paired in one process, the
+#: conv net of ``benchmarks/reductions.py``, batch 32). Against the while
+#: loop, the same numbers bit for bit: oneDNN off, conv1 (3 -> 32 at 30x30)
+#: 0.76x, conv2 (32 -> 64, stride 2) 0.65x; oneDNN on 0.74x / 0.79x. The
+#: loop's profile (oneDNN off): each example's step through the executor,
+#: and its TensorList unstack of the images (2.4 ms, loaded) and stack of
+#: the results (1.6 ms), beside 7.2 + 4.7 ms of the filter gradients
+#: themselves.
+UNROLLED_EXAMPLES = 64
 
 
 def example_filters(
@@ -340,9 +357,21 @@ def example_filters(
         )
 
     images = tf.cast(padded, dz.dtype)[:, None]
-    found = tf.map_fn(
-        one, (images, cotangents), fn_output_signature=tf.TensorSpec(sizes, dz.dtype)
-    )  # (B, kh, kw, C, K * O)
+    if batch <= UNROLLED_EXAMPLES:  # one op per example, no while loop
+        found = tf.stack(
+            [
+                one((image, cotangent))
+                for image, cotangent in zip(
+                    tf.unstack(images), tf.unstack(cotangents), strict=True
+                )
+            ]
+        )
+    else:
+        found = tf.map_fn(
+            one,
+            (images, cotangents),
+            fn_output_signature=tf.TensorSpec(sizes, dz.dtype),
+        )  # (B, kh, kw, C, K * O)
     if rows > 1:  # -> (B, K, kh, kw, C, O)
         found = tf.reshape(found, (batch, *kernel_shape[:-1], rows, units))
         found = tf.transpose(found, (0, 4, 1, 2, 3, 5))
