@@ -326,3 +326,29 @@ def test_of_flat_is_the_map_applied(kind, shape):
         found = np.asarray(m.of_flat(tf.constant(rows, dtype)), np.float64)
         assert found.shape == (7, DIM)
         np.testing.assert_allclose(found, want, rtol=0, atol=tolerance * scale)
+
+
+def test_a_store_of_gaussian_projections_resumes_only_with_gaussian_maps(tmp_path):
+    """``out=`` keys on ``repr(reduce)``: ``small="gaussian"`` keeps the repr
+    of the versions whose small maps were Gaussian (``Project(dim=64,
+    seed=0)``), so their stores resume with it; the CountSketch default's
+    differs, and mixing the two is refused."""
+    assert repr(jk.Project(64, small="gaussian")) == "Project(dim=64, seed=0)"
+    assert repr(jk.Project(64)) == "Project(dim=64, seed=0, small='countsketch')"
+    model, inputs = _wide()
+    data = tf.data.Dataset.from_tensor_slices(inputs).batch(3)
+
+    def projected(small):
+        return jk.jacobian(
+            model,
+            data,
+            model.trainable_variables,
+            outputs=LOSS,
+            reduce=jk.Project(64, small=small),
+            out=tmp_path / "p",
+        ).projection
+
+    stored = np.asarray(projected("gaussian"))
+    np.testing.assert_array_equal(np.asarray(projected("gaussian")), stored)
+    with pytest.raises(ValueError, match="holds the results of another call"):
+        projected("countsketch")

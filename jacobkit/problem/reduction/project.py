@@ -80,6 +80,15 @@ class Project(Reduction):
                 f"{sketch.DENSE_ELEMENTS:,} / dim numbers)."
             )
 
+    def __repr__(self) -> str:
+        """``jk.Project(dim=..., seed=...)`` as before ``small=`` existed
+        where the maps are those of then (``"gaussian"``): ``out=``
+        directories key on this repr, so a store of Gaussian projections
+        resumes with ``small="gaussian"`` and is told apart from a store of
+        CountSketch ones."""
+        small = "" if self.small == "gaussian" else f", small={self.small!r}"
+        return f"Project(dim={self.dim!r}, seed={self.seed!r}{small})"
+
     def check(self, problem: Problem) -> None:
         refuse_tensor_targets(problem, self, "maps")
 
