@@ -30,17 +30,18 @@ Two kinds, chosen by size alone (:data:`DENSE_ELEMENTS`):
   ``O``, the rest ``I``: a Dense or convolution kernel as it multiplies the
   layer's unfolded input), ``M_v vec(G) = vec(Lᵀ G R)[:dim] / sqrt(dim)``
   with ``L`` (``I x s``) and ``R`` (``O x s``) Gaussian, ``s = ceil(sqrt(dim))``.
-  Unbiased as well; its variance is larger than the dense map's (the
+  Unbiased as well; its variance is larger than the small maps' (the
   coordinates share rows of ``L`` and ``R``). For rank-1 gradients
   ``g = a δᵀ`` (a Dense layer, one position per example) and ``dim = s²``
   it is that of a product ``X Y`` of two independent dense sketches of size
   ``s``, of ``<a, a'>`` and ``<δ, δ'>``:
   ``Var X Var Y + Var X (E Y)² + Var Y (E X)²``, up to about ``2 sqrt(dim)``
-  times the dense map's (measured over 400 seeds on a Dense kernel's loss
-  gradients: 0.81-1.01 of this formula; the dense map 0.86-1.02 of its own;
+  times the Gaussian map's (measured over 400 seeds on a Dense kernel's loss
+  gradients: 0.81-1.01 of this formula; the Gaussian map 0.86-1.02 of its
+  own, the CountSketch 0.90-1.06 of its own;
   ``tests/test_projection.py``). Gradients summed over many positions
   (convolutions, sequences) are of higher rank, and their variance lies
-  nearer the dense map's. Where a layer's rule gives its unfolded input ``U`` and
+  nearer the Gaussian map's. Where a layer's rule gives its unfolded input ``U`` and
   output cotangents ``Δ``, ``G = Σ_p U_pᵀ Δ_p`` is never formed:
   ``Lᵀ G R = Σ_p (U_p L)ᵀ (Δ_p R)``, ``P (I + O) s + P s²`` multiply-adds per
   row instead of ``P I O``.
@@ -64,7 +65,7 @@ from jacobkit.problem.cache import PerModel
 DENSE_ELEMENTS = 2**22
 
 
-#: a dense map of at least this many rows (a target's size) is applied as
+#: a dense (Gaussian) map of at least this many rows (a target's size) is applied as
 #: ``(Mᵀ gᵀ)ᵀ`` with ``Mᵀ`` held: oneDNN's matmul of few rows by a large map
 #: is slower than the transposed product (one core, TF 2.21, 32 rows into
 #: 2048 numbers: a 2048-row map 3.0 -> 2.1 ms, 4096 rows 4.2 -> 2.7 ms, 1024
