@@ -34,6 +34,11 @@ runs; each figure is the median over rounds.
   its bootstrap interval): on a shared machine the separate processes
   above move by ±10% from run to run, and a round's slowdown falls on both
   sides alike here;
+- ``--maps-only`` (with ``--cases``): ``jk.Project(2048)`` with its small
+  targets' maps CountSketches (the default) and Gaussian
+  (``small="gaussian"``) against the plain step, the three alternating in
+  one process (``--maps CASE``, :data:`PAIRED_ROUNDS` rounds), first calls
+  beside them, merged into ``--out``'s results;
 - ``--first-calls`` (with ``--cases``): the first call alone of the plain
   step, the Gram matrix, the clipped sum and the projection, each in a
   fresh process, the processes alternating within each round; the median
@@ -403,6 +408,81 @@ def child_paired(case: str, rounds: int) -> None:
     )
 
 
+def child_maps(case: str, rounds: int) -> None:
+    """``jk.Project(DIM)`` with CountSketch small maps (the default) and with
+    Gaussian ones, and the plain step, in one process: each one's first call
+    (in that order: the plain step, then either projection tracing its own
+    graph and drawing its maps), then ``rounds`` rounds, each timing
+    ``PAIRED_CALLS`` calls of every side (the order rotating); the median
+    per-round ratio to the plain step with its 95% bootstrap interval."""
+    import time
+
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
+    import numpy as np
+    import reductions_models
+
+    import jacobkit as jk
+    from jacobkit.bench import stats
+
+    record = footing.pin_tensorflow("reductions --maps")
+    built = reductions_models.CASES[case]()
+    loss = jk.Loss(reductions_models.loss())
+    variables = built.model.trainable_variables
+
+    def projection(small: str) -> Callable[[], Any]:
+        def call() -> Any:
+            found = jk.jacobian(
+                built.model,
+                (built.x, built.y),
+                variables,
+                outputs=loss,
+                reduce=jk.Project(DIM, small=small),
+            )
+            return np.asarray(found.projection)
+
+        return call
+
+    sides = {
+        "plain step": plain_step(built),
+        "countsketch": projection("countsketch"),
+        "gaussian": projection("gaussian"),
+    }
+    first = {}
+    for name, call in sides.items():
+        start = time.perf_counter()
+        call()
+        first[name] = time.perf_counter() - start
+        for _ in range(2):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    ratios: dict[str, list[float]] = {"countsketch": [], "gaussian": [], "cs/g": []}
+    names = list(sides)
+    for round_ in range(rounds):
+        order = names[round_ % 3 :] + names[: round_ % 3]
+        medians = {}
+        for name in order:
+            found = []
+            for _ in range(PAIRED_CALLS):
+                start = time.perf_counter()
+                sides[name]()
+                found.append(time.perf_counter() - start)
+            medians[name] = float(np.median(found))
+            times[name].append(medians[name])
+        ratios["countsketch"].append(medians["countsketch"] / medians["plain step"])
+        ratios["gaussian"].append(medians["gaussian"] / medians["plain step"])
+        ratios["cs/g"].append(medians["countsketch"] / medians["gaussian"])
+    out: dict[str, Any] = {"footing": record, "rounds": rounds}
+    for key, values in ratios.items():
+        found_ratio = stats.ratios(values)
+        out[key] = [found_ratio.median, found_ratio.low, found_ratio.high]
+    out["steady_ms"] = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    out["first_s"] = first
+    print(json.dumps(out))
+
+
 def child_over(method: str, examples: int) -> None:
     """``gram``/``projection`` over a dataset of ``examples`` conv-net
     examples: TensorFlow's allocator peak (the pooled CPU allocator)."""
@@ -443,6 +523,14 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("CASE", "METHOD"))
     parser.add_argument("--over", nargs=2, metavar=("METHOD", "EXAMPLES"))
     parser.add_argument("--paired", metavar="CASE")
+    parser.add_argument("--maps", metavar="CASE")
+    parser.add_argument(
+        "--maps-only",
+        action="store_true",
+        help="rerun jk.Project's CountSketch against Gaussian small maps and "
+        "the plain step in one process only (--cases), keeping --out's other "
+        "figures",
+    )
     parser.add_argument("--first", nargs=2, metavar=("CASE", "METHOD"))
     parser.add_argument(
         "--first-calls",
@@ -482,6 +570,8 @@ def main() -> None:
         return child_over(args.over[0], int(args.over[1]))
     if args.paired:
         return child_paired(args.paired, PAIRED_ROUNDS)
+    if args.maps:
+        return child_maps(args.maps, PAIRED_ROUNDS)
     if args.first:
         return child(*args.first, repeats=0, first_only=True)
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -497,6 +587,17 @@ def main() -> None:
                     "rounds": args.rounds,
                     "methods": first_calls(me, case, args.rounds),
                 }
+                for case in args.cases.split(",")
+            },
+        }
+        return _write(data, out)
+    if args.maps_only:
+        data = json.loads((out / "reductions.json").read_text())
+        state = f"{runs.machine()}{', loaded' if args.loaded else ''}"
+        data["maps"] = {
+            **data.get("maps", {}),
+            **{
+                case: {**runs.run([*me, "--maps", case]), "measured_on": state}
                 for case in args.cases.split(",")
             },
         }
@@ -667,6 +768,7 @@ def _markdown(data: dict) -> str:
     for case in PEER_CASES:
         lines += _dp_step(case, measured)
     lines += _paired(data.get("paired", {}))
+    lines += _maps(data.get("maps", {}))
     lines += _first_calls(data.get("first_calls", {}))
     lines += [
         "## Peak over a dataset (conv net, batches of 32)",
@@ -869,6 +971,45 @@ def _paired(paired: dict) -> list[str]:
         lines.append(
             f"| {case} | {found['ratio']:.2f} | {interval} | "
             f"{found['plain_ms']:.1f} | {found['clipped_ms']:.1f} |"
+        )
+    return [*lines, ""]
+
+
+def _maps(maps: dict) -> list[str]:
+    """``jk.Project``'s small maps, CountSketch against Gaussian, beside the
+    plain step in one process (``--maps``)."""
+    if not maps:
+        return []
+    lines = [
+        "## jk.Project's small maps: CountSketch against Gaussian, in one process",
+        "",
+        f"`jk.Project({DIM})` with the small targets' maps (at most "
+        "`DENSE_ELEMENTS` numbers: biases, norms' scales and offsets, small "
+        "tables and kernels) CountSketches (the default) and Gaussian "
+        '(`small="gaussian"`), and the plain step: each model in one fresh '
+        f"process, {PAIRED_ROUNDS} rounds timing {PAIRED_CALLS} calls of each "
+        "(the order rotating), the median per-round ratio and its 95% "
+        "bootstrap interval; first calls in that process, in that order.",
+        "",
+        "| model | measured on | CountSketch ÷ plain | Gaussian ÷ plain | "
+        "CountSketch ÷ Gaussian | steady ms plain / CS / Gaussian | "
+        "first call s plain / CS / Gaussian |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case, found in sorted(maps.items()):
+        if "error" in found:
+            lines.append(f"| {case} | failed: {found['error']} | | | | | |")
+            continue
+
+        def cell(key: str, found: dict = found) -> str:
+            median, low, high = found[key]
+            return f"{median:.2f} ({low:.2f}–{high:.2f})"
+
+        steady = " / ".join(f"{v:.1f}" for v in found["steady_ms"].values())
+        first = " / ".join(f"{v:.2f}" for v in found["first_s"].values())
+        lines.append(
+            f"| {case} | {found.get('measured_on', '')} | {cell('countsketch')} | "
+            f"{cell('gaussian')} | {cell('cs/g')} | {steady} | {first} |"
         )
     return [*lines, ""]
 

@@ -346,8 +346,8 @@ def _projection(rows: PerRow, project: jk.Project) -> list[np.ndarray]:
         g = rows.of_target(i)
         m = sketch.target_map(project, name, tuple(g.shape[1:]))
         matrices = g.reshape(rows.num_rows, m.inputs, m.units)
-        if m.dense is not None:
-            total += matrices.reshape(rows.num_rows, -1) @ m.dense.astype(np.float64)
+        if not m.kronecker:  # a CountSketch or Gaussian matrix
+            total += matrices.reshape(rows.num_rows, -1) @ m.matrix().astype(np.float64)
         else:
             left, right = m.left.astype(np.float64), m.right.astype(np.float64)
             both = np.einsum("ia,rio,ob->rab", left, matrices, right)

@@ -344,8 +344,8 @@ def _projected_reference(project, names, variables, grads):
     for name, variable, g in zip(names, variables, grads):
         m = sketch.target_map(project, name, tuple(variable.shape))
         rows = g.reshape(g.shape[0], m.inputs, m.units)
-        if m.dense is not None:
-            total = total + rows.reshape(g.shape[0], -1) @ m.dense.astype(np.float64)
+        if not m.kronecker:  # a CountSketch or Gaussian matrix
+            total = total + rows.reshape(g.shape[0], -1) @ m.matrix().astype(np.float64)
         else:
             left, right = m.left.astype(np.float64), m.right.astype(np.float64)
             both = np.einsum("ia,rio,ob->rab", left, rows, right)

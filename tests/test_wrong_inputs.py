@@ -314,6 +314,9 @@ REDUCTIONS: dict[str, Case] = {
     "Project-a-float": refused(lambda: jk.Project(4.5)),
     "Project-a-string": refused(lambda: jk.Project("4")),
     "Project-seed-a-string": refused(lambda: jk.Project(4, seed="a")),
+    "Project-small-unknown": refused(
+        lambda: jk.Project(4, small="dense"), "expected one of 'countsketch'"
+    ),
 }
 
 GRAM: dict[str, Case] = {

@@ -30,7 +30,8 @@ And, so that TRAK's own code can run with jacobkit's projections (the
 projections are otherwise the only difference), ``trak_map_<layer>_kernel``
 and ``trak_map_<layer>_bias``: ``(10, size, dim)`` float32, ensemble model
 ``m``'s map of that variable's gradient (flattened in its Keras layout) under
-``jk.Project(dim, seed=m)``, as ``explain.trak`` draws it
+``jk.Project(dim, seed=m)`` (a CountSketch, its one ``±1`` per row
+materialized), as ``explain.trak`` draws it
 (``jacobkit.problem.sketch.target_map``, internal; checked here against
 ``jk.jacobian(reduce=jk.Project)`` on a few examples).
 
@@ -151,9 +152,10 @@ def trak_maps(
         for key in found.jacobians:  # "hidden/kernel"
             gradients = np.asarray(found[key]).reshape(len(few[0]), -1)
             shape = tuple(np.shape(found[key])[1:])
-            dense = target_map(project, key, shape).dense
-            if dense is None:
-                raise SystemExit(f"export_influence: {key}'s map is not dense")
+            mapped = target_map(project, key, shape)
+            if mapped.kronecker:
+                raise SystemExit(f"export_influence: {key}'s map is Kronecker")
+            dense = mapped.matrix()  # a CountSketch's ±1 per row, materialized
             total += gradients @ dense
             maps.setdefault("trak_map_" + key.replace("/", "_"), []).append(dense)
         want = np.asarray(projected)

@@ -16,7 +16,8 @@ gradients), ``norms`` (each example's gradient norm before clipping) and
 ``gram`` (``jk.gram``'s ``(B, B)`` matrix, float64), ``projection``
 (``reduce=jk.Project(dim)``'s ``(B, dim)`` rows) with ``dim`` and the maps
 it applied, so that the peer projects by the very same maps:
-``map_<layer>_<part>_dense`` ``(size, dim)``, or the Kronecker factors
+``map_<layer>_<part>_dense`` ``(size, dim)`` (a small target's map, a
+CountSketch's one ``±1`` per row materialized), or the Kronecker factors
 ``map_<layer>_<part>_left`` and ``_right`` (``jacobkit.problem.sketch``).
 
     python benchmarks/peers/export_reductions.py --out /tmp/reductions.npz
@@ -115,11 +116,13 @@ def _norms_gram_projection(
     found = []
     for key, variable in zip(projected.jacobians, model.trainable_variables):
         target = sketch.target_map(project, key, tuple(variable.shape))
-        parts = {
-            part: getattr(target, part)
-            for part in ("dense", "left", "right")
-            if getattr(target, part) is not None
-        }
+        # a small target's map (a CountSketch, or Gaussian) as a dense
+        # matrix: the peer applies it by one matmul, the same numbers
+        parts = (
+            {"left": target.left, "right": target.right}
+            if target.kronecker
+            else {"dense": target.matrix()}
+        )
         found.append((key, variable, parts))
     return found
 

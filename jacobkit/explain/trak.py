@@ -190,7 +190,14 @@ def _solved(phi: np.ndarray, lambda_reg: float | None) -> tuple[np.ndarray, Any]
         return scipy.linalg.cho_solve(factor, phi.T, check_finite=False), None
     if lambda_reg is not None:
         regularized = kernel + lambda_reg * identity
-        return np.linalg.solve(regularized, phi.T), lambda_reg
+        try:
+            return np.linalg.solve(regularized, phi.T), lambda_reg
+        except np.linalg.LinAlgError:
+            # exactly singular (a zero column of Φ: a CountSketch's bucket
+            # that no coordinate of a small target falls in, where dim
+            # exceeds its size): the least-norm solution, warned as noise
+            found = np.linalg.lstsq(regularized, phi.T, rcond=None)[0]
+            return found, lambda_reg
     ridge = RIDGE * (float(np.mean(np.diag(kernel))) or 1.0)
     factor = _cholesky(kernel + ridge * identity)
     assert factor is not None, "a ridge of 1e-3 of the diagonal is invertible"

@@ -9,24 +9,39 @@ the order, the strategy or the process.
 
 Two kinds, chosen by size alone (:data:`DENSE_ELEMENTS`):
 
-- **dense**: ``M_v`` Gaussian, ``N(0, 1/dim)`` entries. For two gradients
-  ``g, h``: ``E<Mg, Mh> = <g, h>`` and
-  ``Var<Mg, Mh> = (<g, h>^2 + |g|^2 |h|^2) / dim``.
+- **small** (``inputs * units * dim <= DENSE_ELEMENTS``): by default a
+  CountSketch: coordinate ``i`` of the target's flattened gradient is added,
+  times a sign ``s(i) = ±1``, to one bucket ``b(i)`` of ``[0, dim)``, both
+  drawn uniformly and independently. ``M_v`` is then ``n x dim`` with one
+  ``±1`` per row (no ``1/sqrt(dim)``: ``E<Mg, Mh> = <g, h>``, the scale of
+  the other kinds, whose parts are summed with it), applied in
+  ``O(rows x n)`` by one segment sum. Its variance,
+  ``<Mg, Mh> - <g, h> = Σ_{i<j} s_i s_j [b_i = b_j] (g_i h_j + g_j h_i)``
+  (pairs uncorrelated, ``P(b_i = b_j) = 1/dim``)::
+
+      Var<Mg, Mh> = Σ_{i≠j} (g_i² h_j² + g_i h_i g_j h_j) / dim
+                  = (<g, h>² + |g|² |h|² - 2 Σ_i g_i² h_i²) / dim
+
+  is at most the Gaussian map's. With ``jk.Project(dim, small="gaussian")``
+  ``M_v`` is instead Gaussian, ``N(0, 1/dim)`` entries (jacobkit 0.2.0's
+  map, applied as a dense matmul: ``n x dim`` multiply-adds per row):
+  ``E<Mg, Mh> = <g, h>`` and ``Var<Mg, Mh> = (<g, h>^2 + |g|^2 |h|^2) / dim``.
 - **Kronecker** (LoGra's): ``v`` seen as an ``I x O`` matrix (its last axis
   ``O``, the rest ``I``: a Dense or convolution kernel as it multiplies the
   layer's unfolded input), ``M_v vec(G) = vec(Lᵀ G R)[:dim] / sqrt(dim)``
   with ``L`` (``I x s``) and ``R`` (``O x s``) Gaussian, ``s = ceil(sqrt(dim))``.
-  Unbiased as well; its variance is larger than the dense map's (the
+  Unbiased as well; its variance is larger than the small maps' (the
   coordinates share rows of ``L`` and ``R``). For rank-1 gradients
   ``g = a δᵀ`` (a Dense layer, one position per example) and ``dim = s²``
   it is that of a product ``X Y`` of two independent dense sketches of size
   ``s``, of ``<a, a'>`` and ``<δ, δ'>``:
   ``Var X Var Y + Var X (E Y)² + Var Y (E X)²``, up to about ``2 sqrt(dim)``
-  times the dense map's (measured over 400 seeds on a Dense kernel's loss
-  gradients: 0.81-1.01 of this formula; the dense map 0.86-1.02 of its own;
+  times the Gaussian map's (measured over 400 seeds on a Dense kernel's loss
+  gradients: 0.81-1.01 of this formula; the Gaussian map 0.86-1.02 of its
+  own, the CountSketch 0.90-1.06 of its own;
   ``tests/test_projection.py``). Gradients summed over many positions
   (convolutions, sequences) are of higher rank, and their variance lies
-  nearer the dense map's. Where a layer's rule gives its unfolded input ``U`` and
+  nearer the Gaussian map's. Where a layer's rule gives its unfolded input ``U`` and
   output cotangents ``Δ``, ``G = Σ_p U_pᵀ Δ_p`` is never formed:
   ``Lᵀ G R = Σ_p (U_p L)ᵀ (Δ_p R)``, ``P (I + O) s + P s²`` multiply-adds per
   row instead of ``P I O``.
@@ -50,7 +65,7 @@ from jacobkit.problem.cache import PerModel
 DENSE_ELEMENTS = 2**22
 
 
-#: a dense map of at least this many rows (a target's size) is applied as
+#: a dense (Gaussian) map of at least this many rows (a target's size) is applied as
 #: ``(Mᵀ gᵀ)ᵀ`` with ``Mᵀ`` held: oneDNN's matmul of few rows by a large map
 #: is slower than the transposed product (one core, TF 2.21, 32 rows into
 #: 2048 numbers: a 2048-row map 3.0 -> 2.1 ms, 4096 rows 4.2 -> 2.7 ms, 1024
@@ -73,8 +88,10 @@ class TargetMap:
     Attributes:
         dim: the numbers each row is mapped to.
         inputs, units: the target as an ``inputs x units`` matrix.
-        dense: ``(inputs * units, dim)``, or ``None`` for a Kronecker map.
+        dense: a Gaussian map ``(inputs * units, dim)``, else ``None``.
         left, right: ``(inputs, s)`` and ``(units, s)`` of a Kronecker map.
+        buckets, signs: a CountSketch's ``(inputs * units,)`` buckets (int32
+            in ``[0, dim)``) and signs (float32 ``±1``).
     """
 
     dim: int
@@ -83,15 +100,34 @@ class TargetMap:
     dense: np.ndarray | None
     left: np.ndarray | None
     right: np.ndarray | None
+    buckets: np.ndarray | None = None
+    signs: np.ndarray | None = None
     #: each array as a tensor made once, eagerly (:meth:`held`)
     _held: dict[str, tf.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def kronecker(self) -> bool:
-        return self.dense is None
+        return self.left is not None
+
+    @property
+    def sparse(self) -> bool:
+        """A CountSketch."""
+        return self.buckets is not None
+
+    def matrix(self) -> np.ndarray:
+        """A small target's map as a dense float32 ``(inputs * units, dim)``
+        matrix (a CountSketch's one ``±1`` per row materialized): the
+        reference and export form, ``g @ matrix()``; not for a Kronecker map."""
+        if self.dense is not None:
+            return self.dense
+        assert self.buckets is not None and self.signs is not None, "a small map"
+        found = np.zeros((len(self.buckets), self.dim), np.float32)
+        found[np.arange(len(self.buckets)), self.buckets] = self.signs
+        return found
 
     def held(self, name: str) -> tf.Tensor:
-        """The array ``name`` (``"dense"``, ``"left"`` or ``"right"``; or
+        """The array ``name`` (``"dense"``, ``"left"``, ``"right"``,
+        ``"buckets"`` or ``"signs"``; or
         ``"dense_t"``, the dense map transposed and laid out so) as a
         tensor made once, eagerly even while a function is traced, so that
         a compiled call captures it as an input instead of embedding it as a
@@ -126,6 +162,8 @@ class TargetMap:
         call, and ``jk.Project(2048)`` went from 2.55 to 2.1 x the plain
         step with this order (paired in one process)."""
         rows = tf.shape(gradients)[0]
+        if self.buckets is not None:
+            return self._counted(tf.reshape(gradients, (rows, -1)))
         if self.dense is not None:
             size = self.inputs * self.units
             flat = tf.reshape(gradients, (rows, size))
@@ -153,6 +191,25 @@ class TargetMap:
             found = tf.matmul(left, found, transpose_a=True)  # (s, R * s)
             both = tf.transpose(tf.reshape(found, (side, rows, side)), (1, 0, 2))
         return self._kept(tf.reshape(both, (rows, -1)))
+
+    def _counted(self, flat: tf.Tensor) -> tf.Tensor:
+        """A CountSketch of ``(R, n)`` rows: ``(R, dim)``, each coordinate
+        times its sign added to its bucket, one segment sum over the rows
+        transposed (``n`` multiply-adds per row).
+
+        NOTE (measured, one core, loaded machine, 32 rows into 2,048, one
+        compiled call each): n = 128 / 1,024 / 4,036 coordinates, the dense
+        map's matmul 387 / 1,576 / 11,607 µs; this 309 / 382 / 694 µs; a
+        ``tf.sparse.sparse_dense_matmul`` by the held map 283 / 386 / 690 µs
+        (the same beyond noise, and it needs a SparseTensor held);
+        ``scatter_nd`` 308 / 413 / 772 µs; the segment sum of the rows
+        untransposed 380 / 447 / 840 µs (most of the small sizes is the
+        call's own overhead)."""
+        signs = tf.cast(self.held("signs"), flat.dtype)
+        summed = tf.math.unsorted_segment_sum(
+            tf.transpose(flat) * signs[:, None], self.held("buckets"), self.dim
+        )
+        return tf.transpose(summed)
 
     def of_mapped(self, left: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:
         """A Kronecker map of ``G[b, k] = patches[b]ᵀ cotangents[b, k]``
@@ -228,6 +285,11 @@ def target_map(project: Any, name: str, shape: tuple[int, ...]) -> TargetMap:
     dim, seed = project.dim, project.seed
     inputs, units = split(shape)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode()), dim])
+    if inputs * units * dim <= DENSE_ELEMENTS and project.small == "countsketch":
+        size = inputs * units
+        buckets = rng.integers(0, dim, size, dtype=np.int32)
+        signs = (2 * rng.integers(0, 2, size) - 1).astype(np.float32)
+        return TargetMap(dim, inputs, units, None, None, None, buckets, signs)
     if inputs * units * dim <= DENSE_ELEMENTS:
         dense = rng.standard_normal((inputs * units, dim), dtype=np.float32)
         dense /= np.float32(math.sqrt(dim))

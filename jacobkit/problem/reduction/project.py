@@ -18,6 +18,9 @@ from jacobkit.problem.reduction.base import (
 )
 from jacobkit.problem.reduction.rows import Rows
 
+#: ``jk.Project(small=...)``'s choices
+SMALL_MAPS = ("countsketch", "gaussian")
+
 
 @final
 @dataclass(frozen=True)
@@ -33,14 +36,22 @@ class Project(Reduction):
     in pieces, on several workers, and resumed with ``out=``. Inner products
     are kept in expectation: ``E[<M g, M h>] = <g, h>``.
 
-    Where a layer's rule gives its input and output cotangents, a row's
-    gradient is never formed: a large kernel's map is a Kronecker product
-    (LoGra's factors), applied to each factor. See :mod:`~jacobkit.problem.sketch`
-    for the maps and their variance.
+    A small target's map is a CountSketch (each coordinate, times a random
+    sign, added to one random bucket) unless ``small="gaussian"`` (a dense
+    Gaussian map, jacobkit 0.2.0's). Where a layer's rule gives its input and
+    output cotangents, a row's gradient is never formed: a large kernel's
+    map is a Kronecker product (LoGra's factors), applied to each factor.
+    See :mod:`~jacobkit.problem.sketch` for the maps and their variance.
     """
 
     dim: int
     seed: int = 0
+    #: the map of a small target (``size * dim <= sketch.DENSE_ELEMENTS``):
+    #: ``"countsketch"`` (one ``±1`` per coordinate, ``n`` multiply-adds per
+    #: row, variance at most the Gaussian's) or ``"gaussian"`` (a dense
+    #: ``N(0, 1/dim)`` map, ``n x dim`` multiply-adds per row: the numbers
+    #: of earlier versions)
+    small: str = "countsketch"
 
     name = "project"
     #: a projection is linear: rows summed over batches project to the sum
@@ -61,6 +72,22 @@ class Project(Reduction):
                         else "."
                     )
                 )
+        if self.small not in SMALL_MAPS:
+            raise ValueError(
+                f"jk.Project(small={self.small!r}): expected one of "
+                + ", ".join(repr(k) for k in SMALL_MAPS)
+                + " (the map of a target of at most "
+                f"{sketch.DENSE_ELEMENTS:,} / dim numbers)."
+            )
+
+    def __repr__(self) -> str:
+        """``jk.Project(dim=..., seed=...)`` as before ``small=`` existed
+        where the maps are those of then (``"gaussian"``): ``out=``
+        directories key on this repr, so a store of Gaussian projections
+        resumes with ``small="gaussian"`` and is told apart from a store of
+        CountSketch ones."""
+        small = "" if self.small == "gaussian" else f", small={self.small!r}"
+        return f"Project(dim={self.dim!r}, seed={self.seed!r}{small})"
 
     def check(self, problem: Problem) -> None:
         refuse_tensor_targets(problem, self, "maps")
