@@ -16,9 +16,10 @@ gradients), ``norms`` (each example's gradient norm before clipping) and
 ``gram`` (``jk.gram``'s ``(B, B)`` matrix, float64), ``projection``
 (``reduce=jk.Project(dim)``'s ``(B, dim)`` rows) with ``dim`` and the maps
 it applied, so that the peer projects by the very same maps:
-``map_<layer>_<part>_dense`` ``(size, dim)`` (a small target's map, a
-CountSketch's one ``±1`` per row materialized), or the Kronecker factors
-``map_<layer>_<part>_left`` and ``_right`` (``jacobkit.problem.sketch``).
+``map_<layer>_<part>_buckets`` and ``_signs`` (a small target's
+CountSketch, applied by the peer as jacobkit applies it: one add per
+coordinate), ``_dense`` ``(size, dim)`` (a Gaussian map), or the Kronecker
+factors ``_left`` and ``_right`` (``jacobkit.problem.sketch``).
 
     python benchmarks/peers/export_reductions.py --out /tmp/reductions.npz
 """
@@ -116,13 +117,15 @@ def _norms_gram_projection(
     found = []
     for key, variable in zip(projected.jacobians, model.trainable_variables):
         target = sketch.target_map(project, key, tuple(variable.shape))
-        # a small target's map (a CountSketch, or Gaussian) as a dense
-        # matrix: the peer applies it by one matmul, the same numbers
-        parts = (
-            {"left": target.left, "right": target.right}
-            if target.kronecker
-            else {"dense": target.matrix()}
-        )
+        # each map as jacobkit holds it, so the peer applies it the same
+        # way: a CountSketch's buckets and signs (one add per coordinate,
+        # not a dense matmul), a Gaussian map dense, a Kronecker map's factors
+        if target.kronecker:
+            parts = {"left": target.left, "right": target.right}
+        elif target.sparse:
+            parts = {"buckets": target.buckets, "signs": target.signs}
+        else:
+            parts = {"dense": target.matrix()}
         found.append((key, variable, parts))
     return found
 

@@ -441,8 +441,10 @@ class Methods:
 
     def project_vmap(self) -> Run:
         """``vmap(grad)``, each parameter's gradients in its Keras layout
-        mapped by jacobkit's own map of that variable (exported): a dense
-        ``(size, dim)`` matrix, or the Kronecker factors ``L``, ``R``
+        mapped by jacobkit's own map of that variable (exported): a
+        CountSketch's buckets and signs (``index_add_``, one add per
+        coordinate, as jacobkit's segment sum), a dense ``(size, dim)``
+        matrix, or the Kronecker factors ``L``, ``R``
         (``vec(Lᵀ G R)[:dim] / sqrt(dim)``, as ``jacobkit.problem.sketch``
         applies them to materialized gradients); the sum over parameters.
         Checked against jacobkit's ``reduce=jk.Project(dim)``."""
@@ -456,7 +458,7 @@ class Methods:
             )
             maps[name] = {
                 part: torch.from_numpy(self.arrays[f"{key}_{part}"])
-                for part in ("dense", "left", "right")
+                for part in ("dense", "left", "right", "buckets", "signs")
                 if f"{key}_{part}" in self.arrays
             }
         dim = int(self.arrays["dim"])
@@ -464,6 +466,10 @@ class Methods:
         def mapped(name: str, g: torch.Tensor) -> torch.Tensor:
             g = self.keras_rows(name, g)
             found = maps[name]
+            if "buckets" in found:  # a CountSketch: one add per coordinate
+                rows = g.reshape(self.batch, -1) * found["signs"]
+                out = rows.new_zeros(self.batch, dim)
+                return out.index_add_(1, found["buckets"].long(), rows)
             if "dense" in found:
                 return g.reshape(self.batch, -1) @ found["dense"]
             units = g.shape[-1]
