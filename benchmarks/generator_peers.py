@@ -41,7 +41,7 @@ from typing import Any
 
 import mlp_limit
 from conv_channels import AFTER_FLOP
-from conv_gradients import SIZES, WORK_FLOP
+from conv_gradients import SIZES, WORK_FLOP, load_note
 
 HERE = Path(__file__).resolve().parent
 #: kind -> (``TF_ENABLE_ONEDNN_OPTS``, the results folder under ``--out``)
@@ -274,9 +274,9 @@ def _markdown(data: dict[str, Any]) -> str:
         "processes in both kinds' tables.",
         "",
     ]
-    lines += footing.machine_lines(
-        {"machine": f"oneDNN {kind}", "loaded": data["loaded"]}, data["rows"]
-    )
+    lines += footing.machine_lines({"machine": f"oneDNN {kind}"}, data["rows"])
+    if data["loaded"]:
+        lines += [load_note(data).strip(), ""]
     lines += [
         "| run | method | steady | first call | first 3 calls | × default "
         f"| of the GEMM rate, {data['work_flop'] / 1e9:.1f} GFLOP "
