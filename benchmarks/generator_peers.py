@@ -143,6 +143,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--loaded", action="store_true")
     parser.add_argument(
+        "--only",
+        action="append",
+        help="run only the runs whose label contains this (repeatable; "
+        "jacobkit's default always runs)",
+    )
+    parser.add_argument(
         "--render", action="store_true", help="only rewrite the markdown files"
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -177,6 +183,12 @@ def main() -> None:
             save = str(work / f"peer{len(commands)}.npy")
             command = [args.peers_python, str(HERE / "peers" / script), *options]
             commands["peers", label] = (command + flags + ["--save", save], base)
+    if args.only:
+        commands = {
+            key: value
+            for key, value in commands.items()
+            if key[1] in ("gemm", DEFAULT) or any(o in key[1] for o in args.only)
+        }
     found: dict[tuple[str, str], list[dict]] = {key: [] for key in commands}
     for round_ in range(args.rounds):
         for key, (command, env) in commands.items():
