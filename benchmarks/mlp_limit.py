@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import runs
+from runs import CORE
 
 HERE = Path(__file__).resolve().parent
 SIZES = {"batch": 256, "inputs": 512, "hidden": 1024, "features": 144}
@@ -273,6 +274,7 @@ def _report(
         "result_mib": RESULT_MIB,
         "rounds": len(next(iter(rounds.values()))),
         "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS") != "0",
+        "core": CORE,
         "loaded": loaded,
         "rows": rows,
     }
@@ -288,7 +290,8 @@ def _markdown(data: dict) -> str:
         "`python benchmarks/mlp_limit.py` (see its docstring): Dense "
         "512→1024→1024→144, B=256, target the first Dense, rows summed over "
         f"the batch; result {data['result_mib']:.0f} MiB. One core per run "
-        f"(`taskset -c 0`), fresh processes, median of {data['rounds']} "
+        f"(`taskset -c {data.get('core', 0)}`), fresh processes, median of "
+        f"{data['rounds']} "
         f"alternating rounds. GEMM probe: {data['gemm_gflops']:.0f} GFLOP/s, "
         f"so the {data['flops'] / 1e9:.0f} GFLOP every method must do take "
         f"at least {data['limit_s']:.2f} s (the limit). TensorFlow's oneDNN "
