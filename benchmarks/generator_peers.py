@@ -58,7 +58,9 @@ DEFAULT = "jacobkit default (auto)"
 #: 21.7 s, 16 23.9 s; vmap(vjp) over chunks of 1 7.4 s, 8 11.9 s, 16 9.3 s;
 #: JAX lax.map(vjp) with the convolutions as shifted matmuls, batch_size 1
 #: 4.1 s, 2 20.2 s, 4 24.6 s, 8 21.9 s; with XLA's own convolution,
-#: batch_size 16: 117 s (16 rows alone: 10.3 s at batch_size 1, 13.0 s at 16)
+#: batch_size 16: 117 s (16 rows alone: 10.3 s at batch_size 1, 13.0 s at 16).
+#: PyTorch's loop of autograd.grad, tried after the first measured run (7.4 s
+#: steady, load unknown against the others), runs too
 PEERS = {
     "PyTorch jacrev(chunk_size=4)": [
         "generator_torch.py",
@@ -68,6 +70,7 @@ PEERS = {
         "generator_torch.py",
         *("--method", "vjp", "--chunk-size", "16"),
     ],
+    "PyTorch loop of autograd.grad": ["generator_torch.py", "--method", "loop"],
     "JAX lax.map(vjp, batch_size=1), shifted-matmul conv": [
         "generator_jax.py",
         *("--method", "lax_map", "--batch-size", "1", "--conv", "gemm"),
