@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import runs
+from runs import CORE
 
 HERE = Path(__file__).resolve().parent
 SIZES = {"batch": 256, "inputs": 512, "hidden": 1024, "features": 144}
@@ -169,6 +170,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--loaded", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     parser.add_argument("--gemm", action="store_true", help=argparse.SUPPRESS)
@@ -212,7 +214,7 @@ def main() -> None:
                 result.update(_run(command, pooled))
             rounds[label].append(result)
             print(f"round {round_ + 1}: {label}: {result}", flush=True)
-    _report(rounds, runs, statistics.median(rates), work, args.out)
+    _report(rounds, runs, statistics.median(rates), work, args.out, args.loaded)
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -238,7 +240,9 @@ def _agreement(rounds: dict, runs: dict, work: Path) -> dict[str, float]:
     return out
 
 
-def _report(rounds: dict, runs: dict, rate: float, work: Path, out: Path) -> None:
+def _report(
+    rounds: dict, runs: dict, rate: float, work: Path, out: Path, loaded: bool
+) -> None:
     limit_s = FLOPS / rate / 1e9
     agreement = _agreement(rounds, runs, work)
     rows = {}
@@ -269,6 +273,9 @@ def _report(rounds: dict, runs: dict, rate: float, work: Path, out: Path) -> Non
         "limit_s": limit_s,
         "result_mib": RESULT_MIB,
         "rounds": len(next(iter(rounds.values()))),
+        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS") != "0",
+        "core": CORE,
+        "loaded": loaded,
         "rows": rows,
     }
     (out / "mlp_limit.json").write_text(json.dumps(data, indent=2) + "\n")
@@ -283,10 +290,19 @@ def _markdown(data: dict) -> str:
         "`python benchmarks/mlp_limit.py` (see its docstring): Dense "
         "512→1024→1024→144, B=256, target the first Dense, rows summed over "
         f"the batch; result {data['result_mib']:.0f} MiB. One core per run "
-        f"(`taskset -c 0`), fresh processes, median of {data['rounds']} "
+        f"(`taskset -c {data.get('core', 0)}`), fresh processes, median of "
+        f"{data['rounds']} "
         f"alternating rounds. GEMM probe: {data['gemm_gflops']:.0f} GFLOP/s, "
         f"so the {data['flops'] / 1e9:.0f} GFLOP every method must do take "
-        f"at least {data['limit_s']:.2f} s (the limit).",
+        f"at least {data['limit_s']:.2f} s (the limit). TensorFlow's oneDNN "
+        f"{'on' if data.get('onednn', True) else 'off'} (PyTorch and JAX do "
+        "not read its switch)."
+        + (
+            " **Measured under load** (2 cores shared with other work): "
+            "absolute times are inflated; compare runs of this table."
+            if data.get("loaded")
+            else ""
+        ),
         "",
         "Peak growth: how much the process's peak resident memory grew during "
         "one steady call (the previous result freed and the heap trimmed "
