@@ -13,6 +13,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import layers
+from jacobkit.keras import calls as layer_calls
 from jacobkit.keras.graph import TapError
 from jacobkit.problem import PerModel, Problem
 from jacobkit.strategies import precision
@@ -239,10 +240,14 @@ def _checked_pass(problem: Problem) -> Checked:
             found.precision,
         )
 
-    # (a tf.function returns nests of tensors: the record is made outside)
-    compute = problem.function(values) if traced else values
-
     def run(inputs: Any) -> Checked:
+        if traced:
+            try:  # the layer's calls found in an eager pass's record
+                return Checked(*(list(v) for v in values(inputs)))
+            except layer_calls.Unavailable:
+                pass
+        # (a tf.function returns nests of tensors: the record is made outside)
+        compute = problem.function(values) if traced else values
         return Checked(*(list(v) for v in compute(inputs)))
 
     batch = problem.batch_size
