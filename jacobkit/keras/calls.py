@@ -220,6 +220,10 @@ def _keras_scopes() -> Any:
     return global_state.get_global_attribute("name_scope_stack")
 
 
+#: op types that run a traced function eagerly, its ops unseen
+_FUNCTION_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
 class Record:
     """The ops run eagerly in this thread while it is open, each with the
     Keras name scopes open around it (a TensorFlow op callback: thread-local,
@@ -246,10 +250,10 @@ class Record:
         op_name: Any = None,
         graph: Any = None,
     ) -> None:
-        if graph is not None:
-            self.graphs += 1
-            return
         kind = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
+        if graph is not None or kind in _FUNCTION_CALLS:
+            self.graphs += 1  # ops inside a function are not seen one by one
+            return
         stack = _keras_scopes()
         self.ops.append(
             EagerOp(kind, tuple(stack or ()), tuple(inputs), tuple(outputs))

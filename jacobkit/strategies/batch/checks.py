@@ -224,9 +224,10 @@ def _checked_pass(problem: Problem) -> Checked:
     """One forward pass that serves both checks (each took 0.13 s of a 2 s
     first call on the MLP 512-1024-1024-144), on the first
     :data:`CHECK_EXAMPLES` examples where the model runs on fewer than its
-    batch (else on all of them): eager where the layer is a node of a
-    functional graph, traced (its calls are found in the traced pass)
-    elsewhere."""
+    batch (else on all of them), eager: the layer tapped at its node where
+    it is one of a functional graph, elsewhere its calls found in the eager
+    pass's record (:func:`jacobkit.keras.calls.eager_layer_calls`), or in a
+    traced pass where the record cannot tell them for sure."""
     traced = not node_tap(problem)
 
     def values(inputs: Any) -> tuple[list[Any], ...]:
