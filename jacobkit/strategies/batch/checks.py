@@ -99,11 +99,13 @@ def _numeric_refusal(problem: Problem) -> str | None:
     """The refusal of the checks on one forward pass (``None``: they pass),
     kept per model, targets, rows, training and the checked examples' shapes.
 
-    NOTE (measured, one core). Where the layer is called from Python the
-    pass is traced: 0.6-0.9 s on the reductions benchmark's BERT tiny, run
-    four times by a first ``jk.gram`` (its sizing probe's problem and its
-    chunk's, each by the check of whether ``batch`` serves the targets and
-    again before compiling), 2.6 s of its 5.7 s. The verdict does not depend
+    NOTE (measured, loaded machine). Where the layer is called from Python
+    the pass was traced: 2.5-3.0 s of a first clipped sum's 8.3-9.5 s on
+    the reductions benchmark's BERT tiny; eagerly (its calls found in the
+    eager pass's record) 0.7-2.3 s, in fresh processes alternating. Kept
+    here, it runs once per problem: a first ``jk.gram`` asks for it by its
+    sizing probe's problem and its chunk's, each by the check of whether
+    ``batch`` serves the targets and again before compiling. The verdict does not depend
     on the batch size beyond the :data:`CHECK_EXAMPLES` it reads, nor on
     ``reduce=``."""
     kept = _REFUSALS.of(problem.model)
