@@ -154,7 +154,12 @@ def _passed_through(op: Any, index: int) -> bool:
     return bool(op.type == "IdentityN" and index > 0)
 
 
-def pre_activation(layer: Any, output: tf.Tensor, one_op: dict[str, str]) -> Any:
+def pre_activation(
+    layer: Any,
+    output: tf.Tensor,
+    one_op: dict[str, str],
+    record: Record | None = None,
+) -> Any:
     """The pre-activation ``z`` that a call's ``output = activation(z)`` was
     computed from in the traced pass, where the layer's activation is a stock
     one made of one op (``one_op``: its name -> the op's type) and that op
@@ -165,17 +170,186 @@ def pre_activation(layer: Any, output: tf.Tensor, one_op: dict[str, str]) -> Any
     model from the call's input and carries the cotangent at the output back
     through that copy: a second forward pass of every tapped layer (on a
     small conv net, 2.5 of a clipped sum's 11 ms). The first call's checks
-    compare this ``z`` with the rule's."""
+    compare this ``z`` with the rule's. ``record``: the eager pass's
+    :class:`Record` (``None``: a traced pass)."""
     name = None
     for keras in compat.keras_modules():
         name = name or compat.stock_activation(keras, compat.activation(layer))
     wanted = one_op.get(name or "")
-    op = output.op
-    while op.type == "Identity" and op.inputs:
-        op = op.inputs[0].op
-    if wanted is None or op.type != wanted or len(op.inputs) != 1:
+    made_by = _graph_maker if record is None else record.maker
+    op_type, op_inputs = made_by(output)
+    while op_type == "Identity" and op_inputs:
+        op_type, op_inputs = made_by(op_inputs[0])
+    if wanted is None or op_type != wanted or len(op_inputs) != 1:
         return None
-    z = op.inputs[0]
+    z = op_inputs[0]
     if z.dtype != output.dtype or z.shape != output.shape:
         return None
     return z
+
+
+def _graph_maker(tensor: tf.Tensor) -> tuple[str, tuple[Any, ...]]:
+    """The type and inputs of the op that made ``tensor`` in a graph."""
+    return tensor.op.type, tuple(tensor.op.inputs)
+
+
+class Unavailable(ValueError):
+    """An eager pass's record cannot say for sure which ops are a layer's
+    calls (``str()`` says why): the traced pass finds them instead."""
+
+
+@dataclass(frozen=True)
+class EagerOp:
+    """One op run eagerly: its type, the Keras 3 name scopes open around it
+    (each layer call opens its own, ``caller`` the layer), and the tensors it
+    took and made."""
+
+    type: str
+    scopes: tuple[Any, ...]
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+
+
+def _keras_scopes() -> Any:
+    """Keras 3's stack of open name scopes in this thread (``None``: no Keras
+    3)."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError:  # pragma: no cover - Keras 3 is a dependency
+        return None
+    return global_state.get_global_attribute("name_scope_stack")
+
+
+#: op types that run a traced function eagerly, its ops unseen
+_FUNCTION_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+class Record:
+    """The ops run eagerly in this thread while it is open, each with the
+    Keras name scopes open around it (a TensorFlow op callback: thread-local,
+    set on nothing of the model's).
+
+    NOTE (why). Where a layer is called from Python, its calls are found in a
+    traced pass by their name scopes and their reads of the layer's weights
+    (see the module docstring). Eagerly, each call of a Keras 3 layer opens a
+    name scope object of its own whose ``caller`` is the layer: recorded with
+    each op, it tells the layer's calls apart exactly (back-to-back calls
+    too) without tracing the pass (BERT tiny's checks before a first
+    reduction traced ~1,400 graph ops)."""
+
+    def __init__(self) -> None:
+        self.ops: list[EagerOp] = []
+        self.graphs = 0
+
+    def _seen(
+        self,
+        op_type: Any,
+        inputs: Any,
+        attrs: Any,
+        outputs: Any,
+        op_name: Any = None,
+        graph: Any = None,
+    ) -> None:
+        kind = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
+        if graph is not None or kind in _FUNCTION_CALLS:
+            self.graphs += 1  # ops inside a function are not seen one by one
+            return
+        stack = _keras_scopes()
+        self.ops.append(
+            EagerOp(kind, tuple(stack or ()), tuple(inputs), tuple(outputs))
+        )
+
+    def maker(self, tensor: Any) -> tuple[str, tuple[Any, ...]]:
+        """The type and inputs of the recorded op that made ``tensor``
+        (``("", ())``: none did)."""
+        for op in reversed(self.ops):
+            if any(t is tensor for t in op.outputs):
+                return op.type, op.inputs
+        return "", ()
+
+    def __enter__(self) -> Record:
+        from tensorflow.python.framework import op_callbacks
+
+        op_callbacks.add_op_callback(self._seen)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from tensorflow.python.framework import op_callbacks
+
+        op_callbacks.remove_op_callback(self._seen)
+
+
+def eager_layer_calls(
+    record: Record, layer: Any, variables: Iterable[Any], sources: Iterable[Any]
+) -> tuple[LayerCall, ...]:
+    """Every call of ``layer`` in an eager pass's ``record``, as
+    :func:`layer_calls` finds them in a traced one: the ops under the name
+    scope that a call of ``layer`` opened, for each call in which one of
+    ``variables`` is read. ``sources``: the pass's inputs (tensors no op
+    made; other such tensors are constants).
+
+    Raises:
+        Unavailable: the record cannot tell the calls for sure (part of the
+            pass ran as a graph, whose ops are not recorded; no weight read,
+            or a read outside a Keras 3 call of the layer; a call reads a
+            floating tensor no recorded op made, which may be its own
+            constant or an input): the traced pass says.
+    """
+    ops = record.ops
+    if record.graphs:
+        raise Unavailable("part of the pass ran as a graph")
+    handles = {id(compat.as_tf_variable(v).handle) for v in variables if v is not None}
+    made = {id(t) for op in ops for t in op.outputs}
+    made |= {id(t) for t in tf.nest.flatten(sources)}
+    entries: list[Any] = []
+    for op in ops:
+        if not any(id(t) in handles for t in op.inputs):
+            continue
+        mine = [e for e in op.scopes if getattr(e, "caller", None) is layer]
+        if not mine:
+            raise Unavailable(f"a read of layer {layer.name!r}'s weights outside it")
+        if not any(mine[-1] is e for e in entries):
+            entries.append(mine[-1])
+    if not entries:
+        raise Unavailable(f"no op of the eager pass reads layer {layer.name!r}")
+    found = []
+    for entry in entries:
+        members = [i for i, op in enumerate(ops) if any(entry is e for e in op.scopes)]
+        found.append(_eager_call(layer.name, ops, members, made))
+    return tuple(found)
+
+
+def _eager_call(
+    name: str, ops: Sequence[EagerOp], members: list[int], made: set[int]
+) -> LayerCall:
+    """The call made of ``ops`` at ``members`` (as :func:`_call`)."""
+    inside = [ops[i] for i in members]
+    chosen = set(members)
+    outside = [op for i, op in enumerate(ops) if i not in chosen]
+    produced = {id(t) for op in inside for t in op.outputs}
+    taken_outside = {id(t) for op in outside for t in op.inputs}
+    used = {id(t) for op in inside for t in op.inputs}
+    inputs: list[Any] = []
+    taken: list[Any] = []
+    unused: list[Any] = []
+    for op in inside:
+        for tensor in op.inputs:
+            if (
+                id(tensor) in produced
+                or tensor.dtype == tf.resource
+                or any(tensor is t for t in inputs)
+            ):
+                continue
+            if id(tensor) in made:
+                inputs.append(tensor)
+            elif tensor.dtype.is_floating and tensor.shape.rank:
+                # no op made it: a constant of the call's, or a tensor from
+                # outside the pass; the traced pass tells them apart
+                raise Unavailable(f"a call of layer {name!r} reads a tensor no op made")
+    for op in inside:
+        for index, tensor in enumerate(op.outputs):
+            if id(tensor) in taken_outside:
+                taken.append(tensor)
+            elif id(tensor) not in used and not (op.type == "IdentityN" and index > 0):
+                unused.append(tensor)
+    return LayerCall(f"{name} (eager)", tuple(inputs), tuple(taken or unused))

@@ -13,6 +13,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import layers
+from jacobkit.keras import calls as layer_calls
 from jacobkit.keras.graph import TapError
 from jacobkit.problem import PerModel, Problem
 from jacobkit.strategies import precision
@@ -98,11 +99,13 @@ def _numeric_refusal(problem: Problem) -> str | None:
     """The refusal of the checks on one forward pass (``None``: they pass),
     kept per model, targets, rows, training and the checked examples' shapes.
 
-    NOTE (measured, one core). Where the layer is called from Python the
-    pass is traced: 0.6-0.9 s on the reductions benchmark's BERT tiny, run
-    four times by a first ``jk.gram`` (its sizing probe's problem and its
-    chunk's, each by the check of whether ``batch`` serves the targets and
-    again before compiling), 2.6 s of its 5.7 s. The verdict does not depend
+    NOTE (measured, loaded machine). Where the layer is called from Python
+    the pass was traced: 2.5-3.0 s of a first clipped sum's 8.3-9.5 s on
+    the reductions benchmark's BERT tiny; eagerly (its calls found in the
+    eager pass's record) 0.7-2.3 s, in fresh processes alternating. Kept
+    here, it runs once per problem: a first ``jk.gram`` asks for it by its
+    sizing probe's problem and its chunk's, each by the check of whether
+    ``batch`` serves the targets and again before compiling. The verdict does not depend
     on the batch size beyond the :data:`CHECK_EXAMPLES` it reads, nor on
     ``reduce=``."""
     kept = _REFUSALS.of(problem.model)
@@ -223,9 +226,10 @@ def _checked_pass(problem: Problem) -> Checked:
     """One forward pass that serves both checks (each took 0.13 s of a 2 s
     first call on the MLP 512-1024-1024-144), on the first
     :data:`CHECK_EXAMPLES` examples where the model runs on fewer than its
-    batch (else on all of them): eager where the layer is a node of a
-    functional graph, traced (its calls are found in the traced pass)
-    elsewhere."""
+    batch (else on all of them), eager: the layer tapped at its node where
+    it is one of a functional graph, elsewhere its calls found in the eager
+    pass's record (:func:`jacobkit.keras.calls.eager_layer_calls`), or in a
+    traced pass where the record cannot tell them for sure."""
     traced = not node_tap(problem)
 
     def values(inputs: Any) -> tuple[list[Any], ...]:
@@ -239,10 +243,14 @@ def _checked_pass(problem: Problem) -> Checked:
             found.precision,
         )
 
-    # (a tf.function returns nests of tensors: the record is made outside)
-    compute = problem.function(values) if traced else values
-
     def run(inputs: Any) -> Checked:
+        if traced:
+            try:  # the layer's calls found in an eager pass's record
+                return Checked(*(list(v) for v in values(inputs)))
+            except layer_calls.Unavailable:
+                pass
+        # (a tf.function returns nests of tensors: the record is made outside)
+        compute = problem.function(values) if traced else values
         return Checked(*(list(v) for v in compute(inputs)))
 
     batch = problem.batch_size

@@ -175,10 +175,15 @@ def _units(problem: Problem) -> list[_Unit]:
 
 def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
     weights = _weights(problem)
+    record = layer_calls.Record() if tf.executing_eagerly() else None
     tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
     with tape:
         tape.watch(list(problem.targets))
-        per_example = problem.per_example_rows(inputs)
+        if record is None:
+            per_example = problem.per_example_rows(inputs)
+        else:
+            with record:
+                per_example = problem.per_example_rows(inputs)
     graph = tf.compat.v1.get_default_graph()
     beside = tf.GradientTape(persistent=True, watch_accessed_variables=False)
     taps: list[Tapped] = []
@@ -191,9 +196,12 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
     batch = int(per_example.shape[0])
     for unit in _units(problem):
         mine = [weights[i] for i in unit.parts]
+        read = [w for pair in mine for w in pair]
         try:
-            found = layer_calls.layer_calls(
-                graph, unit.layer, [w for pair in mine for w in pair]
+            found = (
+                layer_calls.layer_calls(graph, unit.layer, read)
+                if record is None
+                else layer_calls.eager_layer_calls(record, unit.layer, read, inputs)
             )
         except layer_calls.NoCall as err:
             raise TapError(str(err)) from err
@@ -217,7 +225,7 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
             with beside:
                 output, call_taps = unit.rule.tapped_call((x,), {}, mine, watch)
             y = _call_output(unit.layer, call, output)
-            z = _own_z(unit, y, len(call_taps))
+            z = _own_z(unit, y, len(call_taps), record)
             if check:
                 if z is not None and z is not y:
                     # the first call's checks compare the model's z with the
@@ -262,7 +270,9 @@ def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
     )
 
 
-def _own_z(unit: _Unit, y: tf.Tensor, taps: int) -> tf.Tensor | None:
+def _own_z(
+    unit: _Unit, y: tf.Tensor, taps: int, record: layer_calls.Record | None = None
+) -> tf.Tensor | None:
     """A call's own pre-activation ``z`` in the traced pass, where it has one
     part: its output where that is ``z``, else its one-op activation's input
     (:func:`jacobkit.keras.calls.pre_activation`); ``None`` elsewhere, and
@@ -271,7 +281,7 @@ def _own_z(unit: _Unit, y: tf.Tensor, taps: int) -> tf.Tensor | None:
         return None
     if unit.rule.output_is_z():
         return y
-    return layer_calls.pre_activation(unit.layer, y, ONE_OP_ACTIVATIONS)
+    return layer_calls.pre_activation(unit.layer, y, ONE_OP_ACTIVATIONS, record)
 
 
 def _own_z_alone(unit: _Unit, call: layer_calls.LayerCall) -> tf.Tensor | None:
