@@ -218,16 +218,31 @@ def tensorflow_warnings(*, all_threads: bool = False) -> Iterator[None]:
     """While active, TensorFlow's and Keras' Python warnings (log records below
     ERROR on the ``tensorflow`` and ``absl`` loggers) are dropped: those this
     thread logs, or every thread's with ``all_threads=True``. Other threads'
-    records and every error still show."""
+    records and every error still show.
+
+    Inside one already active for this thread, it adds nothing (the outer
+    one drops the same records; a steady ``jacobian`` call nests three)."""
+    own = not all_threads
+    if own and getattr(_ACTIVE, "active", False):
+        yield
+        return
     dropper = _BelowError(None if all_threads else threading.get_ident())
     loggers = [logging.getLogger(name) for name in LOGGERS]
     for logger in loggers:
         logger.addFilter(dropper)
+    if own:
+        _ACTIVE.active = True
     try:
         yield
     finally:
+        if own:
+            _ACTIVE.active = False
         for logger in loggers:
             logger.removeFilter(dropper)
+
+
+#: per thread, whether a :func:`tensorflow_warnings` of that thread is active
+_ACTIVE = threading.local()
 
 
 def hide_startup_logs() -> None:
