@@ -222,27 +222,27 @@ def tensorflow_warnings(*, all_threads: bool = False) -> Iterator[None]:
 
     Inside one already active for this thread, it adds nothing (the outer
     one drops the same records; a steady ``jacobian`` call nests three)."""
-    own = not all_threads
-    if own and getattr(_ACTIVE, "active", False):
+    thread = None if all_threads else threading.get_ident()
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    if thread is not None and all(_drops(logger, thread) for logger in loggers):
         yield
         return
-    dropper = _BelowError(None if all_threads else threading.get_ident())
-    loggers = [logging.getLogger(name) for name in LOGGERS]
+    dropper = _BelowError(thread)
     for logger in loggers:
         logger.addFilter(dropper)
-    if own:
-        _ACTIVE.active = True
     try:
         yield
     finally:
-        if own:
-            _ACTIVE.active = False
         for logger in loggers:
             logger.removeFilter(dropper)
 
 
-#: per thread, whether a :func:`tensorflow_warnings` of that thread is active
-_ACTIVE = threading.local()
+def _drops(logger: logging.Logger, thread: int) -> bool:
+    """Whether a :func:`tensorflow_warnings` of ``thread`` is active on
+    ``logger``."""
+    return any(
+        isinstance(f, _BelowError) and f.thread == thread for f in logger.filters
+    )
 
 
 def hide_startup_logs() -> None:
