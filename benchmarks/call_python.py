@@ -1,7 +1,7 @@
 """The Python side of steady calls on the reductions benchmark's conv net.
 
 Per call, the wall time less the time spent executing the compiled
-function (TensorFlow's ``execute.execute``, timed by wrapping it): what
+function (TensorFlow's ``Context.call_function``, timed by wrapping it): what
 jacobkit's Python and TensorFlow's dispatch add around the computation.
 Four calls, alternating in one process (rounds of ``CALLS`` steady calls
 each, the order reversed every other round, after three first calls):
@@ -40,12 +40,12 @@ def main() -> None:
     import reductions_models
     import tensorflow as tf
     from reductions import plain_step
-    from tensorflow.python.eager import execute
+    from tensorflow.python.eager import context
 
     import jacobkit as jk
 
     inside = [0.0]
-    run = execute.execute
+    run = context.Context.call_function
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -54,7 +54,7 @@ def main() -> None:
         finally:
             inside[0] += time.perf_counter() - start
 
-    execute.execute = timed
+    context.Context.call_function = timed
     built = reductions_models.convnet()
     model, x, y = built.model, built.x, built.y
     loss = jk.Loss(reductions_models.loss())
