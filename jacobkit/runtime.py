@@ -218,9 +218,16 @@ def tensorflow_warnings(*, all_threads: bool = False) -> Iterator[None]:
     """While active, TensorFlow's and Keras' Python warnings (log records below
     ERROR on the ``tensorflow`` and ``absl`` loggers) are dropped: those this
     thread logs, or every thread's with ``all_threads=True``. Other threads'
-    records and every error still show."""
-    dropper = _BelowError(None if all_threads else threading.get_ident())
+    records and every error still show.
+
+    Inside one already active for this thread, it adds nothing (the outer
+    one drops the same records; a steady ``jacobian`` call nests three)."""
+    thread = None if all_threads else threading.get_ident()
     loggers = [logging.getLogger(name) for name in LOGGERS]
+    if thread is not None and all(_drops(logger, thread) for logger in loggers):
+        yield
+        return
+    dropper = _BelowError(thread)
     for logger in loggers:
         logger.addFilter(dropper)
     try:
@@ -228,6 +235,14 @@ def tensorflow_warnings(*, all_threads: bool = False) -> Iterator[None]:
     finally:
         for logger in loggers:
             logger.removeFilter(dropper)
+
+
+def _drops(logger: logging.Logger, thread: int) -> bool:
+    """Whether a :func:`tensorflow_warnings` of ``thread`` is active on
+    ``logger``."""
+    return any(
+        isinstance(f, _BelowError) and f.thread == thread for f in logger.filters
+    )
 
 
 def hide_startup_logs() -> None:

@@ -180,13 +180,7 @@ def gram(
     allowed = _check_options(memory_budget, norms)
     chosen = _chosen(strategy, memory_budget)
     reading = collect.reading(call)
-    # a dataset is read once per chunk of the other set: each pass checked
-    first_set = passes.checked(a, "gram(a=...)")
-    other_set = first_set if b is None else passes.checked(b, "gram(b=...)")
-    sets = [
-        blocks.ExampleSet(first_set, reading),
-        blocks.ExampleSet(other_set, reading),
-    ]
+    sets = _sets(a, b, reading)
     size = _check_chunk(chunk_examples)
     with runtime.tensorflow_warnings():
         probe = sets[0].first(size or PROBE_EXAMPLES)
@@ -218,6 +212,18 @@ def gram(
         norms_a=norms_a,
         norms_b=norms_b,
     )
+
+
+def _sets(a: Any, b: Any, reading: source.Reading) -> list[blocks.ExampleSet]:
+    """The two sets of examples, ``a`` and ``b`` (``b=None``: ``a``)."""
+    # a dataset is read once per chunk of the other set: each pass checked
+    first_set = passes.checked(a, "gram(a=...)")
+    first = blocks.ExampleSet(first_set, reading)
+    if b is None and first.arrays is not None:
+        # arrays with themselves: converted and checked once, not twice
+        return [first, first]
+    other_set = first_set if b is None else passes.checked(b, "gram(b=...)")
+    return [first, blocks.ExampleSet(other_set, reading)]
 
 
 def _blocks(
