@@ -704,8 +704,25 @@ def _over(me: list[str]) -> dict[str, dict]:
 def _write(data: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reductions.json").write_text(json.dumps(data, indent=1))
-    (out / "reductions.md").write_text(_markdown(data))
-    print(_markdown(data))
+    page = out / "reductions.md"
+    text = _markdown(data)
+    kept = _hand_sections(page.read_text() if page.exists() else "", text)
+    page.write_text(text.rstrip("\n") + "\n" + "".join("\n" + s for s in kept))
+    print(text)
+
+
+def _hand_sections(old: str, new: str) -> list[str]:
+    """The ``##`` and ``###`` sections of the page as it was whose headings
+    the new page does not have: written by hand beside the generated tables
+    (notes of a hand-run measurement; the generator writes no ``###``), kept
+    at the end in their order."""
+    import re
+
+    titles = set(re.findall(r"^#{2,3} .*$", new, flags=re.MULTILINE))
+    parts = re.split(r"^(?=#{2,3} )", old, flags=re.MULTILINE)[1:]
+    return [
+        part.rstrip("\n") + "\n" for part in parts if part.splitlines()[0] not in titles
+    ]
 
 
 def _markdown(data: dict) -> str:
