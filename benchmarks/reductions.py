@@ -339,6 +339,23 @@ def sgd_step(built: Any) -> Callable[[], None]:
     return call
 
 
+def _pinned_case(case: str, label: str) -> tuple[dict, Any, Any]:
+    """A one-process child's start: TensorFlow pinned to one core with one
+    thread (``footing``'s record of it), ``case`` built and its per-example
+    loss: ``(record, built, loss)``."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
+    import reductions_models
+
+    import jacobkit as jk
+
+    record = footing.pin_tensorflow(label)
+    built = reductions_models.CASES[case]()
+    return record, built, jk.Loss(reductions_models.loss())
+
+
 def child_paired(case: str, rounds: int) -> None:
     """The clipped sum against the plain step in one process: every round
     times ``PAIRED_CALLS`` calls of each (the order alternating) and takes
@@ -348,20 +365,12 @@ def child_paired(case: str, rounds: int) -> None:
     separate processes (the tables above) do not cancel."""
     import time
 
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE / "peers"))
-    import footing
+    record, built, loss = _pinned_case(case, "reductions --paired")
     import numpy as np
-    import reductions_models
 
     import jacobkit as jk
     from jacobkit.bench import stats
 
-    record = footing.pin_tensorflow("reductions --paired")
-
-    built = reductions_models.CASES[case]()
-    loss = jk.Loss(reductions_models.loss())
     variables = built.model.trainable_variables
 
     def clipped() -> list:
@@ -417,19 +426,12 @@ def child_maps(case: str, rounds: int) -> None:
     per-round ratio to the plain step with its 95% bootstrap interval."""
     import time
 
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE / "peers"))
-    import footing
+    record, built, loss = _pinned_case(case, "reductions --maps")
     import numpy as np
-    import reductions_models
 
     import jacobkit as jk
     from jacobkit.bench import stats
 
-    record = footing.pin_tensorflow("reductions --maps")
-    built = reductions_models.CASES[case]()
-    loss = jk.Loss(reductions_models.loss())
     variables = built.model.trainable_variables
 
     def projection(small: str) -> Callable[[], Any]:
