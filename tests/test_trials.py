@@ -131,12 +131,16 @@ def test_a_compiled_candidate_is_not_predicted_to_trace_faster_than_the_current(
     ``while`` was predicted at a quarter of it (0.03 s against 0.11 s;
     measured 0.15 s): every compiled strategy traces the model's forward
     and backward passes, so the current one's trace is the floor. Upwards
-    the weights still scale."""
+    the weights still scale, from every strategy measured on the problem
+    (``chunked(8)`` then traced in 0.37-0.39 s)."""
     batch = Estimate(Batch(), seconds_per_row=3e-4, trace_s=0.11)
     assert estimates.predicted_trace_s(While(10), None, batch, 32) == 0.11
     slow = Estimate(While(10), seconds_per_row=5e-3, trace_s=0.15)
     chunked = estimates.predicted_trace_s(Chunked(8), None, slow, 32)
     assert chunked == pytest.approx(0.15 * Chunked.trace_weight / While.trace_weight)
+    # strategies tried before on this problem scale too: the most of them
+    both = estimates.predicted_trace_s(Chunked(8), None, batch, 32, (slow,))
+    assert both == pytest.approx(0.15 * Chunked.trace_weight / While.trace_weight)
     # measured before: the measurement
     known = Estimate(While(10), trace_s=0.2)
     assert estimates.predicted_trace_s(While(10), known, batch, 32) == 0.2

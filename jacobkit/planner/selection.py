@@ -222,6 +222,7 @@ def next_try(
     limits: tuple[float, int],
     *,
     left_eager: bool = False,
+    measured: Callable[[], Sequence[Estimate]] = tuple,
 ) -> NextTry:
     """The next of the ``pending`` candidates to try, given the ``current``
     strategy's estimate (its rate known) and the ``spent_s`` seconds spent
@@ -231,7 +232,8 @@ def next_try(
     once ``spent_s`` reaches the policy's ``rent`` times its try's
     predicted cost (:func:`try_cost_s`, its tracing time by
     :func:`~jacobkit.planner.estimates.predicted_trace_s`, from what
-    ``earlier`` processes measured); at once where the current
+    ``earlier`` processes measured, scaled from the current strategy's
+    and the others ``measured`` here); at once where the current
     strategy is the eager start and it has answered the calls it answers
     (``left_eager``: the policy's ``eager_calls``)."""
     allowed, num_rows = limits
@@ -255,7 +257,9 @@ def next_try(
                 f"first {policy.eager_calls} call(s) only"
             )
             return NextTry(smaller, reason, tuple(dropped))
-        trace_s = est.predicted_trace_s(smaller, earlier(smaller), current, num_rows)
+        trace_s = est.predicted_trace_s(
+            smaller, earlier(smaller), current, num_rows, measured()
+        )
         call_s = current.seconds(num_rows)
         assert call_s is not None, "the current rate is known"
         cost_s = None if trace_s is None else try_cost_s(policy, trace_s, call_s)

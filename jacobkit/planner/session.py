@@ -189,6 +189,7 @@ class Session:
             self.fits,
             (self._footprint.allowed_bytes, self._num_rows),
             left_eager=self._calls > self._policy.eager_calls,
+            measured=self._measured.estimates,
         )
         if due.dropped:
             self._lineup = self._lineup.without(due.dropped)
