@@ -14,7 +14,9 @@ one-channel step) runs, for each of the head's 128 rows, in turn:
   the forward convolution of the flipped kernel
   (:mod:`jacobkit.strategies.gradients`): 671 MFLOP;
 - ``relu1``: conv1's ReLU derivative times that (``ReluGrad``);
-- ``filter``: conv1's kernel gradient (``Conv2DBackpropFilter``): 84 MFLOP;
+- ``filter``: conv1's kernel gradient, its input's patches (formed once
+  before the loop) times the row's cotangent (one ``MatMul``; TensorFlow's
+  own ``Conv2DBackpropFilter`` beside it): 84 MFLOP;
 - ``bias``: conv1's bias gradient (``BiasAddGrad``).
 
 Each piece runs ``--iterations`` times in a ``tf.while_loop`` of one
@@ -28,7 +30,8 @@ work at the GEMM probe's rate).
     TF_ENABLE_ONEDNN_OPTS=0 taskset -c 0 python benchmarks/generator_floor.py \\
         --rounds 3 --out benchmarks/results/cpu-onednn-off [--loaded]
 
-writes ``generator_floor.{json,md}`` under ``--out``.
+writes ``generator_floor.{json,md}`` under ``--out`` (the page's
+hand-written sections, under ``##`` headings, kept after the table).
 """
 
 from __future__ import annotations
@@ -137,10 +140,10 @@ def _kernels(tf: Any, model: Any, x: Any) -> dict[str, tuple[str, bool, Callable
             True,
             lambda i: tf.raw_ops.ReluGrad(gradients=dh1, features=h1),
         ),
-        "Conv2DBackpropFilter": ("filter", True, filter_own),
+        "Conv2DBackpropFilter": ("filter", False, filter_own),
         "patches (shared by the rows)^T @ cotangent": (
             "filter",
-            False,
+            True,
             lambda i: tf.matmul(patches, flat, transpose_a=True),
         ),
         "the same, 4 rows side by side (a row's share)": (
@@ -342,7 +345,12 @@ def main() -> None:
         path.write_text(json.dumps(data, indent=1) + "\n")
     data = json.loads(path.read_text())
     text = _markdown(data)
-    path.with_suffix(".md").write_text(text)
+    page = path.with_suffix(".md")
+    if page.exists():  # the hand-written sections (## headings) kept after it
+        kept = page.read_text().split("\n## ", 1)
+        if len(kept) == 2:
+            text += "\n## " + kept[1]
+    page.write_text(text)
     print(text)
 
 
