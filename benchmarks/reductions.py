@@ -704,6 +704,7 @@ def main() -> None:
     # the other cases of an earlier run, perhaps of another machine
     state = f"{data['machine']}{', loaded' if args.loaded else ''}"
     data["case_machines"] = {case: state for case in cases}
+    data["case_rounds"] = {case: args.rounds for case in cases}
     if args.merge:
         kept = json.loads((out / "reductions.json").read_text())
         earlier = {
@@ -719,9 +720,17 @@ def main() -> None:
             **{k: v for k, v in kept["runs"].items() if k.split("|")[0] not in cases},
             **data["runs"],
         }
+        # the page's header tells the earlier runs' rounds; each merged case
+        # its own beside its machine
+        data["rounds"], data["repeats"] = kept["rounds"], kept["repeats"]
+        data["case_rounds"] = {
+            **kept.get("case_rounds", {}),
+            **data["case_rounds"],
+        }
         data["paired"] = {**kept.get("paired", {}), **data["paired"]}
         data["over"] = kept["over"]
         data["first_calls"] = kept.get("first_calls", {})
+        data["maps"] = kept.get("maps", {})
         data["over_machine"] = kept.get("over_machine", kept.get("machine"))
     _write(data, out)
 
@@ -783,7 +792,12 @@ def _markdown(data: dict) -> str:
         lines += [
             f"## {case}",
             "",
-            f"Measured on: {machines.get(case, data.get('machine'))}.",
+            f"Measured on: {machines.get(case, data.get('machine'))}"
+            + (
+                f"; {data['case_rounds'][case]} round(s)."
+                if case in data.get("case_rounds", {})
+                else "."
+            ),
             "",
             "| run | steady ms | × own plain step | paired in one process "
             "(95% interval) | × materialized | first call s | "
@@ -850,6 +864,8 @@ def _failure(row: dict) -> str:
     found = row["error"]
     text = " ".join(found) if isinstance(found, list) else str(found)
     text = text.removeprefix("reductions_torch: ").replace("|", "/")
+    text = text.split(" (against jacobkit's results")[0]  # not the file's path
+    text = text.split(" (checked against jacobkit's results")[0]
     reasons = (" not supported (", " disagrees with jacobkit (")
     return text if any(r in text for r in reasons) else f"error: {text}"
 

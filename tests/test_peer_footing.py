@@ -206,3 +206,11 @@ def test_the_comparison_takes_the_fastest_peer_that_matched():
     assert reductions._failure(measured["m|Opacus functorch, clipped"]) == (
         "clipped_opacus_functorch not supported (X)"
     )
+    # the peer's closing words (where its file was) stay off the page
+    said = "reductions_torch: a disagrees with jacobkit (clipped_err 1e-1) (checked"
+    assert reductions._failure(
+        {"error": [said + " against jacobkit's results, x"]}
+    ) == ("a disagrees with jacobkit (clipped_err 1e-1)")
+    assert reductions._failure({"error": ["Traceback: boom"]}) == (
+        "error: Traceback: boom"
+    )
