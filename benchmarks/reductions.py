@@ -1,9 +1,12 @@
 """The reductions of per-example loss gradients against materializing them:
 the DP clipped sum, the Gram matrix and the projection, on the models of
-``reductions_models.py`` (a conv net and a keras_hub BERT classifier, batch
-32, every trainable variable), beside one plain summed-gradient step of the
-same model and, on the conv net, PyTorch on identical weights
-(``peers/reductions_torch.py``).
+``reductions_models.py`` (conv nets, an MLP, keras_hub BERT classifiers and
+a keras_hub GPT-2 causal LM, batch 32, every trainable variable), beside one
+plain summed-gradient step of the same model and, on the conv net, BERT
+tiny, ``bert_small`` and GPT-2, PyTorch on identical weights
+(``peers/reductions_torch.py``: Hugging Face's BERT and GPT-2 models,
+``vmap(grad)`` and Opacus's modes; a mode that refuses the model or
+disagrees with jacobkit's result is recorded with its reason, not a time).
 
 Every run is a fresh process pinned to one core (``taskset -c 0``), timed by
 ``peers/protocol.py``: the first call (tracing included) and the growth of
@@ -118,9 +121,27 @@ DP_PEERS = {
     },
 }
 #: the cases PyTorch runs on (``peers/export_reductions.py --case``), and
-#: the methods it leaves out on each (none now)
-PEER_CASES = ("convnet", "bert")
-PEER_SKIP: dict[str, tuple[str, ...]] = {}
+#: the methods it leaves out on each: on ``bert_small`` (a plain step of
+#: ~260 ms, per-example gradients of 1.4 GB) the DP-SGD steps
+PEER_CASES = ("convnet", "bert", "gpt2", "bert_small")
+PEER_SKIP: dict[str, tuple[str, ...]] = {"bert_small": tuple(DP_PEERS.values())}
+#: the cases with the DP-SGD step table (TensorFlow's plain SGD step too)
+DP_CASES = ("convnet", "bert", "gpt2")
+#: the transformer cases, and issue 50's goal on them: each reduction at
+#: most this many of its own plain step (PyTorch has no closed forms for
+#: attention or LayerNorm)
+TRANSFORMERS = ("bert", "bert_small", "gpt2")
+TRANSFORMER_GOAL = 1.5
+#: each reduction's PyTorch peers: the fastest that matched jacobkit's
+#: result is the one jacobkit is compared with (issue 50)
+KIND_PEERS = {
+    "clipped sum": (
+        *(f"Opacus {label}, clipped" for label in OPACUS_MODES.values()),
+        "PyTorch vmap(grad) clipped",
+    ),
+    "gram": ("PyTorch vmap(grad) gram",),
+    "projection": ("PyTorch vmap(grad) projection (jacobkit's maps)",),
+}
 #: TensorFlow's side of the DP-SGD step table: its plain SGD step, and
 #: jacobkit's compiled DP step (its child method to be added where that
 #: step lands: ``child`` names it by this label)
@@ -153,9 +174,10 @@ def child(case: str, method: str, repeats: int, first_only: bool = False) -> Non
 
     built = reductions_models.CASES[case]()
     model, x, y = built.model, built.x, built.y
-    loss = jk.Loss(reductions_models.loss())
+    loss = jk.Loss(reductions_models.loss(case))
     variables = model.trainable_variables
     plans: list = []
+    grams: list = []  # jk.gram's last result: its strategy and forms
 
     def jacobian(**kwargs):
         result = jk.jacobian(model, (x, y), variables, outputs=loss, **kwargs)
@@ -185,7 +207,9 @@ def child(case: str, method: str, repeats: int, first_only: bool = False) -> Non
     elif method == "gram":
 
         def call():
-            return jk.gram(model, (x, y), outputs=loss).matrix
+            found = jk.gram(model, (x, y), outputs=loss)
+            grams[:] = [found]
+            return found.matrix
     elif method == "budgeted gram":  # chunks of what materializing holds
 
         def call():
@@ -235,7 +259,12 @@ def child(case: str, method: str, repeats: int, first_only: bool = False) -> Non
         # against TensorFlow's own plain step, alternating in this process
         timings["paired"] = paired(call, plain_step(built))
     strategy = None if not plans or plans[0] is None else plans[0].strategy.label
-    print(json.dumps({**timings, "strategy": strategy, "footing": record}))
+    extra = {}
+    if grams:  # the Gram matrix's strategy, and how many targets took each form
+        strategy = grams[0].strategy
+        forms = list(grams[0].forms.values())
+        extra["gram_forms"] = {form: forms.count(form) for form in sorted(set(forms))}
+    print(json.dumps({**timings, "strategy": strategy, **extra, "footing": record}))
 
 
 def _counting_ops() -> list[str]:
@@ -297,7 +326,7 @@ def plain_step(built: Any) -> Callable[[], list]:
     import reductions_models
     import tensorflow as tf
 
-    fn, model = reductions_models.loss(), built.model
+    fn, model = reductions_models.loss(built.name), built.model
     variables = model.trainable_variables
 
     @tf.function
@@ -321,7 +350,7 @@ def sgd_step(built: Any) -> Callable[[], None]:
     import reductions_models
     import tensorflow as tf
 
-    fn, model = reductions_models.loss(), built.model
+    fn, model = reductions_models.loss(built.name), built.model
     optimizer = keras.optimizers.SGD(LR)
     variables = model.trainable_variables
 
@@ -353,7 +382,7 @@ def _pinned_case(case: str, label: str) -> tuple[dict, Any, Any]:
 
     record = footing.pin_tensorflow(label)
     built = reductions_models.CASES[case]()
-    return record, built, jk.Loss(reductions_models.loss())
+    return record, built, jk.Loss(reductions_models.loss(case))
 
 
 def child_paired(case: str, rounds: int) -> None:
@@ -543,7 +572,9 @@ def main() -> None:
     parser.add_argument("--peers-python")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", default="convnet,mlp,bert,convnet_medium,bert_small")
+    parser.add_argument(
+        "--cases", default="convnet,mlp,bert,convnet_medium,bert_small,gpt2"
+    )
     parser.add_argument("--out", default="benchmarks/results/cpu")
     parser.add_argument(
         "--loaded",
@@ -626,7 +657,7 @@ def main() -> None:
     cases = args.cases.split(",")
     for case in cases:
         own = reductions_models.ONLY.get(case, METHODS)
-        dp = (TF_SGD,) if case in PEER_CASES and args.peers_python else ()
+        dp = (TF_SGD,) if case in DP_CASES and args.peers_python else ()
         for method in (*own, *dp):
             commands[f"{case}|{method}"] = [
                 *me,
@@ -656,7 +687,7 @@ def main() -> None:
                 "--npz",
                 str(npz),
                 "--repeats",
-                str(args.repeats),
+                str(reductions_models.REPEATS.get(case, args.repeats)),
                 "--method",
                 method,
             ]
@@ -673,6 +704,7 @@ def main() -> None:
     # the other cases of an earlier run, perhaps of another machine
     state = f"{data['machine']}{', loaded' if args.loaded else ''}"
     data["case_machines"] = {case: state for case in cases}
+    data["case_rounds"] = {case: args.rounds for case in cases}
     if args.merge:
         kept = json.loads((out / "reductions.json").read_text())
         earlier = {
@@ -688,9 +720,17 @@ def main() -> None:
             **{k: v for k, v in kept["runs"].items() if k.split("|")[0] not in cases},
             **data["runs"],
         }
+        # the page's header tells the earlier runs' rounds; each merged case
+        # its own beside its machine
+        data["rounds"], data["repeats"] = kept["rounds"], kept["repeats"]
+        data["case_rounds"] = {
+            **kept.get("case_rounds", {}),
+            **data["case_rounds"],
+        }
         data["paired"] = {**kept.get("paired", {}), **data["paired"]}
         data["over"] = kept["over"]
         data["first_calls"] = kept.get("first_calls", {})
+        data["maps"] = kept.get("maps", {})
         data["over_machine"] = kept.get("over_machine", kept.get("machine"))
     _write(data, out)
 
@@ -736,7 +776,9 @@ def _markdown(data: dict) -> str:
         "# Reductions of per-example gradients against materializing them",
         "",
         "Written by `benchmarks/reductions.py`: batch 32, every trainable "
-        "variable, per-example cross-entropy; one core (`taskset -c N`), fresh "
+        "variable, per-example cross-entropy (on `gpt2`, a causal LM: each "
+        "sequence's mean next-token cross-entropy over its 32 positions); "
+        "one core (`taskset -c N`), fresh "
         f"processes, median of {data['rounds']} rounds of {data['repeats']} "
         f"steady calls ({fewer}). Ratios are within a model's rows of this one "
         "run.",
@@ -750,7 +792,12 @@ def _markdown(data: dict) -> str:
         lines += [
             f"## {case}",
             "",
-            f"Measured on: {machines.get(case, data.get('machine'))}.",
+            f"Measured on: {machines.get(case, data.get('machine'))}"
+            + (
+                f"; {data['case_rounds'][case]} round(s)."
+                if case in data.get("case_rounds", {})
+                else "."
+            ),
             "",
             "| run | steady ms | × own plain step | paired in one process "
             "(95% interval) | × materialized | first call s | "
@@ -764,7 +811,7 @@ def _markdown(data: dict) -> str:
             label = key.split("|", 1)[1]
             base = measured.get(f"{case}|{_own_plain(label)}", {}).get("steady_s")
             if "error" in row:
-                lines.append(f"| {label} | error: {row['error']} | | | | | | | | |")
+                lines.append(f"| {label} | {_failure(row)} | | | | | | | | |")
                 continue
             steady = row["steady_s"]
             versus = ""
@@ -783,6 +830,7 @@ def _markdown(data: dict) -> str:
                 else f"| {label} | {steady * 1e3:.1f} | | | | | | | | |"
             )
         lines += _fastest_opacus(case, measured)
+        lines += _versus_peers(case, measured)
         lines += ["", *_floor(case, measured)]
     for case in PEER_CASES:
         lines += _dp_step(case, measured)
@@ -807,6 +855,63 @@ def _markdown(data: dict) -> str:
         else:
             lines.append(f"| {key} | {row['peak_mib']:.1f} | {row['result_mib']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _failure(row: dict) -> str:
+    """A run that printed no timing, in words: a peer's reason (``not
+    supported (...)``, ``disagrees with jacobkit (...)``) or the error's
+    last line; never a number."""
+    found = row["error"]
+    text = " ".join(found) if isinstance(found, list) else str(found)
+    text = text.removeprefix("reductions_torch: ").replace("|", "/")
+    text = text.split(" (against jacobkit's results")[0]  # not the file's path
+    text = text.split(" (checked against jacobkit's results")[0]
+    reasons = (" not supported (", " disagrees with jacobkit (")
+    return text if any(r in text for r in reasons) else f"error: {text}"
+
+
+def _versus_peers(case: str, measured: dict) -> list[str]:
+    """Issue 50's comparison: each reduction's time over TensorFlow's plain
+    step against the fastest correct PyTorch method's over PyTorch's plain
+    step (paired in one process where measured so), their quotient and the
+    goal: at most the PyTorch method's ratio; on the transformers
+    (:data:`TRANSFORMERS`) at most :data:`TRANSFORMER_GOAL`."""
+    torch_base = measured.get(f"{case}|{TORCH_PLAIN}", {}).get("steady_s")
+    tf_base = measured.get(f"{case}|plain step", {}).get("steady_s")
+    rows = []
+    for kind, peers in KIND_PEERS.items():
+        ours = _ratio(measured.get(f"{case}|{kind}", {}), tf_base)
+        good = {
+            label: found
+            for label in peers
+            if (found := _ratio(measured.get(f"{case}|{label}", {}), torch_base))
+            is not None
+        }
+        if ours is None or not good:
+            continue
+        best = min(good, key=good.__getitem__)
+        goal = TRANSFORMER_GOAL if case in TRANSFORMERS else good[best]
+        rows.append(
+            f"| {kind} | {ours:.2f} | {best} | {good[best]:.2f} | "
+            f"{ours / good[best]:.2f} | ≤ {goal:.2f}: "
+            f"{'met' if ours <= goal else 'not met'} |"
+        )
+    if not rows:
+        return []
+    return [
+        "jacobkit against the fastest correct PyTorch method (issue 50), each "
+        "per unit of its own framework's plain step (paired in one process "
+        "where it was); a peer that failed or disagreed with jacobkit's "
+        "result is not a candidate. Goal: jacobkit's ratio at most the "
+        "PyTorch method's; on the transformers, where PyTorch has no closed "
+        f"forms for attention or LayerNorm, at most {TRANSFORMER_GOAL}:",
+        "",
+        "| reduction | jacobkit × TF plain step | fastest correct PyTorch "
+        "| its × PyTorch plain step | jacobkit ÷ PyTorch | goal |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _paired_cell(row: dict) -> str:
@@ -928,7 +1033,7 @@ def _dp_step(case: str, measured: dict) -> list[str]:
     for label, row in rows.items():
         side = "TensorFlow" if label in TF_DP else "PyTorch"
         if "error" in row:
-            lines.append(f"| {label} | {side} | error: {row['error']} | | | |")
+            lines.append(f"| {label} | {side} | {_failure(row)} | | | |")
             continue
         base = bases[side]
         ratio = f"{row['steady_s'] / base:.2f}" if base else ""

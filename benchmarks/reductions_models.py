@@ -15,6 +15,13 @@ fixed random weights so both sides differentiate the same function.
   claim, is stated for such models): four convolutions 3→64→64→128→128
   (the third of stride 2) on 32×32 images; BERT with 4 layers, hidden 256,
   4 heads, intermediate 1024, BERT's vocabulary of 30,522, 32 tokens.
+- ``gpt2``: a keras_hub ``GPT2CausalLM`` (the causal LM of
+  ``privacy_fit.py`` and ``token_attribution.py``: 2 layers, hidden 64, 4
+  heads, intermediate 128, vocabulary 1000, the token table tied to the LM
+  head), random init, dropout 0, 32 tokens; the inputs are the first 32 of
+  33 random tokens, the labels the last 32 (each position's next token), and
+  each example's loss is its mean next-token cross-entropy
+  (:func:`next_token_loss`).
 """
 
 from __future__ import annotations
@@ -118,11 +125,58 @@ def _bert(
     return Case(name, model, x, y)
 
 
-def loss() -> Any:
-    """Each example's cross-entropy of its label, from logits."""
+def loss(case: str = "") -> Any:
+    """Each example's loss ``(y, logits) -> (B,)``: the cross-entropy of its
+    label, from logits; on ``gpt2`` its mean next-token cross-entropy
+    (:func:`next_token_loss`)."""
     import keras
 
+    if case == "gpt2":
+        return next_token_loss
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+def next_token_loss(y_true: Any, y_pred: Any) -> Any:
+    """Each sequence's mean next-token cross-entropy: labels ``(B, T)``,
+    logits ``(B, T, V)`` -> ``(B,)``."""
+    import keras
+
+    tokens = keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True
+    )
+    return keras.ops.mean(tokens, axis=-1)
+
+
+#: the causal LM's sizes (those of ``privacy_fit.py``'s and
+#: ``token_attribution.py``'s, with 32 positions)
+GPT2 = dict(
+    vocabulary_size=1000,
+    num_layers=2,
+    num_heads=4,
+    hidden_dim=64,
+    intermediate_dim=128,
+    max_sequence_length=32,
+)
+
+
+def gpt2(batch: int = BATCH, seed: int = 0) -> Case:
+    """keras_hub's ``GPT2CausalLM`` of :data:`GPT2`'s sizes, dropout 0, no
+    preprocessor; ``x``: ``token_ids`` and ``padding_mask`` ``(B, 32)``
+    (nothing padded), ``y``: each position's next token ``(B, 32)``."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(**GPT2, dropout=0.0)
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    length = GPT2["max_sequence_length"]
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, GPT2["vocabulary_size"], (batch, length + 1))
+    x = {
+        "token_ids": tokens[:, :-1].astype("int32"),
+        "padding_mask": np.ones((batch, length), "int32"),
+    }
+    return Case("gpt2", model, x, tokens[:, 1:].astype("int64"))
 
 
 def convnet_medium(batch: int = BATCH, seed: int = 0) -> Case:
@@ -141,6 +195,7 @@ CASES = {
     "bert": bert,
     "convnet_medium": convnet_medium,
     "bert_small": bert_small,
+    "gpt2": gpt2,
 }
 #: the runs of the larger cases: the clipped sum's goal against a plain step;
 #: on ``bert_small``, whose token table alone is 7.8 M numbers per example,

@@ -21,7 +21,15 @@ CountSketch, applied by the peer as jacobkit applies it: one add per
 coordinate), ``_dense`` ``(size, dim)`` (a Gaussian map), or the Kronecker
 factors ``_left`` and ``_right`` (``jacobkit.problem.sketch``).
 
+``--case bert`` (and ``bert_small``) writes BERT under Hugging Face's names
+and layouts (``bert_layout.py``); ``--case gpt2`` the causal LM under
+``GPT2LMHeadModel``'s (``export_gpt2.py``'s weights; each Keras variable's
+place in its Hugging Face parameter from ``gpt2_layout.py``, so that the
+peer takes the query, key and value out of ``c_attn`` to map them): see
+:func:`bert` and :func:`gpt2`.
+
     python benchmarks/peers/export_reductions.py --out /tmp/reductions.npz
+    python benchmarks/peers/export_reductions.py --case gpt2 --out /tmp/gpt2.npz
 """
 
 from __future__ import annotations
@@ -45,18 +53,19 @@ LAYERS = ("conv1", "conv2", "head")
 
 
 def bert(args: argparse.Namespace) -> dict[str, np.ndarray]:
-    """The ``bert`` case (BERT tiny) under Hugging Face's names and layouts
-    (``bert_layout.py``): ``hf__<name>`` weights, ``clipped__<name>``
-    references, the backbone's sizes, the inputs, the Keras logits, the norms
-    and the Gram matrix."""
+    """The ``bert`` case (BERT tiny; ``bert_small`` alike) under Hugging
+    Face's names and layouts (``bert_layout.py``): ``hf__<name>`` weights,
+    ``clipped__<name>`` references, the backbone's sizes, the inputs, the
+    Keras logits, the norms and the Gram matrix."""
     import bert_layout
 
-    case = reductions_models.bert()
+    case = reductions_models.CASES[args.case]()
     model = case.model
     backbone = model.backbone
     loss = jk.Loss(reductions_models.loss())
     arrays: dict[str, np.ndarray] = {
-        "case": np.asarray("bert"),
+        "case": np.asarray("bert"),  # the kind of model (BERT tiny or small)
+        "name": np.asarray(args.case),
         **{k: np.asarray(v) for k, v in case.x.items()},
         "y": case.y,
         "vocabulary_size": np.asarray(backbone.vocabulary_size),
@@ -89,6 +98,65 @@ def bert(args: argparse.Namespace) -> dict[str, np.ndarray]:
         arrays[f"kshape__{name}"] = np.asarray(variable.shape)
         arrays[f"layout__{name}"] = np.asarray(layout)
         arrays.update({f"map__{name}_{part}": m for part, m in parts.items()})
+    return arrays
+
+
+def gpt2(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """The ``gpt2`` case (keras_hub's ``GPT2CausalLM``) under Hugging Face's
+    names and layouts (``GPT2LMHeadModel``; ``export_gpt2.py``'s weights,
+    ``gpt2_layout.py``'s views): the model's sizes (``export_gpt2.py``'s
+    keys), ``token_ids`` and ``y`` ``(B, T)``, the Keras ``logits``
+    ``(B, T, V)``, ``transformer.*`` weights, ``clipped__<name>``
+    references, the norms, the Gram matrix, the projection and, per Keras
+    variable ``i`` (in ``trainable_variables``' order), ``view__<i>_name``
+    (its Hugging Face parameter), ``view__<i>_index`` (its elements' places
+    in that parameter, in the variable's shape) and ``map__<i>_<part>``."""
+    import export_gpt2
+    import gpt2_layout
+
+    case = reductions_models.gpt2()
+    model = case.model
+    backbone = model.backbone
+    loss = jk.Loss(reductions_models.loss("gpt2"))
+    weights = export_gpt2.hf_weights(backbone)
+    shapes = {name: array.shape for name, array in weights.items()}
+    views = gpt2_layout.views(backbone, shapes)
+    variables = model.trainable_variables
+    outside = [v.path for v in variables if v.path not in views]
+    if outside:
+        raise SystemExit(f"export_reductions: no Hugging Face name for {outside}")
+    mine = gpt2_layout.to_hf(views, shapes, {v.path: np.asarray(v) for v in variables})
+    for name, array in weights.items():  # keras_hub's converter agrees
+        np.testing.assert_array_equal(mine[name], array, err_msg=name)
+    arrays: dict[str, np.ndarray] = {
+        "case": np.asarray("gpt2"),
+        **weights,
+        **{k: np.asarray(v) for k, v in reductions_models.GPT2.items()},
+        "layer_norm_epsilon": np.asarray(export_gpt2.EPSILON),
+        "token_ids": case.x["token_ids"],
+        "y": case.y,
+        "logits": np.asarray(model(case.x), "float32"),
+    }
+    if not np.all(case.x["padding_mask"] == 1):
+        raise SystemExit("export_reductions: GPT-2 runs without a mask: pad nothing")
+    clipped = jk.jacobian(
+        model,
+        (case.x, case.y),
+        variables,
+        outputs=loss,
+        reduce=jk.ClippedSum(args.clip),
+    )
+    by_path = {
+        v.path: np.asarray(clipped[key]) for key, v in zip(clipped.jacobians, variables)
+    }
+    for name, array in gpt2_layout.to_hf(views, shapes, by_path).items():
+        arrays[f"clipped__{name}"] = array
+    found = _norms_gram_projection(arrays, case, loss, clipped, args)
+    for index, (_, variable, parts) in enumerate(found):
+        name, elements = views[variable.path]
+        arrays[f"view__{index}_name"] = np.asarray(name)
+        arrays[f"view__{index}_index"] = elements
+        arrays.update({f"map__{index}_{part}": m for part, m in parts.items()})
     return arrays
 
 
@@ -135,10 +203,13 @@ def main() -> None:
     parser.add_argument("--out", default="reductions.npz")
     parser.add_argument("--clip", type=float, default=1.0, help="C of ClippedSum")
     parser.add_argument("--dim", type=int, default=2048, help="of jk.Project")
-    parser.add_argument("--case", choices=("convnet", "bert"), default="convnet")
+    parser.add_argument(
+        "--case", choices=("convnet", "bert", "bert_small", "gpt2"), default="convnet"
+    )
     args = parser.parse_args()
-    if args.case == "bert":
-        np.savez(args.out, **bert(args))
+    if args.case != "convnet":
+        make = gpt2 if args.case == "gpt2" else bert
+        np.savez(args.out, **make(args))
         print(f"wrote {args.out}")
         return
     case = reductions_models.convnet()

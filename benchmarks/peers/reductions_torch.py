@@ -1,8 +1,11 @@
-"""PyTorch on the reductions benchmark's ``convnet``: each example's loss
-gradient over every parameter, reduced to DP-SGD's clipped sum, a Gram
-matrix or a random projection, on the weights and batch that
-``export_reductions.py`` wrote, checked against jacobkit's results in that
-file.
+"""PyTorch on the reductions benchmark's ``convnet``, ``bert`` (and
+``bert_small``) and ``gpt2``: each example's loss gradient over every
+parameter, reduced to DP-SGD's clipped sum, a Gram matrix or a random
+projection, on the weights and batch that ``export_reductions.py`` wrote,
+checked against jacobkit's results in that file. BERT runs as Hugging Face's
+``BertForSequenceClassification``, GPT-2 as its ``GPT2LMHeadModel`` (each
+example's loss its mean next-token cross-entropy; ``lm_head`` tied to the
+token table, one parameter).
 
 Runs in its own virtual environment (see README.md), with ``opacus`` for
 its methods, pinned to one core (it refuses to run otherwise: ``taskset -c
@@ -40,6 +43,11 @@ imports):
 
 Run each method in a fresh process where first calls compare: the vmap
 methods share ``vmap``'s first-call setup.
+
+A method that raises (an Opacus mode that refuses the model) or whose
+result disagrees prints no line; the run's last line names each such method
+with the reason ("not supported (...)", "disagrees with jacobkit (...)"),
+which the benchmark records in place of a time.
 
 Every method's last timed result is checked before its line is printed: the
 clipped sums and norms against jacobkit's ``ClippedSum`` (Opacus's norms
@@ -81,6 +89,8 @@ METHODS = (
     "sgd_step",
     *(f"dp_step_opacus_{m}" for m in OPACUS_MODES),
 )
+#: the cases exported under Hugging Face's names and layouts
+HF_CASES = ("bert", "gpt2")
 #: the DP step's noise multiplier (DP-SGD's σ; its time includes drawing it)
 NOISE = 1.0
 #: the DP and plain steps' learning rate
@@ -152,11 +162,41 @@ def build_bert(arrays: dict[str, np.ndarray]) -> Classifier:
     return Classifier(model)
 
 
+class CausalLM(torch.nn.Module):
+    """Hugging Face's ``GPT2LMHeadModel`` called on token ids ``(B, T)``,
+    returning logits ``(B, T, V)``; the position ids are passed per example
+    (Opacus's per-example hooks need every input's batch axis) and no
+    attention mask (nothing is padded: checked on loading), as for BERT."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[-1]).expand(x.shape[0], -1).contiguous()
+        return self.hf(input_ids=x, position_ids=positions).logits
+
+
+def build_gpt2(arrays: dict[str, np.ndarray]) -> CausalLM:
+    """The causal LM as ``export_reductions.py --case gpt2`` wrote it:
+    ``tokens_torch.build``'s ``GPT2LMHeadModel`` (tanh GELU, dropout 0,
+    ``lm_head`` tied to ``transformer.wte``, eager attention) with the
+    file's weights, trainable."""
+    import tokens_torch
+
+    model = tokens_torch.build(arrays)
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    return CausalLM(model)
+
+
 def build(arrays: dict[str, np.ndarray]) -> torch.nn.Module:
     """The file's model with its weights: the convnet (Keras layouts turned
-    into PyTorch's) or BERT tiny (``build_bert``)."""
+    into PyTorch's), BERT (``build_bert``) or GPT-2 (``build_gpt2``)."""
     if str(arrays.get("case", "convnet")) == "bert":
         return build_bert(arrays)
+    if str(arrays.get("case", "convnet")) == "gpt2":
+        return build_gpt2(arrays)
 
     def conv(name: str, stride: int) -> torch.nn.Conv2d:
         kernel = torch.from_numpy(arrays[f"{name}_kernel"])  # (kh, kw, in, out)
@@ -213,7 +253,7 @@ def clipped_errors(
 ) -> dict[str, float]:
     """The clipped sum's error (the largest over the parameters) and, where
     ``norms`` are given, the norms' against jacobkit's."""
-    if str(arrays.get("case", "convnet")) == "bert":  # PyTorch's names, layouts
+    if str(arrays.get("case", "convnet")) in HF_CASES:  # PyTorch's names, layouts
         pairs = [
             (v.detach().numpy(), arrays["clipped__" + k.removeprefix("hf.")])
             for k, v in clipped.items()
@@ -255,11 +295,40 @@ class Methods:
         if self.case == "bert":  # (B, 3, T): token ids, segment ids, mask
             parts = ("token_ids", "segment_ids", "padding_mask")
             self.x = torch.from_numpy(np.stack([arrays[p] for p in parts], 1)).long()
+        elif self.case == "gpt2":  # token ids (B, T); labels (B, T)
+            self.x = torch.from_numpy(arrays["token_ids"]).long()
         else:  # NHWC -> NCHW
             self.x = torch.from_numpy(arrays["x"]).permute(0, 3, 1, 2).contiguous()
         self.y = torch.from_numpy(arrays["y"]).long()
         self.batch = self.x.shape[0]
         self.threads = threads
+
+    def summed(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch's summed loss: each example's cross-entropy, or on GPT-2
+        each sequence's mean next-token cross-entropy."""
+        if self.case == "gpt2":
+            tokens = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+            return tokens / y.shape[-1]
+        return F.cross_entropy(logits, y, reduction="sum")
+
+    def mean(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss (of one example: its loss)."""
+        if self.case == "gpt2":  # every sequence has T tokens
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return F.cross_entropy(logits, y)
+
+    def criterion(
+        self, criterion: Any, logits: torch.Tensor, y: torch.Tensor, mode: str
+    ) -> Any:
+        """Opacus's criterion (``torch.nn.CrossEntropyLoss``, or ghost
+        clipping's wrapper of it) on the batch: on GPT-2 over the flattened
+        tokens (the mean over the batch of each sequence's mean), ghost
+        clipping told the logits' shape so that it takes each sequence's
+        mean as that example's loss (Opacus's way for generative models)."""
+        if self.case != "gpt2":
+            return criterion(logits, y)
+        shape = {"shape": logits.shape} if mode == "ghost" else {}
+        return criterion(logits.flatten(0, 1), y.flatten(), **shape)
 
     def __getattr__(self, name: str) -> Any:
         """``clipped_opacus_<mode>`` and ``dp_step_opacus_<mode>``."""
@@ -281,7 +350,7 @@ class Methods:
             p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
         ) -> torch.Tensor:
             logits = functional_call(model, p, (x[None],))
-            return F.cross_entropy(logits, y[None])
+            return self.mean(logits, y[None])
 
         grads = vmap(grad(loss), in_dims=(None, 0, 0))
         return lambda: grads(params, self.x, self.y)
@@ -309,7 +378,7 @@ class Methods:
         params = list(model.parameters())
 
         def call() -> tuple[torch.Tensor, ...]:
-            loss = F.cross_entropy(model(self.x), self.y, reduction="sum")
+            loss = self.summed(model(self.x), self.y)
             return torch.autograd.grad(loss, params)
 
         def check(result: Any) -> dict[str, float]:
@@ -356,7 +425,7 @@ class Methods:
 
         def call() -> list[torch.Tensor]:
             optimizer.zero_grad(set_to_none=True)
-            criterion(module(self.x), self.y).backward()
+            self.criterion(criterion, module(self.x), self.y, mode).backward()
             # clips and sums, adds the (zero) noise, divides by the batch
             optimizer.pre_step()
             return [p.grad for _, p in named if p.grad is not None]
@@ -384,7 +453,7 @@ class Methods:
 
         def step(module: Any, optimizer: Any, criterion: Any) -> None:
             optimizer.zero_grad(set_to_none=True)
-            criterion(module(self.x), self.y).backward()
+            self.criterion(criterion, module(self.x), self.y, mode).backward()
             optimizer.step()
 
         def call() -> None:
@@ -410,7 +479,7 @@ class Methods:
 
         def call() -> None:
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(self.x), self.y).backward()
+            self.mean(model(self.x), self.y).backward()
             optimizer.step()
 
         return call, lambda result: {}
@@ -450,7 +519,10 @@ class Methods:
         Checked against jacobkit's ``reduce=jk.Project(dim)``."""
         per_example = self.per_example()
         maps = {}
-        for name in (n for n, _ in build(self.arrays).named_parameters()):
+        # GPT-2's maps are per Keras variable (gpt2_projection), not per
+        # parameter: c_attn holds three variables
+        names = [] if self.case == "gpt2" else build(self.arrays).named_parameters()
+        for name in (n for n, _ in names):
             key = (
                 "map__" + name.removeprefix("hf.")
                 if self.case == "bert"
@@ -464,8 +536,11 @@ class Methods:
         dim = int(self.arrays["dim"])
 
         def mapped(name: str, g: torch.Tensor) -> torch.Tensor:
-            g = self.keras_rows(name, g)
-            found = maps[name]
+            return by_map(maps[name], self.keras_rows(name, g))
+
+        def by_map(found: dict[str, torch.Tensor], g: torch.Tensor) -> torch.Tensor:
+            """Per-example gradients ``g`` ``(B, *shape)`` of one Keras
+            variable, in its layout, mapped by its map ``found``."""
             if "buckets" in found:  # a CountSketch: one add per coordinate
                 rows = g.reshape(self.batch, -1) * found["signs"]
                 out = rows.new_zeros(self.batch, dim)
@@ -482,9 +557,49 @@ class Methods:
             grads = per_example()
             return sum(mapped(k, g) for k, g in grads.items())
 
+        if self.case == "gpt2":
+            call = self.gpt2_projection(per_example, by_map)
         return call, lambda result: {
             "projection_err": error(result, self.arrays["projection"])
         }
+
+    def gpt2_projection(
+        self, per_example: Callable[[], dict[str, torch.Tensor]], by_map: Any
+    ) -> Callable[[], torch.Tensor]:
+        """GPT-2's projection: each Keras variable ``i`` taken out of its
+        Hugging Face parameter's per-example gradients by the file's view
+        (``view__<i>_index``: a reshape where the variable is the whole
+        parameter in its order, else a gather: the query, key and value
+        kernels and biases out of ``c_attn``), mapped by its own map
+        (``map__<i>_*``); the sum over the variables."""
+        views = []
+        count = sum(k.startswith("view__") and k.endswith("_name") for k in self.arrays)
+        for i in range(count):
+            index = torch.from_numpy(self.arrays[f"view__{i}_index"])
+            name = "hf." + str(self.arrays[f"view__{i}_name"])
+            size = self.arrays[name.removeprefix("hf.")].size
+            whole = index.numel() == size and bool(
+                torch.equal(index.flatten(), torch.arange(size))
+            )
+            found = {
+                part: torch.from_numpy(self.arrays[f"map__{i}_{part}"])
+                for part in ("dense", "left", "right", "buckets", "signs")
+                if f"map__{i}_{part}" in self.arrays
+            }
+            views.append((name, None if whole else index.flatten(), index.shape, found))
+
+        def call() -> torch.Tensor:
+            grads = per_example()
+            total = None
+            for name, index, shape, found in views:
+                rows = grads[name].reshape(self.batch, -1)
+                if index is not None:
+                    rows = rows.index_select(1, index)
+                part = by_map(found, rows.reshape(self.batch, *shape))
+                total = part if total is None else total + part
+            return total
+
+        return call
 
 
 def main() -> None:
@@ -512,13 +627,14 @@ def main() -> None:
     runs = Methods(dict(np.load(args.npz)), args.threads)
     failed = []
     for method in methods:
-        call, check = getattr(runs, method)()
         try:
+            call, check = getattr(runs, method)()
             timings, result = measure(call, args.repeats)
             errors = check(result)
         except Exception as error:  # noqa: BLE001 - a mode that fails is reported
             print(f"reductions_torch: {method} failed: {error!r}", file=sys.stderr)
-            failed.append(method)
+            reason = " ".join(f"{type(error).__name__}: {error}".split())
+            failed.append(f"{method} not supported ({reason[:300]})")
             continue
         del result
         print(
@@ -526,8 +642,10 @@ def main() -> None:
             + (", ".join(f"{k} {v:.2e}" for k, v in errors.items()) or "no check"),
             file=sys.stderr,
         )
-        if any(not v <= args.tolerance for v in errors.values()):
-            failed.append(method)
+        wrong = {k: v for k, v in errors.items() if not v <= args.tolerance}
+        if wrong:
+            shown = ", ".join(f"{k} {v:.1e}" for k, v in wrong.items())
+            failed.append(f"{method} disagrees with jacobkit ({shown})")
             continue
         # the method against PyTorch's own plain step (the DP step against
         # the plain SGD step), alternating in this process
@@ -549,10 +667,10 @@ def main() -> None:
             ),
             flush=True,
         )
-    if failed:
+    if failed:  # one line: the runner keeps the last line of stderr
         raise SystemExit(
-            f"reductions_torch: {', '.join(failed)} failed or disagree with "
-            f"jacobkit's results in {args.npz} (tolerance {args.tolerance:g})"
+            f"reductions_torch: {'; '.join(failed)} (checked against jacobkit's "
+            f"results, tolerance {args.tolerance:g})"
         )
 
 
