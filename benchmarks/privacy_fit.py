@@ -68,6 +68,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE / "peers"))
+
+import footing  # noqa: E402
+import protocol  # noqa: E402
+
 MODELS = ("convnet", "bert", "gpt2", "gpt2_lora")
 LABELS = {
     "convnet": "conv net (Conv 3-32, Conv 32-64 s2, Dense 64-10; 32x32x3)",
@@ -229,12 +234,6 @@ def _mean(loss: Any) -> Any:
     return loss
 
 
-def _bootstrap(ratios: list[float]) -> tuple[float, float]:
-    rng = np.random.default_rng(0)
-    samples = np.median(rng.choice(ratios, (2000, len(ratios))), axis=1)
-    return float(np.quantile(samples, 0.025)), float(np.quantile(samples, 0.975))
-
-
 def _paired(sides: dict, rounds: int, steps: int) -> dict[str, Any]:
     """First steps, then ``rounds`` alternating rounds of ``steps`` steps."""
     found: dict[str, Any] = {}
@@ -261,10 +260,10 @@ def _paired(sides: dict, rounds: int, steps: int) -> dict[str, Any]:
             fastest[name] = min(fastest[name], float(np.min(np.diff(ends))))
         for name, found_ratios in ratios.items():
             found_ratios.append(this[name] / this["plain"])
-    low, high = _bootstrap(ratios["dp"])
+    low, high = protocol.bootstrap(ratios["dp"])
     found |= {"ratio": statistics.median(ratios["dp"]), "low": low, "high": high}
     if "switch" in ratios:
-        low, high = _bootstrap(ratios["switch"])
+        low, high = protocol.bootstrap(ratios["switch"])
         found |= {
             "switch_ratio": statistics.median(ratios["switch"]),
             "switch_low": low,
@@ -507,21 +506,11 @@ def _peers(path: Path) -> dict[str, Any]:
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    cpu = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{cpu} ({', '.join(shown)}), {os.cpu_count()} cores"
+    found = footing.machine()
+    shown = [
+        f for f in found["flags"] if f in ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+    ]
+    return f"{found['cpu']} ({', '.join(shown)}), {found['logical_cpus']} cores"
 
 
 def _table(rows: list[dict], peers: dict, args: argparse.Namespace) -> str:

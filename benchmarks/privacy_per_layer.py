@@ -27,15 +27,18 @@ tiny. The machine was shared (loaded), so only ratios mean much.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE / "peers"))
+
+import protocol  # noqa: E402
 
 SIDES = ("one", "per_group", "eager_one", "eager_per_group")
 
@@ -148,28 +151,25 @@ def _run(name: str, rounds: int, steps: int) -> dict[str, Any]:
                 private_model.TracedSums = own_traced
         models[side] = private
 
-    def step(side: str) -> float:
+    def step(side: str) -> None:
         if side == "eager_per_group":
             private_step.clipped_sums = _per_group_sums
         try:
-            start = time.perf_counter()
             models[side].train_on_batch(xb, yb, sample_weight=wb)
-            return time.perf_counter() - start
         finally:
             private_step.clipped_sums = own_sums
 
-    first = {side: step(side) for side in SIDES}
-    times: dict[str, list[float]] = {side: [] for side in SIDES}
-    ratios: dict[str, list[float]] = {side: [] for side in SIDES}
-    for r in range(rounds):
-        order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]
-        medians = {}
-        for side in order:
-            found = [step(side) for _ in range(steps)]
-            times[side].extend(found)
-            medians[side] = statistics.median(found)
-        for side in SIDES:
-            ratios[side].append(medians[side] / medians["one"])
+    sides = {side: functools.partial(step, side) for side in SIDES}
+    first = {side: protocol.timed(call) for side, call in sides.items()}
+    found = protocol.rotated(sides, rounds, steps)
+    times = {side: [t for round_ in found[side] for t in round_] for side in SIDES}
+    ratios = {
+        side: [
+            statistics.median(mine) / statistics.median(one)
+            for mine, one in zip(found[side], found["one"])
+        ]
+        for side in SIDES
+    }
     groups = len(models["one"].clipping.groups)
     return {
         "model": name,

@@ -3,7 +3,8 @@ another (a ``git worktree`` of an earlier commit), each measured against the
 same plain gradient step in its own process.
 
 Two versions cannot share one process, so each fresh process (pinned to one
-core where ``taskset`` exists) runs one version's reduction and the plain
+core where ``taskset`` exists: ``BENCH_CORE``, 0 by default, as
+``runs.pinned``) runs one version's reduction and the plain
 step of ``reductions.py`` alternately, ``--rounds`` rounds of
 ``reductions.PAIRED_CALLS`` calls each, and reports the median per-round
 ratio (reduction / plain step): a busy machine slows both sides of a round
@@ -21,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import runs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -67,7 +68,9 @@ def child(case: str, method: str, rounds: int) -> None:
     ``rounds`` paired rounds; one JSON line."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE / "peers"))
     import numpy as np
+    import protocol
     import reductions
     import reductions_models
 
@@ -81,24 +84,13 @@ def child(case: str, method: str, rounds: int) -> None:
     }
     first = {}
     for name, call in sides.items():
-        start = time.perf_counter()
-        call()
-        first[name] = time.perf_counter() - start
+        first[name] = protocol.timed(call)
         for _ in range(2):
             call()
-    ratios, reduced = [], []
-    for round_ in range(rounds):
-        order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
-        medians = {}
-        for name in order:
-            found = []
-            for _ in range(reductions.PAIRED_CALLS):
-                start = time.perf_counter()
-                sides[name]()
-                found.append(time.perf_counter() - start)
-            medians[name] = float(np.median(found))
-        ratios.append(medians["reduced"] / medians["plain"])
-        reduced.append(medians["reduced"])
+    times = protocol.rotated(sides, rounds, reductions.PAIRED_CALLS)
+    medians = {name: [float(np.median(t)) for t in times[name]] for name in sides}
+    reduced = medians["reduced"]
+    ratios = [r / p for r, p in zip(reduced, medians["plain"])]
     print(
         json.dumps(
             {
@@ -113,12 +105,11 @@ def child(case: str, method: str, rounds: int) -> None:
 
 
 def _run(checkout: Path, case: str, method: str, rounds: int) -> dict:
-    pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     env = {**os.environ, "PYTHONPATH": str(checkout), "TF_NUM_INTRAOP_THREADS": "1"}
     env["TF_NUM_INTEROP_THREADS"] = "1"
     command = [sys.executable, str(Path(__file__)), "--child", case, method]
     found = subprocess.run(
-        [*pin, *command, "--rounds", str(rounds)],
+        runs.pinned([*command, "--rounds", str(rounds)]),
         env=env,
         cwd=str(checkout),
         capture_output=True,
@@ -128,11 +119,11 @@ def _run(checkout: Path, case: str, method: str, rounds: int) -> dict:
     return json.loads(found.stdout.strip().splitlines()[-1])
 
 
-def _medians(runs: list[dict]) -> dict[str, float]:
+def _medians(found: list[dict]) -> dict[str, float]:
     import numpy as np
 
-    keys = [key for key in runs[0] if key != "jacobkit"]
-    return {key: float(np.median([run[key] for run in runs])) for key in keys}
+    keys = [key for key in found[0] if key != "jacobkit"]
+    return {key: float(np.median([run[key] for run in found])) for key in keys}
 
 
 def _row(case: str, method: str, old: dict, new: dict) -> str:
@@ -174,12 +165,12 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         for method in args.methods.split(","):
-            runs: dict[str, list[dict]] = {"new": [], "old": []}
+            done: dict[str, list[dict]] = {"new": [], "old": []}
             for _ in range(args.processes):
                 for side, checkout in (("new", ROOT), ("old", args.base)):
-                    runs[side].append(_run(checkout, case, method, args.rounds))
+                    done[side].append(_run(checkout, case, method, args.rounds))
             rows.append(
-                _row(case, method, _medians(runs["old"]), _medians(runs["new"]))
+                _row(case, method, _medians(done["old"]), _medians(done["new"]))
             )
             print(rows[-1], flush=True)
     print(HEADER)

@@ -214,3 +214,63 @@ def test_the_comparison_takes_the_fastest_peer_that_matched():
     assert reductions._failure({"error": ["Traceback: boom"]}) == (
         "error: Traceback: boom"
     )
+
+
+def test_the_shared_helpers_import_without_tensorflow_jacobkit_or_torch():
+    """The peers' scripts run where neither TensorFlow nor jacobkit is
+    installed, and the JAX ones need no PyTorch: importing their shared
+    modules loads none of these."""
+    import subprocess
+
+    code = (
+        "import sys; import common, footing, protocol; "
+        "print(sorted(m for m in ('tensorflow', 'jacobkit', 'torch', 'jax', "
+        "'keras') if m in sys.modules))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1] / "benchmarks" / "peers",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout.strip() == "[]"
+
+
+def test_rounds_rotate_the_sides_and_time_each_call():
+    import protocol
+
+    calls: list[str] = []
+    sides = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = protocol.rotated(sides, 4, {"a": 1, "b": 2, "c": 1})
+    assert calls == list("abbc" + "bbca" + "cabb" + "abbc")
+    assert [len(r) for r in times["b"]] == [2, 2, 2, 2]
+    assert all(t >= 0 for r in times["a"] for t in r)
+    two: list[str] = []
+    protocol.rotated({"x": lambda: two.append("x"), "y": lambda: two.append("y")}, 3, 1)
+    assert two == list("xyyxxy")  # two sides alternate
+
+
+def test_the_bootstrap_interval_holds_the_median_and_is_seeded():
+    import protocol
+
+    ratios = [1.0, 1.2, 0.9, 1.1, 1.05, 1.3, 0.95]
+    low, high = protocol.bootstrap(ratios)
+    assert min(ratios) <= low <= float(np.median(ratios)) <= high <= max(ratios)
+    assert protocol.bootstrap(ratios) == (low, high)
+    assert protocol.bootstrap([2.0] * 5) == (2.0, 2.0)
+
+
+def test_jax_footing_needs_its_one_thread_set_before_jax(monkeypatch):
+    monkeypatch.setattr(footing.os, "sched_getaffinity", lambda pid: {3})
+    monkeypatch.setenv("XLA_FLAGS", "")
+    with pytest.raises(SystemExit, match="one_jax_thread"):
+        footing.pin_jax("peer", "0.0")
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    footing.one_jax_thread()
+    record = footing.pin_jax("peer", "0.0")
+    assert record["core"] == 3 and record["versions"]["jax"] == "0.0"
+    assert "intra_op_parallelism_threads=1" in footing.os.environ["XLA_FLAGS"]
+    monkeypatch.setitem(sys.modules, "jax", object())
+    with pytest.raises(RuntimeError, match="imported already"):
+        footing.one_jax_thread()

@@ -27,13 +27,17 @@ float64: ``tracin`` ``(N_test, N_train)`` (``explain.tracin``),
 ``(N_test, N_train)`` (``explain.trak(dim=dim, seed=0)``).
 
 And, so that TRAK's own code can run with jacobkit's projections (the
-projections are otherwise the only difference), ``trak_map_<layer>_kernel``
-and ``trak_map_<layer>_bias``: ``(10, size, dim)`` float32, ensemble model
-``m``'s map of that variable's gradient (flattened in its Keras layout) under
-``jk.Project(dim, seed=m)`` (a CountSketch, its one ``±1`` per row
-materialized), as ``explain.trak`` draws it
-(``jacobkit.problem.sketch.target_map``, internal; checked here against
-``jk.jacobian(reduce=jk.Project)`` on a few examples).
+projections are otherwise the only difference), ensemble model ``m``'s map
+of each variable's gradient (flattened in its Keras layout) under
+``jk.Project(dim, seed=m)``, as ``explain.trak`` draws it
+(``jacobkit.problem.sketch.target_map``, internal), in the form jacobkit
+applies it: a CountSketch's ``trak_map_<layer>_<part>_buckets`` ``(10,
+size)`` int32 in ``[0, dim)`` and ``_signs`` ``(10, size)`` float32 ``±1``
+(coordinate ``i`` times its sign added to its bucket: the peer applies them
+so, one add per coordinate, not as the ``(size, dim)`` matrix they stand
+for), or a Gaussian map's ``_dense`` ``(10, size, dim)`` (``jk.Project``'s
+``small="gaussian"``); ``<part>`` is ``kernel`` or ``bias``. Checked here
+against ``jk.jacobian(reduce=jk.Project)`` on a few examples.
 
     python benchmarks/peers/export_influence.py --out /tmp/influence.npz
 """
@@ -131,8 +135,10 @@ def trak_maps(
     ensemble: list[keras.Model], x: np.ndarray, y: np.ndarray, dim: int
 ) -> dict[str, np.ndarray]:
     """Each ensemble model's projection map per variable, as ``explain.trak``
-    (seed 0) draws them, checked on the first examples of ``x``: the
-    gradients times the maps must give what ``jk.Project`` gives."""
+    (seed 0) draws them, as jacobkit holds them: a CountSketch's buckets and
+    signs (a Gaussian map dense). Checked on the first examples of ``x``: the
+    gradients mapped by these parts (in float64, one add per coordinate, by
+    NumPy's ``bincount``) must give what ``jk.Project`` gives."""
     maps: dict[str, list[np.ndarray]] = {}
     for m, model in enumerate(ensemble):
         project = jk.Project(dim, m)
@@ -150,16 +156,29 @@ def trak_maps(
         ).projection
         total = np.zeros((len(few[0]), dim))
         for key in found.jacobians:  # "hidden/kernel"
-            gradients = np.asarray(found[key]).reshape(len(few[0]), -1)
+            gradients = np.asarray(found[key], np.float64).reshape(len(few[0]), -1)
             shape = tuple(np.shape(found[key])[1:])
             mapped = target_map(project, key, shape)
             if mapped.kronecker:
                 raise SystemExit(f"export_influence: {key}'s map is Kronecker")
-            dense = mapped.matrix()  # a CountSketch's ±1 per row, materialized
-            total += gradients @ dense
-            maps.setdefault("trak_map_" + key.replace("/", "_"), []).append(dense)
+            if mapped.sparse:  # a CountSketch: exported as jacobkit applies it
+                assert mapped.buckets is not None and mapped.signs is not None
+                parts = {"buckets": mapped.buckets, "signs": mapped.signs}
+                total += np.stack(
+                    [
+                        np.bincount(mapped.buckets, row * mapped.signs, minlength=dim)
+                        for row in gradients
+                    ]
+                )
+            else:
+                parts = {"dense": mapped.matrix()}
+                total += gradients @ parts["dense"]
+            name = "trak_map_" + key.replace("/", "_")
+            for part, array in parts.items():
+                maps.setdefault(f"{name}_{part}", []).append(array)
         want = np.asarray(projected)
         err = np.max(np.abs(total - want)) / np.max(np.abs(want))
+        print(f"export_influence: model {m}'s maps give jk.Project's to {err:.1e}")
         if not err <= 1e-4:
             raise SystemExit(
                 f"export_influence: the maps drawn here give model {m}'s "

@@ -11,7 +11,8 @@ Imported by the peers (PyTorch) and by jacobkit's benchmark children
   pools to one thread (PyTorch's intra- and inter-op threads; TensorFlow's
   intra- and inter-op parallelism) before any work, and return what they set
   with the framework's CPU kernels (PyTorch's MKLDNN state, TensorFlow's
-  oneDNN);
+  oneDNN); :func:`one_jax_thread` (before JAX is imported) and
+  :func:`pin_jax` do the same for XLA's CPU client;
 - :func:`machine` is the CPU model and the instruction-set flags that decide
   the kernels (AVX2, AVX-512, AMX);
 - :func:`versions` is every package version a table depends on.
@@ -132,6 +133,33 @@ def pin_tensorflow(script: str, threads: int = 1) -> dict[str, Any]:
         "onednn": onednn,
         **machine(),
         "versions": versions(),
+    }
+
+
+#: XLA's CPU client at one thread (read when JAX starts)
+JAX_FLAGS = " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def one_jax_thread() -> None:
+    """One thread for XLA's CPU client: call before JAX is imported."""
+    if "jax" in sys.modules:
+        raise RuntimeError("one_jax_thread: JAX is imported already")
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + JAX_FLAGS
+
+
+def pin_jax(script: str, version: str) -> dict[str, Any]:
+    """The record of a JAX process's footing (JAX ``version``), pinned to
+    one core, XLA at one thread (:func:`one_jax_thread`, called before JAX
+    started)."""
+    core = require_pinned(script)
+    if JAX_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+        raise SystemExit(f"{script}: call footing.one_jax_thread() before JAX starts")
+    return {
+        "side": "jax",
+        "core": core,
+        "threads": 1,
+        **machine(),
+        "versions": {**versions(), "jax": version},
     }
 
 

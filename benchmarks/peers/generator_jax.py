@@ -17,16 +17,11 @@ one JSON line:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
+import common
 import footing
 
-# one thread for XLA's CPU client, set before JAX starts
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-)
+footing.one_jax_thread()  # before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -60,8 +55,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--save", help="write the kernel Jacobian (.npy) here")
     args = parser.parse_args()
-    core = footing.require_pinned("generator_jax")
-    w = {k: jnp.asarray(v) for k, v in np.load(args.weights).items()}
+    record = footing.pin_jax("generator_jax", jax.__version__)
+    w = common.jax_arrays(args.weights)
     conv = conv_gemm if args.conv == "gemm" else conv_xla
 
     def features(kernel: jax.Array, bias: jax.Array) -> jax.Array:
@@ -70,42 +65,20 @@ def main() -> None:
         h = jnp.tanh(conv(h, w["conv3_kernel"], w["conv3_bias"]))
         return (h @ w["head_kernel"] + w["head_bias"]).sum((0, 1))
 
-    @jax.jit
-    def jacobian(kernel: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-        rows, vjp = jax.vjp(features, kernel, bias)
-        eye = jnp.eye(rows.shape[0], dtype=rows.dtype)
-        if args.method == "lax_map":
-            return jax.lax.map(vjp, eye, batch_size=args.batch_size)
-        chunks = [
-            jax.vmap(vjp)(eye[i : i + args.batch_size])
-            for i in range(0, rows.shape[0], args.batch_size)
-        ]
-        return tuple(jnp.concatenate(parts) for parts in zip(*chunks))
-
-    def call() -> tuple[jax.Array, jax.Array]:
-        out = jacobian(w["conv1_kernel"], w["conv1_bias"])
-        jax.block_until_ready(out)
-        return out
-
-    timings, result = measure(call, args.repeats)
+    jacobian = common.jax_rows(features, args.method, args.batch_size)
+    timings, result = measure(
+        lambda: jacobian(w["conv1_kernel"], w["conv1_bias"]), args.repeats
+    )
     if args.save:
         np.save(args.save, np.asarray(result[0]))
     name = "lax.map(vjp" if args.method == "lax_map" else "vmap(vjp) over chunks"
-    print(
-        json.dumps(
-            {
-                "peer": "jax",
-                "method": f"{name}, batch_size={args.batch_size}), {args.conv} conv",
-                **timings,
-                "footing": {
-                    "side": "jax",
-                    "core": core,
-                    "threads": 1,
-                    **footing.machine(),
-                    "versions": {**footing.versions(), "jax": jax.__version__},
-                },
-            }
-        )
+    common.emit(
+        {
+            "peer": "jax",
+            "method": f"{name}, batch_size={args.batch_size}), {args.conv} conv",
+            **timings,
+            "footing": record,
+        }
     )
 
 

@@ -17,8 +17,8 @@ one-hot rows (the forward pass once); ``loop``: one
 from __future__ import annotations
 
 import argparse
-import json
 
+import common
 import footing
 import numpy as np
 import torch
@@ -34,21 +34,15 @@ class Generator(torch.nn.Module):
 
     def __init__(self, weights: dict[str, np.ndarray]) -> None:
         super().__init__()
-        convs = []
-        for name in ("conv1", "conv2", "conv3"):
-            kernel = torch.from_numpy(weights[f"{name}_kernel"])
-            k, fan_in, fan_out = kernel.shape
-            conv = torch.nn.Conv1d(fan_in, fan_out, k, padding=k // 2)
-            with torch.no_grad():
-                conv.weight.copy_(kernel.permute(2, 1, 0))
-                conv.bias.copy_(torch.from_numpy(weights[f"{name}_bias"]))
-            convs.append(conv)
-        self.conv1, self.conv2, self.conv3 = convs
-        kernel = torch.from_numpy(weights["head_kernel"])
-        self.head = torch.nn.Linear(*kernel.shape)
-        with torch.no_grad():
-            self.head.weight.copy_(kernel.T)
-            self.head.bias.copy_(torch.from_numpy(weights["head_bias"]))
+        self.conv1, self.conv2, self.conv3 = (
+            common.conv(
+                weights[f"{name}_kernel"],
+                weights[f"{name}_bias"],
+                padding=weights[f"{name}_kernel"].shape[0] // 2,
+            )
+            for name in ("conv1", "conv2", "conv3")
+        )
+        self.head = common.linear(weights["head_kernel"], weights["head_bias"])
 
     def after_conv1(self, h: torch.Tensor) -> torch.Tensor:
         """The rows (summed over the batch and the positions) from conv1's
@@ -68,7 +62,7 @@ def main() -> None:
     parser.add_argument("--save", help="write the kernel Jacobian (.npy) here")
     args = parser.parse_args()
     record = footing.pin_torch("generator_torch", args.threads)
-    weights = dict(np.load(args.weights))
+    weights = common.load(args.weights)
     model = Generator(weights)
     x = torch.from_numpy(weights["x"]).transpose(1, 2).contiguous()
     first = {k: v.detach() for k, v in model.conv1.named_parameters()}
@@ -103,29 +97,20 @@ def main() -> None:
 
         def call() -> list[torch.Tensor]:
             params = list(model.conv1.parameters())
-            rows = model.after_conv1(model.conv1(x))
-            weight = torch.empty((rows.shape[0], *params[0].shape))
-            bias = torch.empty((rows.shape[0], *params[1].shape))
-            for k in range(rows.shape[0]):
-                weight[k], bias[k] = torch.autograd.grad(
-                    rows[k], params, retain_graph=True
-                )
-            return [weight, bias]
+            return common.row_by_row(model.after_conv1(model.conv1(x)), params)
 
     timings, result = measure(call, args.repeats)
     if args.save:
         # weight is (K, out, in, k): Keras's kernel is (k, in, out)
-        np.save(args.save, result[0].detach().permute(0, 3, 2, 1).numpy())
-    print(
-        json.dumps(
-            {
-                "peer": "pytorch",
-                "method": args.method,
-                "chunk_size": args.chunk_size,
-                **timings,
-                "footing": record,
-            }
-        )
+        np.save(args.save, common.keras_rows(result[0].detach()).numpy())
+    common.emit(
+        {
+            "peer": "pytorch",
+            "method": args.method,
+            "chunk_size": args.chunk_size,
+            **timings,
+            "footing": record,
+        }
     )
 
 

@@ -32,7 +32,9 @@ Methods (``--method``, repeatable; default all whose package imports):
   ``score`` the test set, ``finalize_scores``; a fresh ``TRAKer`` in a fresh
   directory each call (it keeps its features on disk and would reuse them);
 - ``trak_jacobkit_maps``: the same ``TRAKer`` run with jacobkit's projection
-  maps (the file's ``trak_map_*``, as a custom projector) and a score
+  maps (the file's ``trak_map_*``, as a custom projector that applies each
+  as jacobkit does: a CountSketch's buckets and signs by ``index_add_``, one
+  add per coordinate, not as the dense matrix it stands for) and a score
   computer that inverts ``ΦᵀΦ`` as the paper writes it: TRAK's
   ``BasicScoreComputer`` (traker 0.3.2) divides each model's ``(ΦᵀΦ)⁻¹`` by
   its mean magnitude (a float16 safeguard), which scales each model's scores
@@ -60,25 +62,24 @@ share PyTorch's and ``vmap``'s first-call setup.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
-from importlib import metadata
 from typing import Any
 
 # TRAKer's progress bars (tqdm reads its defaults from TQDM_*)
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+import common  # noqa: E402
 import footing  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from protocol import measure, paired, relative_error  # noqa: E402
+from common import Run  # noqa: E402
+from protocol import relative_error  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
 METHODS = (
@@ -99,17 +100,6 @@ NEEDS = {
 #: how each TRAK method inverts ``ΦᵀΦ``: TRAK's ``BasicScoreComputer``, or
 #: without its per-model rescaling (as the paper, and jacobkit)
 TRAK_INVERSE = {"trak": "reference", "trak_jacobkit_maps": "unscaled"}
-
-#: a method: its call (timed) and the check of the call's result (errors
-#: ``*_err``, checked; anything else reported)
-Run = tuple[Callable[[], Any], Callable[[Any], dict[str, float]]]
-
-
-def version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def build() -> torch.nn.Sequential:
@@ -283,22 +273,35 @@ class Methods:
         from trak.projectors import AbstractProjector, ProjectionType
         from trak.score_computers import BasicScoreComputer
 
-        # model m's map of each parameter's gradient, in its Keras layout
+        # model m's map of each parameter's gradient (in its Keras layout),
+        # as jacobkit holds it: a CountSketch's buckets and signs, or dense
+        parts = ("buckets", "signs", "dense")
         maps = [
             {
-                f"{layer}.{part}": torch.from_numpy(
-                    self.arrays[f"trak_map_{layer}_{keras}"][m]
-                )
+                f"{layer}.{part}": {
+                    kind: torch.from_numpy(self.arrays[f"{key}_{kind}"][m])
+                    for kind in parts
+                    if f"{key}_{kind}" in self.arrays
+                }
                 for layer in ("hidden", "logits")
-                for part, keras in (("weight", "kernel"), ("bias", "bias"))
+                for part, key in (
+                    ("weight", f"trak_map_{layer}_kernel"),
+                    ("bias", f"trak_map_{layer}_bias"),
+                )
             }
             for m in range(self.ensemble)
         ]
-        size = sum(int(v.shape[0]) for v in maps[0].values())
+        for found in (f for model in maps for f in model.values()):
+            if "buckets" in found:  # as index_add_ takes them, converted once
+                found["buckets"] = found["buckets"].long()
+        # the gradient's size: each map's rows
+        size = sum(len(f.get("signs", f.get("dense"))) for f in maps[0].values())
         dim = self.dim
 
         class JacobkitMaps(AbstractProjector):
-            """``sum_v g_v M_v`` with jacobkit's maps of model ``model_id``."""
+            """``sum_v M_v g_v`` with jacobkit's maps of model ``model_id``,
+            each applied as jacobkit applies it: a CountSketch by one add per
+            coordinate (``index_add_``), a Gaussian map by a matmul."""
 
             def __init__(self) -> None:
                 super().__init__(size, dim, 0, ProjectionType.normal, "cpu")
@@ -306,9 +309,14 @@ class Methods:
             def project(self, grads: Any, model_id: int) -> torch.Tensor:
                 total = torch.zeros(next(iter(grads.values())).shape[0], dim)
                 for name, g in grads.items():
-                    if g.ndim == 3:  # (B, out, in) -> Keras's (B, in, out)
-                        g = g.transpose(1, 2)
-                    total += g.reshape(len(g), -1) @ maps[model_id][name]
+                    rows = common.keras_rows(g).reshape(len(g), -1)
+                    found = maps[model_id][name]
+                    if "buckets" in found:
+                        total += common.count_sketch(
+                            rows, found["buckets"], found["signs"], dim
+                        )
+                    else:
+                        total += rows @ found["dense"]
                 return total
 
             def free_memory(self) -> None:
@@ -380,11 +388,7 @@ class Methods:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--npz", default="influence.npz")
-    parser.add_argument("--method", choices=METHODS, action="append")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser = common.method_parser(__doc__, "influence.npz", METHODS)
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -392,17 +396,9 @@ def main() -> None:
         help="training examples per batch (captum, TRAK; default: all)",
     )
     parser.add_argument("--captum-grads", choices=("batch", "loop"), default="batch")
-    parser.add_argument("--tolerance", type=float, default=1e-4)
-    parser.add_argument(
-        "--paired-rounds",
-        type=int,
-        default=10,
-        help="rounds of each method against its own plain step in this "
-        "process (protocol.paired); 0: none",
-    )
     args = parser.parse_args()
     record = footing.pin_torch("influence_torch", args.threads)
-    versions = {p: version(p) for p in ("torch", "captum", "traker")}
+    versions = {p: common.version(p) for p in ("torch", "captum", "traker")}
     methods = args.method or [
         m for m in METHODS if m not in NEEDS or versions[NEEDS[m]]
     ]
@@ -412,64 +408,44 @@ def main() -> None:
     skipped = [m for m in METHODS if m not in methods]
     if args.method is None and skipped:
         print(f"influence_torch: not installed, skipped {skipped}", file=sys.stderr)
-    runs = Methods(dict(np.load(args.npz)), args.batch_size, args.captum_grads)
-    failed = []
-    for method in methods:
-        call, check = getattr(runs, method)()
-        timings, result = measure(call, args.repeats)
-        checks = check(result)
-        count = 0 if method == "plain_step" else int(np.prod(np.shape(result)))
-        del result
-        print(
-            f"influence_torch: {method}: "
-            + ", ".join(f"{k} {v:.2e}" for k, v in checks.items()),
-            file=sys.stderr,
-        )
-        errors = [v for k, v in checks.items() if k.endswith("_err")]
-        if any(not v <= args.tolerance for v in errors):
-            failed.append(method)
-            continue
-        if args.paired_rounds and method != "plain_step":
-            # against PyTorch's own plain step, alternating in this process
-            base, _ = runs.plain_step()
-            timings["paired"] = paired(call, base, args.paired_rounds)
-        print(
-            json.dumps(
-                {
-                    "peer": "torch",
-                    "method": method,
-                    **versions,
-                    "n_train": runs.n_train,
-                    "n_test": runs.n_test,
-                    "models": (
-                        runs.ensemble if method in TRAK_INVERSE else runs.checkpoints
-                    ),
-                    "batch_size": runs.batch_size,
-                    "threads": args.threads,
-                    **(
-                        {"dim": runs.dim, "trak_inverse": TRAK_INVERSE[method]}
-                        if method in TRAK_INVERSE
-                        else {}
-                    ),
-                    **(
-                        {"captum_grads": args.captum_grads}
-                        if method.endswith("_captum")
-                        else {}
-                    ),
-                    **checks,
-                    **timings,
-                    "scores_per_s": count / timings["steady_s"],
-                    "footing": record,
-                }
+    runs = Methods(common.load(args.npz), args.batch_size, args.captum_grads)
+
+    def row(
+        method: str, checks: dict[str, float], timings: dict[str, Any], count: int
+    ) -> dict[str, Any]:
+        return {
+            "peer": "torch",
+            "method": method,
+            **versions,
+            "n_train": runs.n_train,
+            "n_test": runs.n_test,
+            "models": runs.ensemble if method in TRAK_INVERSE else runs.checkpoints,
+            "batch_size": runs.batch_size,
+            "threads": args.threads,
+            **(
+                {"dim": runs.dim, "trak_inverse": TRAK_INVERSE[method]}
+                if method in TRAK_INVERSE
+                else {}
             ),
-            flush=True,
-        )
-    runs.directory.cleanup()
-    if failed:
-        raise SystemExit(
-            f"influence_torch: {', '.join(failed)} disagree with jacobkit's "
-            f"results in {args.npz} (tolerance {args.tolerance:g})"
-        )
+            **(
+                {"captum_grads": args.captum_grads}
+                if method.endswith("_captum")
+                else {}
+            ),
+            **checks,
+            **timings,
+            "scores_per_s": count / timings["steady_s"],
+            "footing": record,
+        }
+
+    def scores(method: str, result: Any) -> int:
+        """The scores one call computes (none for the plain step)."""
+        return 0 if method == "plain_step" else int(np.prod(np.shape(result)))
+
+    try:
+        common.run_methods("influence_torch", runs, methods, args, row, kept=scores)
+    finally:
+        runs.directory.cleanup()
 
 
 if __name__ == "__main__":

@@ -12,16 +12,11 @@ one JSON line:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
+import common
 import footing
 
-# one thread for XLA's CPU client, set before JAX starts
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-)
+footing.one_jax_thread()  # before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -36,42 +31,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--save", help="write the kernel Jacobian (.npy) here")
     args = parser.parse_args()
-    core = footing.require_pinned("mlp_jax")
-    w = {k: jnp.asarray(v) for k, v in np.load(args.weights).items()}
+    record = footing.pin_jax("mlp_jax", jax.__version__)
+    w = common.jax_arrays(args.weights)
 
     def features(kernel: jax.Array, bias: jax.Array) -> jax.Array:
         hidden = jax.nn.relu(w["x"] @ kernel + bias)
         hidden = jnp.tanh(hidden @ w["hidden2_kernel"] + w["hidden2_bias"])
         return (hidden @ w["head_kernel"] + w["head_bias"]).sum(0)
 
-    @jax.jit
-    def jacobian(kernel: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-        rows, vjp = jax.vjp(features, kernel, bias)
-        return jax.lax.map(vjp, jnp.eye(rows.shape[0]), batch_size=args.batch_size)
-
-    def call() -> tuple[jax.Array, jax.Array]:
-        out = jacobian(w["hidden1_kernel"], w["hidden1_bias"])
-        jax.block_until_ready(out)
-        return out
-
-    timings, result = measure(call, args.repeats)
+    jacobian = common.jax_rows(features, "lax_map", args.batch_size)
+    timings, result = measure(
+        lambda: jacobian(w["hidden1_kernel"], w["hidden1_bias"]), args.repeats
+    )
     if args.save:
         np.save(args.save, np.asarray(result[0]))
-    print(
-        json.dumps(
-            {
-                "peer": "jax",
-                "method": f"lax.map(vjp, batch_size={args.batch_size})",
-                **timings,
-                "footing": {
-                    "side": "jax",
-                    "core": core,
-                    "threads": 1,
-                    **footing.machine(),
-                    "versions": {**footing.versions(), "jax": jax.__version__},
-                },
-            }
-        )
+    common.emit(
+        {
+            "peer": "jax",
+            "method": f"lax.map(vjp, batch_size={args.batch_size})",
+            **timings,
+            "footing": record,
+        }
     )
 
 

@@ -10,8 +10,9 @@ Runs in its own virtual environment (see README.md); prints one JSON line:
 from __future__ import annotations
 
 import argparse
-import json
+from typing import Any
 
+import common
 import footing
 import numpy as np
 import torch
@@ -19,21 +20,13 @@ from protocol import measure
 from torch.func import functional_call, jacrev
 
 
-def build(weights: dict[str, np.ndarray]) -> tuple[torch.nn.Module, torch.Tensor]:
-    def linear(name: str) -> torch.nn.Linear:
-        kernel = torch.from_numpy(weights[f"{name}_kernel"])
-        layer = torch.nn.Linear(*kernel.shape)
-        with torch.no_grad():
-            layer.weight.copy_(kernel.T)
-            layer.bias.copy_(torch.from_numpy(weights[f"{name}_bias"]))
-        return layer
-
+def build(weights: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor]:
     model = torch.nn.Sequential(
-        linear("hidden1"),
+        common.linear(weights["hidden1_kernel"], weights["hidden1_bias"]),
         torch.nn.ReLU(),
-        linear("hidden2"),
+        common.linear(weights["hidden2_kernel"], weights["hidden2_bias"]),
         torch.nn.Tanh(),
-        linear("head"),
+        common.linear(weights["head_kernel"], weights["head_bias"]),
     )
     return model, torch.from_numpy(weights["x"])
 
@@ -48,7 +41,7 @@ def main() -> None:
     parser.add_argument("--save", help="write the kernel Jacobian (.npy) here")
     args = parser.parse_args()
     record = footing.pin_torch("mlp_torch", args.threads)
-    model, x = build(dict(np.load(args.weights)))
+    model, x = build(common.load(args.weights))
     first = dict(model[0].named_parameters())
 
     def features(params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -66,30 +59,21 @@ def main() -> None:
     else:
 
         def call() -> list[torch.Tensor]:
-            params = [p for p in first.values()]
-            rows = model[1:](model[0](x)).sum(0)
-            weight = torch.empty((rows.shape[0], *params[0].shape))
-            bias = torch.empty((rows.shape[0], *params[1].shape))
-            for k in range(rows.shape[0]):
-                weight[k], bias[k] = torch.autograd.grad(
-                    rows[k], params, retain_graph=True
-                )
-            return [weight, bias]
+            params = list(first.values())
+            return common.row_by_row(model[1:](model[0](x)).sum(0), params)
 
     timings, result = measure(call, args.repeats)
     if args.save:
         # weight is (K, out, in): the transpose of the Keras kernel layout
-        np.save(args.save, result[0].detach().transpose(1, 2).numpy())
-    print(
-        json.dumps(
-            {
-                "peer": "pytorch",
-                "method": args.method,
-                "chunk_size": args.chunk_size,
-                **timings,
-                "footing": record,
-            }
-        )
+        np.save(args.save, common.keras_rows(result[0].detach()).numpy())
+    common.emit(
+        {
+            "peer": "pytorch",
+            "method": args.method,
+            "chunk_size": args.chunk_size,
+            **timings,
+            "footing": record,
+        }
     )
 
 

@@ -4,6 +4,11 @@ resident-memory growth, the first 3 calls, then (once ``settled()``: ``auto``
 tries its other candidates on its first calls; at most 40 calls) the median
 of ``repeats`` steady calls, and last one more call's peak resident growth
 with the previous result freed (:mod:`memory`).
+
+Beside it, every paired measurement's pieces: :func:`rotated` (rounds that
+time each side in turn, the order rotating), :func:`bootstrap` (the
+interval of their median ratio) and :func:`paired` (a method against its
+own plain step, both in one process).
 """
 
 from __future__ import annotations
@@ -101,30 +106,50 @@ def paired(
     }
     pace = sum(counts[k] * paces[k] for k in paces)
     rounds = max(5, min(rounds, int(budget_s / max(pace, 1e-9))))
-    ratios, ours, theirs = [], [], []
-    for round_ in range(rounds):
-        medians = {}
-        order = ("call", "base") if round_ % 2 == 0 else ("base", "call")
-        for name in order:
-            side = call if name == "call" else base
-            found = []
-            for _ in range(counts[name]):
-                start = time.perf_counter()
-                side()
-                found.append(time.perf_counter() - start)
-            medians[name] = statistics.median(found)
-        ratios.append(medians["call"] / medians["base"])
-        ours.append(medians["call"])
-        theirs.append(medians["base"])
-    rng = np.random.default_rng(0)
-    samples = np.median(rng.choice(ratios, (2000, len(ratios))), axis=1)
+    times = rotated({"call": call, "base": base}, rounds, counts)
+    ours = [statistics.median(t) for t in times["call"]]
+    theirs = [statistics.median(t) for t in times["base"]]
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    low, high = bootstrap(ratios)
     return {
         "ratio": statistics.median(ratios),
-        "low": float(np.quantile(samples, 0.025)),
-        "high": float(np.quantile(samples, 0.975)),
+        "low": low,
+        "high": high,
         "rounds": rounds,
         "calls": counts["call"],
         "base_calls": counts["base"],
         "call_ms": 1e3 * statistics.median(ours),
         "base_ms": 1e3 * statistics.median(theirs),
     }
+
+
+def rotated(
+    sides: dict[str, Callable[[], Any]], rounds: int, calls: int | dict[str, int]
+) -> dict[str, list[list[float]]]:
+    """``rounds`` rounds, each timing ``calls`` calls (per side, where a
+    dict) of every side in turn, the order rotating by one side a round
+    (two sides: alternating), so that a busy spell slows every side alike
+    over the rounds: each side's call times (s), one list per round."""
+    names = list(sides)
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            count = calls[name] if isinstance(calls, dict) else calls
+            times[name].append([timed(sides[name]) for _ in range(count)])
+    return times
+
+
+def timed(call: Callable[[], Any]) -> float:
+    """One call's time (s), its result dropped."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def bootstrap(ratios: list[float]) -> tuple[float, float]:
+    """The 95% bootstrap interval of the median of ``ratios`` (2,000
+    resamples, seeded: the same ratios give the same interval)."""
+    rng = np.random.default_rng(0)
+    samples = np.median(rng.choice(ratios, (2000, len(ratios))), axis=1)
+    return float(np.quantile(samples, 0.025)), float(np.quantile(samples, 0.975))

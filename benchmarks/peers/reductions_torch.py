@@ -62,19 +62,19 @@ prints no line, and the run ends with an error after the others.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import common
 import footing
 import numpy as np
 import torch
 import torch.nn.functional as F
-from protocol import measure, paired, relative_error
+from common import Run
+from protocol import relative_error
 from torch.func import functional_call, grad, vmap
 
 #: Opacus's ways of taking per-example gradients (``GradSampleModule``'s
@@ -95,9 +95,6 @@ HF_CASES = ("bert", "gpt2")
 NOISE = 1.0
 #: the DP and plain steps' learning rate
 LR = 0.01
-
-#: a method: its call (timed) and the check of the call's result (the errors)
-Run = tuple[Callable[[], Any], Callable[[Any], dict[str, float]]]
 
 
 class Classifier(torch.nn.Module):
@@ -199,22 +196,13 @@ def build(arrays: dict[str, np.ndarray]) -> torch.nn.Module:
         return build_gpt2(arrays)
 
     def conv(name: str, stride: int) -> torch.nn.Conv2d:
-        kernel = torch.from_numpy(arrays[f"{name}_kernel"])  # (kh, kw, in, out)
-        kh, kw, cin, cout = kernel.shape
-        layer = torch.nn.Conv2d(cin, cout, (kh, kw), stride=stride)
-        layer.load_state_dict(
-            {
-                "weight": kernel.permute(3, 2, 0, 1),  # (out, in, kh, kw)
-                "bias": torch.from_numpy(arrays[f"{name}_bias"]),
-            }
+        kernel = arrays[f"{name}_kernel"]  # (kh, kw, in, out)
+        layer: torch.nn.Conv2d = common.conv(
+            kernel, arrays[f"{name}_bias"], stride=stride
         )
         return layer
 
-    kernel = torch.from_numpy(arrays["head_kernel"])  # (in, out)
-    head = torch.nn.Linear(*kernel.shape)
-    head.load_state_dict(
-        {"weight": kernel.T, "bias": torch.from_numpy(arrays["head_bias"])}
-    )
+    head = common.linear(arrays["head_kernel"], arrays["head_bias"])
     return torch.nn.Sequential(
         OrderedDict(
             conv1=conv("conv1", 1),
@@ -232,8 +220,8 @@ def keras_layout(name: str, value: torch.Tensor) -> np.ndarray:
     """A parameter-shaped tensor (``conv1.weight``) in the Keras layout of
     the variable it stands for."""
     array = value.detach()
-    if name.endswith("weight"):
-        array = array.T if array.ndim == 2 else array.permute(2, 3, 1, 0)
+    if name.endswith("weight"):  # the parameter as a row of one
+        array = common.keras_rows(array[None])[0]
     return array.numpy()
 
 
@@ -275,14 +263,6 @@ def clipped_errors(
     if norms is not None:
         found["norms_err"] = error(norms, arrays["norms"])
     return found
-
-
-def opacus_version() -> str | None:
-    try:
-        import opacus
-    except ImportError:
-        return None
-    return str(opacus.__version__)
 
 
 class Methods:
@@ -364,11 +344,7 @@ class Methods:
             if str(self.arrays[f"layout__{hf}"]) != "same" and g.ndim == 3:
                 g = g.transpose(1, 2)
             return g.reshape(self.batch, *shape)
-        if g.ndim == 5:  # (B, out, in, kh, kw) -> (B, kh, kw, in, out)
-            return g.permute(0, 3, 4, 2, 1)
-        if g.ndim == 3:  # (B, out, in) -> (B, in, out)
-            return g.transpose(1, 2)
-        return g
+        return common.keras_rows(g)
 
     def flat(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([g.reshape(self.batch, -1) for g in grads.values()], 1)
@@ -542,9 +518,8 @@ class Methods:
             """Per-example gradients ``g`` ``(B, *shape)`` of one Keras
             variable, in its layout, mapped by its map ``found``."""
             if "buckets" in found:  # a CountSketch: one add per coordinate
-                rows = g.reshape(self.batch, -1) * found["signs"]
-                out = rows.new_zeros(self.batch, dim)
-                return out.index_add_(1, found["buckets"].long(), rows)
+                rows = g.reshape(self.batch, -1)
+                return common.count_sketch(rows, found["buckets"], found["signs"], dim)
             if "dense" in found:
                 return g.reshape(self.batch, -1) @ found["dense"]
             units = g.shape[-1]
@@ -603,75 +578,40 @@ class Methods:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--npz", default="reductions.npz")
-    parser.add_argument("--method", choices=METHODS, action="append")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--tolerance", type=float, default=1e-4)
-    parser.add_argument(
-        "--paired-rounds",
-        type=int,
-        default=10,
-        help="rounds of each method against its own plain step in this "
-        "process (protocol.paired); 0: none",
-    )
+    parser = common.method_parser(__doc__, "reductions.npz", METHODS)
     args = parser.parse_args()
     record = footing.pin_torch("reductions_torch", args.threads)
-    opacus = opacus_version()
+    opacus = common.version("opacus")
     methods = args.method or [m for m in METHODS if opacus or "opacus" not in m]
     if opacus is None and any("opacus" in m for m in methods) and args.method:
         raise SystemExit("reductions_torch: the Opacus methods need opacus")
     if opacus is None and args.method is None:
         print("reductions_torch: no opacus, its methods skipped", file=sys.stderr)
-    runs = Methods(dict(np.load(args.npz)), args.threads)
-    failed = []
-    for method in methods:
-        try:
-            call, check = getattr(runs, method)()
-            timings, result = measure(call, args.repeats)
-            errors = check(result)
-        except Exception as error:  # noqa: BLE001 - a mode that fails is reported
-            print(f"reductions_torch: {method} failed: {error!r}", file=sys.stderr)
-            reason = " ".join(f"{type(error).__name__}: {error}".split())
-            failed.append(f"{method} not supported ({reason[:300]})")
-            continue
-        del result
-        print(
-            f"reductions_torch: {method}: "
-            + (", ".join(f"{k} {v:.2e}" for k, v in errors.items()) or "no check"),
-            file=sys.stderr,
-        )
-        wrong = {k: v for k, v in errors.items() if not v <= args.tolerance}
-        if wrong:
-            shown = ", ".join(f"{k} {v:.1e}" for k, v in wrong.items())
-            failed.append(f"{method} disagrees with jacobkit ({shown})")
-            continue
-        # the method against PyTorch's own plain step (the DP step against
-        # the plain SGD step), alternating in this process
-        baseline = "sgd_step" if "step" in method else "plain"
-        if args.paired_rounds and method != baseline:
-            base, _ = getattr(runs, baseline)()
-            timings["paired"] = paired(call, base, args.paired_rounds)
-        print(
-            json.dumps(
-                {
-                    "peer": "torch",
-                    "method": method,
-                    "batch": runs.batch,
-                    **({"noise": NOISE, "lr": LR} if "step" in method else {}),
-                    **errors,
-                    **timings,
-                    "footing": record,
-                }
-            ),
-            flush=True,
-        )
-    if failed:  # one line: the runner keeps the last line of stderr
-        raise SystemExit(
-            f"reductions_torch: {'; '.join(failed)} (checked against jacobkit's "
-            f"results, tolerance {args.tolerance:g})"
-        )
+    runs = Methods(common.load(args.npz), args.threads)
+
+    def row(
+        method: str, errors: dict[str, float], timings: dict[str, Any], _: Any
+    ) -> dict[str, Any]:
+        return {
+            "peer": "torch",
+            "method": method,
+            "batch": runs.batch,
+            **({"noise": NOISE, "lr": LR} if "step" in method else {}),
+            **errors,
+            **timings,
+            "footing": record,
+        }
+
+    # the DP step against the plain SGD step, every other against the
+    # summed-loss gradient
+    common.run_methods(
+        "reductions_torch",
+        runs,
+        methods,
+        args,
+        row,
+        baseline=lambda method: "sgd_step" if "step" in method else "plain",
+    )
 
 
 if __name__ == "__main__":

@@ -67,16 +67,16 @@ share PyTorch's first-call setup.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Callable
 from typing import Any
 
+import common
 import footing
 import numpy as np
 import torch
-from protocol import measure, paired, relative_error
+from common import Run
+from protocol import relative_error
 
 METHODS = (
     "plain_step",
@@ -86,9 +86,6 @@ METHODS = (
     "captum_llm_gradient_x_input",
     "torch_loop",
 )
-
-#: a method: its call (timed) and the check of the call's result (the errors)
-Run = tuple[Callable[[], Any], Callable[[Any], dict[str, float]]]
 
 
 def build(arrays: dict[str, np.ndarray]) -> Any:
@@ -358,83 +355,44 @@ class Methods:
         return call, check
 
 
-def version(name: str) -> str | None:
-    try:
-        module = __import__(name)
-    except ImportError:
-        return None
-    return str(module.__version__)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--npz", default="gpt2.npz")
-    parser.add_argument("--method", choices=METHODS, action="append")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--tolerance", type=float, default=1e-4)
-    parser.add_argument(
-        "--paired-rounds",
-        type=int,
-        default=10,
-        help="rounds of each method against its own plain step in this "
-        "process (protocol.paired); 0: none",
-    )
+    parser = common.method_parser(__doc__, "gpt2.npz", METHODS)
     args = parser.parse_args()
     record = footing.pin_torch("tokens_torch", args.threads)
-    captum = version("captum")
+    captum = common.version("captum")
     methods = args.method or [m for m in METHODS if captum or "captum" not in m]
     if captum is None and any(m.startswith("captum") for m in methods):
         raise SystemExit("tokens_torch: the captum methods need captum installed")
-    runs = Methods(dict(np.load(args.npz)))
-    logits_err = None
-    failed = []
-    for method in methods:
-        call, check = getattr(runs, method)()
-        timings, result = measure(call, args.repeats)
-        if logits_err is None:  # after the first timing: it runs the model
-            logits_err = runs.logits_err()
-            print(f"tokens_torch: logits_err {logits_err:.2e}", file=sys.stderr)
-            if not logits_err <= args.tolerance:
-                raise SystemExit(
-                    f"tokens_torch: GPT2LMHeadModel's logits differ from the "
-                    f"Keras model's in {args.npz} (error {logits_err:.2e})"
-                )
-        errors = check(result)
-        del result
-        print(
-            f"tokens_torch: {method}: "
-            + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()),
-            file=sys.stderr,
-        )
-        if any(not v <= args.tolerance for v in errors.values()):
-            failed.append(method)
-            continue
-        if args.paired_rounds and method != "plain_step":
-            # against PyTorch's own plain step, alternating in this process
-            base, _ = runs.plain_step()
-            timings["paired"] = paired(call, base, args.paired_rounds)
-        print(
-            json.dumps(
-                {
-                    "peer": "torch",
-                    "method": method,
-                    "prompt": runs.prompt,
-                    "new_tokens": runs.new,
-                    "logits_err": logits_err,
-                    **errors,
-                    **timings,
-                    "scores_per_s": runs.new / timings["steady_s"],
-                    "footing": record,
-                }
-            ),
-            flush=True,
-        )
-    if failed:
-        raise SystemExit(
-            f"tokens_torch: {', '.join(failed)} disagree with jacobkit's "
-            f"scores in {args.npz} (tolerance {args.tolerance:g})"
-        )
+    runs = Methods(common.load(args.npz))
+    found: dict[str, float] = {}
+
+    def logits() -> None:
+        """The model's logits against the Keras model's, after the first
+        method's timing (it would warm that up)."""
+        found["logits_err"] = runs.logits_err()
+        print(f"tokens_torch: logits_err {found['logits_err']:.2e}", file=sys.stderr)
+        if not found["logits_err"] <= args.tolerance:
+            raise SystemExit(
+                f"tokens_torch: GPT2LMHeadModel's logits differ from the "
+                f"Keras model's in {args.npz} (error {found['logits_err']:.2e})"
+            )
+
+    def row(
+        method: str, errors: dict[str, float], timings: dict[str, Any], _: Any
+    ) -> dict[str, Any]:
+        return {
+            "peer": "torch",
+            "method": method,
+            "prompt": runs.prompt,
+            "new_tokens": runs.new,
+            "logits_err": found["logits_err"],
+            **errors,
+            **timings,
+            "scores_per_s": runs.new / timings["steady_s"],
+            "footing": record,
+        }
+
+    common.run_methods("tokens_torch", runs, methods, args, row, after_first=logits)
 
 
 if __name__ == "__main__":
