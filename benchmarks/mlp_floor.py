@@ -216,14 +216,14 @@ def profile(strategy: str, calls: int) -> dict[str, float]:
             continue
         names = {k: m.name for k, m in plane.event_metadata.items()}
         for line in plane.lines:
-            if line.name not in ("TensorFlow Ops", "tf_ops", "") and "Op" not in (
-                line.name
-            ):
+            # the executor's op events (not the Python side's, nor its
+            # "Process" events, which enclose the ops)
+            if not line.name.startswith("tf_Compute"):
                 continue
             for event in line.events:
-                name = names.get(event.metadata_id, "?")
-                kind = name.split(":")[-1] if ":" in name else name
-                found[f"{line.name}/{kind}"] += event.duration_ps / 1e9
+                kind = names.get(event.metadata_id, "?").split(":")[-1]
+                if kind != "Process":
+                    found[kind] += event.duration_ps / 1e9
     top = dict(sorted(found.items(), key=lambda kv: -kv[1])[:30])
     return {"wall_ms": wall * 1e3, "plan": str(result.strategy), **top}
 

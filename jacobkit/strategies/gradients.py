@@ -50,9 +50,10 @@ rows stacked, ``batch``'s) at 0.88 against 1.00; ``(256, 512)ᵀ @ (256,
 over it, against the product's ``rows`` passes. The whole call (that MLP,
 144 features, paired in one process, 3 rounds, heavily loaded): ``batch``
 0.91x its time with the rule, ``while`` 0.61x. The transposed copy must
-reach the ``MatMul`` as a copy (:func:`transposed_copy`). The same products (float64: no difference at 7 and
-300 rows, 6e-16 relative at one row, where the kernel is a matrix-vector
-product). With oneDNN on, nothing is replaced.
+reach the ``MatMul`` as a copy (:func:`transposed_copy`). The same
+products (float64: no difference at 7 and 300 rows, 6e-16 relative at one
+row, where the kernel is a matrix-vector product). With oneDNN on, nothing
+is replaced.
 
 The rule is in place only while a strategy's computation is traced (every
 thread then: another thread's gradient gets the same numbers in exact
