@@ -97,6 +97,27 @@ def test_transposed_or_few_rows_keep_tensorflows_gradient(forced, monkeypatch):
     assert forced == [False, False]
 
 
+def test_large_operands_keep_the_transposed_product(forced, monkeypatch):
+    """An operand over :data:`MATMUL_COPY_BYTES` is not copied: its half of
+    the gradient is TensorFlow's transposed product (float64, the same
+    numbers to 1e-14 relative, as above)."""
+    rng = np.random.default_rng(3)
+    a = tf.constant(rng.normal(size=(70, 40)))  # 22,400 bytes
+    b = tf.constant(rng.normal(size=(40, 50)))  # 16,000 bytes
+    cotangent = tf.constant(rng.normal(size=(70, 50)))
+    expected = _gradients(a, b, cotangent)
+    monkeypatch.setattr(gradients, "MATMUL_COPY_BYTES", 20_000)
+    with gradients.matmul_rules():
+        traced = _graph_ops(lambda a, b, c: _gradients(a, b, c), a, b, cotangent)
+        found = _gradients(a, b, cotangent)
+    flags = [(op.get_attr("transpose_a"), op.get_attr("transpose_b")) for op in traced]
+    # the forward product, b's copy, a kept transposed
+    assert flags == [(False, False), (False, False), (True, False)]
+    for got, want in zip(found, expected):
+        scale = float(tf.reduce_max(tf.abs(want)))
+        assert float(tf.reduce_max(tf.abs(got - want))) <= 1e-14 * scale
+
+
 def test_rule_in_place_only_inside_the_block(forced):
     registry = ops._gradient_registry._registry
     own = registry["MatMul"]

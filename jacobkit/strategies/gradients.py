@@ -80,6 +80,11 @@ _MATMUL = "MatMul"
 #: :func:`_matmul_gradient` takes through transposed operands (measured at
 #: 256 rows and more; a copy of a weight is not worth a product of few rows)
 MATMUL_ROWS = 64
+#: the largest operand :func:`_matmul_gradient` copies transposed (known
+#: size, bytes): the copy is held beside the product for each row in
+#: flight, so a language model's head (50257 x 768 floats, 147 MiB) or a
+#: long sequence's activations keep TensorFlow's transposed product
+MATMUL_COPY_BYTES = 16 * 2**20
 
 
 def within(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,11 +164,11 @@ def matmul_rules() -> Iterator[None]:
 def _matmul_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     """``MatMul``'s gradient (``c = a @ b``, no transposes, real floats, at
     least :data:`MATMUL_ROWS` rows): ``dc @ bᵀ`` and ``aᵀ @ dc`` as 2-D
-    matmuls of operands transposed first (a ``Transpose`` of ``b`` and of
-    ``a``), where TensorFlow's own passes ``transpose_b`` and
-    ``transpose_a`` to the kernel; elsewhere TensorFlow's own (``own``).
-    The same products in the same order (see the module's NOTE on the
-    matmul)."""
+    matmuls of operands transposed first (:func:`transposed_copy` of ``b``
+    and of ``a``, each where it is at most :data:`MATMUL_COPY_BYTES`),
+    where TensorFlow's own passes ``transpose_b`` and ``transpose_a`` to the
+    kernel; elsewhere TensorFlow's own (``own``). The same products (see
+    the module's NOTE on the matmul)."""
     a, b = op.inputs[0], op.inputs[1]
     rows = grad.shape[0] if grad.shape.rank == 2 else None
     if (
@@ -175,9 +180,25 @@ def _matmul_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     ):
         return own(op, grad)
     skip = getattr(op, "skip_input_indices", None) or ()
-    grad_a = None if 0 in skip else tf.matmul(grad, transposed_copy(b))
-    grad_b = None if 1 in skip else tf.matmul(transposed_copy(a), grad)
+    grad_a = grad_b = None
+    if 0 not in skip:
+        if _copied(b):
+            grad_a = tf.matmul(grad, transposed_copy(b))
+        else:
+            grad_a = tf.matmul(grad, b, transpose_b=True)
+    if 1 not in skip:
+        if _copied(a):
+            grad_b = tf.matmul(transposed_copy(a), grad)
+        else:
+            grad_b = tf.matmul(a, grad, transpose_a=True)
     return grad_a, grad_b
+
+
+def _copied(operand: tf.Tensor) -> bool:
+    """Whether :func:`_matmul_gradient` copies ``operand`` transposed: its
+    size known and at most :data:`MATMUL_COPY_BYTES`."""
+    count = operand.shape.num_elements()
+    return count is not None and count * operand.dtype.size <= MATMUL_COPY_BYTES
 
 
 def transposed_copy(matrix: tf.Tensor) -> tf.Tensor:
