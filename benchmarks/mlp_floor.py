@@ -13,7 +13,11 @@ fraction of the probe's in the same round (median of the rounds' ratios).
     taskset -c 0 python benchmarks/mlp_floor.py --rounds 5 --json out.json
 
 ``--profile STRATEGY`` instead runs ``jk.jacobian`` with that strategy and
-prints TensorFlow's profiler's per-op-type time of one steady call.
+prints TensorFlow's profiler's per-op-type time of one steady call;
+``--whole [LABEL ...]`` times the whole call of each of :data:`WHOLE`'s
+variants (TensorFlow's own ``MatMul`` gradient or jacobkit's, ``batch``'s
+rows at once) paired in one process. Results, measured under load:
+``results/cpu-onednn-off/mlp_floor.md``.
 """
 
 from __future__ import annotations
