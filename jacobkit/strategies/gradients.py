@@ -49,7 +49,8 @@ rows stacked, ``batch``'s) at 0.88 against 1.00; ``(256, 512)ᵀ @ (256,
 1024)`` at 0.48-0.74 against 0.57-0.83. A copy of the operand is one pass
 over it, against the product's ``rows`` passes. The whole call (that MLP,
 144 features, paired in one process, loaded): ``batch`` 0.91-0.97x its
-time with the rule, ``while`` 0.61-0.65x. The transposed copy must
+time with the rule, ``while`` 0.47x (0.61-0.65x with the copies made in
+its loop, once per row: :func:`_hoisted`). The transposed copy must
 reach the ``MatMul`` as a copy (:func:`transposed_copy`). The same
 products (float64: no difference at 7 and 300 rows, 6e-16 relative at one
 row, where the kernel is a matrix-vector product). With oneDNN on, nothing
