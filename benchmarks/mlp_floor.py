@@ -241,6 +241,8 @@ WHOLE = {
     "batch, 1 row at once": ("batch", False, 1),
     "while, own MatMul gradient": ("while", True, 16),
     "while": ("while", False, 16),
+    "while, 1 row in flight": ("while(1)", False, 16),
+    "while, 4 rows in flight": ("while(4)", False, 16),
 }
 
 
@@ -265,7 +267,11 @@ def whole(rounds: int, repeats: int, labels: list[str]) -> dict[str, Any]:
         gradients.MATMUL_ROWS = 10**9 if own else 64
         batch_module.ROWS_AT_ONCE = rows
 
-        def call(e: Any = e, strategy: str = strategy) -> Any:
+        chosen: Any = strategy
+        if strategy.startswith("while("):  # rows in flight
+            chosen = jk.strategies.While(int(strategy[6:-1]))
+
+        def call(e: Any = e, strategy: Any = chosen) -> Any:
             return np.asarray(
                 jk.jacobian(e.model, e.inputs, "hidden1", strategy=strategy).kernel
             )
