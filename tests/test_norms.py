@@ -53,7 +53,9 @@ def test_norms_agree_with_float64_reference(strategy, problem, outputs):
     rows_shape = expected_jacobians[0].shape[: len(result.rows_shape)]
     assert result.rows_shape == rows_shape
     assert all(tuple(v.shape) == rows_shape for v in result.jacobians.values())
-    # measured: at most 1.1e-7 relative (float32 rounding); default 1e-5
+    # measured (batch; mlp, cnn2d, generator; every outputs): at most 1.5e-7
+    # relative (float32 rounding; one-pass norms, the Dense layer's as
+    # ||x|| ||δ||: mlp 1.4e-7, was 1.1e-7); default 1e-5
     testing.assert_close(result, _norms(expected_jacobians, rows_shape))
 
 

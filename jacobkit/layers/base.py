@@ -303,15 +303,24 @@ class MaterializedNorms(LayerRule):
 
 
 def row_norms(jacobians: tf.Tensor) -> tf.Tensor:
-    """``(R, ...)`` -> ``(R,)``: each row's L2 norm."""
+    """``(R, ...)`` -> ``(R,)``: each row's L2 norm, one pass over the rows
+    (:func:`squared_rows`)."""
     flat = tf.reshape(jacobians, (jacobians.shape[0], -1))
-    return tf.norm(flat, axis=-1)
+    return tf.math.reduce_euclidean_norm(flat, axis=-1)
 
 
 def squared_rows(jacobians: tf.Tensor) -> tf.Tensor:
     """``(R, ...)`` -> ``(R,)`` float32: each row's squared L2 norm (summed
-    over targets, the square of a row's norm over all of them)."""
+    over targets, the square of a row's norm over all of them).
+
+    NOTE (measured, one core, oneDNN on, loaded; the least time of 30 calls
+    of each). One ``EuclideanNorm`` reads the rows once; ``Square`` then
+    ``Sum`` wrote and read them again: the conv net's conv2 rows (32 x
+    18,432) 0.15 ms against 0.26 + 0.10 ms in its clipped sum
+    (``benchmarks/conv_reductions_profile.py``). The square of the norm
+    differs from the sum of squares by float32 rounding (2.6e-7 of the
+    clipped sum there)."""
     flat = jacobians
     if jacobians.shape.rank != 2:  # rows already flat keep an unknown count
         flat = tf.reshape(jacobians, (jacobians.shape[0], -1))
-    return tf.reduce_sum(tf.square(tf.cast(flat, tf.float32)), axis=-1)
+    return tf.square(tf.math.reduce_euclidean_norm(tf.cast(flat, tf.float32), -1))

@@ -71,6 +71,18 @@ def kernel_and_bias_norms(
     positions, inputs = patches.shape[1], patches.shape[2]
     cotangents = tf.reshape(dz, (batch, rows, positions, units))  # (B, K, P, O)
     gram = use_gram(positions, inputs, units, rows) if form is None else form == "gram"
+    if not summed and gram and positions == 1:
+        # one position (a Dense layer on vectors): a row's gradient is x δᵀ,
+        # whose norm is ||x|| ||δ||, and ||δ|| is the bias's. NOTE
+        # (measured, as :func:`jacobkit.layers.base.squared_rows`): the conv
+        # net's head, two small one-pass norms instead of three Einsums
+        # (0.10 ms of its clipped sum)
+        flat = tf.reshape(cotangents, (batch, rows, units))
+        bias = tf.math.reduce_euclidean_norm(flat, axis=-1)  # (B, K)
+        # (B, 1, 1) -> (B, 1): no strided slice for a new axis
+        inputs_norm = tf.math.reduce_euclidean_norm(patches, axis=2)
+        kernel = tf.cast(tf.reshape(inputs_norm, (batch, 1)), bias.dtype) * bias
+        return tf.reshape(kernel, (-1,)), tf.reshape(bias, (-1,))
     if not summed and gram:
         gram_inputs = tf.einsum("bpi,bqi->bpq", patches, patches)
         kernel = tf.sqrt(tf.maximum(ghost_squared(gram_inputs, cotangents), 0.0))
@@ -87,8 +99,8 @@ def kernel_and_bias_norms(
         else:  # (B, c, I, O) -> norms (B, c) -> (c, B)
             kernel = contract.per_example_matmul(patches, part)
             bias = tf.reduce_sum(part, axis=2)
-        kernel = tf.sqrt(tf.reduce_sum(tf.square(kernel), axis=(-2, -1)))
-        bias = tf.norm(bias, axis=-1)
+        kernel = tf.math.reduce_euclidean_norm(kernel, axis=(-2, -1))
+        bias = tf.math.reduce_euclidean_norm(bias, axis=-1)
         if not summed:
             kernel, bias = tf.transpose(kernel), tf.transpose(bias)
         return [kernel, bias]

@@ -16,7 +16,11 @@ the budget is checked):
    (:mod:`~jacobkit.planner.selection`). Other candidates are tried on later
    calls (never the first call of a process) once the time spent running
    the current one reaches :attr:`~jacobkit.planner.policy.Policy.rent`
-   times their predicted tracing time; the faster one (the lower peak within
+   times the try's predicted cost (its tracing time and its trial's calls,
+   :func:`~jacobkit.planner.selection.try_cost_s`); a trial far slower than
+   the current strategy ends on its first timed call, and what a try cost
+   beyond its prediction is earned back before the next
+   (:mod:`~jacobkit.planner.trials`); the faster one (the lower peak within
    noise) is kept (:mod:`~jacobkit.planner.estimates`).
 4. What was measured is written to a plan cache on disk
    (:mod:`~jacobkit.planner.cache`), so the next process starts on the

@@ -35,7 +35,9 @@ class CacheEntry:
             again).
         row_bytes: the measured memory prior per row (``None``: unknown or
             unusable, the forward pass's activations are used instead).
-        spent_s: time spent running ``current`` since the last try.
+        spent_s: time spent running ``current`` since the last try, less
+            ``rent`` times what that try cost beyond its prediction
+            (negative until that is earned back).
         estimates: what was measured of each strategy run.
         rejected: the strategies left out, with the reason.
         allowed_bytes: what the budget allowed the plan (``None``: not

@@ -30,7 +30,12 @@ class Policy:
         rate_runs: the steady rate is the median of this many newest runs
             that did not trace.
         rent: try a candidate once the current strategy has run this many
-            times its predicted tracing time. The classic ski-rental bound
+            times the try's predicted cost: its predicted tracing time and
+            its trial's runs (the traced one and ``trial_runs`` more), each
+            at no less than the current strategy's call
+            (:func:`~jacobkit.planner.selection.try_cost_s`); what a try
+            cost beyond its prediction is earned back at the same rate
+            before the next one. The classic ski-rental bound
             is 2 (at most twice the cost of the better choice), but
             explainability code often stops after a few calls: at 5, a try
             costs at most 20% over never trying, which is what "the first 3
@@ -71,6 +76,17 @@ class Policy:
             predicted at 2.6 GiB (measured 2.2-2.7) against 95 MiB.
         noise: rates within this factor are measurement noise on a busy
             machine; the lower peak wins among them.
+        first_run_inflation: the first untraced run after a trace is at
+            most this many times the later rate (the allocator grows for
+            the new function; measured 1.5-1.8x, every strategy, MLP
+            512-1024-1024-144 on 2 CPU cores). A candidate whose first
+            untraced run is slower than this times ``noise`` times the
+            current strategy's rate is judged at once, on that run
+            (:func:`~jacobkit.planner.trials.ends_early`): its other runs
+            would only cost more. Measured (conv net of
+            ``benchmarks/reductions_models.py``, 32 per-example loss rows,
+            1 core): ``while(parallel=10)`` ran 15x ``batch``'s call and
+            ``chunked(8)`` 28x on every run of their trials.
         race_peak_factor: a candidate is tried only if its predicted peak is
             at most this many times the current strategy's measured peak
             plus ``race_slack_bytes`` (times ``safety``): the allocator keeps
@@ -125,6 +141,7 @@ class Policy:
     start_peak_factor: float = 2.5
     start_slack_bytes: int = 64 * 2**20
     noise: float = 1.15
+    first_run_inflation: float = 2.0
     race_peak_factor: float = 1
     race_slack_bytes: int = 256 * 2**20
     safety: float = 0.85

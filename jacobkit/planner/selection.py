@@ -13,10 +13,16 @@ another, and which wins.
   ``start_slack_bytes``): then that one (:func:`starting_first`).
 - Trying another (a ski-rental rule): a candidate is tried on real calls
   once the time spent running the current strategy
-  (tracing not counted) reaches the policy's ``rent`` times the
-  candidate's predicted tracing time, and never in a process's first call.
-  Whatever it could save, trying it then costs at most ``1 / rent`` more
-  than never trying it, and nothing when the calls stop early.
+  (tracing not counted) reaches the policy's ``rent`` times the try's
+  predicted cost (:func:`try_cost_s`: the candidate's predicted tracing
+  time and its trial's runs, each at no less than the current call), and
+  never in a process's first call. A trial whose first untraced run is
+  far slower than the current strategy ends on it
+  (:func:`~jacobkit.planner.trials.ends_early`), and what a try cost
+  beyond its prediction is earned back (``rent`` times over) before the
+  next one (:func:`~jacobkit.planner.trials.overrun_s`). Whatever it
+  could save, trying then costs at most about ``1 / rent`` more than never
+  trying, and nothing when the calls stop early.
 - Which try is next (:func:`next_try`): the first pending candidate that
   fits the room a try may take, made smaller until it does.
 - Winning: the least time per row; where rates are within the policy's
@@ -112,12 +118,26 @@ _NOT_AUTO = {
 }
 
 
-def should_try(policy: Policy, spent_s: float, trace_s: float | None) -> bool:
-    """Whether to try a candidate predicted to trace in ``trace_s`` seconds,
-    after ``spent_s`` seconds running the current strategy."""
-    if trace_s is None:
+def try_cost_s(policy: Policy, trace_s: float, call_s: float) -> float:
+    """The predicted cost of trying a candidate predicted to trace in
+    ``trace_s`` seconds while the current strategy's call takes ``call_s``:
+    the trace, and the trial's runs (the traced one and the policy's
+    ``trial_runs``) each at the current call's time at least.
+
+    Counting the trace alone, a try cost 5-20x its prediction: on the conv
+    net of ``benchmarks/reductions_models.py`` (32 per-example loss rows,
+    1 core) ``batch``'s call is 11 ms and ``while(parallel=10)``'s trial
+    took 317, 170 and 174 ms against a predicted 0.03 s."""
+    return trace_s + (1 + policy.trial_runs) * call_s
+
+
+def should_try(policy: Policy, spent_s: float, cost_s: float | None) -> bool:
+    """Whether to try a candidate whose try is predicted to cost ``cost_s``
+    seconds (:func:`try_cost_s`), after ``spent_s`` seconds running the
+    current strategy."""
+    if cost_s is None:
         return False
-    return spent_s >= policy.rent * trace_s
+    return spent_s >= policy.rent * cost_s
 
 
 def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float:
@@ -177,6 +197,8 @@ class NextTry:
         candidate: the candidate to try now, made small enough for the room a
             try may take (``None``: none is due yet).
         reason: why now, in words (the plan's switch), where ``candidate``.
+        cost_s: the try's predicted cost (:func:`try_cost_s`; ``None``:
+            tried for another reason, after the eager start).
         dropped: candidates at the head of the queue dropped on the way,
             each predicted over that room even at its smallest, or measured
             slower than the current strategy by an earlier process (the
@@ -186,6 +208,7 @@ class NextTry:
     candidate: Strategy | None
     reason: str
     dropped: tuple[Rejection, ...]
+    cost_s: float | None = None
 
 
 def next_try(
@@ -199,15 +222,18 @@ def next_try(
     limits: tuple[float, int],
     *,
     left_eager: bool = False,
+    measured: Callable[[], Sequence[Estimate]] = tuple,
 ) -> NextTry:
     """The next of the ``pending`` candidates to try, given the ``current``
     strategy's estimate (its rate known) and the ``spent_s`` seconds spent
     running it since the last try: the first that fits the room a try may
     take (:func:`~jacobkit.planner.race_room`, within ``limits``:
     the bytes the budget allows and the rows), made smaller until it fits,
-    once ``spent_s`` reaches the policy's ``rent`` times its predicted
-    tracing time (:func:`~jacobkit.planner.estimates.predicted_trace_s`,
-    from what ``earlier`` processes measured); at once where the current
+    once ``spent_s`` reaches the policy's ``rent`` times its try's
+    predicted cost (:func:`try_cost_s`, its tracing time by
+    :func:`~jacobkit.planner.estimates.predicted_trace_s`, from what
+    ``earlier`` processes measured, scaled from the current strategy's
+    and the others ``measured`` here); at once where the current
     strategy is the eager start and it has answered the calls it answers
     (``left_eager``: the policy's ``eager_calls``)."""
     allowed, num_rows = limits
@@ -231,15 +257,22 @@ def next_try(
                 f"first {policy.eager_calls} call(s) only"
             )
             return NextTry(smaller, reason, tuple(dropped))
-        trace_s = est.predicted_trace_s(smaller, earlier(smaller), current, num_rows)
-        if not should_try(policy, spent_s, trace_s):
+        trace_s = est.predicted_trace_s(
+            smaller, earlier(smaller), current, num_rows, measured()
+        )
+        call_s = current.seconds(num_rows)
+        assert call_s is not None, "the current rate is known"
+        cost_s = None if trace_s is None else try_cost_s(policy, trace_s, call_s)
+        if not should_try(policy, spent_s, cost_s):
             return NextTry(None, "", tuple(dropped))
-        assert trace_s is not None, "should_try refuses an unknown time"
+        assert trace_s is not None and cost_s is not None, "should_try refuses"
         reason = (
             f"trying it: {spent_s:.2f} s spent running {current.strategy.label} "
-            f">= {policy.rent:g} x its predicted trace {trace_s:.2f} s"
+            f">= {policy.rent:g} x its try's predicted {cost_s:.2f} s (trace "
+            f"{trace_s:.2f} s + {1 + policy.trial_runs} runs at "
+            f"{call_s * 1e3:.3g} ms)"
         )
-        return NextTry(smaller, reason, tuple(dropped))
+        return NextTry(smaller, reason, tuple(dropped), cost_s)
     return NextTry(None, "", tuple(dropped))
 
 

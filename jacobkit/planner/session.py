@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from jacobkit.planner import cache as disk
 from jacobkit.planner import estimates as est
-from jacobkit.planner import keeping, selection
+from jacobkit.planner import keeping, selection, trials
 from jacobkit.planner.entry import CacheEntry
 from jacobkit.planner.footprint import Footprint, Overruns
 from jacobkit.planner.lineup import Lineup
@@ -90,6 +90,8 @@ class Session:
         first, *others = begun.candidates
         self._lineup = Lineup(first, tuple(others), rejected=begun.rejected)
         self._spent_s = 0.0
+        #: the predicted cost of the try under way (``None``: none predicted)
+        self._try_cost_s: float | None = None
         self._calls = 0
         self._source = "not run yet"
         self._last_call: tuple[Probe, ...] = ()
@@ -162,11 +164,17 @@ class Session:
         :func:`~jacobkit.planner.selection.next_try`)."""
         trying = self._lineup.trying
         if trying is not None:
-            if self._measured.timed_runs(trying) < self._policy.trial_runs:
+            if not self._trial_over(trying):
                 return trying  # its tracing run is not its speed
             self._lineup = self._lineup.judged(
                 self._policy, self._measured, self._calls
             )
+            if self._try_cost_s is not None:
+                # what the try cost beyond its prediction is earned back
+                # (rent times over) before the next one
+                probes = self._measured.probes
+                over = trials.overrun_s(probes, trying, self._try_cost_s)
+                self._spent_s = -self._policy.rent * over if over else 0.0
             self._dirty = True
         current = self.estimate(self._lineup.current)
         if self._calls <= 1 or current is None or current.seconds_per_row is None:
@@ -181,6 +189,7 @@ class Session:
             self.fits,
             (self._footprint.allowed_bytes, self._num_rows),
             left_eager=self._calls > self._policy.eager_calls,
+            measured=self._measured.estimates,
         )
         if due.dropped:
             self._lineup = self._lineup.without(due.dropped)
@@ -189,7 +198,16 @@ class Session:
             return self._lineup.current
         self._lineup = self._lineup.trial(due.candidate, self._calls, due.reason)
         self._spent_s = 0.0
+        self._try_cost_s = due.cost_s
         return due.candidate
+
+    def _trial_over(self, trying: Strategy) -> bool:
+        """Whether ``trying`` ran its trial's runs, or ends early
+        (:func:`~jacobkit.planner.trials.ends_early`)."""
+        if self._measured.timed_runs(trying) >= self._policy.trial_runs:
+            return True
+        probes = self._measured.probes
+        return trials.ends_early(self._policy, probes, self._lineup.current, trying)
 
     def record(self, probe: Probe) -> None:
         """Keep what a run measured (the newest runs of each strategy)."""

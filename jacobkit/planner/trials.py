@@ -1,6 +1,9 @@
-"""Finishing a candidate's trial: which of it and the current strategy is
-kept, and the switch and rejection the plan records (:func:`judge`, a pure
-function returning a typed :class:`Verdict`)."""
+"""Finishing a candidate's trial: when it ends (:func:`ends_early`: on its
+first untraced run, where that is far slower than the current strategy),
+which of it and the current strategy is kept, and the switch and rejection
+the plan records (:func:`judge`, a pure function returning a typed
+:class:`Verdict`), and what it cost beyond its prediction
+(:func:`overrun_s`)."""
 
 from __future__ import annotations
 
@@ -63,6 +66,12 @@ def judge(
         f"{found.seconds_per_row * 1e3:.3g} ms/row vs "
         f"{current.seconds_per_row * 1e3:.3g} ms/row"
     )
+    early = ""
+    if _timed(probes, trying) < policy.trial_runs:
+        early = (
+            f"; judged on its first run, over "
+            f"{policy.first_run_inflation * policy.noise:.3g}x the current rate"
+        )
     if selection.winner(policy, current, found) is found:
         why = (
             "faster"
@@ -82,9 +91,9 @@ def judge(
             trying,
             was,
             f"{trying.label} was not faster ({rates}, or within "
-            f"{policy.noise - 1:.0%} with a higher peak)",
+            f"{policy.noise - 1:.0%} with a higher peak){early}",
         ),
-        Rejection(trying, f"tried: {rates}"),
+        Rejection(trying, f"tried: {rates}{early}"),
     )
 
 
@@ -97,3 +106,33 @@ def best_rate(
         p.seconds / p.rows for p in probes if p.strategy == strategy and not p.traced
     ]
     return min(rates[-runs:], default=otherwise)
+
+
+def ends_early(
+    policy: Policy, probes: Sequence[Probe], was: Strategy, trying: Strategy
+) -> bool:
+    """Whether ``trying``'s trial ends now, before its ``trial_runs``: its
+    first untraced run (among ``probes``) took more than the policy's
+    ``first_run_inflation`` times its ``noise`` times the current strategy's
+    (``was``) best recent rate, which no first run after a trace explains
+    (:func:`judge` then rejects it on that run)."""
+    mine = [p for p in probes if p.strategy == trying and not p.traced]
+    ours = [p for p in probes if p.strategy == was and not p.traced]
+    if not mine or not ours:
+        return False
+    first = mine[0].seconds / mine[0].rows
+    now = best_rate(probes, was, first, policy.rate_runs)
+    return first > policy.first_run_inflation * policy.noise * now
+
+
+def overrun_s(probes: Sequence[Probe], trying: Strategy, predicted_s: float) -> float:
+    """How much longer ``trying``'s trial took (its runs among ``probes``,
+    the traced one included) than the ``predicted_s`` seconds its try was
+    predicted to cost (:func:`~jacobkit.planner.selection.try_cost_s`);
+    0 where it took no longer."""
+    took = sum(p.seconds for p in probes if p.strategy == trying)
+    return max(took - predicted_s, 0.0)
+
+
+def _timed(probes: Sequence[Probe], strategy: Strategy) -> int:
+    return sum(p.strategy == strategy and not p.traced for p in probes)

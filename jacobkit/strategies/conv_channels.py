@@ -60,7 +60,8 @@ def rows_fn(
         with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
             tape.watch(targets)
             x = x_problem.call_model(inputs)  # (B, *S, I)
-        slopes = found.slopes(x)  # (B, *S', R), act' at the rows' channels
+        slopes = found.slopes(x)  # (R, B, H, W): act' at the rows' channels
+        columns = found.columns(slopes.dtype)  # (R, kh, kw, I)
 
         def gradients(seed: tf.Tensor) -> list[tf.Tensor]:
             found_ = tape.gradient(
@@ -71,7 +72,7 @@ def rows_fn(
         if sequential:
             return list(
                 tf.map_fn(
-                    lambda r: gradients(found.cotangents(slopes, r[None])[0]),
+                    lambda r: gradients(found.cotangents(slopes, columns, r[None])[0]),
                     tf.range(num_rows),
                     parallel_iterations=at_once,
                     fn_output_signature=signature,
@@ -79,7 +80,7 @@ def rows_fn(
             )
 
         def chunk(start: Any, size: int) -> list[tf.Tensor]:
-            seeds = found.cotangents(slopes, tf.range(start, start + size))
+            seeds = found.cotangents(slopes, columns, tf.range(start, start + size))
             return list(
                 vectorize.vectorized_map(gradients, seeds, fallback_to_while_loop=False)
             )
