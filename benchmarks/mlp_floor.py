@@ -1,0 +1,340 @@
+"""Where the MLP's time goes: each op of ``benchmarks/mlp_limit.py``'s
+computation (Dense 512→1024 relu → 1024 tanh → 144, B=256, every feature
+summed over the batch, with respect to the first Dense) alone on its exact
+shapes, with the transposes the strategies issue, against TensorFlow's own
+GEMM probe ((4096 x 1024) @ (1024 x 1024)) measured in the same rounds.
+
+One process pinned to one core (one TensorFlow thread); every case is a
+``tf.function`` on fixed random operands, its first call discarded; rounds
+alternate the cases and each figure is the median over rounds of the case's
+time (each round: the median of ``--repeats`` calls), the GFLOP/s as a
+fraction of the probe's in the same round (median of the rounds' ratios).
+
+    taskset -c 0 python benchmarks/mlp_floor.py --rounds 5 --json out.json
+
+``--profile STRATEGY`` instead runs ``jk.jacobian`` with that strategy and
+prints TensorFlow's profiler's per-op-type time of one steady call;
+``--whole [LABEL ...]`` times the whole call of each of :data:`WHOLE`'s
+variants (TensorFlow's own ``MatMul`` gradient or jacobkit's, ``batch``'s
+rows at once) paired in one process. Results, measured under load:
+``results/cpu-onednn-off/mlp_floor.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+B, IN, H, F = 256, 512, 1024, 144
+
+
+def _cases(tf: Any, rows: int) -> dict[str, tuple[Callable[[], Any], float]]:
+    """label -> (a traced call, its FLOPs) for chunks of ``rows`` rows."""
+    g = tf.random.Generator.from_seed(0)
+
+    def normal(*shape: int) -> Any:
+        return g.normal(shape)
+
+    x, w2 = normal(B, IN), normal(H, H)
+    xt, w2t = tf.transpose(x), tf.transpose(w2)
+    a4096, dy = normal(4096, H), normal(rows * B, H)
+    dy1 = normal(B, H)
+    g3 = normal(rows, B, H)
+    g3t = tf.transpose(g3, (0, 2, 1))  # (rows, H, B)
+    gb = tf.transpose(g3, (1, 0, 2))  # (B, rows, H)
+    a2, z1 = normal(B, H), normal(B, H)
+    seeds = normal(rows, H)
+
+    def fn(f: Callable[[], Any]) -> Callable[[], Any]:
+        return tf.function(f, autograph=False)
+
+    mac_h = B * H * H  # one row through hidden2's backward
+    mac_c = B * IN * H  # one row's contraction with hidden1's input
+    cases: dict[str, tuple[Callable[[], Any], float]] = {
+        "probe (4096,1024)@(1024,1024)": (
+            fn(lambda: tf.matmul(a4096, w2)),
+            2 * 4096 * H * H,
+        ),
+        f"hidden2 bwd: ({rows}*256,1024)@W2, transpose_b (pfor's)": (
+            fn(lambda: tf.matmul(dy, w2, transpose_b=True)),
+            2 * rows * mac_h,
+        ),
+        f"hidden2 bwd: ({rows}*256,1024)@W2ᵀ pre-transposed": (
+            fn(lambda: tf.matmul(dy, w2t)),
+            2 * rows * mac_h,
+        ),
+        "hidden2 bwd, one row: (256,1024)@W2, transpose_b": (
+            fn(lambda: tf.matmul(dy1, w2, transpose_b=True)),
+            2 * mac_h,
+        ),
+        "hidden2 bwd, one row: (256,1024)@W2ᵀ pre-transposed": (
+            fn(lambda: tf.matmul(dy1, w2t)),
+            2 * mac_h,
+        ),
+        f"contract: BatchMatMulV2 xᵀ[None] (1,512,256) @ ({rows},256,1024), jk's": (
+            fn(lambda: tf.matmul(tf.transpose(x)[None], g3)),
+            2 * rows * mac_c,
+        ),
+        f"contract: BatchMatMulV2 x[None] adj_x @ ({rows},256,1024)": (
+            fn(lambda: tf.matmul(x[None], g3, transpose_a=True)),
+            2 * rows * mac_c,
+        ),
+        f"contract: BatchMatMulV2 xᵀ tiled ({rows},512,256) @ ({rows},256,1024)": (
+            fn(lambda: tf.matmul(tf.broadcast_to(xt[None], (rows, IN, B)), g3)),
+            2 * rows * mac_c,
+        ),
+        f"contract: {rows} 2-D MatMuls xᵀ (512,256) @ (256,1024), stacked": (
+            fn(lambda: tf.stack([tf.matmul(xt, g3[k]) for k in range(rows)])),
+            2 * rows * mac_c,
+        ),
+        f"contract: 2-D MatMul xᵀ (512,256) @ (256,{rows}*1024) (b-major cotangents)": (
+            fn(lambda: tf.matmul(xt, tf.reshape(gb, (B, rows * H)))),
+            2 * rows * mac_c,
+        ),
+        f"contract: 2-D MatMul ({rows}*1024,256)@x (transposed: out (k,o,i))": (
+            fn(lambda: tf.matmul(tf.reshape(g3t, (rows * H, B)), x)),
+            2 * rows * mac_c,
+        ),
+        "contract, one row: MatMul x (256,512) transpose_a @ (256,1024)": (
+            fn(lambda: tf.matmul(x, dy1, transpose_a=True)),
+            2 * mac_c,
+        ),
+        "contract, one row: MatMul xᵀ pre-transposed (512,256) @ (256,1024)": (
+            fn(lambda: tf.matmul(xt, dy1)),
+            2 * mac_c,
+        ),
+        f"elementwise: seeds ({rows},256,1024) * tanh' (pfor's tiled TanhGrad)": (
+            fn(
+                lambda: tf.raw_ops.TanhGrad(
+                    y=tf.tile(a2[None], (rows, 1, 1)),
+                    dy=tf.broadcast_to(seeds[:, None], (rows, B, H)),
+                )
+            ),
+            0.0,
+        ),
+        f"elementwise: ReluGrad, features tiled ({rows},256,1024) (pfor's)": (
+            fn(
+                lambda: tf.raw_ops.ReluGrad(
+                    gradients=g3, features=tf.tile(z1[None], (rows, 1, 1))
+                )
+            ),
+            0.0,
+        ),
+        f"elementwise: ReluGrad as a mask product ({rows},256,1024), no tile": (
+            fn(lambda: g3 * tf.cast(z1 > 0, g3.dtype)),
+            0.0,
+        ),
+        f"bias: reduce_sum ({rows},256,1024) -> ({rows},1024)": (
+            fn(lambda: tf.reduce_sum(g3, axis=1)),
+            0.0,
+        ),
+        f"write: InplaceUpdate of ({rows},512,1024) into (144,512,1024)": (
+            fn(
+                lambda: tf.raw_ops.InplaceUpdate(
+                    x=tf.raw_ops.Empty(shape=(F, IN, H), dtype=tf.float32),
+                    i=tf.range(rows),
+                    v=tf.zeros((rows, IN, H)),
+                )
+            ),
+            0.0,
+        ),
+    }
+    return cases
+
+
+def per_op(rounds: int, repeats: int, rows: int) -> dict[str, Any]:
+    import tensorflow as tf
+
+    cases = _cases(tf, rows)
+    for call, _ in cases.values():
+        call()
+    times: dict[str, list[float]] = defaultdict(list)
+    ratios: dict[str, list[float]] = defaultdict(list)
+    probe = next(iter(cases))
+    for _ in range(rounds):
+        round_: dict[str, float] = {}
+        for label, (call, _flops) in cases.items():
+            each = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                _ = call()
+                _ = _.numpy() if hasattr(_, "numpy") else _
+                each.append(time.perf_counter() - start)
+            round_[label] = statistics.median(each)
+            times[label].append(round_[label])
+        for label, (_, flops) in cases.items():
+            if flops:
+                rate = flops / round_[label]
+                ratios[label].append(rate / (cases[probe][1] / round_[probe]))
+    out = {}
+    for label, (_, flops) in cases.items():
+        ms = statistics.median(times[label]) * 1e3
+        out[label] = {
+            "ms": ms,
+            "gflops": flops / ms / 1e6 if flops else None,
+            "of_probe": statistics.median(ratios[label]) if flops else None,
+        }
+    return out
+
+
+def profile(strategy: str, calls: int) -> dict[str, float]:
+    """TensorFlow's profiler's time per op type (ms) of one steady call."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    import jacobkit as jk
+    from jacobkit.testing import example_models
+
+    model, x = (
+        (e := example_models.mlp(batch=B, inputs=IN, hidden=H, features=F)).model,
+        e.inputs,
+    )
+    kwargs = {} if strategy == "auto" else {"strategy": strategy}
+    for _ in range(calls):
+        result = jk.jacobian(model, x, "hidden1", **kwargs)
+        np.asarray(result.kernel)
+    logdir = tempfile.mkdtemp()
+    tf.profiler.experimental.start(logdir)
+    start = time.perf_counter()
+    result = jk.jacobian(model, x, "hidden1", **kwargs)
+    np.asarray(result.kernel)
+    wall = time.perf_counter() - start
+    tf.profiler.experimental.stop()
+    (path,) = Path(logdir).rglob("*.xplane.pb")
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(path.read_bytes())
+    found: dict[str, float] = defaultdict(float)
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        names = {k: m.name for k, m in plane.event_metadata.items()}
+        for line in plane.lines:
+            # the executor's op events (not the Python side's, nor its
+            # "Process" events, which enclose the ops)
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for event in line.events:
+                kind = names.get(event.metadata_id, "?").split(":")[-1]
+                if kind != "Process":
+                    found[kind] += event.duration_ps / 1e9
+    top = dict(sorted(found.items(), key=lambda kv: -kv[1])[:30])
+    return {"wall_ms": wall * 1e3, "plan": str(result.strategy), **top}
+
+
+#: the whole call's variants (``--whole``): label -> (strategy, TensorFlow's
+#: own MatMul gradient instead of jacobkit's, ``batch``'s rows at once)
+WHOLE = {
+    "batch, own MatMul gradient, 16 rows at once": ("batch", True, 16),
+    "batch, 16 rows at once": ("batch", False, 16),
+    "batch, 4 rows at once": ("batch", False, 4),
+    "batch, 1 row at once": ("batch", False, 1),
+    "while, own MatMul gradient": ("while", True, 16),
+    "while": ("while", False, 16),
+    "while, 1 row in flight": ("while(1)", False, 16),
+    "while, 4 rows in flight": ("while(4)", False, 16),
+}
+
+
+def whole(rounds: int, repeats: int, labels: list[str]) -> dict[str, Any]:
+    """Each variant's steady ``jk.jacobian`` call, paired in this process
+    (a model of the same weights per variant: each is traced once, under its
+    own settings), rounds alternating; the median over rounds of each one's
+    time relative to the first variant's in the same round."""
+    import numpy as np
+    from tensorflow.python.ops import math_grad  # noqa: F401
+
+    import jacobkit as jk
+    from jacobkit.strategies import batch as batch_module
+    from jacobkit.strategies import gradients
+    from jacobkit.testing import example_models
+
+    calls = {}
+    reference = None
+    for label in labels:
+        strategy, own, rows = WHOLE[label]
+        e = example_models.mlp(batch=B, inputs=IN, hidden=H, features=F)
+        gradients.MATMUL_ROWS = 10**9 if own else 64
+        batch_module.ROWS_AT_ONCE = rows
+
+        chosen: Any = strategy
+        if strategy.startswith("while("):  # rows in flight
+            chosen = jk.strategies.While(int(strategy[6:-1]))
+
+        def call(e: Any = e, strategy: Any = chosen) -> Any:
+            return np.asarray(
+                jk.jacobian(e.model, e.inputs, "hidden1", strategy=strategy).kernel
+            )
+
+        found = call()  # traced now, under this variant's settings
+        if reference is None:
+            reference = found
+        scale = float(np.abs(reference).max())
+        print(label, "max rel diff", float(np.abs(found - reference).max()) / scale)
+        calls[label] = call
+    gradients.MATMUL_ROWS, batch_module.ROWS_AT_ONCE = 64, 16
+    times: dict[str, list[float]] = defaultdict(list)
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        round_ = {}
+        for label, call in calls.items():
+            each = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                call()
+                each.append(time.perf_counter() - start)
+            round_[label] = statistics.median(each)
+            times[label].append(round_[label])
+        for label in calls:
+            ratios[label].append(round_[label] / round_[labels[0]])
+    return {
+        label: {
+            "s": statistics.median(times[label]),
+            "of_first": statistics.median(ratios[label]),
+        }
+        for label in calls
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--profile")
+    parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--whole", nargs="*", help="labels of WHOLE, or none: all")
+    args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, str(HERE / "peers"))
+    import footing
+
+    record = footing.pin_tensorflow("mlp_floor")
+    if args.whole is not None:
+        found: dict[str, Any] = whole(
+            args.rounds, args.repeats, args.whole or list(WHOLE)
+        )
+    elif args.profile:
+        found = profile(args.profile, args.calls)
+    else:
+        found = per_op(args.rounds, args.repeats, args.rows)
+    found = {"onednn": record["onednn"], **found}
+    text = json.dumps(found, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
