@@ -95,17 +95,24 @@ class Traceable(Protocol):
     def labels(self, inputs: Any) -> tuple[Any, ...]: ...
 
 
-def inspect(problem: Traceable, differentiated: Differentiated) -> Inspection:
+def inspect(
+    problem: Traceable,
+    differentiated: Differentiated,
+    eager: Callable[[Traceable], Inspection | None] | None = None,
+) -> Inspection:
     """The :class:`Inspection` of ``problem``, which differentiates
     ``differentiated`` (traced once per model, ``differentiated`` and input
-    signature: the inputs' shapes, dtypes and structure)."""
+    signature: the inputs' shapes, dtypes and structure). ``eager``: a way
+    to learn it without tracing (:mod:`.eager_inspect`), ``None`` where
+    unsure: the traced pass then runs; kept apart from the traced one."""
     signature = tuple(
         (tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(problem.inputs)
     )
-    key = (differentiated, signature, _structure(problem.inputs))
+    key = (differentiated, signature, _structure(problem.inputs), eager is not None)
     inspected = _INSPECTED.of(problem.model)
     if key not in inspected:
-        inspected[key] = trace(problem)
+        found = None if eager is None else eager(problem)
+        inspected[key] = trace(problem) if found is None else found
     return inspected[key]
 
 

@@ -39,7 +39,7 @@ hence :data:`FIRST_ROW_MARGIN` and :data:`ROW_MARGIN`.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,27 +74,51 @@ class SequentialMemory:
         return self.first_row + max(rows_in_flight - 1, 0) * self.per_row
 
 
+@dataclass(frozen=True)
+class Node:
+    """One op of a pass as :func:`walk_nodes` reads it: its type, the keys
+    of the tensors it reads (an identity chain's source), and the key and
+    bytes (:func:`tensor_bytes`) of each tensor it makes."""
+
+    type: str
+    reads: tuple[Hashable, ...]
+    made: tuple[tuple[Hashable, int], ...]
+
+
 def walk(operations: Sequence[Any], forward_ops: int) -> SequentialMemory:
     """:class:`SequentialMemory` of a traced pass: ``operations`` in the
     order they were traced, the first ``forward_ops`` of them the forward
     pass, the rest one row's backward pass."""
-    last_read: dict[str, int] = {}
-    for i, op in enumerate(operations):
-        for tensor in op.inputs:
-            name = _source(tensor).name
-            last_read[name] = max(last_read.get(name, -1), i)
+    nodes = [
+        Node(
+            op.type,
+            tuple(_source(t).name for t in op.inputs),
+            tuple((t.name, tensor_bytes(t)) for t in op.outputs),
+        )
+        for op in operations
+    ]
+    return walk_nodes(nodes, forward_ops)
+
+
+def walk_nodes(nodes: Sequence[Node], forward_ops: int) -> SequentialMemory:
+    """:class:`SequentialMemory` of a pass given as :class:`Node` records, in
+    the order they ran (or were traced): the first ``forward_ops`` the
+    forward pass, the rest one row's backward pass."""
+    last_read: dict[Hashable, int] = {}
+    for i, node in enumerate(nodes):
+        for key in node.reads:
+            last_read[key] = max(last_read.get(key, -1), i)
     # running totals, each tensor taken off after its last reader: one pass
     ending: dict[int, list[tuple[int, int]]] = defaultdict(list)
     alive = row_alive = peak = row_peak = largest = 0
-    for i, op in enumerate(operations):
-        if op.type not in NOT_ACTIVATIONS:
-            for tensor in op.outputs:
-                size = tensor_bytes(tensor)
+    for i, node in enumerate(nodes):
+        if node.type not in NOT_ACTIVATIONS:
+            for key, size in node.made:
                 largest = max(largest, size)
-                if size and tensor.name in last_read:
+                if size and key in last_read:
                     row_size = size if i >= forward_ops else 0
                     alive, row_alive = alive + size, row_alive + row_size
-                    ending[max(last_read[tensor.name], i)].append((size, row_size))
+                    ending[max(last_read[key], i)].append((size, row_size))
         peak, row_peak = max(peak, alive), max(row_peak, row_alive)
         for size, row_size in ending.pop(i, ()):
             alive, row_alive = alive - size, row_alive - row_size

@@ -23,7 +23,15 @@ import tensorflow as tf
 from jacobkit import layers
 from jacobkit.keras import compat, state
 from jacobkit.keras import graph as taps
-from jacobkit.problem import arguments, forms, inspect, loss, rows, targets
+from jacobkit.problem import (
+    arguments,
+    eager_inspect,
+    forms,
+    inspect,
+    loss,
+    rows,
+    targets,
+)
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem import tensor_targets as tensors
 from jacobkit.problem.key import Differentiated, ProblemKey
@@ -116,7 +124,9 @@ class Problem:
             self.training,
             self.output,
         )
-        inspection = inspect.inspect(self, differentiated)
+        # a reduced call's first call: the eager passes where they can tell
+        eager = eager_inspect.inspection if self.reduction.reduces else None
+        inspection = inspect.inspect(self, differentiated, eager)
         self._take(inspection)
         self.key = ProblemKey(
             differentiated, id(self.layer), self.rows_shape, self.reduction

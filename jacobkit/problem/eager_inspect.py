@@ -1,0 +1,338 @@
+"""The inspecting pass run eagerly on two and three examples, where that can
+be read for sure: what :func:`jacobkit.problem.inspect.trace` learns from a
+traced forward and backward pass (the outputs' and rows' shapes, which
+targets the rows reach, the tensors' bytes for the memory priors, the
+convolution gradients' kinds), learned from the ops TensorFlow runs eagerly
+(a :class:`jacobkit.keras.calls.Record`), each tensor's bytes extrapolated
+to the batch from the two passes.
+
+NOTE (why). Tracing a pass costs ~0.3 ms per graph op whatever the batch:
+BERT tiny's traced pass (1,044 graph ops) was about a third of a first
+reduced call's excess over a plain training step's first call. Two eager
+passes on two and three examples run the same ops once each, with no graph
+built.
+
+NOTE (exactness). A tensor's bytes on ``B`` examples are taken as affine in
+the examples: ``s(B) = s(2) + (B - 2) (s(3) - s(2))``, exact for the
+activations and cotangents (``B`` times one example's), for weights and
+their gradients (the same at any batch) and for tensors that fold the
+batch into another axis (attention's ``(B * heads, T, T)``). Two and three,
+not one and two: with one example some broadcasts are not broadcasts, and
+TensorFlow's gradients then skip their sums, so the passes' ops would not
+match. Shapes (the outputs', the rows') must be, axis by axis, the same in
+both passes or two and three times one size (then that size times ``B``).
+
+Where the record cannot say for sure, :func:`inspection` returns ``None``
+and the traced pass runs, as before: ``training=True`` (the pass's random
+ops are named in the traced graph: ``Inspection.unpinned``), tensor targets
+(their own calls), outputs not a single tensor, a model whose layers are
+not all Keras's or keras_hub's own loop-free ones (a ``tf.while_loop`` runs
+as a Python loop eagerly: the record would not show the loop the traced
+computation runs, ``Inspection.has_loops``), a model whose inputs fix their
+batch size, a pass part of which ran as a ``tf.function`` (its ops unseen),
+passes whose ops do not match, any error (the traced pass raises it in
+jacobkit's words), and a trace already under way (no eager execution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+from jacobkit.keras import calls, compat, layer_tree
+from jacobkit.layers import convolutions
+from jacobkit.problem import liveness
+from jacobkit.problem.inspect import Inspection, Traceable
+from jacobkit.problem.liveness import Node
+
+#: the examples of the two passes whose bytes are extrapolated to the batch;
+#: a batch of at most the larger runs once, as it is
+EXAMPLES = (2, 3)
+#: the modules whose layers' code is known to run no loop: Keras's own layers
+#: and keras_hub's modelling layers, less those below
+_OWN = ("keras.src.layers.", "keras_hub.src.layers.modeling.")
+#: ... less these: recurrent layers and wrappers (a loop, or ``vectorized_map``
+#: as a traced function), preprocessing, Lambda (a user's function), and
+#: keras_hub's box layers (``ops.while_loop``)
+_NOT_OWN = (
+    "keras.src.layers.rnn.",
+    "keras.src.layers.preprocessing.",
+    "keras.src.layers.core.lambda_layer",
+    "keras_hub.src.layers.modeling.non_max_supression",
+    "keras_hub.src.layers.modeling.anchor_generator",
+    "keras_hub.src.layers.modeling.box_matcher",
+)
+#: a model whose ``call`` is one of these modules' runs its graph's layers
+_OWN_MODELS = ("keras.src.models.functional", "keras.src.models.sequential")
+#: ops that read their inputs' shapes alone: eagerly, a gradient asks them
+#: for shapes a traced one knows statically (a constant), so their reads
+#: keep nothing alive (counted, the forward tensors they read stayed alive
+#: to the end of the backward pass: BERT tiny's walked peak 1.9x the traced)
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+#: the key of a target variable's handle among an op's inputs
+_TARGET = ("target",)
+#: the key of any other tensor no recorded op made (an input, a constant)
+_OUTSIDE = ("outside",)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What one eager pass shows: the outputs' and rows' shapes, the rows'
+    dtype, which targets the rows reach, and its ops (the first
+    ``forward_ops`` of them the forward pass)."""
+
+    outputs: tuple[int, ...]
+    rows: tuple[int, ...]
+    dtype: tf.DType
+    connected: tuple[bool, ...]
+    nodes: tuple[Node, ...]
+    forward_ops: int
+
+
+def inspection(problem: Traceable) -> Inspection | None:
+    """The :class:`Inspection` of ``problem`` from eager passes on two and
+    three of its examples (its whole batch where it holds at most three),
+    or ``None`` where those cannot tell it for sure (the module's NOTE):
+    the traced pass then runs."""
+    batch = _batch(problem)
+    if batch is None:
+        return None
+    sizes = (batch,) if batch <= max(EXAMPLES) else EXAMPLES
+    passes = []
+    for n in sizes:
+        found = _run(problem, n, batch)
+        if found is None:
+            return None
+        passes.append(found)
+    return _combined(problem, passes, sizes, batch)
+
+
+def _batch(problem: Traceable) -> int | None:
+    """The examples of ``problem``'s inputs, where an eager pass may tell
+    its inspection (``None``: it may not)."""
+    if (
+        not tf.executing_eagerly()
+        or problem.training
+        or getattr(problem, "tensor_targets", None) is not None
+        or not _loop_free(problem.model)
+    ):
+        return None
+    leading = {
+        int(t.shape[0]) if t.shape.rank else None
+        for t in tf.nest.flatten(problem.inputs)
+    }
+    if len(leading) != 1 or None in leading:
+        return None
+    return leading.pop()
+
+
+def _loop_free(model: Any) -> bool:
+    """Whether every layer of ``model`` is Keras's or keras_hub's own and runs
+    no loop, and its models run their graphs (functional, sequential) with
+    no batch size fixed."""
+    if not compat.is_model(model):
+        return False
+    for layer in [model, *compat.flatten_layers(model)]:
+        if compat.is_model(layer):
+            call = getattr(type(layer).call, "__module__", "") or ""
+            if not call.startswith(_OWN_MODELS):
+                return False
+            if not _any_batch(layer):
+                return False
+            continue
+        module = type(layer).__module__ or ""
+        call = getattr(type(layer).call, "__module__", "") or ""
+        for where in (module, call):
+            if not where.startswith(_OWN) or where.startswith(_NOT_OWN):
+                return False
+    return True
+
+
+def _any_batch(model: Any) -> bool:
+    """Whether ``model``'s graph inputs leave the batch size open."""
+    try:
+        specs = list(model.inputs or ())
+    except (AttributeError, ValueError):  # a model without a graph of its own
+        return False
+    for spec in specs:
+        shape = getattr(spec, "shape", None)
+        if shape is None or not len(shape) or shape[0] is not None:
+            return False
+    return bool(specs)
+
+
+def _run(problem: Traceable, n: int, batch: int) -> _Pass | None:
+    """One eager forward and backward pass on the first ``n`` examples."""
+    inputs = problem.inputs
+    if n < batch:
+        inputs = tf.nest.map_structure(lambda t: t[:n], inputs)
+    record = calls.Record()
+    targets = list(problem.targets)
+    try:
+        with record:
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(targets)
+                outputs = problem.call_model(inputs)
+                if not isinstance(outputs, tf.Tensor):
+                    return None
+                problem.rows_spec.check(outputs)
+                rows = problem.rows_spec.of(outputs, problem.labels(inputs))
+                forward_ops = len(record.ops)
+            if not rows.dtype.is_floating:
+                return None
+            grads = tape.gradient(rows, targets, output_gradients=tf.ones_like(rows))
+    except Exception:  # the traced pass raises it, in jacobkit's words
+        return None
+    if record.graphs:
+        return None
+    handles = {id(compat.as_tf_variable(t).handle) for t in targets}
+    return _Pass(
+        outputs=tuple(int(d) for d in outputs.shape),
+        rows=tuple(int(d) for d in rows.shape),
+        dtype=rows.dtype,
+        connected=tuple(g is not None for g in grads),
+        nodes=_nodes(record.ops, handles),
+        forward_ops=forward_ops,
+    )
+
+
+def _nodes(ops: Sequence[calls.EagerOp], handles: set[int]) -> tuple[Node, ...]:
+    """The recorded ops as :class:`Node` records: each tensor keyed by the
+    op and output that made it (an identity's by its input's source)."""
+    keys: dict[int, Hashable] = {}
+    nodes = []
+    for i, op in enumerate(ops):
+        reads = tuple(
+            keys.get(id(t), _TARGET if id(t) in handles else _OUTSIDE)
+            for t in (() if op.type in _SHAPE_OPS else op.inputs)
+        )
+        made = []
+        for j, t in enumerate(op.outputs):
+            key: Hashable = (i, j)
+            if op.type == "Identity" and reads:
+                key = reads[0]
+            keys[id(t)] = key
+            made.append((key, liveness.tensor_bytes(t)))
+        nodes.append(Node(op.type, reads, tuple(made)))
+    return tuple(nodes)
+
+
+def _combined(
+    problem: Traceable, passes: list[_Pass], sizes: tuple[int, ...], batch: int
+) -> Inspection | None:
+    """The inspection on ``batch`` examples of one exact pass, or of two on
+    ``sizes`` examples extrapolated (``None``: they do not match)."""
+    last = passes[-1]
+    if len(passes) == 1:
+        nodes, outputs, rows = last.nodes, last.outputs, last.rows
+    else:
+        first = passes[0]
+        if (
+            first.forward_ops != last.forward_ops
+            or first.connected != last.connected
+            or first.dtype != last.dtype
+        ):
+            return None
+        found = _extrapolated(first.nodes, last.nodes, sizes, batch)
+        outputs_shape = _shape(first.outputs, last.outputs, sizes, batch)
+        rows_shape = _shape(first.rows, last.rows, sizes, batch)
+        if found is None or outputs_shape is None or rows_shape is None:
+            return None
+        nodes, outputs, rows = found, outputs_shape, rows_shape
+    if not outputs:
+        return None
+    forward = nodes[: last.forward_ops]
+    return Inspection(
+        outputs_shape=tf.TensorShape(outputs),
+        rows=tf.TensorSpec(rows, last.dtype),
+        connected=last.connected,
+        has_loops=False,
+        activation_bytes=_backward_bytes(forward),
+        convolutions=convolutions.of_gradient_ops(
+            node.type for node in nodes[last.forward_ops :]
+        ),
+        forward_bytes=_float_bytes(forward),
+        sequential_memory=liveness.walk_nodes(nodes, last.forward_ops),
+        unpinned=(),
+        layer_outputs=layer_tree.output_bytes(problem.model, outputs[0]),
+    )
+
+
+def _extrapolated(
+    first: Sequence[Node], second: Sequence[Node], sizes: tuple[int, ...], batch: int
+) -> tuple[Node, ...] | None:
+    """``second``'s nodes with each tensor's bytes extrapolated from the
+    two passes to ``batch`` examples (``None``: their ops do not match, or a
+    tensor shrinks with more examples)."""
+    if len(first) != len(second):
+        return None
+    a, b = sizes
+    nodes = []
+    for one, two in zip(first, second, strict=True):
+        if (
+            one.type != two.type
+            or one.reads != two.reads
+            or len(one.made) != len(two.made)
+        ):
+            return None
+        made = []
+        for (key, small), (_, large) in zip(one.made, two.made, strict=True):
+            step, rest = divmod(large - small, b - a)
+            if step < 0 or rest:
+                return None
+            made.append((key, small + (batch - a) * step))
+        nodes.append(Node(two.type, two.reads, tuple(made)))
+    return tuple(nodes)
+
+
+def _shape(
+    first: tuple[int, ...], second: tuple[int, ...], sizes: tuple[int, ...], batch: int
+) -> tuple[int, ...] | None:
+    """A shape on ``batch`` examples from its two passes': each axis the same
+    in both, or ``a k`` and ``b k`` on ``sizes = (a, b)`` examples (then
+    ``batch k``); ``None`` otherwise."""
+    if len(first) != len(second):
+        return None
+    a, b = sizes
+    found = []
+    for one, two in zip(first, second, strict=True):
+        if one == two:
+            found.append(one)
+        elif one % a == 0 and two == one // a * b:
+            found.append(one // a * batch)
+        else:
+            return None
+    return tuple(found)
+
+
+def _float_bytes(nodes: Sequence[Node]) -> int:
+    """Bytes of the floating tensors ``nodes`` make (less the op types
+    :data:`jacobkit.problem.liveness.NOT_ACTIVATIONS`)."""
+    return sum(
+        size
+        for node in nodes
+        if node.type not in liveness.NOT_ACTIVATIONS
+        for _, size in node.made
+    )
+
+
+def _backward_bytes(forward: Sequence[Node]) -> int:
+    """What one row's backward pass keeps, as the traced pass counts it
+    (:func:`jacobkit.problem.inspect.trace`): the floating tensors the
+    forward ops downstream of the targets' reads make, plus the largest op's
+    upstream of them; without a read, every floating tensor."""
+    downstream: set[Hashable] = set()
+    below: list[Node] = []
+    above = 0
+    for node in forward:
+        if any(k == _TARGET or k in downstream for k in node.reads):
+            below.append(node)
+            downstream.update(key for key, _ in node.made)
+        else:
+            above = max(above, _float_bytes([node]))
+    if not below:
+        return _float_bytes(forward)
+    return _float_bytes(below) + above
