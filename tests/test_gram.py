@@ -250,9 +250,9 @@ def test_bad_arguments_are_refused():
 
 
 def _vocabulary(length: int = 6, count: int = 7, seed: int = 4):
-    """A token model whose table (300 x 16) is large beside a short
-    sequence's pairs of positions, any length: its per-example lookup rows
-    are ghosted (ids and cotangents). Ids repeat within and across
+    """A token model whose table (300 x 16) has more rows than a sequence
+    has positions: its per-example lookup rows are ghosted (ids and
+    cotangents). Ids repeat within and across
     examples (drawn from 20 of the 300)."""
     keras.utils.set_random_seed(4)
     ids = keras.Input((None,), dtype="int32")
@@ -271,14 +271,15 @@ def _token_data(length: int, count: int, seed: int):
 
 def test_an_embeddings_lookup_rows_are_ghosted_by_their_ids():
     """<E_i, E_j> = Σ_{t,s} [id_it = id_js] δ_it · δ_js, the tables never
-    formed; a short sequence's rows are ghosted, a long one's formed, and
-    the two forms meet (the lookup's tables formed for the pair)."""
+    formed; a short sequence's rows are ghosted, one longer than the table
+    has rows formed, and the two forms meet (the lookup's tables formed for
+    the pair)."""
     model, short = _vocabulary()
     rows = _rows(model, short, LOSS)
     result = jk.gram(model, short, outputs=LOSS, chunk_examples=3)
     assert result.forms["embed/embeddings"] == "ghost"
     _close(result.matrix, rows @ rows.T)
-    long = _token_data(40, 4, seed=5)  # 40² position pairs: formed
+    long = _token_data(400, 3, seed=5)  # 400 positions, 300 rows: formed
     assert jk.gram(model, long, outputs=LOSS).forms["embed/embeddings"] == (
         "materialized"
     )

@@ -226,6 +226,32 @@ def test_an_embeddings_lookup_is_projected_from_its_ids():
     np.testing.assert_allclose(looped.projection, want, rtol=0, atol=1e-5 * scale)
 
 
+def test_a_position_tables_rows_are_projected_at_its_positions():
+    """keras_hub's ``PositionEmbedding`` (a 128 x 32 table under sequences of
+    9, a Kronecker map at dim 2,048) is a lookup of the positions: the left
+    factor's rows at them, equal to the map of the formed float64 tables
+    (zero beyond the sequence)."""
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(5)
+    ids = keras.Input((9,), dtype="int32")
+    h = keras.layers.Embedding(50, 32, name="embed")(ids)
+    h = h + keras_hub.layers.PositionEmbedding(128, name="positions")(h)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(8, "tanh")(h))
+    model = keras.Model(ids, keras.layers.Dense(3, name="head")(h))
+    rng = np.random.default_rng(5)
+    inputs = (rng.integers(0, 50, (6, 9)).astype("int32"), rng.integers(0, 3, 6))
+    table = model.get_layer("positions").position_embeddings
+    project = jk.Project(2048, seed=3)
+    found = jk.jacobian(model, inputs, [table], outputs=LOSS, reduce=project)
+    mapped = sketch.target_map(project, table.path, tuple(table.shape))
+    assert mapped.kronecker
+    (exact,) = testing.float64_reference(model, inputs, [table], outputs=LOSS)
+    want = np.asarray(mapped.of_flat(tf.constant(np.asarray(exact, np.float32))))
+    scale = np.abs(want).max()
+    # measured: 2.1e-7 of the largest entry (float32 against float64 tables)
+    np.testing.assert_allclose(found.projection, want, rtol=0, atol=1e-5 * scale)
+
+
 #: the layers whose kernels ``ConvRule.unfold_times`` maps
 _CONVOLUTIONS = {
     "conv1d": keras.layers.Conv1D,

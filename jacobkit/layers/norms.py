@@ -152,18 +152,6 @@ def ghost_pairs(positions: int, inputs: int, units: int, rows: int) -> bool:
     return _pairs_cheaper(positions, inputs, inputs, units, rows)
 
 
-def ghost_lookup_pairs(positions: int, vocabulary: int, units: int, rows: int) -> bool:
-    """:func:`ghost_pairs` for an embedding lookup, whose unfolded input is
-    the one-hot rows of its ids: the positions' Gram is an equality of ids
-    (``P²`` comparisons, not ``P² I`` products), against the ``K² V O`` of
-    two examples' formed ``(vocabulary, O)`` tables.
-
-    NOTE (why it matters). A formed per-example table is the whole
-    embedding: a BERT base's 30,522 x 768 is 94 MB a row, and a chunk of 32
-    rows 3 GB, for a gradient non-zero on at most ``P`` of its rows."""
-    return _pairs_cheaper(positions, 1, vocabulary, units, rows)
-
-
 def _pairs_cheaper(
     positions: int, per_position: int, inputs: int, units: int, rows: int
 ) -> bool:

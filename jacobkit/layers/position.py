@@ -16,7 +16,12 @@ class PositionEmbeddingRule(MaterializedNorms):
     ``dr/dtable[t] = sum_{...} G[b, ..., t]`` for ``t < T``. The call must
     start at position 0 (keras_hub's default; a call with ``start_index``,
     as cached decoding makes, computes another slice, and the ``batch``
-    strategy's check refuses it)."""
+    strategy's check refuses it).
+
+    Its gradient is a lookup's whose ids are the positions
+    (:meth:`lookup_ids`): ``jk.gram`` pairs a row's ``T`` rows of the table
+    and the projections gather the map's rows at them, where the formed
+    gradient is the whole table, zero beyond ``T``."""
 
     kind = "position_embedding"
     shape_only_input = True
@@ -53,3 +58,11 @@ class PositionEmbeddingRule(MaterializedNorms):
         else:
             kernel = tf.reshape(g, (batch * rows, length, dim))
         return kernel, tf.zeros((kernel.shape[0], 0), dz.dtype)
+
+    def lookup_ids(self, x: tf.Tensor) -> tf.Tensor | None:
+        """Each position's row of the table, ``(B, P)``: the positions
+        ``0 .. T-1`` along the input's second-to-last axis, for every index
+        of the axes between (``P`` all of them, in the order ``dz`` has)."""
+        positions = tf.range(x.shape[-2], dtype=tf.int32)
+        ids = tf.broadcast_to(positions, x.shape[:-1])
+        return tf.reshape(ids, (x.shape[0], -1))

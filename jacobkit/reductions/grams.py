@@ -8,7 +8,8 @@ target by predicted cost (:func:`jacobkit.layers.norms.ghost_pairs`, mixed
 ghost clipping's rule): a Dense or convolution kernel whose rows' inner
 products are cheaper from the layer's input and output cotangents is kept
 as those factors (the ghost form); an embedding's per-example lookup as its
-ids and cotangents (:func:`jacobkit.layers.norms.ghost_lookup_pairs`);
+ids and cotangents, paired by the ids both sides hold
+(:mod:`jacobkit.layers.lookups`);
 every other target's rows are its gradients, formed by the ``batch``
 strategy's closed forms or, where no closed form serves a target, by the
 strategy ``auto`` picks. A rule predicts; the calls of one problem then time
@@ -380,10 +381,18 @@ def _chunk_size(first: feats.ChunkFeatures, examples: int, allowed: int | None) 
 
 
 def _pair_bytes(chunk: feats.ChunkFeatures) -> float:
-    """The ghost form's largest intermediate for the chunk with itself."""
+    """The ghost forms' largest intermediate for the chunk with itself: a
+    kernel's ``(B, K, P, B, K, P)`` products of positions; a lookup's rows'
+    tables over the distinct ids of both sides (at most ``2 B P``, the
+    vocabulary unknown here), ``(2 B K, 2 B P D)``, which its matching
+    pairs, where they run, do not exceed
+    (:func:`jacobkit.layers.lookups.pair_products`)."""
     found = 0.0
     for f in chunk.features:
-        if isinstance(f, (feats.Ghost, feats.Lookup)):
+        if isinstance(f, feats.Ghost):
             b, k, p = f.cotangents.shape[:3]
             found = max(found, 4.0 * b * b * k * k * p * p)
+        elif isinstance(f, feats.Lookup):
+            b, k, p, d = f.cotangents.shape
+            found = max(found, 4.0 * (2 * b * k) * (2 * b * p) * d)
     return found

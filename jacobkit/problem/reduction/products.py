@@ -13,7 +13,8 @@ NOTE (the ghost form). A factored kernel's row gradient is
 matrices over positions, multiplied elementwise and summed, never forming
 ``G`` (Opacus's ghost norm, between two examples instead of one with itself).
 A lookup's ``U_p`` is the one-hot row of its id: ``U_p · U'_q`` is whether
-the two ids are equal.
+the two ids are equal, and its pairs are taken from the ids the two sides
+share (:func:`jacobkit.layers.lookups.pair_products`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from jacobkit.layers import contract, embedding
+from jacobkit.layers import contract, embedding, lookups
 from jacobkit.layers import norms as layer_norms
 from jacobkit.layers.base import squared_rows
 from jacobkit.problem.reduction.factors import Feature, Flat, Ghost, Lookup
@@ -67,7 +68,7 @@ def sum_of_pairs(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
         if kind == "flat":
             part = _flat_pair(tf.cast(ta[0], tf.float32), tf.cast(tb[0], tf.float32))
         elif kind == "lookup":
-            part = _lookup_pair(Lookup(*ta), Lookup(*tb))
+            part = lookups.pair_products(*ta, *tb)
         else:
             part = _ghost_pair(Ghost(*ta), Ghost(*tb))
         total = part if total is None else total + part
@@ -137,16 +138,6 @@ def _rank_one_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
     inputs = tf.matmul(fa.patches[:, 0], fb.patches[:, 0], transpose_b=True)  # (B, C)
     outputs = _cotangent_products(fa.cotangents, fb.cotangents)[:, :, 0, :, :, 0]
     return _as_rows(outputs * tf.cast(inputs, outputs.dtype)[:, None, :, None])
-
-
-def _lookup_pair(fa: Lookup, fb: Lookup) -> tf.Tensor:
-    """:func:`_ghost_pair` of two lookups: the positions' Gram is whether
-    their ids are equal."""
-    outputs = _cotangent_products(fa.cotangents, fb.cotangents)
-    same = tf.equal(
-        fa.ids[:, None, :, None, None, None], fb.ids[None, None, None, :, None, :]
-    )  # (B, 1, P, C, 1, Q)
-    return _as_rows(tf.reduce_sum(outputs * tf.cast(same, outputs.dtype), axis=(2, 5)))
 
 
 def _cotangent_products(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:

@@ -8,6 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from jacobkit.layers import lookups
 from jacobkit.layers import norms as layer_norms
 from jacobkit.problem import Problem
 from jacobkit.problem.reduction import Factors, Flat, Ghost, Lookup, Output
@@ -31,17 +32,16 @@ def unfolded(rule: Any, x: Any, dz: Any, *, summed: bool) -> tuple[Any, Any]:
 
 
 def _lookup(rule: Any, calls: list[Any], shape: tuple[int, ...]) -> Any:
-    """An embedding's one lookup call as ``jk.gram``'s ghost form, its ids
-    ``(B, P)`` and cotangents ``(B, K, P, O)``, where
-    :func:`jacobkit.layers.norms.ghost_lookup_pairs` says pairs are cheaper
-    from them than from the formed tables; else ``None``."""
+    """A table's one lookup call as ``jk.gram``'s ghost form, its ids ``(B,
+    P)`` and cotangents ``(B, K, P, O)`` (paired from the ids both sides
+    hold: :mod:`jacobkit.layers.lookups`), unless the table has no more rows
+    than an example has positions
+    (:func:`jacobkit.layers.lookups.formed_cheaper`); else ``None``."""
     if len(calls) != 1:
         return None
     ((x, dz),) = calls
     ids = rule.lookup_ids(x)
-    if ids is None or not layer_norms.ghost_lookup_pairs(
-        int(ids.shape[1]), int(shape[0]), int(shape[-1]), int(dz.shape[1])
-    ):
+    if ids is None or lookups.formed_cheaper(int(ids.shape[1]), int(shape[0])):
         return None
     return by_position(ids, dz, summed=False)
 
