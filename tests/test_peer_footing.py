@@ -40,6 +40,17 @@ class _Loader:
         keras_variable.assign(tensor)
 
 
+#: a transformer small enough to check layouts in a second (BERT and GPT-2)
+TINY = dict(
+    vocabulary_size=50,
+    num_layers=2,
+    num_heads=2,
+    hidden_dim=8,
+    intermediate_dim=16,
+    max_sequence_length=12,
+)
+
+
 def test_bert_export_is_inverted_by_keras_hubs_own_converter():
     """Every backbone variable, exported by ``bert_layout.hf`` and read back
     by keras_hub's ``convert_bert.convert_weights`` (Hugging Face -> Keras),
@@ -48,14 +59,7 @@ def test_bert_export_is_inverted_by_keras_hubs_own_converter():
     keras_hub = pytest.importorskip("keras_hub")
     from keras_hub.src.utils.transformers import convert_bert
 
-    sizes = dict(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=12,
-    )
+    sizes = TINY
     keras.utils.set_random_seed(1)
     source = keras_hub.models.BertBackbone(**sizes)
     exported = dict(
@@ -96,14 +100,7 @@ def test_the_record_names_the_cpu_and_every_version():
 def _gpt2_backbone(seed: int):
     keras_hub = pytest.importorskip("keras_hub")
     keras.utils.set_random_seed(seed)
-    return keras_hub.models.GPT2Backbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=12,
-    )
+    return keras_hub.models.GPT2Backbone(**TINY)
 
 
 def test_gpt2_views_take_each_variable_out_of_its_hugging_face_parameter():
