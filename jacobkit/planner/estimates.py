@@ -217,6 +217,11 @@ def _scaled_trace(strategy: Strategy, measured: Estimate) -> float:
     return measured.trace_s * strategy.trace_weight / weight
 
 
+def timed_runs(probes: Sequence[Probe], strategy: Strategy) -> int:
+    """Runs of ``strategy`` among ``probes`` that did not trace."""
+    return sum(p.strategy == strategy and not p.traced for p in probes)
+
+
 class Measurements:
     """The runs of one problem's strategies, and what they say.
 
@@ -247,7 +252,7 @@ class Measurements:
 
     def timed_runs(self, strategy: Strategy) -> int:
         """Runs of ``strategy`` that did not trace (its rate's evidence)."""
-        return sum(p.strategy == strategy and not p.traced for p in self._probes)
+        return timed_runs(self._probes, strategy)
 
     def add(self, probe: Probe) -> None:
         """Keep a run (of each strategy the traced one and the newest)."""

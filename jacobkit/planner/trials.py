@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from jacobkit.planner import estimates as est
 from jacobkit.planner import selection
 from jacobkit.planner.policy import Policy
 from jacobkit.problem.plan import Estimate, Probe, Rejection, Switch
@@ -67,7 +68,7 @@ def judge(
         f"{current.seconds_per_row * 1e3:.3g} ms/row"
     )
     early = ""
-    if _timed(probes, trying) < policy.trial_runs:
+    if est.timed_runs(probes, trying) < policy.trial_runs:
         early = (
             f"; judged on its first run, over "
             f"{policy.first_run_inflation * policy.noise:.3g}x the current rate"
@@ -132,7 +133,3 @@ def overrun_s(probes: Sequence[Probe], trying: Strategy, predicted_s: float) -> 
     0 where it took no longer."""
     took = sum(p.seconds for p in probes if p.strategy == trying)
     return max(took - predicted_s, 0.0)
-
-
-def _timed(probes: Sequence[Probe], strategy: Strategy) -> int:
-    return sum(p.strategy == strategy and not p.traced for p in probes)

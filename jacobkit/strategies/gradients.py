@@ -213,14 +213,7 @@ def _hoisted(operand: tf.Tensor) -> tf.Tensor:
     (at most :data:`MATMUL_COPY_BYTES` each) and of the targets' inputs:
     4.6 MiB on the MLP, beside its 288 MiB result. The planner's peak
     prior does not count it."""
-    graph = None if tf.executing_eagerly() else getattr(operand, "graph", None)
-    here = _ops.get_default_graph()
-    outer = here
-    while outer is not None and outer is not graph:
-        outer = getattr(outer, "outer_graph", None)
-    if graph is None or outer is None or graph is here:
-        return transposed_copy(operand)
-    with graph.as_default():
+    with _within(enclosing_graph(operand)):
         return transposed_copy(operand)
 
 
@@ -325,12 +318,12 @@ def shared_patches(op: Any) -> tf.Tensor | None:
         return None
     window = [int(k) for k in kernel.shape[:2]]
     batch, height, width, channels = (int(d) for d in x.shape)
-    if _text(op.get_attr("padding")) == "VALID":
+    padding = _text(op.get_attr("padding"))
+    if padding == "VALID":
         height, width = height - window[0] + 1, width - window[1] + 1
     size = batch * height * width * window[0] * window[1] * channels
     if size * x.dtype.size > SHARED_PATCHES_BYTES:
         return None
-    padding = _text(op.get_attr("padding"))
     found = conv.patches(x, padding, window, [1, 1], [1, 1])
     return tf.reshape(found, (-1, int(found.shape[-1])))
 
