@@ -88,7 +88,7 @@ def measure(rounds: int, labels: list[str]) -> dict[str, Any]:
     from jacobkit.testing import examples
 
     ruled = {"on": False}
-    gradients.replaces = lambda: ruled["on"]  # forced, on either kind
+    gradients.rules.replaces = lambda: ruled["on"]  # forced, on either kind
     base = examples.build("generator", **SIZES)
     runs: dict[str, tuple[Any, Any, bool]] = {}
     for label in labels:

@@ -264,7 +264,7 @@ def whole(rounds: int, repeats: int, labels: list[str]) -> dict[str, Any]:
     for label in labels:
         strategy, own, rows = WHOLE[label]
         e = example_models.mlp(batch=B, inputs=IN, hidden=H, features=F)
-        gradients.MATMUL_ROWS = 10**9 if own else 64
+        gradients.matmul.MATMUL_ROWS = 10**9 if own else 64
         batch_module.ROWS_AT_ONCE = rows
 
         chosen: Any = strategy
@@ -282,7 +282,7 @@ def whole(rounds: int, repeats: int, labels: list[str]) -> dict[str, Any]:
         scale = float(np.abs(reference).max())
         print(label, "max rel diff", float(np.abs(found - reference).max()) / scale)
         calls[label] = call
-    gradients.MATMUL_ROWS, batch_module.ROWS_AT_ONCE = 64, 16
+    gradients.matmul.MATMUL_ROWS, batch_module.ROWS_AT_ONCE = 64, 16
     times: dict[str, list[float]] = defaultdict(list)
     ratios: dict[str, list[float]] = defaultdict(list)
     for _ in range(rounds):

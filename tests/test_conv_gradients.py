@@ -1,5 +1,5 @@
 """A convolution's input gradient as the forward convolution of the flipped
-kernel (:mod:`jacobkit.strategies.gradients`), jacobkit's rule under
+kernel (:mod:`jacobkit.strategies.gradients.convolution`), jacobkit's rule under
 TensorFlow's own CPU kernels (oneDNN off). Here it is forced on, on either
 kind of kernels: the numbers must not depend on it."""
 
@@ -13,6 +13,7 @@ from tensorflow.python.framework import ops
 import jacobkit as jk
 from jacobkit import runtime, testing
 from jacobkit.strategies import gradients
+from jacobkit.strategies.gradients import convolution, rules
 from jacobkit.testing import examples
 
 
@@ -21,14 +22,14 @@ def forced(monkeypatch):
     """The rule on (as with oneDNN off), and a count of the input gradients
     it took."""
     taken = []
-    own = gradients.input_gradient
+    own = convolution.input_gradient
 
     def counted(*args):
         taken.append(args)
         return own(*args)
 
-    monkeypatch.setattr(gradients, "replaces", lambda: True)
-    monkeypatch.setattr(gradients, "input_gradient", counted)
+    monkeypatch.setattr(rules, "replaces", lambda: True)
+    monkeypatch.setattr(convolution, "input_gradient", counted)
     return taken
 
 
@@ -93,9 +94,9 @@ def test_not_replaced_under_onednn(monkeypatch):
         kind = runtime.CpuKind(here.model, here.flags, onednn)
         monkeypatch.setattr(runtime, "cpu_kind", lambda kind=kind: kind)
         if tf.config.list_logical_devices("GPU"):
-            assert not gradients.replaces()
+            assert not rules.replaces()
         else:
-            assert gradients.replaces() is not onednn
+            assert rules.replaces() is not onednn
 
 
 @pytest.mark.parametrize(
@@ -156,14 +157,14 @@ def test_loop_invariant_patches_give_the_kernel_gradient(forced, monkeypatch):
     5 seeds (the same products summed in another order); the tolerance,
     1e-13, as above."""
     formed = []
-    own = gradients.shared_patches
+    own = convolution.shared_patches
 
     def counted(op):
         found = own(op)
         formed.append(found)
         return found
 
-    monkeypatch.setattr(gradients, "shared_patches", counted)
+    monkeypatch.setattr(convolution, "shared_patches", counted)
     rng = np.random.default_rng(3)
     x = tf.constant(rng.normal(size=(2, 1, 9, 3)))
     w = tf.constant(rng.normal(size=(1, 5, 3, 4)))
@@ -183,19 +184,19 @@ def test_patches_not_formed_outside_a_loop_or_when_large(forced, monkeypatch):
     ``Conv2DBackpropFilter`` (no patches to share); patches over
     :data:`~jacobkit.strategies.gradients.SHARED_PATCHES_BYTES`: the same."""
     formed = []
-    own = gradients.shared_patches
-    monkeypatch.setattr(gradients, "shared_patches", lambda op: formed.append(op))
+    own = convolution.shared_patches
+    monkeypatch.setattr(convolution, "shared_patches", lambda op: formed.append(op))
     x = tf.random.normal((2, 1, 9, 3))
     w = tf.random.normal((1, 5, 3, 4))
     with gradients.convolution_rules():
         tf.function(lambda: _gradients(x, w, tf.ones((2, 1, 9, 4)), 1, "SAME"))()
     assert not formed
-    monkeypatch.setattr(gradients, "shared_patches", own)
-    monkeypatch.setattr(gradients, "SHARED_PATCHES_BYTES", 100)
+    monkeypatch.setattr(convolution, "shared_patches", own)
+    monkeypatch.setattr(convolution, "SHARED_PATCHES_BYTES", 100)
     taken = []
-    filters = gradients._gen_nn_ops.conv2d_backprop_filter
+    filters = convolution._gen_nn_ops.conv2d_backprop_filter
     monkeypatch.setattr(
-        gradients._gen_nn_ops,
+        convolution._gen_nn_ops,
         "conv2d_backprop_filter",
         lambda *a, **k: taken.append(1) or filters(*a, **k),
     )

@@ -1,5 +1,5 @@
 """A ``MatMul``'s gradient through transposed operands
-(:mod:`jacobkit.strategies.gradients`), jacobkit's rule under TensorFlow's
+(:mod:`jacobkit.strategies.gradients.matmul`), jacobkit's rule under TensorFlow's
 own CPU kernels (oneDNN off). Here it is forced on, on either kind of
 kernels and down to one row: the numbers must not depend on it."""
 
@@ -13,6 +13,7 @@ from tensorflow.python.framework import ops
 import jacobkit as jk
 from jacobkit import runtime, testing
 from jacobkit.strategies import gradients
+from jacobkit.strategies.gradients import matmul, rules
 from jacobkit.testing import example_models
 
 
@@ -21,7 +22,7 @@ def forced(monkeypatch):
     """The rule on (as with oneDNN off) from one row up, and for each
     gradient asked of it, whether it took it (not TensorFlow's own)."""
     taken = []
-    own = gradients._matmul_gradient
+    own = matmul._matmul_gradient
 
     def counted(tensorflows, op, grad):
         fell_back = []
@@ -34,9 +35,9 @@ def forced(monkeypatch):
         taken.append(not fell_back)
         return found
 
-    monkeypatch.setattr(gradients, "replaces", lambda: True)
-    monkeypatch.setattr(gradients, "MATMUL_ROWS", 1)
-    monkeypatch.setattr(gradients, "_matmul_gradient", counted)
+    monkeypatch.setattr(rules, "replaces", lambda: True)
+    monkeypatch.setattr(matmul, "MATMUL_ROWS", 1)
+    monkeypatch.setattr(matmul, "_matmul_gradient", counted)
     return taken
 
 
@@ -92,7 +93,7 @@ def test_transposed_or_few_rows_keep_tensorflows_gradient(forced, monkeypatch):
     a, b = tf.random.normal((8, 3)), tf.random.normal((5, 3))
     with gradients.matmul_rules():
         _gradients(a, b, tf.ones((8, 5)), transpose_b=True)
-        monkeypatch.setattr(gradients, "MATMUL_ROWS", 9)
+        monkeypatch.setattr(matmul, "MATMUL_ROWS", 9)
         _gradients(a, tf.transpose(b), tf.ones((8, 5)))
     assert forced == [False, False]
 
@@ -106,7 +107,7 @@ def test_large_operands_keep_the_transposed_product(forced, monkeypatch):
     b = tf.constant(rng.normal(size=(40, 50)))  # 16,000 bytes
     cotangent = tf.constant(rng.normal(size=(70, 50)))
     expected = _gradients(a, b, cotangent)
-    monkeypatch.setattr(gradients, "MATMUL_COPY_BYTES", 20_000)
+    monkeypatch.setattr(matmul, "MATMUL_COPY_BYTES", 20_000)
     with gradients.matmul_rules():
         traced = _graph_ops(lambda a, b, c: _gradients(a, b, c), a, b, cotangent)
         found = _gradients(a, b, cotangent)
