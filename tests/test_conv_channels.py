@@ -143,6 +143,36 @@ def test_conv1d_paddings_and_windows(taken, padding, window):
     assert len(taken) == 1
 
 
+@pytest.mark.parametrize("windows", [True, False], ids=["windows", "depthwise"])
+def test_both_ways_of_the_cotangents(taken, monkeypatch, windows):
+    """The one-channel cotangents as the shifted windows' product (oneDNN
+    off's way) and as a depthwise convolution (oneDNN on's), each forced on
+    either kind: the float64 reference to :data:`TOLERANCE` (measured: at
+    most 5.3e-16 relative either way), rows in a loop and in chunks, on
+    2-D windows, a causal Conv1D and the generator (fresh models: each traces
+    its own way)."""
+    from jacobkit.problem import conv_channels as found
+
+    calls = []
+    own = found.windows_product
+    monkeypatch.setattr(
+        found, "windows_product", lambda: calls.append(own()) or windows
+    )
+    for window in [(3, 3), (2, 3)]:
+        for padding in ["same", "valid"]:
+            model, inputs = _conv2d_model(padding, "relu", window)
+            for inner in (S.While(), S.Chunked(2)):
+                _check(model, inputs, S.Structured(inner))
+    model, inputs = _conv1d_model("causal", 4)
+    _check(model, inputs, S.Structured("while"))
+    ex = examples.generator(
+        "float64", batch=3, sequence=9, channels=4, filters=6, filters3=5, features=12
+    )
+    for inner in (S.While(), S.Chunked(3)):
+        _check(ex.model, ex.inputs, S.Structured(inner))
+    assert len(taken) == 11 and len(calls) >= 11
+
+
 def test_the_default_call_uses_it_and_the_plan_says_so(taken):
     ex = _generator()
     result = jk.jacobian(ex.model, ex.inputs, "conv1")

@@ -18,7 +18,9 @@ on (0.49-0.55; 85% and 91%). A row's one-channel cotangent (a depthwise
 convolution, multiplier ``I``) costs 0.1-0.3 ms over filling its
 ``(B, T, I)`` output (0.57-0.69 ms a row in all); a ``conv2d`` of one input
 channel cost the same with oneDNN on and 1.8x with it off, ``k`` broadcast
-products 4-5x.
+products 4-5x. With oneDNN off the ``k`` shifted windows times the kernel
+column as one product beat the depthwise convolution (the whole call 0.973x
+its CPU time): :meth:`ConvChannels.cotangents` takes it there.
 """
 
 from __future__ import annotations
