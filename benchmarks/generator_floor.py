@@ -8,14 +8,17 @@ The default call (``structured(while)`` after the linear head and the
 one-channel step) runs, for each of the head's 128 rows, in turn:
 
 - ``seed``: the row's one-channel cotangent at conv3's input, ``(B, T, 128)``
-  (:meth:`jacobkit.problem.conv_channels.ConvChannels.cotangents`);
+  (:meth:`jacobkit.problem.conv_channels.ConvChannels.cotangents`: with
+  oneDNN off its 3 shifted windows times the kernel's column, with it on a
+  depthwise convolution);
 - ``relu2``: conv2's ReLU derivative times it (``ReluGrad``);
 - ``conv2``: conv2's input gradient, ``(B, T, 128) -> (B, T, 64)`` by 5, as
   the forward convolution of the flipped kernel
   (:mod:`jacobkit.strategies.gradients`): 671 MFLOP;
 - ``relu1``: conv1's ReLU derivative times that (``ReluGrad``);
 - ``filter``: conv1's kernel gradient, its input's patches (formed once
-  before the loop) times the row's cotangent (one ``MatMul``; TensorFlow's
+  before the loop, held transposed) times the row's cotangent (one
+  ``MatMul``; the same with ``transpose_a`` on the patches and TensorFlow's
   own ``Conv2DBackpropFilter`` beside it): 84 MFLOP;
 - ``bias``: conv1's bias gradient (``BiasAddGrad``).
 
@@ -23,7 +26,10 @@ Each piece runs ``--iterations`` times in a ``tf.while_loop`` of one
 iteration at a time (its time a row: the loop's over the iterations), every
 piece once a round and the GEMM probe of ``mlp_limit.py`` once a round, so
 each piece's rate reads against its round's probe; the default call's
-steady time is taken in the same rounds. The floor is the fastest kernel
+steady time is taken in the same rounds. Each time is taken as wall time
+and as this process's CPU time (on a loaded machine the CPU time leaves out
+the time other processes held the core); the shares read each against the
+probe timed the same way. The floor is the fastest kernel
 measured for each piece of work, summed, against the limit (the exact
 work at the GEMM probe's rate).
 
@@ -62,9 +68,12 @@ WORK = {
 }
 
 
-def _kernels(tf: Any, model: Any, x: Any) -> dict[str, tuple[str, bool, Callable]]:
-    """label -> (the piece of work, whether the default call runs it, ``i ->
-    the piece's output`` for row ``i``), on the model's exact tensors."""
+def _kernels(
+    tf: Any, model: Any, x: Any, onednn: bool
+) -> dict[str, tuple[str, bool, Callable]]:
+    """label -> (the piece of work, whether the default call runs it on this
+    kind (``onednn``), ``i -> the piece's output`` for row ``i``), on the
+    model's exact tensors."""
     from jacobkit.strategies import gradients
 
     layer = {n: model.get_layer(n) for n in ("conv1", "conv2", "conv3")}
@@ -85,21 +94,23 @@ def _kernels(tf: Any, model: Any, x: Any) -> dict[str, tuple[str, bool, Callable
     )
     rows4 = tf.random.stateless_normal((_N, 4 * 64), (3, 4))
 
+    # rows first and padded, as ConvChannels.slopes holds them: (R, B, 1, T + 2)
+    rows_first = tf.pad(tf.transpose(slopes, (3, 0, 1, 2)), [[0, 0]] * 3 + [[1, 1]])
+    columns = tf.transpose(tf.reverse(k3, [0, 1]), (3, 0, 1, 2))  # (R, 1, 3, 128)
+    patches_t = tf.transpose(patches) + 0.0  # a copy, (80, N)
+
     def depthwise(i: Any) -> Any:
-        r = i % 128
-        column = tf.gather(k3, r, axis=-1)[..., None]  # (1, 3, 128, 1)
-        flipped = tf.transpose(tf.reverse(column, [0, 1]), (0, 1, 3, 2))
-        one = tf.pad(
-            tf.gather(slopes, r[None], axis=-1), [[0, 0], [0, 0], [1, 1], [0, 0]]
-        )
-        return tf.nn.depthwise_conv2d(one, flipped, [1, 1, 1, 1], "VALID")
+        r = (i % 128)[None]
+        flipped = tf.transpose(tf.gather(columns, r), (1, 2, 0, 3))
+        padded = tf.transpose(tf.gather(rows_first, r), (1, 2, 3, 0))
+        return tf.nn.depthwise_conv2d(padded, flipped, [1, 1, 1, 1], "VALID")
 
     def shifted(i: Any) -> Any:
-        r = i % 128
-        one = tf.pad(tf.gather(slopes[:, 0], r, axis=-1), [[0, 0], [1, 1]])
-        taps = tf.stack([one[:, 2 - a : 2 - a + _T] for a in range(3)], -1)
-        column = tf.gather(k3[0], r, axis=-1)  # (3, 128)
-        return tf.matmul(tf.reshape(taps, (_N, 3)), column)
+        r = (i % 128)[None]
+        one = tf.gather(rows_first, r)  # (1, B, 1, T + 2)
+        taps = tf.stack([one[:, :, :, a : a + _T] for a in range(3)], -1)
+        column = tf.reshape(tf.gather(columns, r), (1, 3, 128))
+        return tf.matmul(tf.reshape(taps, (1, _N, 3)), column)
 
     def filter_own(i: Any) -> Any:
         return tf.raw_ops.Conv2DBackpropFilter(
@@ -121,8 +132,8 @@ def _kernels(tf: Any, model: Any, x: Any) -> dict[str, tuple[str, bool, Callable
 
     flat = tf.reshape(dz1, (_N, 64))
     return {
-        "depthwise convolution": ("seed", True, depthwise),
-        "3 shifted taps x kernel column (matmul)": ("seed", False, shifted),
+        "depthwise convolution": ("seed", onednn, depthwise),
+        "3 shifted windows x kernel column (matmul)": ("seed", not onednn, shifted),
         "ReluGrad (conv2)": (
             "relu2",
             True,
@@ -131,25 +142,30 @@ def _kernels(tf: Any, model: Any, x: Any) -> dict[str, tuple[str, bool, Callable
         "times a float mask": ("relu2", False, lambda i: seed * mask2),
         "forward conv, flipped kernel": (
             "conv2",
-            True,
+            not onednn,
             lambda i: gradients.input_gradient(dz2, k2, [[0, 0], [2, 2]]),
         ),
-        "Conv2DBackpropInput": ("conv2", False, backprop_input),
+        "Conv2DBackpropInput": ("conv2", onednn, backprop_input),
         "ReluGrad (conv1)": (
             "relu1",
             True,
             lambda i: tf.raw_ops.ReluGrad(gradients=dh1, features=h1),
         ),
-        "Conv2DBackpropFilter": ("filter", False, filter_own),
-        "patches (shared by the rows)^T @ cotangent": (
+        "Conv2DBackpropFilter": ("filter", onednn, filter_own),
+        "patches (shared by the rows), transpose_a @ cotangent": (
             "filter",
-            True,
+            False,
             lambda i: tf.matmul(patches, flat, transpose_a=True),
+        ),
+        "transposed patches (a copy, shared) @ cotangent": (
+            "filter",
+            not onednn,
+            lambda i: tf.matmul(patches_t, flat),
         ),
         "the same, 4 rows side by side (a row's share)": (
             "filter",
             False,
-            lambda i: tf.matmul(patches, rows4, transpose_a=True),
+            lambda i: tf.matmul(patches_t, rows4),
         ),
         "BiasAddGrad": (
             "bias",
@@ -159,10 +175,12 @@ def _kernels(tf: Any, model: Any, x: Any) -> dict[str, tuple[str, bool, Callable
     }
 
 
-def _loop_time(tf: Any, fn: Callable, iterations: int) -> Callable[[], float]:
+def _loop_time(
+    tf: Any, fn: Callable, iterations: int
+) -> Callable[[], tuple[float, float]]:
     """A timer of ``fn`` run ``iterations`` times in a ``tf.while_loop``
     (one at a time; each iteration's output carried, so none is skipped):
-    seconds an iteration."""
+    seconds an iteration, wall and this process's CPU."""
 
     @tf.function(autograph=False)
     def loop() -> Any:
@@ -180,12 +198,33 @@ def _loop_time(tf: Any, fn: Callable, iterations: int) -> Callable[[], float]:
 
     loop()
 
-    def timed() -> float:
-        start = time.perf_counter()
+    def timed() -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
         loop().numpy()
-        return (time.perf_counter() - start) / iterations
+        return (
+            (time.perf_counter() - wall) / iterations,
+            (time.process_time() - cpu) / iterations,
+        )
 
     return timed
+
+
+def _gemm_rates(tf: Any) -> tuple[float, float]:
+    """The GEMM probe of ``mlp_limit.py`` (one ``(4096 x 1024) @ (1024 x
+    1024)`` float32 matmul, median of 7): GFLOP/s by wall time and by this
+    process's CPU time."""
+    a = tf.random.normal((4096, 1024))
+    b = tf.random.normal((1024, 1024))
+    matmul = tf.function(lambda: tf.matmul(a, b))
+    matmul().numpy()
+    walls, cpus = [], []
+    for _ in range(7):
+        wall, cpu = time.perf_counter(), time.process_time()
+        matmul().numpy()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    flop = 2 * 4096 * 1024 * 1024 / 1e9
+    return flop / statistics.median(walls), flop / statistics.median(cpus)
 
 
 def measure(rounds: int, iterations: int) -> dict[str, Any]:
@@ -195,16 +234,16 @@ def measure(rounds: int, iterations: int) -> dict[str, Any]:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    import mlp_limit
 
     import jacobkit as jk
     from jacobkit import runtime
     from jacobkit.testing import examples
 
+    onednn = runtime.cpu_kind().onednn
     example = examples.build("generator", **SIZES)
+    kernels = _kernels(tf, example.model, example.inputs, onednn)
     timers = {
-        label: _loop_time(tf, fn, iterations)
-        for label, (_, _, fn) in _kernels(tf, example.model, example.inputs).items()
+        label: _loop_time(tf, fn, iterations) for label, (_, _, fn) in kernels.items()
     }
 
     def call() -> str:
@@ -214,26 +253,34 @@ def measure(rounds: int, iterations: int) -> dict[str, Any]:
 
     for _ in range(4):  # auto's trials: steady after
         plan = call()
-    times: dict[str, list[float]] = {label: [] for label in timers}
-    calls, rates = [], []
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in timers}
+    calls, calls_cpu, rates, rates_cpu = [], [], [], []
     for r in range(rounds):
         for label, timer in timers.items():
             times[label].append(timer())
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         call()
-        calls.append(time.perf_counter() - start)
-        rates.append(mlp_limit.gemm_rate())
-        print(f"round {r}: call {calls[-1]:.2f} s, probe {rates[-1]:.0f}", flush=True)
-    kernels = _kernels(tf, example.model, example.inputs)
+        calls.append(time.perf_counter() - wall)
+        calls_cpu.append(time.process_time() - cpu)
+        rate, rate_cpu = _gemm_rates(tf)
+        rates.append(rate)
+        rates_cpu.append(rate_cpu)
+        print(
+            f"round {r}: call {calls[-1]:.2f} s ({calls_cpu[-1]:.2f} CPU), "
+            f"probe {rate:.0f} ({rate_cpu:.0f} CPU)",
+            flush=True,
+        )
     pieces = {}
     for label, (piece, default, _) in kernels.items():
         share = 4 if "4 rows" in label else 1
-        seconds = [t / share for t in times[label]]
+        seconds = [t / share for t, _ in times[label]]
+        seconds_cpu = [c / share for _, c in times[label]]
         flop, nbytes = WORK[piece][1], WORK[piece][2]
         pieces[label] = {
             "piece": piece,
             "default": default,
             "ms": 1e3 * statistics.median(seconds),
+            "cpu_ms": 1e3 * statistics.median(seconds_cpu),
             "gflops": statistics.median(flop / t / 1e9 for t in seconds)
             if flop
             else None,
@@ -242,21 +289,34 @@ def measure(rounds: int, iterations: int) -> dict[str, Any]:
             )
             if flop
             else None,
+            "of_gemm_rate_cpu": statistics.median(
+                flop / t / 1e9 / g for t, g in zip(seconds_cpu, rates_cpu)
+            )
+            if flop
+            else None,
             "gbps": statistics.median(nbytes / t / 1e9 for t in seconds)
             if nbytes
             else None,
             "rounds_s": seconds,
+            "rounds_cpu_s": seconds_cpu,
         }
     return {
         "kind": runtime.cpu_kind().describe(),
-        "onednn": runtime.cpu_kind().onednn,
+        "onednn": onednn,
         "plan": plan,
         "gemm_gflops": statistics.median(rates),
         "gemm_probes": rates,
+        "gemm_gflops_cpu": statistics.median(rates_cpu),
+        "gemm_probes_cpu": rates_cpu,
         "call_s": statistics.median(calls),
         "calls_s": calls,
+        "call_cpu_s": statistics.median(calls_cpu),
+        "calls_cpu_s": calls_cpu,
         "call_of_gemm_rate": statistics.median(
             AFTER_FLOP / t / 1e9 / g for t, g in zip(calls, rates)
+        ),
+        "call_of_gemm_rate_cpu": statistics.median(
+            AFTER_FLOP / t / 1e9 / g for t, g in zip(calls_cpu, rates_cpu)
         ),
         "work_flop": AFTER_FLOP,
         "rows": ROWS,
@@ -266,17 +326,36 @@ def measure(rounds: int, iterations: int) -> dict[str, Any]:
     }
 
 
-def _markdown(data: dict[str, Any]) -> str:
-    rate, rows = data["gemm_gflops"], data["rows"]
+def _summary(data: dict[str, Any], cpu: bool) -> str:
+    """The limit, the default's pieces, the floor and the call, by wall time
+    or by CPU time against the probe timed the same way."""
+    key, suffix = ("cpu_ms", "_cpu") if cpu else ("ms", "")
+    rate, rows = data["gemm_gflops" + suffix], data["rows"]
     pieces = data["pieces"]
-    row_flop = data["work_flop"] / rows
-    limit_ms = row_flop / rate / 1e6
-    default_ms = sum(p["ms"] for p in pieces.values() if p["default"])
+    limit_ms = data["work_flop"] / rows / rate / 1e6
+    default_ms = sum(p[key] for p in pieces.values() if p["default"])
     best: dict[str, float] = {}
     for p in pieces.values():
-        best[p["piece"]] = min(best.get(p["piece"], float("inf")), p["ms"])
+        best[p["piece"]] = min(best.get(p["piece"], float("inf")), p[key])
     floor_ms = sum(best.values())
-    call_ms = 1e3 * data["call_s"] / rows
+    call_s = data["call" + suffix + "_s"]
+    call_ms = 1e3 * call_s / rows
+    return (
+        f"By {'CPU' if cpu else 'wall'} time: GEMM probe {rate:.0f} GFLOP/s "
+        f"(median). A row's exact work at that rate (the limit): "
+        f"{limit_ms:.2f} ms. The default call's pieces summed: "
+        f"{default_ms:.2f} ms ({limit_ms / default_ms:.0%} of the rate); the "
+        f"fastest kernel of each piece summed (the floor): {floor_ms:.2f} ms "
+        f"({limit_ms / floor_ms:.0%}); the default call itself: "
+        f"{call_ms:.2f} ms a row ({call_s:.2f} s, "
+        f"{data['call_of_gemm_rate' + suffix]:.0%} of its rounds' probes), "
+        f"the rest (the loop, the gathers, the forward pass, the head's "
+        f"combination) {call_ms - default_ms:.2f} ms a row."
+    )
+
+
+def _markdown(data: dict[str, Any]) -> str:
+    row_flop = data["work_flop"] / data["rows"]
     kind = "on" if data["onednn"] else "off"
     lines = [
         f"# The generator's floor, piece by piece (oneDNN {kind})",
@@ -289,43 +368,39 @@ def _markdown(data: dict[str, Any]) -> str:
         f"{row_flop / 1e6:.0f} MFLOP of exact work each. Each piece of a row "
         f"timed alone on its exact shapes ({data['iterations']} iterations "
         "of a `tf.while_loop`, one at a time), every piece, the default call "
-        f"and the GEMM probe once a round, {data['rounds']} rounds, medians.",
+        f"and the GEMM probe once a round, {data['rounds']} rounds, medians; "
+        "wall time and this process's CPU time, each share against the "
+        "probe timed the same way.",
         "",
     ]
     if data.get("loaded"):
         lines += [
             "**Measured under load** (2 cores shared with other work, the "
             f"GEMM probe {min(data['gemm_probes']):.0f}-"
-            f"{max(data['gemm_probes']):.0f} GFLOP/s over the rounds against "
-            "133 on a quiet core): absolute times are inflated; read the "
-            "shares of each round's probe and the ratios.",
+            f"{max(data['gemm_probes']):.0f} GFLOP/s by wall time over the "
+            f"rounds, {min(data['gemm_probes_cpu']):.0f}-"
+            f"{max(data['gemm_probes_cpu']):.0f} by CPU time, against 133 on "
+            "a quiet core): absolute times are inflated; read the shares of "
+            "each round's probe and the ratios, the CPU time's first.",
             "",
         ]
     lines += [
-        "| piece | kernel | default | ms a row | GFLOP/s | of the GEMM rate | GB/s |",
-        "|---|---|:-:|---:|---:|---:|---:|",
+        "| piece | kernel | default | ms a row | CPU ms | GFLOP/s | "
+        "of the GEMM rate | by CPU time | GB/s |",
+        "|---|---|:-:|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, p in pieces.items():
+    for label, p in data["pieces"].items():
         gflops = "" if p["gflops"] is None else f"{p['gflops']:.1f}"
         share = "" if p["of_gemm_rate"] is None else f"{p['of_gemm_rate']:.0%}"
+        cpu = p.get("of_gemm_rate_cpu")
+        share_cpu = "" if cpu is None else f"{cpu:.0%}"
         gbps = "" if p["gbps"] is None else f"{p['gbps']:.1f}"
         lines.append(
             f"| {WORK[p['piece']][0]} | {label} | {'x' if p['default'] else ''} "
-            f"| {p['ms']:.2f} | {gflops} | {share} | {gbps} |"
+            f"| {p['ms']:.2f} | {p['cpu_ms']:.2f} | {gflops} | {share} "
+            f"| {share_cpu} | {gbps} |"
         )
-    lines += [
-        "",
-        f"GEMM probe {rate:.0f} GFLOP/s (median). A row's exact work at that "
-        f"rate (the limit): {limit_ms:.2f} ms. The default call's pieces "
-        f"summed: {default_ms:.2f} ms ({limit_ms / default_ms:.0%} of the "
-        f"rate); the fastest kernel of each piece summed (the floor): "
-        f"{floor_ms:.2f} ms ({limit_ms / floor_ms:.0%}); the default call "
-        f"itself: {call_ms:.2f} ms a row ({data['call_s']:.2f} s, "
-        f"{data['call_of_gemm_rate']:.0%} of its rounds' probes), the rest "
-        f"(the loop, the gathers, the forward pass, the head's combination) "
-        f"{call_ms - default_ms:.2f} ms a row.",
-        "",
-    ]
+    lines += ["", _summary(data, cpu=True), "", _summary(data, cpu=False), ""]
     return "\n".join(lines)
 
 
