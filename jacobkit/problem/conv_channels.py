@@ -144,9 +144,9 @@ class ConvChannels:
         oneDNN off, 1.023x with it on, so the product is taken only with
         oneDNN off. The same products, summed in another order. The windows
         take ``kh * kw / I`` of the output's memory."""
-        if not windows_product():
-            return self._depthwise(slopes, columns, rows)
         kh, kw = self.window()
+        if not windows_product(kh * kw, int(columns.shape[-1])):
+            return self._depthwise(slopes, columns, rows)
         picked = tf.gather(slopes, rows)  # (n, B, H + kh - 1, W + kw - 1)
         windows = tf.stack(
             [
@@ -263,11 +263,14 @@ def _check_conv(keras: Any, conv: Any, rank: int) -> None:
         )
 
 
-def windows_product() -> bool:
+def windows_product(taps: int, channels: int) -> bool:
     """Whether :meth:`ConvChannels.cotangents` takes the shifted windows'
     product, not the depthwise convolution: with TensorFlow's own CPU
-    kernels (oneDNN off) and no GPU visible (where it is not measured)."""
-    if tf.config.list_logical_devices("GPU"):
+    kernels (oneDNN off), no GPU visible (where it is not measured), and
+    windows (``taps = kh * kw`` numbers a position) no larger than the
+    output they make (``channels`` a position): larger windows would hold
+    more than the planner's peak estimate counts."""
+    if taps > channels or tf.config.list_logical_devices("GPU"):
         return False
     return not runtime.cpu_kind().onednn
 
