@@ -68,7 +68,7 @@ VARIANTS: dict[str, tuple[tuple[str, str, Any], ...]] = {
     ),
     # a tied LM head's per-example tables as the einsum they were before
     # (GPT-2; ``reverse_tables`` replaced)
-    "einsum_head": (("jacobkit.layers.embedding", "reverse_tables", "einsum"),),
+    "einsum_head": (("jacobkit.layers.tables", "reverse_tables", "einsum"),),
     # a tied table's lookups as a table of their own, added to the reverse
     # call's (no ``shared_gradients``: each call's rows formed and added)
     "tables_added": (
@@ -80,7 +80,7 @@ VARIANTS: dict[str, tuple[tuple[str, str, Any], ...]] = {
     ),
     # both: GPT-2's Gram as it was before them
     "tied_before": (
-        ("jacobkit.layers.embedding", "reverse_tables", "einsum"),
+        ("jacobkit.layers.tables", "reverse_tables", "einsum"),
         (
             "jacobkit.layers.embedding:ReversibleEmbeddingRule",
             "shared_gradients",

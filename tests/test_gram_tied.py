@@ -1,7 +1,7 @@
 """``jk.gram`` with a tied token table (looked up at the input, called in
 reverse for a causal LM's logits), whose per-example rows are formed: the
 reverse call's tables by one batched matmul over the positions
-(:func:`jacobkit.layers.embedding.reverse_tables`), the lookups' cotangents
+(:func:`jacobkit.layers.tables.reverse_tables`), the lookups' cotangents
 then scattered into them at their ids
 (:meth:`ReversibleEmbeddingRule.shared_gradients
 <jacobkit.layers.embedding.ReversibleEmbeddingRule.shared_gradients>`);
@@ -29,7 +29,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import layers, testing
-from jacobkit.layers import embedding
+from jacobkit.layers import embedding, tables
 from jacobkit.layers.base import LayerRule
 from tests import hub_models
 
@@ -83,7 +83,7 @@ def _random(seed, rows):
 @pytest.mark.parametrize("rows", [1, 3])
 def test_reverse_tables(rows):
     inputs, g, _, _ = _random(0, rows)
-    found = embedding.reverse_tables(tf.constant(inputs), tf.constant(g))
+    found = tables.reverse_tables(tf.constant(inputs), tf.constant(g))
     assert found.shape == (BATCH * rows, VOCABULARY, DIM)
     _close(found, _reverse_reference(inputs, g), PIECE_RTOL)
 

@@ -10,6 +10,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit.layers import norms as layer_norms
+from jacobkit.layers import tables
 from jacobkit.layers.base import MaterializedNorms, Tapped, Weights
 
 
@@ -172,31 +173,6 @@ def _by_position(dz: tf.Tensor, positions: int) -> tf.Tensor:
 TIED_GRAM_WEIGHT = 0.5
 
 
-def reverse_tables(inputs: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """A reverse call's per-example rows' tables, formed: ``Σ_p g[b, k, p]
-    ⊗ inputs[b, p]`` from the inputs ``(B, P, D)`` and the logits'
-    cotangents ``g`` (``(B, K, P, V)``) -> ``(B * K, V, D)``, row-major: one
-    batched matmul over the positions, the cotangents read transposed (a
-    row's ``V`` logits side by side, ``(B, P, K V)``; no copy for one row
-    per example), never broadcasting the inputs over the rows (which oneDNN
-    miscomputes in TF 2.21: :mod:`jacobkit.strategies.vectorize`).
-
-    NOTE (measured, one loaded core, oneDNN on). The reductions benchmark's
-    GPT-2 (32 examples of 32 tokens, vocabulary 1,000, width 64, one loss
-    row): ``einsum("bpd,bkpv->bkvd")`` took 5.0 ms of a 30 ms ``jk.gram``
-    call (a third of its plain step), this matmul 1.3-2.1 ms."""
-    rows, positions, vocabulary = (int(n) for n in g.shape[1:])
-    dim = int(inputs.shape[-1])
-    if rows == 1:
-        by_position = tf.reshape(g, (-1, positions, vocabulary))
-    else:
-        by_position = tf.reshape(
-            tf.transpose(g, (0, 2, 1, 3)), (-1, positions, rows * vocabulary)
-        )
-    tables = tf.matmul(by_position, inputs, adjoint_a=True)  # (B, K V, D)
-    return tf.reshape(tables, (-1, vocabulary, dim))
-
-
 class ReversibleEmbeddingRule(EmbeddingRule):
     """keras_hub's ``ReversibleEmbedding``, called forward (ids: a lookup, as
     ``Embedding``) or in reverse (``x @ W^T``, the logits; ``tanh(z / c) * c``
@@ -262,7 +238,7 @@ class ReversibleEmbeddingRule(EmbeddingRule):
         if summed:
             kernel = tf.einsum("bpd,bkpv->kvd", inputs, g)
         else:
-            kernel = reverse_tables(inputs, g)
+            kernel = tables.reverse_tables(inputs, g)
         return kernel, tf.zeros((kernel.shape[0], 0), dz.dtype)
 
     def shared_gradients(
@@ -273,18 +249,13 @@ class ReversibleEmbeddingRule(EmbeddingRule):
         summed: bool,
     ) -> tuple[tf.Tensor, tf.Tensor] | None:
         """Per-example rows' tables summed over the reverse calls and the
-        lookups: the reverse calls' tables formed (:func:`reverse_tables`),
-        then each lookup's cotangents added into them at its ids, one
-        ``tensor_scatter_nd_add`` (which writes into the tables in place),
-        not a second ``(B K, vocabulary, D)`` table of zeros scattered
-        into and added. Rows summed over the batch, or a table only looked
-        up or only called in reverse: ``None``.
-
-        NOTE (measured, one loaded core, oneDNN on). GPT-2's table of the
-        reductions benchmark (32 examples of 32 tokens, vocabulary 1,000,
-        width 64): the lookup's segment sum and the tables' sum took 1.1
-        ms of a ``jk.gram`` call, the scatter into the reverse call's tables
-        about half of that."""
+        lookups: the reverse calls' tables formed
+        (:func:`jacobkit.layers.tables.reverse_tables`), then each lookup's
+        cotangents added into them at its ids
+        (:func:`jacobkit.layers.tables.lookups_added`), not a table of
+        zeros of their own scattered into and added. Rows summed over the
+        batch, or a table only looked up or only called in reverse:
+        ``None``."""
         if summed:
             return None
         lookups = [(x, dz) for x, dz in calls if x.shape.rank != dz.shape.rank - 1]
@@ -292,25 +263,16 @@ class ReversibleEmbeddingRule(EmbeddingRule):
         if not lookups or not reverse:
             return None
         vocabulary, dim = kernel_shape
-        tables = [
-            reverse_tables(
+        formed = [
+            tables.reverse_tables(
                 tf.reshape(tf.cast(x, dz.dtype), (dz.shape[0], -1, dim)),
                 tf.reshape(dz, (dz.shape[0], dz.shape[1], -1, vocabulary)),
             )
             for x, dz in reverse
         ]
-        kernel = tf.reshape(
-            tables[0] if len(tables) == 1 else tf.add_n(tables), (-1, dim)
-        )
+        kernel = formed[0] if len(formed) == 1 else tf.add_n(formed)
         for x, dz in lookups:
-            batch, rows = dz.shape[0], dz.shape[1]
-            ids = _ids(x, batch)  # (B, P)
-            # row (b, k)'s table starts at (b K + k) V
-            starts = vocabulary * tf.reshape(tf.range(batch * rows), (batch, rows, 1))
-            at = tf.reshape(starts + ids[:, None, :], (-1, 1))  # (B K P, 1)
-            updates = tf.reshape(tf.cast(dz, kernel.dtype), (-1, dim))  # (B K P, D)
-            kernel = tf.tensor_scatter_nd_add(kernel, at, updates)
-        kernel = tf.reshape(kernel, (-1, vocabulary, dim))
+            kernel = tables.lookups_added(kernel, _ids(x, dz.shape[0]), dz)
         return kernel, tf.zeros((kernel.shape[0], 0), kernel.dtype)
 
     def reverse_inputs(self, x: tf.Tensor) -> tf.Tensor | None:
