@@ -1,9 +1,13 @@
 """Where the conv net's clipped sum and Gram matrix spend their time beyond a
-plain step (``benchmarks/results/cpu/conv_reductions_profile.md``).
+plain step (``benchmarks/results/cpu/conv_reductions_profile.md``); with
+``--case gpt2`` (or ``bert``), the reductions benchmark's other models
+(``benchmarks/results/cpu/gpt2_gram_profile.md``).
 
     taskset -c 1 python benchmarks/conv_reductions_profile.py profile
     taskset -c 1 python benchmarks/conv_reductions_profile.py paired \\
         --variants default,filters --rounds 9
+    taskset -c 1 python benchmarks/conv_reductions_profile.py paired \\
+        --case gpt2 --sides gram --variants default,tied_before,tables_added
 
 - ``profile``: TensorFlow's profiler over ``--calls`` steady calls of the
   plain step, the clipped sum (``jk.ClippedSum(1.0)``, loss rows, every
@@ -13,7 +17,7 @@ plain step (``benchmarks/results/cpu/conv_reductions_profile.md``).
   (the Python side and TensorFlow's dispatch). Each side's compiled
   function runs its ops on one thread, so the op events do not overlap.
 - ``paired``: each variant (:data:`VARIANTS`: a setting of jacobkit's
-  module constants, read when a call is traced) on its own copy of the
+  module constants or functions, read when a call is traced) on its own copy of the
   model (the same weights; its own plan and trace), the clipped sum and
   the Gram matrix of every variant and the plain step timed in rounds of
   ``PAIRED_CALLS`` calls each, the order rotating; per variant the median
@@ -62,7 +66,55 @@ VARIANTS: dict[str, tuple[tuple[str, str, Any], ...]] = {
         ("jacobkit.layers.conv", "ONEDNN_EXAMPLE_FILTER_MACS", float("inf")),
         ("jacobkit.layers.conv", "EIGEN_EXAMPLE_FILTER_MACS", float("inf")),
     ),
+    # a tied LM head's per-example tables as the einsum they were before
+    # (GPT-2; ``reverse_tables`` replaced)
+    "einsum_head": (("jacobkit.layers.tables", "reverse_tables", "einsum"),),
+    # a tied table's lookups as a table of their own, added to the reverse
+    # call's (no ``shared_gradients``: each call's rows formed and added)
+    "tables_added": (
+        (
+            "jacobkit.layers.embedding:ReversibleEmbeddingRule",
+            "shared_gradients",
+            "none",
+        ),
+    ),
+    # both: GPT-2's Gram as it was before them
+    "tied_before": (
+        ("jacobkit.layers.tables", "reverse_tables", "einsum"),
+        (
+            "jacobkit.layers.embedding:ReversibleEmbeddingRule",
+            "shared_gradients",
+            "none",
+        ),
+    ),
 }
+
+
+def _einsum_tables(inputs: Any, g: Any) -> Any:
+    """The tied head's per-example tables as they were formed before
+    ``reverse_tables``: ``einsum("bpd,bkpv->bkvd")``."""
+    import tensorflow as tf
+
+    batch, rows, _, vocabulary = g.shape
+    found = tf.einsum("bpd,bkpv->bkvd", inputs, g)
+    return tf.reshape(found, (batch * rows, vocabulary, inputs.shape[-1]))
+
+
+def _no_shared(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+#: the values :data:`VARIANTS` name by a string (functions)
+_VALUES = {"einsum": _einsum_tables, "none": _no_shared}
+
+
+def _owner(path: str) -> Any:
+    """A module, or ``module:Class``."""
+    import importlib
+
+    module, _, attribute = path.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, attribute) if attribute else found
 
 
 def _setup() -> tuple[dict, Any]:
@@ -83,7 +135,7 @@ def _sides(built: Any, models: Any) -> dict[str, Callable[[], Any]]:
 
     import jacobkit as jk
 
-    loss = jk.Loss(models.loss())
+    loss = jk.Loss(models.loss(built.name))
     variables = built.model.trainable_variables
 
     def clipped() -> list:
@@ -103,10 +155,8 @@ def _sides(built: Any, models: Any) -> dict[str, Callable[[], Any]]:
 
 
 def _apply(variant: str) -> None:
-    import importlib
-
     for module, name, value in VARIANTS[variant]:
-        setattr(importlib.import_module(module), name, value)
+        setattr(_owner(module), name, _VALUES.get(value, value))
 
 
 def _restore(saved: list[tuple[Any, str, Any]]) -> None:
@@ -115,11 +165,9 @@ def _restore(saved: list[tuple[Any, str, Any]]) -> None:
 
 
 def _saved(variant: str) -> list[tuple[Any, str, Any]]:
-    import importlib
-
     found = []
     for module, name, _ in VARIANTS[variant]:
-        owner = importlib.import_module(module)
+        owner = _owner(module)
         found.append((owner, name, getattr(owner, name)))
     return found
 
@@ -161,7 +209,7 @@ def _durations(windows: list[tuple[int, int, str]]) -> list[float]:
     return [(end - begin) / 1e6 for begin, end, _ in windows]
 
 
-def profile(rounds: int, variant: str) -> dict:
+def profile(rounds: int, variant: str, case: str = "convnet") -> dict:
     """The sides' steady calls alternating (the order rotating every
     round) under one profiler session, each inside an event of its own;
     each op event counted to the call whose event holds its start."""
@@ -169,7 +217,7 @@ def profile(rounds: int, variant: str) -> dict:
 
     record, models = _setup()
     _apply(variant)
-    built = models.convnet()
+    built = models.CASES[case]()
     sides = _sides(built, models)
     names = list(sides)
     for call in sides.values():
@@ -237,7 +285,9 @@ def profile(rounds: int, variant: str) -> dict:
     return out
 
 
-def paired(variants: list[str], rounds: int, sides_wanted: list[str]) -> dict:
+def paired(
+    variants: list[str], rounds: int, sides_wanted: list[str], case: str = "convnet"
+) -> dict:
 
     record, models = _setup()
     from jacobkit.bench import stats
@@ -248,7 +298,7 @@ def paired(variants: list[str], rounds: int, sides_wanted: list[str]) -> dict:
     for variant in variants:
         saved = _saved(variant)
         _apply(variant)
-        built = models.convnet()
+        built = models.CASES[case]()
         sides = _sides(built, models)
         plain = plain or sides["plain step"]
         for side in sides_wanted:
@@ -320,11 +370,16 @@ def main() -> None:
     parser.add_argument("--variant", default="default", choices=sorted(VARIANTS))
     parser.add_argument("--variants", default="default,filters")
     parser.add_argument("--sides", default="clipped sum,gram")
+    parser.add_argument(
+        "--case", default="convnet", choices=("convnet", "bert", "gpt2")
+    )
     args = parser.parse_args()
     if args.mode == "profile":
-        found = profile(args.calls, args.variant)
+        found = profile(args.calls, args.variant, args.case)
     else:
-        found = paired(args.variants.split(","), args.rounds, args.sides.split(","))
+        found = paired(
+            args.variants.split(","), args.rounds, args.sides.split(","), args.case
+        )
     print(json.dumps(found))
 
 

@@ -208,6 +208,20 @@ class LayerRule:
         call."""
         return None
 
+    def shared_gradients(
+        self,
+        calls: list[tuple[tf.Tensor, tf.Tensor]],
+        kernel_shape: tuple[int, ...],
+        *,
+        summed: bool,
+    ) -> tuple[tf.Tensor, tf.Tensor] | None:
+        """Per-row kernel and bias gradients summed over the layer's several
+        ``calls`` (each its tapped input and cotangents, as
+        :meth:`gradients` takes them), ``(R, *kernel_shape)`` and ``(R,
+        units)``, where the rule sums them cheaper than forming each call's
+        and adding them; ``None`` (the default) where it has no such form."""
+        return None
+
     def shared_norms(
         self,
         calls: list[tuple[tf.Tensor, tf.Tensor]],

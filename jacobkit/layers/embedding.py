@@ -10,6 +10,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit.layers import norms as layer_norms
+from jacobkit.layers import tables
 from jacobkit.layers.base import MaterializedNorms, Tapped, Weights
 
 
@@ -237,10 +238,42 @@ class ReversibleEmbeddingRule(EmbeddingRule):
         if summed:
             kernel = tf.einsum("bpd,bkpv->kvd", inputs, g)
         else:
-            kernel = tf.reshape(
-                tf.einsum("bpd,bkpv->bkvd", inputs, g), (batch * rows, vocabulary, dim)
-            )
+            kernel = tables.reverse_tables(inputs, g)
         return kernel, tf.zeros((kernel.shape[0], 0), dz.dtype)
+
+    def shared_gradients(
+        self,
+        calls: list[tuple[tf.Tensor, tf.Tensor]],
+        kernel_shape: tuple[int, ...],
+        *,
+        summed: bool,
+    ) -> tuple[tf.Tensor, tf.Tensor] | None:
+        """Per-example rows' tables summed over the reverse calls and the
+        lookups: the reverse calls' tables formed
+        (:func:`jacobkit.layers.tables.reverse_tables`), then each lookup's
+        cotangents added into them at its ids
+        (:func:`jacobkit.layers.tables.lookups_added`), not a table of
+        zeros of their own scattered into and added. Rows summed over the
+        batch, or a table only looked up or only called in reverse:
+        ``None``."""
+        if summed:
+            return None
+        lookups = [(x, dz) for x, dz in calls if x.shape.rank != dz.shape.rank - 1]
+        reverse = [(x, dz) for x, dz in calls if x.shape.rank == dz.shape.rank - 1]
+        if not lookups or not reverse:
+            return None
+        vocabulary, dim = kernel_shape
+        formed = [
+            tables.reverse_tables(
+                tf.reshape(tf.cast(x, dz.dtype), (dz.shape[0], -1, dim)),
+                tf.reshape(dz, (dz.shape[0], dz.shape[1], -1, vocabulary)),
+            )
+            for x, dz in reverse
+        ]
+        kernel = formed[0] if len(formed) == 1 else tf.add_n(formed)
+        for x, dz in lookups:
+            kernel = tables.lookups_added(kernel, _ids(x, dz.shape[0]), dz)
+        return kernel, tf.zeros((kernel.shape[0], 0), kernel.dtype)
 
     def reverse_inputs(self, x: tf.Tensor) -> tf.Tensor | None:
         if x.dtype.is_integer:  # ids: a forward call

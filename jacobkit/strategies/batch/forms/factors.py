@@ -105,7 +105,12 @@ def contract(
             bias = tf.reduce_sum(by_positions, axis=2)
             bias = tf.reshape(bias, (-1, bias.shape[-1]))
         else:
-            found = [p.rule.gradients(x, dz, shape, summed=summed) for x, dz in calls]
+            shared = p.rule.shared_gradients(calls, shape, summed=summed)
+            found = (
+                [p.rule.gradients(x, dz, shape, summed=summed) for x, dz in calls]
+                if shared is None
+                else [shared]
+            )
             kernel = added([k for k, _ in found])
             out[p.kernel] = Flat(_flat_rows(kernel))
             bias = added([b for _, b in found])
