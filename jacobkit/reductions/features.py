@@ -159,7 +159,10 @@ def _forms(ran: Any, problem: Problem, count: int | None) -> pairs.Forms:
     before the call: the sources read once per problem and strategy from
     the factors' trace (the trace the compiled call then runs nested)."""
     kept = _WITH_PRODUCTS.of(problem.model)
-    key = ("sources", problem.key, ran.key)
+    # per input shapes too: the problem's key holds none (one compiled
+    # function retraces per shape), and a trace's ids have its shapes
+    shapes = tuple((tuple(t.shape), t.dtype) for t in tf.nest.flatten(problem.inputs))
+    key = ("sources", problem.key, ran.key, shapes)
     if key not in kept:
         traced = ran.compiled_for(problem).fn.get_concrete_function(problem.inputs)
         kept[key] = (traced, lookup_forms.sources(traced, problem.inputs))

@@ -92,7 +92,11 @@ def of_inputs(
         if source[0] == "constant":
             ids = source[1]
         else:
-            ids = np.asarray(flat[source[1]]).reshape(source[2])
+            value = np.asarray(flat[source[1]])
+            if value.size != int(np.prod(source[2])):  # not the traced shapes
+                forms.append(None)
+                continue
+            ids = value.reshape(source[2])
         rows = int(feature.cotangents.shape[1])
         forms.append(_split_form(ids, rows, count))
     return tuple(forms)
