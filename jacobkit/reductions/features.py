@@ -55,7 +55,9 @@ class ChunkFeatures:
 def problem_of(call: Call, x: Any, formed: bool = False) -> Problem:
     """The chunk ``x``'s problem, reduced to the Gram's factors (``formed``:
     every target's rows formed, :class:`Factors`' ``formed``)."""
-    return call.problem(x).with_reduction(Factors(formed=formed))
+    # inspected as a reduced call's (eagerly where that can tell): the traced
+    # inspecting pass was 1,044 of BERT tiny's 3,197 first-call graph ops
+    return call.problem(x, reduced=True).with_reduction(Factors(formed=formed))
 
 
 def of_chunk(

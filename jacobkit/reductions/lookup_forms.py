@@ -2,7 +2,8 @@
 (:func:`jacobkit.layers.lookups.pair_products`: the distinct-id tables or
 the matching pairs), decided in NumPy from the ids before the products are
 traced, so that the compiled function traces the chosen way alone
-(:func:`jacobkit.layers.lookups.form_of`).
+(:func:`jacobkit.layers.lookups.form_of`, through
+:func:`~jacobkit.problem.reduction.products.lookup_form`).
 
 The ids are at hand eagerly where a chunk's features were computed apart
 (:func:`of_features`), or, inside the one compiled call of the features and
@@ -27,9 +28,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobkit.layers import lookups
 from jacobkit.problem.reduction import Feature, Lookup
-from jacobkit.problem.reduction.products import Forms
+from jacobkit.problem.reduction.products import Forms, lookup_form
 
 #: ops that keep a tensor's elements in order (the ids an input holds)
 _KEEPING = frozenset({"Identity", "Cast", "Reshape"})
@@ -113,11 +113,11 @@ def of_features(a: Sequence[Feature], b: Sequence[Feature] | None) -> Forms:
             continue
         rows_a = int(fa.cotangents.shape[1])
         if fb is None or fb is fa:
-            forms.append(lookups.form_of(fa.ids.numpy(), None, rows_a, rows_a))
+            forms.append(lookup_form(fa.ids.numpy(), None, rows_a, rows_a))
             continue
         assert isinstance(fb, Lookup), "a lookup is paired with a lookup"
         rows_b = int(fb.cotangents.shape[1])
-        forms.append(lookups.form_of(fa.ids.numpy(), fb.ids.numpy(), rows_a, rows_b))
+        forms.append(lookup_form(fa.ids.numpy(), fb.ids.numpy(), rows_a, rows_b))
     return tuple(forms) if any(f is not None for f in forms) else None
 
 
@@ -135,8 +135,8 @@ def within(features: Sequence[Feature], count: int) -> Forms:
 
 def _split_form(ids: np.ndarray, rows: int, count: int | None) -> str:
     if count is None:
-        return lookups.form_of(ids, None, rows, rows)
-    return lookups.form_of(ids[:count], ids[count:], rows, rows)
+        return lookup_form(ids, None, rows, rows)
+    return lookup_form(ids[:count], ids[count:], rows, rows)
 
 
 def _eager(a: Lookup, b: Feature | None) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from jacobkit.layers import contract, embedding, lookups
@@ -51,6 +52,14 @@ _Parts = list[tuple[tf.Tensor, ...]]
 #: decided before the trace (:func:`jacobkit.layers.lookups.form_of`); ``None``
 #: (or no forms at all): chosen in the compiled function from the ids
 Forms = tuple[str | None, ...] | None
+
+
+def lookup_form(
+    ids_a: np.ndarray, ids_b: np.ndarray | None, rows_a: int, rows_b: int
+) -> str:
+    """The way a lookup's pairs take for these ids, decided before the
+    trace (:func:`jacobkit.layers.lookups.form_of`)."""
+    return lookups.form_of(ids_a, ids_b, rows_a, rows_b)
 
 
 def split_pairs(
