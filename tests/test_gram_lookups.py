@@ -20,7 +20,11 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
+from jacobkit import planner
 from jacobkit.layers import lookups
+from jacobkit.problem import Call
+from jacobkit.problem.reduction import Lookup
+from jacobkit.reductions import features as feats
 from tests import hub_models
 from tests.test_gram import _rows
 
@@ -181,3 +185,118 @@ def test_bert_tinys_gram_pairs_its_token_and_position_tables():
     assert forms["segment_embedding"] == "materialized", forms
     _close(itself.matrix, rows_a @ rows_a.T)
     _close(jk.gram(model, a, b, outputs=LOSS).matrix, rows_a @ rows_b.T)
+
+
+def _counted_choice(ids_a, ids_b, rows_a, rows_b) -> bool:
+    """:func:`~jacobkit.layers.lookups.pairs_chosen` on counts taken by
+    brute force: the distinct ids of both sides, and every pair of the two
+    sides' entries (an example's distinct ids) with the same id."""
+    entries_a = [set(row) for row in ids_a.tolist()]
+    entries_b = [set(row) for row in ids_b.tolist()]
+    found = sum(len(a & b) for a in entries_a for b in entries_b)
+    distinct = len(set(ids_a.ravel().tolist()) | set(ids_b.ravel().tolist()))
+    numbers = (found, distinct, len(ids_a) * rows_a, len(ids_b) * rows_b)
+    return bool(lookups.pairs_chosen(*numbers, rows_a, rows_b))
+
+
+@pytest.mark.parametrize("high", [3, 40, 1000, 30_000])
+@pytest.mark.parametrize("rows", [(1, 1), (2, 3)])
+def test_the_way_decided_before_the_trace_is_the_compiled_ones(high, rows):
+    """:func:`~jacobkit.layers.lookups.form_of` (NumPy, before the trace)
+    against the compiled rule on brute-force counts, for a set with itself
+    and two sets: both ways are reached over these ids (few distinct: the
+    tables; many: the pairs)."""
+    rng = np.random.default_rng(high)
+    ids_a = rng.integers(0, high, (6, 9))
+    ids_b = rng.integers(0, high, (4, 5))
+    k, ell = rows
+    itself = lookups.form_of(ids_a, None, k, k)
+    assert (itself == "pairs") == _counted_choice(ids_a, ids_a, k, k)
+    apart = lookups.form_of(ids_a, ids_b, k, ell)
+    assert (apart == "pairs") == _counted_choice(ids_a, ids_b, k, ell)
+    assert itself == ("tables" if high <= 40 else "pairs")
+
+
+@pytest.mark.parametrize("ids", ["repeated", "sparse", "positions"])
+def test_lookup_norms_from_per_id_sums(ids):
+    """``gram(norms=True)``'s lookup norms (:func:`~jacobkit.layers.lookups.
+    squared_norms`) against float64 tables' rows squared (measured: at most
+    6e-8 of the largest)."""
+    rng = np.random.default_rng(2)
+    high = {"repeated": 4, "sparse": 40, "positions": 1}[ids]
+    x, g = _side(rng, 5, 3, 7, 4, high)
+    if ids == "positions":
+        x = np.broadcast_to(np.arange(7, dtype="int32"), (5, 7))
+    got = tf.function(lookups.squared_norms, autograph=False)(x, g).numpy()
+    want = (_tables(x, np.asarray(g, np.float64), 40) ** 2).sum(axis=1)
+    _close(got, want)
+
+
+def _recorded(monkeypatch) -> list:
+    """The ways the compiled products were traced with, one per traced
+    lookup pair (``None``: chosen inside the compiled call)."""
+    ways: list = []
+    traced = lookups.pair_products
+
+    def recording(*args, form=None):
+        ways.append(form)
+        return traced(*args, form=form)
+
+    monkeypatch.setattr(lookups, "pair_products", recording)
+    return ways
+
+
+def _wide(vocabulary: int, computed: bool = False):
+    """Ids -> Embedding(vocabulary, 6) -> Dense -> mean -> Dense(3); where
+    ``computed``, the ids the table looks up are computed by the model."""
+    keras.utils.set_random_seed(5)
+    ids = keras.Input((None,), dtype="int32")
+    looked = keras.layers.Maximum()([ids, ids]) if computed else ids
+    h = keras.layers.Embedding(vocabulary, 6, name="embed")(looked)
+    h = keras.layers.Dense(5, activation="tanh", name="ffn")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(ids, keras.layers.Dense(3, name="head")(h))
+
+
+def test_one_way_traced_per_call_and_a_later_call_of_the_other_way(monkeypatch):
+    """Ids from the model's input: the first call traces the way its ids
+    choose alone (no ``tf.cond``); a later call of the same problem whose
+    ids choose the other way gets that way traced beside the first, and one
+    whose ids choose a traced way traces nothing; every block exact
+    (``training=True``: the same path) against the float64 rows. The
+    features' compiled call is called directly: ``jk.gram``'s own trial of
+    the formed arrangement would run some of these calls formed."""
+    ways = _recorded(monkeypatch)
+    model = _wide(500)
+    call = Call(model, model.trainable_variables, outputs=LOSS, training=True)
+    chosen = planner.solver("auto", None, None, True)
+    rng = np.random.default_rng(4)
+    sparse = (rng.integers(0, 500, (6, 10)).astype("int32"), rng.integers(0, 3, 6))
+    dense = (rng.integers(0, 3, (6, 10)).astype("int32"), rng.integers(0, 3, 6))
+    for batch, way in ((sparse, "pairs"), (dense, "tables"), (sparse, None)):
+        before = len(ways)
+        found, block, _ = feats.with_products(call, batch, chosen)
+        assert isinstance(found.features[0], Lookup)
+        assert ways[before:] == ([] if way is None else [way])  # None: no trace
+        rows = _rows(model, batch, LOSS)
+        _close(block.numpy(), rows @ rows.T)
+    # the first four examples against the last two: split inside the call
+    _, block, _ = feats.with_products(call, sparse, chosen, count=4)
+    assert ways[-1] == "pairs"
+    rows = _rows(model, sparse, LOSS)
+    _close(block.numpy(), rows[:4] @ rows[4:].T)
+
+
+def test_ids_the_model_computes_are_paired_by_the_compiled_choice(monkeypatch):
+    """Ids made inside the model are not known before the call: the way is
+    chosen in the compiled call (both ways traced under one ``tf.cond``),
+    exact."""
+    ways = _recorded(monkeypatch)
+    model = _wide(500, computed=True)
+    rng = np.random.default_rng(6)
+    batch = (rng.integers(0, 500, (5, 8)).astype("int32"), rng.integers(0, 3, 5))
+    got = jk.gram(model, batch, outputs=LOSS)
+    assert got.forms["embed/embeddings"] == "ghost"
+    assert ways == [None]
+    rows = _rows(model, batch, LOSS)
+    _close(got.matrix, rows @ rows.T)

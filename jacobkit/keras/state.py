@@ -307,10 +307,16 @@ class Compiled:
 
 class _Concrete:
     """A traced :class:`Compiled`: the concrete function, its ``outputs``
-    without the updates."""
+    and ``structured_outputs`` without the updates."""
 
     def __init__(self, concrete: Any) -> None:
         self._concrete = concrete
+
+    @property
+    def structured_outputs(self) -> Any:
+        # the computation's own (jk.gram(training=True) read the pair
+        # (output, updates) here and failed)
+        return self._concrete.structured_outputs[0]
 
     @property
     def outputs(self) -> list[tf.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import tensorflow as tf
 
 from jacobkit.layers.base import MaterializedNorms
@@ -62,7 +63,12 @@ class PositionEmbeddingRule(MaterializedNorms):
     def lookup_ids(self, x: tf.Tensor) -> tf.Tensor | None:
         """Each position's row of the table, ``(B, P)``: the positions
         ``0 .. T-1`` along the input's second-to-last axis, for every index
-        of the axes between (``P`` all of them, in the order ``dz`` has)."""
-        positions = tf.range(x.shape[-2], dtype=tf.int32)
-        ids = tf.broadcast_to(positions, x.shape[:-1])
-        return tf.reshape(ids, (x.shape[0], -1))
+        of the axes between (``P`` all of them, in the order ``dz`` has): a
+        constant, read before the trace by ``jk.gram``
+        (:mod:`jacobkit.reductions.lookup_forms`)."""
+        if not x.shape[:-1].is_fully_defined():
+            ids = tf.broadcast_to(tf.range(tf.shape(x)[-2]), tf.shape(x)[:-1])
+            return tf.reshape(ids, (tf.shape(x)[0], -1))
+        shape = tuple(x.shape[:-1].as_list())
+        ids = np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape)
+        return tf.constant(ids.reshape(shape[0], -1))

@@ -91,6 +91,7 @@ class Problem:
         unconnected: str = "error",
         output: int | str | None = None,
         reduce: str | ClippedSum | Project | None = None,
+        reduced: bool = False,
     ) -> None:
         arguments.check_model(model)
         rows.check_mode(outputs)
@@ -124,8 +125,10 @@ class Problem:
             self.training,
             self.output,
         )
-        # a reduced call's first call: the eager passes where they can tell
-        eager = eager_inspect.inspection if self.reduction.reduces else None
+        # a reduced call's first call (``reduced``: jk.gram's, reduced to its
+        # factors after): the eager passes where they can tell
+        reduces = reduced or self.reduction.reduces
+        eager = eager_inspect.inspection if reduces else None
         inspection = inspect.inspect(self, differentiated, eager)
         self._take(inspection)
         self.key = ProblemKey(

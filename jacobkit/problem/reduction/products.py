@@ -20,7 +20,9 @@ share (:func:`jacobkit.layers.lookups.pair_products`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from jacobkit.layers import contract, embedding, lookups
@@ -46,8 +48,26 @@ def tensors_of(feature: Feature) -> tuple[tf.Tensor, ...]:
 _Parts = list[tuple[tf.Tensor, ...]]
 
 
+#: each target's way of pairing a lookup's rows (``"pairs"``, ``"tables"``),
+#: decided before the trace (:func:`jacobkit.layers.lookups.form_of`); ``None``
+#: (or no forms at all): chosen in the compiled function from the ids
+Forms = tuple[str | None, ...] | None
+
+
+def lookup_form(
+    ids_a: np.ndarray, ids_b: np.ndarray | None, rows_a: int, rows_b: int
+) -> str:
+    """The way a lookup's pairs take for these ids, decided before the
+    trace (:func:`jacobkit.layers.lookups.form_of`)."""
+    return lookups.form_of(ids_a, ids_b, rows_a, rows_b)
+
+
 def split_pairs(
-    kinds: tuple[str, ...], parts: _Parts, count: tf.Tensor, per_example: tf.Tensor
+    kinds: tuple[str, ...],
+    parts: _Parts,
+    count: tf.Tensor,
+    per_example: tf.Tensor,
+    forms: Forms = None,
 ) -> tf.Tensor:
     """:func:`sum_of_pairs` of the first ``count`` examples of each
     target's tensors with the rest (a flat target's rows: ``count *
@@ -58,43 +78,45 @@ def split_pairs(
         cut = count * per_example if kind == "flat" else count
         a.append(tuple(t[:cut] for t in tensors))
         b.append(tuple(t[cut:] for t in tensors))
-    return sum_of_pairs(kinds, a, b)
+    return sum_of_pairs(kinds, a, b, forms)
 
 
-def sum_of_pairs(kinds: tuple[str, ...], a: _Parts, b: _Parts) -> tf.Tensor:
-    """The sum over the targets of each pair's inner products."""
-    total = None
-    for kind, ta, tb in zip(kinds, a, b, strict=True):
+def sum_of_pairs(
+    kinds: tuple[str, ...], a: _Parts, b: _Parts, forms: Forms = None
+) -> tf.Tensor:
+    """The sum over the targets of each pair's inner products (a lookup's
+    by ``forms``' way where one is given, :data:`Forms`)."""
+    found = []
+    ways = forms or (None,) * len(kinds)
+    for kind, ta, tb, way in zip(kinds, a, b, ways, strict=True):
         if kind == "flat":
-            part = _flat_pair(tf.cast(ta[0], tf.float32), tf.cast(tb[0], tf.float32))
+            found.append(_flat_pair(*(tf.cast(t, tf.float32) for t in (ta[0], tb[0]))))
         elif kind == "lookup":
-            part = lookups.pair_products(*ta, *tb)
+            found.append(lookups.pair_products(*ta, *tb, form=way))
         else:
-            part = _ghost_pair(Ghost(*ta), Ghost(*tb))
-        total = part if total is None else total + part
-    assert total is not None, "at least one target"
-    return total
+            found.append(_ghost_pair(Ghost(*ta), Ghost(*tb)))
+    assert found, "at least one target"
+    # one AddN: a chain of AddV2 was one op per target in every trace
+    return found[0] if len(found) == 1 else tf.add_n(found)
 
 
 def squared_norms(kinds: tuple[str, ...], parts: _Parts) -> tf.Tensor:
     """Each row's squared gradient norm over the targets, ``(R,)`` float32:
-    a flat target's rows squared and summed; a ghost or lookup target's by
-    its pairs of positions within the row's own example
-    (:func:`jacobkit.layers.norms.ghost_squared`)."""
+    a flat target's rows squared and summed; a ghost target's by its pairs
+    of positions within the row's own example
+    (:func:`jacobkit.layers.norms.ghost_squared`); a lookup's by its
+    example's cotangents summed per id (:func:`jacobkit.layers.lookups.
+    squared_norms`)."""
     total = None
     for kind, tensors in zip(kinds, parts, strict=True):
         if kind == "flat":
             part = squared_rows(tensors[0])
+        elif kind == "lookup":
+            part = lookups.squared_norms(*tensors)
         else:
             cotangents = tf.cast(tensors[1], tf.float32)  # (B, K, P, O)
-            if kind == "lookup":
-                ids = tensors[0]
-                positions = tf.cast(
-                    tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32
-                )
-            else:
-                patches = tf.cast(tensors[0], tf.float32)
-                positions = tf.matmul(patches, patches, transpose_b=True)  # (B, P, P)
+            patches = tf.cast(tensors[0], tf.float32)
+            positions = tf.matmul(patches, patches, transpose_b=True)  # (B, P, P)
             part = tf.reshape(layer_norms.ghost_squared(positions, cotangents), (-1,))
         total = part if total is None else total + part
     assert total is not None, "at least one target"
@@ -118,7 +140,11 @@ def _flat_pair(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     were within 10%, and with TensorFlow's own kernels within 4% at every
     size. ``jk.gram`` on BERT tiny pairs 43 formed targets so."""
     if a.shape[-1] is not None and a.shape[-1] >= WIDE_ROWS:
-        return tf.matmul(a[None], b[None], transpose_b=True)[0]
+        # expand_dims and squeeze, not [None] and [0]: a strided slice is
+        # four graph ops (its three constants), 144 of BERT tiny's first Gram
+        wide = tf.expand_dims(a, 0)
+        other = wide if b is a else tf.expand_dims(b, 0)
+        return tf.squeeze(tf.matmul(wide, other, transpose_b=True), 0)
     return tf.matmul(a, b, transpose_b=True)
 
 
@@ -135,30 +161,37 @@ def _rank_one_pair(fa: Ghost, fb: Ghost) -> tf.Tensor:
     row's gradient is ``a δᵀ``, so ``<a δᵀ, a' δ'ᵀ> = (a·a')(δ·δ')``, two
     matrix products. NOTE (why): the general einsums took 2 ms each for 100
     x 1,000 examples of notebook 07's MLP, most of a TracIn call."""
-    inputs = tf.matmul(fa.patches[:, 0], fb.patches[:, 0], transpose_b=True)  # (B, C)
-    outputs = _cotangent_products(fa.cotangents, fb.cotangents)[:, :, 0, :, :, 0]
-    return _as_rows(outputs * tf.cast(inputs, outputs.dtype)[:, None, :, None])
-
-
-def _cotangent_products(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """Every position's cotangent of one chunk's rows against every
-    position's of the other's, one matrix product: ``(B, K, P, O)`` and
-    ``(C, L, Q, O)`` -> ``(B, K, P, C, L, Q)``."""
-    a_shape, b_shape = tf.shape(a), tf.shape(b)
-    found = tf.matmul(
-        tf.reshape(a, (-1, a_shape[-1])),
-        tf.reshape(b, (-1, b_shape[-1])),
-        transpose_b=True,
+    same = fb.patches is fa.patches and fb.cotangents is fa.cotangents
+    # squeezes and one einsum: strided slices and dynamic shapes were four
+    # graph ops each, 33 slices of BERT tiny's first Gram
+    patches = tf.squeeze(fa.patches, 1)
+    inputs = tf.matmul(  # (B, C)
+        patches, patches if same else tf.squeeze(fb.patches, 1), transpose_b=True
     )
-    return tf.reshape(found, tf.concat([a_shape[:3], b_shape[:3]], axis=0))
+    ga = tf.squeeze(fa.cotangents, 2)  # (B, K, O)
+    gb = ga if same else tf.squeeze(fb.cotangents, 2)
+    outputs = tf.einsum("bko,clo->bkcl", ga, gb)
+    b, c = _dims(inputs)
+    weights = tf.reshape(tf.cast(inputs, outputs.dtype), (b, 1, c, 1))
+    return _as_rows(outputs * weights)
 
 
 def _as_rows(both: tf.Tensor) -> tf.Tensor:
     """Pairs ``(B, K, C, L)`` as the rows' matrix ``(B * K, C * L)``, in
     float32."""
-    shape = tf.shape(both)
-    rows = tf.reshape(both, (shape[0] * shape[1], shape[2] * shape[3]))
+    b, k, c, ell = _dims(both)
+    rows = tf.reshape(both, (b * k, c * ell))
     return tf.cast(rows, tf.float32)
+
+
+def _dims(tensor: tf.Tensor) -> list[Any]:
+    """``tensor``'s axes, each an int where the trace knows it (a dynamic
+    axis is a strided slice of its shape: four graph ops)."""
+    static = tensor.shape.as_list()
+    if all(d is not None for d in static):
+        return static
+    shape = tf.shape(tensor)
+    return [d if d is not None else shape[i] for i, d in enumerate(static)]
 
 
 def flat(feature: Feature, like: Feature) -> Flat:
