@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -79,6 +79,7 @@ from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
 
 from jacobkit import runtime
 from jacobkit.layers import conv
+from jacobkit.problem.products import Transposed
 
 _OP = "Conv2D"
 _MATMUL = "MatMul"
@@ -211,10 +212,26 @@ def _hoisted(operand: tf.Tensor) -> tf.Tensor:
     Memory: a copy built outside the loop is held while the loop runs, so
     the loop holds one copy of each ``Dense`` kernel its gradient passes
     (at most :data:`MATMUL_COPY_BYTES` each) and of the targets' inputs:
-    4.6 MiB on the MLP, beside its 288 MiB result. The planner's peak
-    prior does not count it."""
+    5.1 MiB on the MLP, beside its 288 MiB result; the planner's peak
+    prior counts it (:func:`hoisted_bytes`)."""
     with _within(enclosing_graph(operand)):
         return transposed_copy(operand)
+
+
+def hoisted_bytes(operands: Iterable[Transposed]) -> int:
+    """Bytes of the transposed copies :func:`_matmul_gradient` makes of
+    ``operands`` (a problem's :attr:`~jacobkit.problem.Problem.transposed`),
+    each held once while a traced call's rows run (:func:`_hoisted`): those
+    of products of at least :data:`MATMUL_ROWS` rows, each at most
+    :data:`MATMUL_COPY_BYTES`; 0 where the rule replaces nothing
+    (:func:`replaces`)."""
+    if not replaces():
+        return 0
+    return sum(
+        o.bytes
+        for o in operands
+        if o.rows >= MATMUL_ROWS and o.bytes <= MATMUL_COPY_BYTES
+    )
 
 
 def _copied(operand: tf.Tensor) -> bool:
