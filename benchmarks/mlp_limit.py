@@ -123,10 +123,18 @@ def child(strategy: str, weights: str, repeats: int) -> None:
         call, repeats, settled=lambda: strategy == "tape.jacobian" or settled()
     )
     np.save(weights + f".{os.getpid()}.npy", result[0])
+    ran = {}
+    if strategy == "auto" and plans[0] is not None:
+        # what auto runs after its tries, and the switches it made
+        ran = {
+            "ran": plans[0].strategy.label,
+            "switches": [str(s) for s in plans[0].switches],
+        }
     print(
         json.dumps(
             {
                 **timings,
+                **ran,
                 "kernel": weights + f".{os.getpid()}.npy",
                 "footing": record,
             }
@@ -171,6 +179,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--loaded", action="store_true")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="WORD",
+        help="run only the runs whose label contains one of these words "
+        "(e.g. --only auto batch 'jacobkit while'); the GEMM probe always runs",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     parser.add_argument("--gemm", action="store_true", help=argparse.SUPPRESS)
@@ -204,6 +219,8 @@ def main() -> None:
             runs[label] = [args.peers_python, str(HERE / "peers" / script), *flags]
             runs[label] += ["--weights", weights, "--repeats", str(args.repeats)]
             runs[label] += ["--save", str(work / f"{len(runs)}.npy")]
+    if args.only:
+        runs = {k: v for k, v in runs.items() if any(w in k for w in args.only)}
     rates, rounds = [], {label: [] for label in runs}
     for round_ in range(args.rounds):
         rates.append(_run([sys.executable, __file__, "--gemm"], env)["gflops"])
@@ -265,6 +282,9 @@ def _report(
         if pooled:
             rows[label]["allocator_peak_mib"] = statistics.median(pooled)
         rows[label]["of_limit"] = limit_s / rows[label]["steady_s"]
+        ran = [r["ran"] for r in good if "ran" in r]
+        if ran:
+            rows[label]["ran"] = ", ".join(sorted(set(ran)))
         rows[label]["agreement"] = agreement.get(label)
     out.mkdir(parents=True, exist_ok=True)
     data = {
@@ -325,8 +345,9 @@ def _markdown(data: dict) -> str:
             )
             continue
         diff = row["agreement"]
+        ran = f" → {row['ran']}" if row.get("ran") else ""
         lines.append(
-            f"| {label} | {row['steady_s']:.2f} s | {row['first_s']:.2f} s "
+            f"| {label}{ran} | {row['steady_s']:.2f} s | {row['first_s']:.2f} s "
             f"| {row['first_three_s']:.2f} s "
             f"| {row['of_limit']:.0%} | {row['peak_growth_mib']:.0f} MiB "
             f"({row['peak_growth_mib'] / data['result_mib']:.2f}× result) "

@@ -91,6 +91,7 @@ def test_the_eager_inspection_is_the_traced_one(build, batch):
     assert eager.convolutions == traced.convolutions
     assert eager.unpinned == traced.unpinned
     assert eager.layer_outputs == traced.layer_outputs
+    assert eager.transposed == traced.transposed
     assert _close(eager.forward_bytes, traced.forward_bytes)
     assert _close(eager.activation_bytes, traced.activation_bytes)
     assert eager.sequential_memory is not None

@@ -86,7 +86,9 @@ def predicted_peak(
     the same with the rows of two chunks in flight,
     :func:`vectorized_in_flight`; never more than the activations' count), the gradient
     kernels' scratch space per backward pass in flight
-    (:mod:`jacobkit.planner.scratch`), the Jacobians (twice, where
+    (:mod:`jacobkit.planner.scratch`), the ``MatMul`` rule's transposed
+    copies (:attr:`~jacobkit.planner.scratch.MemoryPrior.hoisted_bytes`:
+    oneDNN off, once per call whatever the rows), the Jacobians (twice, where
     they are stacked into the result:
     :attr:`~jacobkit.strategies.Strategy.result_copies`), and for an eager
     strategy every activation of the forward pass (an eager Keras call holds
@@ -103,7 +105,7 @@ def predicted_peak(
         rows = prior.vectorized_peak(vectorized_in_flight(at_once, num_rows))
     whole = (1 + at_once) * prior.row_bytes
     rows = whole if rows is None else min(rows, whole)
-    run = int(rows + scratch + results + eager)
+    run = int(rows + scratch + prior.hoisted_bytes + results + eager)
     return max(run, check_peak(strategy, prior, result_bytes))
 
 

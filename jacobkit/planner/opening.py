@@ -11,7 +11,7 @@ from jacobkit.planner.policy import Policy
 from jacobkit.planner.scratch import MemoryPrior
 from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
-from jacobkit.strategies import Strategy, precision
+from jacobkit.strategies import Strategy, gradients, precision
 from jacobkit.strategies.structured import NoShortcut
 
 
@@ -108,4 +108,5 @@ def memory_prior(problem: Problem, row_bytes: int, device: str | None) -> Memory
         measured,
         scratch.inter_op_threads(),
         eager_bytes=problem.forward_bytes,
+        hoisted_bytes=gradients.hoisted_bytes(problem.transposed),
     )

@@ -89,7 +89,9 @@ class Policy:
             ``chunked(8)`` 28x on every run of their trials.
         race_peak_factor: a candidate is tried only if its predicted peak is
             at most this many times the current strategy's measured peak
-            plus ``race_slack_bytes`` (times ``safety``): the allocator keeps
+            plus ``race_slack_bytes`` (times ``safety`` where its prior is
+            not an upper bound: :func:`~jacobkit.planner.selection.
+            race_margin`): the allocator keeps
             what it took, so a losing try leaves the process bigger, by
             about the candidate's whole peak (TensorFlow's allocator keeps
             the current strategy's region and adds one for the try).

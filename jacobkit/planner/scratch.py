@@ -76,6 +76,10 @@ class MemoryPrior:
         eager_bytes: what an eager forward pass holds at its peak (every
             activation: :attr:`jacobkit.problem.Problem.forward_bytes`), for
             strategies that run eagerly (``loop``).
+        hoisted_bytes: the transposed copies the ``MatMul`` gradient rule
+            makes once per call and holds while the rows run (oneDNN off:
+            :func:`jacobkit.strategies.gradients.hoisted_bytes`; 0 where
+            it replaces nothing).
     """
 
     row_bytes: int
@@ -83,6 +87,7 @@ class MemoryPrior:
     scratch_bytes: int = 0
     threads: int = 1
     eager_bytes: int = 0
+    hoisted_bytes: int = 0
 
     def scratch_in_flight(self, passes: int) -> int:
         """Scratch of ``passes`` separate backward passes started at once."""

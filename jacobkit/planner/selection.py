@@ -140,34 +140,60 @@ def should_try(policy: Policy, spent_s: float, cost_s: float | None) -> bool:
     return spent_s >= policy.rent * cost_s
 
 
-def race_room(policy: Policy, current_peak: int | None, allowed: float) -> float:
+def race_room(
+    policy: Policy, current_peak: int | None, allowed: float, margin: float
+) -> float:
     """The largest predicted peak a candidate may have to be tried, given the
-    current strategy's measured peak (``None``: not measured). Predictions keep
-    the policy's ``safety`` margin below the race's bound, as below a
-    budget: on the MLP 512-1024-1024-144, chunked(72) was predicted at 1035
-    MiB against a bound of 1064 MiB, measured 1101 MiB, and the try set
-    the process's high-water mark above the bound."""
+    current strategy's measured peak (``None``: not measured): ``margin``
+    (:func:`race_margin`) of the policy's ``race_peak_factor`` times it plus
+    its ``race_slack_bytes``, within what the budget ``allowed``."""
     if current_peak is None:
         return allowed
     return min(
         allowed,
-        policy.safety
-        * (policy.race_peak_factor * current_peak + policy.race_slack_bytes),
+        margin * (policy.race_peak_factor * current_peak + policy.race_slack_bytes),
     )
 
 
+def race_margin(policy: Policy, candidate: Strategy) -> float:
+    """The share of :func:`race_room` a ``candidate``'s predicted peak may
+    take: all of it where rows run one after another
+    (:meth:`~jacobkit.strategies.Strategy.sequential_rows`: ``loop``,
+    ``while``), whose prior walks the traced pass's tensors and was never
+    measured below (1.02-1.04x on the MLP 512-1024-1024-144, 1.1-2.2x on ten
+    problems: ``tests/test_planner.py``); the policy's ``safety`` elsewhere,
+    as below a budget: on that MLP, ``chunked(72)`` was predicted at 1035
+    MiB against a bound of 1064 MiB, measured 1101 MiB, and the try set the
+    process's high-water mark above the bound.
+
+    Measured (that MLP, oneDNN off, TF's pooled allocator): ``batch`` peaks
+    at 389 MiB, so the room is 645 MiB; ``while`` at 577-584 MiB whatever
+    its rows in flight (1, 2, 4 or 10: the result stacked twice, 577 MiB,
+    is nearly all of it), predicted at 590-602 MiB. With the margin on
+    every candidate (548 MiB) it was never tried, though 1.2-1.3x faster
+    than ``batch`` there."""
+    return 1.0 if candidate.sequential_rows() else policy.safety
+
+
 def too_big_to_try(
-    policy: Policy, candidate: Strategy, predicted: int, room: float, allowed: float
+    policy: Policy,
+    candidate: Strategy,
+    predicted: tuple[int, int],
+    room: float,
+    allowed: float,
 ) -> Rejection:
-    """Why ``candidate`` (predicted to peak at ``predicted`` bytes even at its
-    smallest) is not tried: over the ``room`` a try may take
+    """Why ``candidate`` (``predicted`` to peak at these bytes as configured
+    and at its smallest) is not tried: over the ``room`` a try may take
     (:func:`race_room`), a rejection for memory where that room is all the
     budget ``allowed`` (a larger budget may fit it; not where the current
     peak sets it)."""
+    margin = race_margin(policy, candidate)
+    largest, smallest = predicted
+    even = f" (at its smallest {_fmt(smallest)})" if smallest != largest else ""
     return Rejection(
         candidate,
-        f"predicted peak {_fmt(predicted)} over {_fmt(room)} "
-        f"({policy.safety:.0%} of {policy.race_peak_factor:g} x the current "
+        f"predicted peak {_fmt(largest)}{even} over {_fmt(room)} "
+        f"({margin:.0%} of {policy.race_peak_factor:g} x the current "
         f"peak + {_fmt(policy.race_slack_bytes)}, within the budget)",
         memory=room >= allowed,
     )
@@ -237,15 +263,22 @@ def next_try(
     strategy is the eager start and it has answered the calls it answers
     (``left_eager``: the policy's ``eager_calls``)."""
     allowed, num_rows = limits
-    room = race_room(policy, current.peak_bytes, allowed)
+
+    def room(strategy: Strategy) -> float:
+        margin = race_margin(policy, strategy)
+        return race_room(policy, current.peak_bytes, allowed, margin)
+
     dropped: list[Rejection] = []
     for candidate in pending:
         smaller: Strategy | None = candidate
-        while smaller is not None and not fits(smaller, room):
-            smaller = smaller.smaller()
+        smallest = candidate
+        while smaller is not None and not fits(smaller, room(smaller)):
+            smallest, smaller = smaller, smaller.smaller()
         if smaller is None:
-            predicted = predicted_peak(candidate)
-            dropped.append(too_big_to_try(policy, candidate, predicted, room, allowed))
+            predicted = (predicted_peak(candidate), predicted_peak(smallest))
+            dropped.append(
+                too_big_to_try(policy, candidate, predicted, room(candidate), allowed)
+            )
             continue
         slower = known_slower(policy, earlier(smaller), current)
         if slower is not None:

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from jacobkit.keras import calls, compat, layer_tree
 from jacobkit.layers import convolutions
-from jacobkit.problem import liveness
+from jacobkit.problem import liveness, products
 from jacobkit.problem.inspect import Inspection, Traceable
 from jacobkit.problem.liveness import Node
 
@@ -90,6 +90,7 @@ class _Pass:
     connected: tuple[bool, ...]
     nodes: tuple[Node, ...]
     forward_ops: int
+    transposed: tuple[products.Transposed, ...] = ()
 
 
 def inspection(problem: Traceable) -> Inspection | None:
@@ -196,6 +197,7 @@ def _run(problem: Traceable, n: int, batch: int) -> _Pass | None:
         connected=tuple(g is not None for g in grads),
         nodes=_nodes(record.ops, handles),
         forward_ops=forward_ops,
+        transposed=products.of_eager(record.ops[:forward_ops], handles),
     )
 
 
@@ -228,6 +230,7 @@ def _combined(
     last = passes[-1]
     if len(passes) == 1:
         nodes, outputs, rows = last.nodes, last.outputs, last.rows
+        transposed = last.transposed
     else:
         first = passes[0]
         if (
@@ -239,8 +242,17 @@ def _combined(
         found = _extrapolated(first.nodes, last.nodes, sizes, batch)
         outputs_shape = _shape(first.outputs, last.outputs, sizes, batch)
         rows_shape = _shape(first.rows, last.rows, sizes, batch)
-        if found is None or outputs_shape is None or rows_shape is None:
+        grown = products.extrapolated(
+            first.transposed, last.transposed, (sizes[0], sizes[1]), batch
+        )
+        if (
+            found is None
+            or outputs_shape is None
+            or rows_shape is None
+            or grown is None
+        ):
             return None
+        transposed = grown
         nodes, outputs, rows = found, outputs_shape, rows_shape
     if not outputs:
         return None
@@ -258,6 +270,7 @@ def _combined(
         sequential_memory=liveness.walk_nodes(nodes, last.forward_ops),
         unpinned=(),
         layer_outputs=layer_tree.output_bytes(problem.model, outputs[0]),
+        transposed=transposed,
     )
 
 

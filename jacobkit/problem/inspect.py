@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from jacobkit.keras import compat, layer_tree, state
 from jacobkit.layers import convolutions
-from jacobkit.problem import liveness
+from jacobkit.problem import liveness, products
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.cache import PerModel
 from jacobkit.problem.key import Differentiated
@@ -62,6 +62,10 @@ class Inspection:
             layers for this batch (:func:`jacobkit.keras.layer_tree.output_bytes`),
             ``None`` where not known: read with the traced pass, so a steady
             call does not walk the layers again.
+        transposed: the operands of the forward pass's matrix products
+            that their gradients take transposed
+            (:class:`~jacobkit.problem.products.Transposed`): what the
+            ``MatMul`` rule copies where it applies (oneDNN off).
     """
 
     outputs_shape: tf.TensorShape | None
@@ -74,6 +78,7 @@ class Inspection:
     sequential_memory: SequentialMemory | None = None
     unpinned: tuple[str, ...] = ()
     layer_outputs: int | None = None
+    transposed: tuple[products.Transposed, ...] = ()
 
 
 class Traceable(Protocol):
@@ -160,6 +165,7 @@ def trace(problem: Traceable) -> Inspection:
     has_loops = any(op.type in _LOOPS for op in operations)
     outputs_shape = outputs.shape if isinstance(outputs, tf.Tensor) else None
     layer_outputs = None
+    reads = _target_reads(graph, problem.targets)
     if outputs_shape is not None and outputs_shape[0] is not None:
         # walked here, once per signature, not on every call (0.1 ms a call)
         layer_outputs = layer_tree.output_bytes(problem.model, int(outputs_shape[0]))
@@ -168,9 +174,7 @@ def trace(problem: Traceable) -> Inspection:
         rows=tf.TensorSpec(rows.shape, rows.dtype),
         connected=tuple(found["connected"]),
         has_loops=has_loops,
-        activation_bytes=_backward_bytes(
-            operations[:forward_ops], _target_reads(graph, problem.targets)
-        ),
+        activation_bytes=_backward_bytes(operations[:forward_ops], reads),
         convolutions=convolutions.of_gradient_ops(
             op.type for op in operations[forward_ops:]
         ),
@@ -183,6 +187,7 @@ def trace(problem: Traceable) -> Inspection:
             operations[:forward_ops], graph.as_graph_def() if has_loops else None
         ),
         layer_outputs=layer_outputs,
+        transposed=products.of_graph(operations[:forward_ops], reads),
     )
 
 

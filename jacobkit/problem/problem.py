@@ -72,6 +72,9 @@ class Problem:
             outputs of the layers of the model's functional graph
             (:func:`jacobkit.keras.layer_tree.output_bytes`), else every
             floating tensor of the traced pass.
+        transposed: the operands of the forward pass's matrix products
+            that their gradients take transposed
+            (:class:`~jacobkit.problem.products.Transposed`).
         convolutions: the convolution kinds its backward pass runs
             (``"conv2d"``, ...; their CPU kernels' scratch space and accuracy
             depend on the CPU).
@@ -174,6 +177,7 @@ class Problem:
         # keras_hub BERT, built for any sequence length)
         self.forward_bytes = inspection.layer_outputs or inspection.forward_bytes
         self.convolutions = inspection.convolutions
+        self.transposed = inspection.transposed
         #: with training=True, the random ops no Keras seed state pins
         self.unpinned = inspection.unpinned if self.training else ()
         self.rows_shape: tuple[int, ...] = tuple(spec.shape.as_list())

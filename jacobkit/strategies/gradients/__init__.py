@@ -31,12 +31,14 @@ from jacobkit.strategies.gradients.convolution import (
 from jacobkit.strategies.gradients.matmul import (
     MATMUL_COPY_BYTES,
     MATMUL_ROWS,
+    hoisted_bytes,
     matmul_rules,
     transposed_copy,
 )
 from jacobkit.strategies.gradients.rules import enclosing_graph, replaces
 
 __all__ = [
+    "hoisted_bytes",
     "MATMUL_COPY_BYTES",
     "MATMUL_ROWS",
     "SHARED_PATCHES_BYTES",

@@ -25,12 +25,13 @@ is replaced.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import tensorflow as tf
 
 from jacobkit import runtime
+from jacobkit.problem.products import Transposed
 from jacobkit.strategies.gradients import rules
 
 _MATMUL = "MatMul"
@@ -107,10 +108,26 @@ def _hoisted(operand: tf.Tensor) -> tf.Tensor:
     Memory: a copy built outside the loop is held while the loop runs, so
     the loop holds one copy of each ``Dense`` kernel its gradient passes
     (at most :data:`MATMUL_COPY_BYTES` each) and of the targets' inputs:
-    4.6 MiB on the MLP, beside its 288 MiB result. The planner's peak
-    prior does not count it."""
+    5.1 MiB on the MLP, beside its 288 MiB result; the planner's peak
+    prior counts it (:func:`hoisted_bytes`)."""
     with rules.within_graph(rules.enclosing_graph(operand)):
         return transposed_copy(operand)
+
+
+def hoisted_bytes(operands: Iterable[Transposed]) -> int:
+    """Bytes of the transposed copies :func:`_matmul_gradient` makes of
+    ``operands`` (a problem's :attr:`~jacobkit.problem.Problem.transposed`),
+    each held once while a traced call's rows run (:func:`_hoisted`): those
+    of products of at least :data:`MATMUL_ROWS` rows, each at most
+    :data:`MATMUL_COPY_BYTES`; 0 where the rule replaces nothing
+    (:func:`~jacobkit.strategies.gradients.rules.replaces`)."""
+    if not rules.replaces():
+        return 0
+    return sum(
+        o.bytes
+        for o in operands
+        if o.rows >= MATMUL_ROWS and o.bytes <= MATMUL_COPY_BYTES
+    )
 
 
 def _copied(operand: tf.Tensor) -> bool:
