@@ -128,10 +128,9 @@ class Problem:
             self.training,
             self.output,
         )
-        # a reduced call's first call (``reduced``: jk.gram's, reduced to its
-        # factors after): the eager passes where they can tell
-        reduces = reduced or self.reduction.reduces
-        eager = eager_inspect.inspection if reduces else None
+        # reduced calls (``reduced``: jk.gram's) inspect eagerly where they can
+        reduced = reduced or self.reduction.reduces
+        eager = eager_inspect.inspection if reduced else None
         inspection = inspect.inspect(self, differentiated, eager)
         self._take(inspection)
         self.key = ProblemKey(
@@ -171,10 +170,8 @@ class Problem:
         self.has_loops = inspection.has_loops
         self.activation_bytes = inspection.activation_bytes
         self.sequential_memory = inspection.sequential_memory
-        # an eager Keras call holds its layers' outputs; the traced pass's
-        # every floating tensor where they are not known (about 2x more on
-        # EfficientNetB0, whose activations are several ops each; 8x on a
-        # keras_hub BERT, built for any sequence length)
+        # an eager Keras call holds its layers' outputs, else every floating
+        # tensor traced (2x more on EfficientNetB0, 8x on a keras_hub BERT)
         self.forward_bytes = inspection.layer_outputs or inspection.forward_bytes
         self.convolutions = inspection.convolutions
         self.transposed = inspection.transposed
