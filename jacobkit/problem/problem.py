@@ -124,8 +124,10 @@ class Problem:
             self.training,
             self.output,
         )
-        # a reduced call's first call: the eager passes where they can tell
-        eager = eager_inspect.inspection if self.reduction.reduces else None
+        # a reduced call's first call: the eager passes where they can tell,
+        # the one on two examples kept for batch's checks (.eager_inspect.Kept)
+        self.kept_pass = eager_inspect.Kept() if self.reduction.reduces else None
+        eager = None if self.kept_pass is None else self.kept_pass.inspection
         inspection = inspect.inspect(self, differentiated, eager)
         self._take(inspection)
         self.key = ProblemKey(
@@ -330,11 +332,12 @@ class Problem:
         take the inputs as an argument; the problem they close over holds
         ``tf.TensorSpec``s in place of the inputs, so that the first call's
         inputs are not kept alive for the life of the model."""
-        return self.with_inputs(
-            tf.nest.map_structure(
-                lambda t: tf.TensorSpec(t.shape, t.dtype), self.inputs
-            )
+        other = copy.copy(self)
+        other.inputs = tf.nest.map_structure(
+            lambda t: tf.TensorSpec(t.shape, t.dtype), self.inputs
         )
+        other.kept_pass = None  # nor the first call's eager pass
+        return other
 
 
 def restricted(problem: Problem, indices: Sequence[int]) -> Problem:
