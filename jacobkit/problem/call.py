@@ -129,9 +129,11 @@ class Call:
             return inputs, None
         return padding.padded(inputs)
 
-    def problem(self, inputs: Any) -> Problem:
+    def problem(self, inputs: Any, reduced: bool = False) -> Problem:
         """The :class:`~jacobkit.problem.Problem` of one batch ``inputs``
-        (arrays ``(B, ...)``, or the structure a multi-input model takes)."""
+        (arrays ``(B, ...)``, or the structure a multi-input model takes);
+        ``reduced``: reduced whatever ``reduce=`` (``jk.gram``'s factors),
+        so inspected as a reduced call is (:class:`~jacobkit.problem.Problem`)."""
         return Problem(
             self.model,
             inputs,
@@ -142,4 +144,5 @@ class Call:
             unconnected=self.unconnected,
             output=self.output,
             reduce=self.reduce,
+            reduced=reduced,
         )

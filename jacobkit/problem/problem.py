@@ -91,6 +91,7 @@ class Problem:
         unconnected: str = "error",
         output: int | str | None = None,
         reduce: str | ClippedSum | Project | None = None,
+        reduced: bool = False,
     ) -> None:
         arguments.check_model(model)
         rows.check_mode(outputs)
@@ -118,15 +119,12 @@ class Problem:
         self.target_names = resolved.names
         self.roles = resolved.roles
         self.tensor_targets = resolved.tensors
-        differentiated = Differentiated(
-            tuple(id(t) for t in self.targets),
-            self.rows_spec,
-            self.training,
-            self.output,
-        )
-        # a reduced call's first call: the eager passes where they can tell,
-        # the one on two examples kept for batch's checks (.eager_inspect.Kept)
-        self.kept_pass = eager_inspect.Kept() if self.reduction.reduces else None
+        ids = tuple(id(t) for t in self.targets)
+        differentiated = Differentiated(ids, self.rows_spec, self.training, self.output)
+        # a reduced call's first call (jk.gram's: reduced=True): eager passes
+        # where they can tell, one kept for batch's checks (.eager_inspect.Kept)
+        reduced = reduced or self.reduction.reduces
+        self.kept_pass = eager_inspect.Kept() if reduced else None
         eager = None if self.kept_pass is None else self.kept_pass.inspection
         inspection = inspect.inspect(self, differentiated, eager)
         self._take(inspection)

@@ -54,7 +54,7 @@ class ChunkFeatures:
 def problem_of(call: Call, x: Any, formed: bool = False) -> Problem:
     """The chunk ``x``'s problem, reduced to the Gram's factors (``formed``:
     every target's rows formed, :class:`Factors`' ``formed``)."""
-    return call.problem(x).with_reduction(Factors(formed=formed))
+    return call.problem(x, reduced=True).with_reduction(Factors(formed=formed))
 
 
 def of_chunk(
