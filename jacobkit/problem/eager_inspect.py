@@ -238,10 +238,7 @@ def _run(problem: Traceable, n: int, batch: int, keep: bool) -> _Pass | None:
             if keep and problem.rows_spec.decomposes_per_example:
                 # the checks' rows, on the tape, their ops not recorded:
                 # what the inspection reads is the pass alone
-                spec = problem.rows_spec
-                per_example = spec.per_example(
-                    spec.select(outputs), problem.labels(inputs)
-                )
+                per_example = _per_example(problem, outputs, inputs)
         if not rows.dtype.is_floating:
             return None
         with record:
@@ -263,6 +260,16 @@ def _run(problem: Traceable, n: int, batch: int, keep: bool) -> _Pass | None:
         forward_ops=forward_ops,
         kept=kept,
     )
+
+
+def _per_example(problem: Traceable, outputs: tf.Tensor, inputs: Any) -> Any:
+    """The per-example rows the checks read, ``None`` where they cannot be
+    formed (the checks then run their own pass, and say why)."""
+    spec = problem.rows_spec
+    try:
+        return spec.per_example(spec.select(outputs), problem.labels(inputs))
+    except Exception:  # the checks' own pass raises it
+        return None
 
 
 def _nodes(ops: Sequence[calls.EagerOp], handles: set[int]) -> tuple[Node, ...]:
