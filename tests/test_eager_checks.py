@@ -91,9 +91,9 @@ def test_the_checks_of_a_layer_called_from_python_pass_eagerly(monkeypatch):
     problem_checks = []
     checked = checks._checked_pass
 
-    def spy(problem):
+    def spy(problem, *kept):
         before = len(built)
-        found = checked(problem)
+        found = checked(problem, *kept)
         problem_checks.append(len(built) - before)
         return found
 
@@ -129,3 +129,95 @@ def test_the_eager_checks_refuse_a_layer_off_its_closed_form():
         jk.jacobian(
             model, x, model.trainable_variables, outputs="per_example", strategy="batch"
         )
+
+
+# -- the eager inspecting pass serves the checks --------------------------------
+
+
+def _stack(mixing: bool = False) -> keras.Model:
+    """Keras's own layers (so a reduced call's inspection runs eagerly);
+    ``mixing``: a unit normalization over the batch axis between them,
+    which makes every example's output depend on the others'."""
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(6, activation="tanh", name="hidden")(inputs)
+    if mixing:
+        h = keras.layers.UnitNormalization(axis=0)(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def _passes(monkeypatch) -> tuple[list[int], list[bool]]:
+    """The examples of each model call of a problem, and whether each eager
+    check read the inspecting pass's record (kept) or ran its own."""
+    from jacobkit.strategies.batch import forward
+
+    examples: list[int] = []
+    kept: list[bool] = []
+    call_model = jk.problem.Problem.call_model
+    traced_forward = forward._traced_forward
+
+    def counted(self, inputs, hook=None):
+        if tf.executing_eagerly():
+            examples.append(int(tf.nest.flatten(inputs)[0].shape[0]))
+        return call_model(self, inputs, hook)
+
+    def spied(problem, inputs, check, kept_pass=None):
+        if check:
+            kept.append(kept_pass is not None)
+        return traced_forward(problem, inputs, check, kept_pass)
+
+    monkeypatch.setattr(jk.problem.Problem, "call_model", counted)
+    monkeypatch.setattr(forward, "_traced_forward", spied)
+    return examples, kept
+
+
+def test_a_reduced_first_call_runs_the_two_example_pass_once(monkeypatch):
+    """The checks read the inspecting pass on two examples: eagerly, the
+    model runs on two and three examples once each (the checks' own pass on
+    two examples is gone), and the rows' gradient norms are the float64
+    reference's."""
+    model = _stack()
+    x = RNG.normal(size=(8, 4)).astype("float32")
+    examples, kept = _passes(monkeypatch)
+    variables = model.trainable_variables
+    found = jk.jacobian(
+        model, x, variables, outputs="per_example", reduce="norm", strategy="batch"
+    )
+    assert kept == [True]
+    assert sorted(examples) == [2, 3]
+    reference = testing.float64_reference(model, x, variables, outputs="per_example")
+    for got, want in zip(found.values(), reference, strict=True):
+        # each target's gradient norm per row; float32 against float64:
+        # measured 1.2e-7
+        expected = np.linalg.norm(np.reshape(want, (8, 3, -1)), axis=2)
+        assert testing.max_relative_difference(got, expected) < 1e-5
+
+
+def test_the_kept_pass_refuses_a_model_mixing_examples(monkeypatch):
+    """A unit normalization over the batch mixes examples: refused in the
+    same words on the inspecting pass's record as on the checks' own."""
+    model = _stack(mixing=True)
+    x = tf.constant(RNG.normal(size=(8, 4)).astype("float32"))
+    examples, kept = _passes(monkeypatch)
+    with pytest.raises(ValueError, match="mixes examples across the batch"):
+        jk.jacobian(
+            model,
+            x,
+            model.trainable_variables,
+            outputs="per_example",
+            reduce="norm",
+            strategy="batch",
+        )
+    assert kept == [True]
+
+
+def test_an_unreduced_call_runs_the_checks_own_pass(monkeypatch):
+    """No eager inspection without ``reduce=``: nothing kept, the checks
+    run their own pass on two examples."""
+    model = _stack()
+    x = tf.constant(RNG.normal(size=(8, 4)).astype("float32"))
+    examples, kept = _passes(monkeypatch)
+    jk.jacobian(
+        model, x, model.trainable_variables, outputs="per_example", strategy="batch"
+    )
+    assert kept == [False]
+    assert examples == [2]

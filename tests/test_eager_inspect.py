@@ -237,3 +237,33 @@ def test_a_reduced_call_on_the_eager_inspection_is_exact():
     got = np.concatenate([np.asarray(v, np.float64).ravel() for v in found.values()])
     # float32 gradients of a 3-layer net: measured within 3e-7 of the rows'
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_targets_no_forward_op_reads_keep_the_largest_tensor_alone():
+    """Targets the forward pass never reads reach no row: what a row's
+    backward pass keeps is the forward pass's working set, its largest
+    tensor (the hidden layer's ``(8, 16)`` float32 outputs), in the eager
+    and the traced count alike, not every floating tensor."""
+    model = keras.Sequential(
+        [
+            keras.Input((7,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(5),
+        ]
+    )
+    elsewhere = keras.layers.Dense(3)
+    elsewhere.build((None, 4))
+    x = RNG.normal(size=(8, 7)).astype("float32")
+    problem = Problem(
+        model,
+        x,
+        [elsewhere.kernel],
+        outputs="per_example",
+        unconnected="zero",
+        reduce="norm",
+    )
+    eager = eager_inspect.inspection(problem)
+    assert eager is not None
+    largest = 8 * 16 * 4
+    assert eager.activation_bytes == largest
+    assert inspect.trace(problem).activation_bytes == largest

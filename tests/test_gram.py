@@ -173,9 +173,9 @@ def test_a_subclassed_model(monkeypatch):
     passes = []
     checked_pass = checks._checked_pass
 
-    def counted(problem):
+    def counted(problem, *kept):
         passes.append(problem.batch_size)
-        return checked_pass(problem)
+        return checked_pass(problem, *kept)
 
     monkeypatch.setattr(checks, "_checked_pass", counted)
 

@@ -180,3 +180,34 @@ def test_where_pfor_cannot_run_rows_run_one_at_a_time(reduce):
     # float32 against float64: measured 5.0e-7 relative to the largest value
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
+
+
+def test_the_scratch_probe_runs_only_where_it_can_change_the_plan(monkeypatch):
+    """Under the default budget every candidate fits even with
+    ``SCRATCH_BOUND`` of kernel scratch per backward pass: the probe cannot
+    change which fit, and is not run; under a budget that bound would break
+    (4 MiB beyond the measured scratch), it is measured and counted as
+    before. The results are the same."""
+    from jacobkit.planner import scratch
+
+    model, inputs = _wide()
+    reduce = REDUCTIONS["clipped sum"]
+    measured = _scratch(model, inputs, reduce)
+    safety = jk.planner.Policy().safety
+    budget = int((4 * 2**20 + measured) / safety)
+    asked: list[object] = []
+    probe = scratch.scratch_bytes
+
+    def spied(*args, **kwargs):
+        asked.append(args[0])
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(scratch, "scratch_bytes", spied)
+    free = _call(model, inputs, reduce)
+    assert asked == [] and free.plan.strategy == jk.strategies.Batch()
+    tight = _call(model, inputs, reduce, memory_budget=budget)
+    assert asked == [frozenset({"conv2d"})]
+    assert tight.plan.strategy == jk.strategies.Batch()
+    # the kernels' scratch is in the tight plan's prediction, not the free one's
+    assert tight.plan.predicted_peak_bytes - free.plan.predicted_peak_bytes >= measured
+    _same(tight, free)

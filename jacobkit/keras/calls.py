@@ -259,6 +259,14 @@ class Record:
             EagerOp(kind, tuple(stack or ()), tuple(inputs), tuple(outputs))
         )
 
+    def head(self, count: int) -> Record:
+        """A record of this one's first ``count`` ops (closed: nothing is
+        added to it)."""
+        found = Record()
+        found.ops = self.ops[:count]
+        found.graphs = self.graphs
+        return found
+
     def maker(self, tensor: Any) -> tuple[str, tuple[Any, ...]]:
         """The type and inputs of the recorded op that made ``tensor``
         (``("", ())``: none did)."""

@@ -93,13 +93,19 @@ def structured(problem: Problem) -> tuple[Strategy | None, str]:
     return shortcut, shortcut.describe(problem)
 
 
-def memory_prior(problem: Problem, row_bytes: int, device: str | None) -> MemoryPrior:
+def memory_prior(
+    problem: Problem,
+    row_bytes: int,
+    device: str | None,
+    scratch_bytes: int | None = None,
+) -> MemoryPrior:
     """The memory prior of ``problem``: ``row_bytes`` per row alive at once
     in a vectorized pass, its sequential rows' figures, and the scratch space
     its convolution gradients' kernels take on this machine, measured where
-    ``device`` reports its peak (else none)."""
-    measured = 0
-    if device is not None and problem.convolutions:
+    ``device`` reports its peak (else none), or ``scratch_bytes`` where
+    given (nothing measured)."""
+    measured = 0 if scratch_bytes is None else scratch_bytes
+    if scratch_bytes is None and device is not None and problem.convolutions:
         dtype = precision.gradient_dtype(problem)
         measured = scratch.scratch_bytes(problem.convolutions, dtype, device)
     return MemoryPrior(

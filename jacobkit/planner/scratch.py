@@ -55,6 +55,12 @@ from jacobkit.problem.liveness import SequentialMemory
 ROWS_PER_THREAD = 2
 #: measured runs of a probe (the largest counts)
 _RUNS = 3
+#: what one backward pass's kernels' scratch space is taken to be at most
+#: where it is not measured (:func:`bound`): 1 GiB. Measured (the module's
+#: NOTE): at most one L3-sized im2col buffer per op, 16 MiB on a 32 MiB L3,
+#: 33 MiB for a row's two ops at once; a server CPU's L3 is at most a few
+#: hundred MiB
+SCRATCH_BOUND = 2**30
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,12 @@ class MemoryPrior:
             return None
         holding = min(rows_in_flight, ROWS_PER_THREAD * self.threads)
         return self.sequential.peak(holding)
+
+
+def bound(kinds: Iterable[str], device: str | None) -> int:
+    """:data:`SCRATCH_BOUND` where :func:`scratch_bytes` would measure (a
+    convolution's gradient on a device that reports its peak), else 0."""
+    return SCRATCH_BOUND if device is not None and any(True for _ in kinds) else 0
 
 
 def inter_op_threads() -> int:

@@ -132,8 +132,8 @@ class Call:
     def problem(self, inputs: Any, reduced: bool = False) -> Problem:
         """The :class:`~jacobkit.problem.Problem` of one batch ``inputs``
         (arrays ``(B, ...)``, or the structure a multi-input model takes);
-        ``reduced``: its rows are reduced after (``jk.gram``'s factors), and
-        it is inspected as a reduced call's is."""
+        ``reduced``: reduced whatever ``reduce=`` (``jk.gram``'s factors),
+        so inspected as a reduced call is (:class:`~jacobkit.problem.Problem`)."""
         return Problem(
             self.model,
             inputs,

@@ -82,7 +82,8 @@ _OUTSIDE = ("outside",)
 class _Pass:
     """What one eager pass shows: the outputs' and rows' shapes, the rows'
     dtype, which targets the rows reach, and its ops (the first
-    ``forward_ops`` of them the forward pass)."""
+    ``forward_ops`` of them the forward pass), and the pass itself where it
+    is kept for the checks."""
 
     outputs: tuple[int, ...]
     rows: tuple[int, ...]
@@ -91,24 +92,74 @@ class _Pass:
     nodes: tuple[Node, ...]
     forward_ops: int
     transposed: tuple[products.Transposed, ...] = ()
+    kept: KeptPass | None = None
 
 
-def inspection(problem: Traceable) -> Inspection | None:
+@dataclass(frozen=True)
+class KeptPass:
+    """The eager pass on a problem's first ``min(B, 2)`` examples, kept for
+    the ``batch`` strategy's checks, which read that same forward pass
+    (:mod:`jacobkit.strategies.batch.checks`): run once, not twice.
+
+    Attributes:
+        inputs: the examples it ran on (the problem's inputs' first ones).
+        record: its forward ops (:class:`jacobkit.keras.calls.Record`).
+        tape: the persistent tape that recorded the forward pass, the
+            targets watched.
+        per_example: the per-example rows ``(n, K)``
+            (:meth:`jacobkit.problem.rows.Rows.per_example`), on that tape.
+    """
+
+    inputs: Any
+    record: calls.Record
+    tape: tf.GradientTape
+    per_example: tf.Tensor
+
+
+class Kept:
+    """One :class:`KeptPass` at most, shared by a problem and its shallow
+    copies (taken once: what is taken, or cleared, is freed for all)."""
+
+    def __init__(self) -> None:
+        self._kept: KeptPass | None = None
+
+    def put(self, kept: KeptPass) -> None:
+        self._kept = kept
+
+    def inspection(self, problem: Traceable) -> Inspection | None:
+        """:func:`inspection` of ``problem``, its pass kept here."""
+        return inspection(problem, self)
+
+    def take(self) -> KeptPass | None:
+        """The kept pass, which this slot then no longer holds."""
+        kept, self._kept = self._kept, None
+        return kept
+
+
+def inspection(problem: Traceable, keep: Kept | None = None) -> Inspection | None:
     """The :class:`Inspection` of ``problem`` from eager passes on two and
     three of its examples (its whole batch where it holds at most three),
     or ``None`` where those cannot tell it for sure (the module's NOTE):
-    the traced pass then runs."""
+    the traced pass then runs. ``keep``: where the inspection holds, the
+    pass on ``min(B, 2)`` examples is kept there (:class:`KeptPass`; with
+    three examples, none: the checks read two)."""
     batch = _batch(problem)
     if batch is None:
         return None
     sizes = (batch,) if batch <= max(EXAMPLES) else EXAMPLES
     passes = []
+    kept = None
     for n in sizes:
-        found = _run(problem, n, batch)
+        shared = keep is not None and n == min(batch, EXAMPLES[0])
+        found = _run(problem, n, batch, shared)
         if found is None:
             return None
         passes.append(found)
-    return _combined(problem, passes, sizes, batch)
+        kept = found.kept or kept
+    inspected = _combined(problem, passes, sizes, batch)
+    if inspected is not None and kept is not None and keep is not None:
+        keep.put(kept)
+    return inspected
 
 
 def _batch(problem: Traceable) -> int | None:
@@ -165,31 +216,42 @@ def _any_batch(model: Any) -> bool:
     return bool(specs)
 
 
-def _run(problem: Traceable, n: int, batch: int) -> _Pass | None:
-    """One eager forward and backward pass on the first ``n`` examples."""
+def _run(problem: Traceable, n: int, batch: int, keep: bool) -> _Pass | None:
+    """One eager forward and backward pass on the first ``n`` examples
+    (``keep``: the pass kept for the checks too, :class:`KeptPass`)."""
     inputs = problem.inputs
     if n < batch:
         inputs = tf.nest.map_structure(lambda t: t[:n], inputs)
     record = calls.Record()
     targets = list(problem.targets)
+    tape = tf.GradientTape(persistent=keep, watch_accessed_variables=False)
+    per_example = None
     try:
-        with record:
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(targets)
+        with tape:
+            tape.watch(targets)
+            with record:
                 outputs = problem.call_model(inputs)
                 if not isinstance(outputs, tf.Tensor):
                     return None
                 problem.rows_spec.check(outputs)
                 rows = problem.rows_spec.of(outputs, problem.labels(inputs))
                 forward_ops = len(record.ops)
-            if not rows.dtype.is_floating:
-                return None
+            if keep and problem.rows_spec.decomposes_per_example:
+                # the checks' rows, on the tape, their ops not recorded:
+                # what the inspection reads is the pass alone
+                per_example = _per_example(problem, outputs, inputs)
+        if not rows.dtype.is_floating:
+            return None
+        with record:
             grads = tape.gradient(rows, targets, output_gradients=tf.ones_like(rows))
     except Exception:  # the traced pass raises it, in jacobkit's words
         return None
     if record.graphs:
         return None
     handles = {id(compat.as_tf_variable(t).handle) for t in targets}
+    kept = None
+    if per_example is not None:
+        kept = KeptPass(inputs, record.head(forward_ops), tape, per_example)
     return _Pass(
         outputs=tuple(int(d) for d in outputs.shape),
         rows=tuple(int(d) for d in rows.shape),
@@ -198,7 +260,18 @@ def _run(problem: Traceable, n: int, batch: int) -> _Pass | None:
         nodes=_nodes(record.ops, handles),
         forward_ops=forward_ops,
         transposed=products.of_eager(record.ops[:forward_ops], handles),
+        kept=kept,
     )
+
+
+def _per_example(problem: Traceable, outputs: tf.Tensor, inputs: Any) -> Any:
+    """The per-example rows the checks read, ``None`` where they cannot be
+    formed (the checks then run their own pass, and say why)."""
+    spec = problem.rows_spec
+    try:
+        return spec.per_example(spec.select(outputs), problem.labels(inputs))
+    except Exception:  # the checks' own pass raises it
+        return None
 
 
 def _nodes(ops: Sequence[calls.EagerOp], handles: set[int]) -> tuple[Node, ...]:
@@ -262,11 +335,11 @@ def _combined(
         rows=tf.TensorSpec(rows, last.dtype),
         connected=last.connected,
         has_loops=False,
-        activation_bytes=_backward_bytes(forward),
+        activation_bytes=liveness.backward_bytes(forward, (_TARGET,)),
         convolutions=convolutions.of_gradient_ops(
             node.type for node in nodes[last.forward_ops :]
         ),
-        forward_bytes=_float_bytes(forward),
+        forward_bytes=liveness.float_bytes(forward),
         sequential_memory=liveness.walk_nodes(nodes, last.forward_ops),
         unpinned=(),
         layer_outputs=layer_tree.output_bytes(problem.model, outputs[0]),
@@ -319,33 +392,3 @@ def _shape(
         else:
             return None
     return tuple(found)
-
-
-def _float_bytes(nodes: Sequence[Node]) -> int:
-    """Bytes of the floating tensors ``nodes`` make (less the op types
-    :data:`jacobkit.problem.liveness.NOT_ACTIVATIONS`)."""
-    return sum(
-        size
-        for node in nodes
-        if node.type not in liveness.NOT_ACTIVATIONS
-        for _, size in node.made
-    )
-
-
-def _backward_bytes(forward: Sequence[Node]) -> int:
-    """What one row's backward pass keeps, as the traced pass counts it
-    (:func:`jacobkit.problem.inspect.trace`): the floating tensors the
-    forward ops downstream of the targets' reads make, plus the largest op's
-    upstream of them; without a read, every floating tensor."""
-    downstream: set[Hashable] = set()
-    below: list[Node] = []
-    above = 0
-    for node in forward:
-        if any(k == _TARGET or k in downstream for k in node.reads):
-            below.append(node)
-            downstream.update(key for key, _ in node.made)
-        else:
-            above = max(above, _float_bytes([node]))
-    if not below:
-        return _float_bytes(forward)
-    return _float_bytes(below) + above

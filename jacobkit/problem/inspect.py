@@ -163,6 +163,9 @@ def trace(problem: Traceable) -> Inspection:
     operations = graph.get_operations()
     forward_ops = found.get("forward_ops", 0)
     has_loops = any(op.type in _LOOPS for op in operations)
+    # one Node record per op, read by the byte counts and the walk alike
+    nodes = liveness.graph_nodes(operations)
+    forward = nodes[:forward_ops]
     outputs_shape = outputs.shape if isinstance(outputs, tf.Tensor) else None
     layer_outputs = None
     reads = _target_reads(graph, problem.targets)
@@ -174,13 +177,13 @@ def trace(problem: Traceable) -> Inspection:
         rows=tf.TensorSpec(rows.shape, rows.dtype),
         connected=tuple(found["connected"]),
         has_loops=has_loops,
-        activation_bytes=_backward_bytes(operations[:forward_ops], reads),
+        activation_bytes=liveness.backward_bytes(forward, reads),
         convolutions=convolutions.of_gradient_ops(
             op.type for op in operations[forward_ops:]
         ),
-        forward_bytes=_float_bytes(operations[:forward_ops]),
+        forward_bytes=liveness.float_bytes(forward),
         sequential_memory=(
-            None if has_loops else liveness.walk(operations, forward_ops)
+            None if has_loops else liveness.walk_nodes(nodes, forward_ops)
         ),
         # loop bodies are functions of the graph's library
         unpinned=state.unpinned(
@@ -237,45 +240,9 @@ def _probe(problem: Traceable, found: dict[str, Any]) -> Callable[[Any], tf.Tens
     return probe
 
 
-def _target_reads(graph: Any, targets: Sequence[Any]) -> list[Any]:
-    """The placeholders through which ``graph`` reads ``targets`` (empty
-    where they are not found among its captures)."""
+def _target_reads(graph: Any, targets: Sequence[Any]) -> set[str]:
+    """The keys (:func:`jacobkit.problem.liveness.graph_nodes`) of the
+    placeholders through which ``graph`` reads ``targets``: none where they
+    are not among its captures (then no op reads them)."""
     handles = {id(getattr(t, "handle", None)) for t in targets}
-    return [inner.op for outer, inner in graph.captures if id(outer) in handles]
-
-
-def _backward_bytes(operations: Sequence[Any], reads: Sequence[Any]) -> int:
-    """What one row's backward pass keeps: the floating tensors the forward
-    ``operations`` make downstream of the targets' ``reads``, plus the
-    largest one upstream of them (the forward pass's working set). Without
-    ``reads``, every floating tensor (an upper bound).
-
-    A frozen backbone's activations are not differentiated: counting them
-    put a MobileNetV2 head's one-row prior at 78 MiB where all rows at once
-    measure 16-19 MiB, and refused budgets the run fits."""
-    if not reads:
-        return _float_bytes(operations)
-    inside = {id(op) for op in operations}
-    downstream: set[int] = set()
-    stack = list(reads)
-    while stack:
-        op = stack.pop()
-        for out in op.outputs:
-            for consumer in out.consumers():
-                if id(consumer) in inside and id(consumer) not in downstream:
-                    downstream.add(id(consumer))
-                    stack.append(consumer)
-    below = [op for op in operations if id(op) in downstream]
-    above = [_float_bytes([op]) for op in operations if id(op) not in downstream]
-    return _float_bytes(below) + max(above, default=0)
-
-
-def _float_bytes(operations: Sequence[Any]) -> int:
-    """Bytes of the fully-shaped floating outputs of ``operations`` (less
-    constants, inputs, variable reads and identities)."""
-    return sum(
-        liveness.tensor_bytes(out)
-        for op in operations
-        if op.type not in liveness.NOT_ACTIVATIONS
-        for out in op.outputs
-    )
+    return {inner.name for outer, inner in graph.captures if id(outer) in handles}

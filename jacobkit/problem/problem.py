@@ -122,15 +122,13 @@ class Problem:
         self.target_names = resolved.names
         self.roles = resolved.roles
         self.tensor_targets = resolved.tensors
-        differentiated = Differentiated(
-            tuple(id(t) for t in self.targets),
-            self.rows_spec,
-            self.training,
-            self.output,
-        )
-        # reduced calls (``reduced``: jk.gram's) inspect eagerly where they can
+        ids = tuple(id(t) for t in self.targets)
+        differentiated = Differentiated(ids, self.rows_spec, self.training, self.output)
+        # a reduced call's first call (jk.gram's: reduced=True): eager passes
+        # where they can tell, one kept for batch's checks (.eager_inspect.Kept)
         reduced = reduced or self.reduction.reduces
-        eager = eager_inspect.inspection if reduced else None
+        self.kept_pass = eager_inspect.Kept() if reduced else None
+        eager = None if self.kept_pass is None else self.kept_pass.inspection
         inspection = inspect.inspect(self, differentiated, eager)
         self._take(inspection)
         self.key = ProblemKey(
@@ -334,11 +332,12 @@ class Problem:
         take the inputs as an argument; the problem they close over holds
         ``tf.TensorSpec``s in place of the inputs, so that the first call's
         inputs are not kept alive for the life of the model."""
-        return self.with_inputs(
-            tf.nest.map_structure(
-                lambda t: tf.TensorSpec(t.shape, t.dtype), self.inputs
-            )
+        other = copy.copy(self)
+        other.inputs = tf.nest.map_structure(
+            lambda t: tf.TensorSpec(t.shape, t.dtype), self.inputs
         )
+        other.kept_pass = None  # nor the first call's eager pass
+        return other
 
 
 def restricted(problem: Problem, indices: Sequence[int]) -> Problem:

@@ -13,7 +13,7 @@ enough rows, and only operands that are not too large).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,22 +34,25 @@ class Transposed:
     bytes: int
 
 
-def of_graph(operations: Sequence[Any], reads: Sequence[Any]) -> tuple[Transposed, ...]:
+def of_graph(
+    operations: Sequence[Any], reads: Collection[str]
+) -> tuple[Transposed, ...]:
     """The transposed operands of a traced forward pass's ``operations``
-    (graph ops, in order), given the ops through which it reads the targets
-    (``reads``): every ``MatMul`` without transposes, of known shapes."""
-    differentiated = {id(op) for op in reads}
+    (graph ops, in order), given the names of the tensors through which it
+    reads the targets (``reads``: the placeholders of their captures):
+    every ``MatMul`` without transposes, of known shapes."""
+    differentiated = set(reads)
     found = []
     for op in operations:
-        if any(id(t.op) in differentiated for t in op.inputs):
-            differentiated.add(id(op))
+        if any(t.name in differentiated for t in op.inputs):
+            differentiated.update(t.name for t in op.outputs)
         if (
             op.type != MATMUL
             or op.get_attr("transpose_a")
             or op.get_attr("transpose_b")
         ):
             continue
-        needed = [id(t.op) in differentiated for t in op.inputs]
+        needed = [t.name in differentiated for t in op.inputs]
         found += _operands(op.inputs, op.outputs[0], needed)
     return tuple(found)
 

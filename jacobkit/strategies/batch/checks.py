@@ -16,6 +16,7 @@ from jacobkit import layers
 from jacobkit.keras import calls as layer_calls
 from jacobkit.keras.graph import TapError
 from jacobkit.problem import PerModel, Problem
+from jacobkit.problem.eager_inspect import KeptPass
 from jacobkit.strategies import precision
 from jacobkit.strategies.batch import rule_check
 from jacobkit.strategies.batch.forward import (
@@ -108,6 +109,8 @@ def _numeric_refusal(problem: Problem) -> str | None:
     ``batch`` serves the targets and again before compiling. The verdict does not depend
     on the batch size beyond the :data:`CHECK_EXAMPLES` it reads, nor on
     ``reduce=``."""
+    # taken (freed) whether or not it serves
+    first = _kept_pass(problem)
     kept = _REFUSALS.of(problem.model)
     batch = problem.batch_size
     key = (
@@ -119,14 +122,14 @@ def _numeric_refusal(problem: Problem) -> str | None:
         None if batch is None else min(batch, CHECK_EXAMPLES),
     )
     if key not in kept:
-        kept[key] = _checked_refusal(problem)
+        kept[key] = _checked_refusal(problem, first)
     refusal: str | None = kept[key]
     return refusal
 
 
-def _checked_refusal(problem: Problem) -> str | None:
+def _checked_refusal(problem: Problem, kept: KeptPass | None) -> str | None:
     try:
-        checked = _checked_pass(problem)
+        checked = _checked_pass(problem, kept)
     except TapError as err:
         return (
             f"jacobian(strategy='batch'): {err}; the batch strategy needs "
@@ -222,18 +225,21 @@ def _checked(problem: Problem, forward: Forward) -> Checked:
     )
 
 
-def _checked_pass(problem: Problem) -> Checked:
+def _checked_pass(problem: Problem, kept: KeptPass | None = None) -> Checked:
     """One forward pass that serves both checks (each took 0.13 s of a 2 s
     first call on the MLP 512-1024-1024-144), on the first
     :data:`CHECK_EXAMPLES` examples where the model runs on fewer than its
     batch (else on all of them), eager: the layer tapped at its node where
     it is one of a functional graph, elsewhere its calls found in the eager
     pass's record (:func:`jacobkit.keras.calls.eager_layer_calls`), or in a
-    traced pass where the record cannot tell them for sure."""
+    traced pass where the record cannot tell them for sure. ``kept``: the
+    eager inspecting pass on the same examples, whose record serves where
+    the layer's calls are read from one (:func:`_kept_pass`)."""
     traced = not node_tap(problem)
 
-    def values(inputs: Any) -> tuple[list[Any], ...]:
-        found = _checked(problem, tapped_forward(problem, inputs, check=True))
+    def values(inputs: Any, kept: KeptPass | None = None) -> tuple[list[Any], ...]:
+        forward = tapped_forward(problem, inputs, check=True, kept=kept)
+        found = _checked(problem, forward)
         return (
             found.own,
             found.output,
@@ -244,6 +250,11 @@ def _checked_pass(problem: Problem) -> Checked:
         )
 
     def run(inputs: Any) -> Checked:
+        if traced and kept is not None:
+            try:  # the calls found in the eager inspecting pass's record
+                return Checked(*(list(v) for v in values(kept.inputs, kept)))
+            except layer_calls.Unavailable:
+                pass
         if traced:
             try:  # the layer's calls found in an eager pass's record
                 return Checked(*(list(v) for v in values(inputs)))
@@ -263,6 +274,27 @@ def _checked_pass(problem: Problem) -> Checked:
                 raise
             # a model bound to its batch size: checked on all of it
     return run(problem.inputs)
+
+
+def _kept_pass(problem: Problem) -> KeptPass | None:
+    """The eager inspecting pass kept for these checks
+    (:class:`~jacobkit.problem.eager_inspect.KeptPass`), where it ran on the
+    examples they read: the first ``min(B, CHECK_EXAMPLES)`` of inputs of
+    these shapes and dtypes (``None``: the checks run their own pass)."""
+    kept = None if problem.kept_pass is None else problem.kept_pass.take()
+    batch = problem.batch_size
+    if kept is None or batch is None:
+        return None
+    ran = tf.nest.flatten(kept.inputs)
+    mine = tf.nest.flatten(problem.inputs)
+    if len(ran) != len(mine) or any(
+        int(a.shape[0]) != min(batch, CHECK_EXAMPLES)
+        or a.shape[1:] != b.shape[1:]
+        or a.dtype != b.dtype
+        for a, b in zip(ran, mine)
+    ):
+        return None
+    return kept
 
 
 def _check_closed_form(problem: Problem, checked: Checked) -> None:

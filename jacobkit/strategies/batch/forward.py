@@ -40,6 +40,7 @@ from jacobkit.layers import LayerRule
 from jacobkit.layers.base import Tapped
 from jacobkit.layers.stock import ONE_OP_ACTIVATIONS
 from jacobkit.problem import Problem
+from jacobkit.problem.eager_inspect import KeptPass
 from jacobkit.problem.forms import LayerForm
 from jacobkit.problem.targets import Projection
 from jacobkit.strategies.base import ZERO
@@ -86,18 +87,26 @@ class Forward:
         return self.through(at_ends)
 
 
-def tapped_forward(problem: Problem, inputs: Any, *, check: bool = False) -> Forward:
+def tapped_forward(
+    problem: Problem,
+    inputs: Any,
+    *,
+    check: bool = False,
+    kept: KeptPass | None = None,
+) -> Forward:
     """Forward pass tapping the target layer's parts (see the module
     docstring): at its node where it has one in a functional graph, else at
     its calls in the traced pass (which must be being traced: a
     ``tf.function``). With ``check``, the layer's own output is recorded too.
+    ``kept``: an eager pass already run on ``inputs``, its calls read from
+    its record (not run again; taps at calls only).
 
     Raises:
         TapError: the layer's calls cannot be found or read (traced taps).
     """
-    if node_tap(problem):
+    if kept is None and node_tap(problem):
         return _node_forward(problem, inputs, check)
-    return _traced_forward(problem, inputs, check)
+    return _traced_forward(problem, inputs, check, kept)
 
 
 def node_tap(problem: Problem) -> bool:
@@ -173,17 +182,22 @@ def _units(problem: Problem) -> list[_Unit]:
     return found
 
 
-def _traced_forward(problem: Problem, inputs: Any, check: bool) -> Forward:
+def _traced_forward(
+    problem: Problem, inputs: Any, check: bool, kept: KeptPass | None = None
+) -> Forward:
     weights = _weights(problem)
     record = layer_calls.Record() if tf.executing_eagerly() else None
     tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
-    with tape:
-        tape.watch(list(problem.targets))
-        if record is None:
-            per_example = problem.per_example_rows(inputs)
-        else:
-            with record:
+    if kept is not None:
+        record, tape, per_example = kept.record, kept.tape, kept.per_example
+    else:
+        with tape:
+            tape.watch(list(problem.targets))
+            if record is None:
                 per_example = problem.per_example_rows(inputs)
+            else:
+                with record:
+                    per_example = problem.per_example_rows(inputs)
     graph = tf.compat.v1.get_default_graph()
     beside = tf.GradientTape(persistent=True, watch_accessed_variables=False)
     taps: list[Tapped] = []
