@@ -9,12 +9,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.framework import ops
 
 import jacobkit as jk
-from jacobkit import runtime, testing
+from jacobkit import runtime
 from jacobkit.strategies import dilated, gradients
 from jacobkit.testing import examples
+from tests import gradient_rules
+from tests.gradient_rules import assert_agrees_with_float64, assert_in_place_only_inside
 
 
 @pytest.fixture
@@ -209,16 +210,8 @@ def test_users_dilated_convolution_on_this_kind(strategy):
     assert float(tf.reduce_max(tf.abs(found - expected))) <= 5e-6 * scale
 
 
-def test_rule_in_place_only_inside_the_block(forced, monkeypatch):
-    registry = ops._gradient_registry._registry
-    own = registry["Conv2D"]
-    with gradients.convolution_rules():
-        assert registry["Conv2D"] is not own
-        with gradients.convolution_rules():  # nested: one replacement
-            assert registry["Conv2D"] is not own
-        assert registry["Conv2D"] is not own
-    assert registry["Conv2D"] is own
-    assert not runtime.PROCESS.gradient_rules
+def test_rule_in_place_only_inside_the_block(forced):
+    assert_in_place_only_inside("Conv2D", gradients.convolution_rules)
 
 
 def test_not_replaced_under_onednn(monkeypatch):
@@ -237,12 +230,7 @@ def test_not_replaced_under_onednn(monkeypatch):
     [
         jk.strategies.Structured(jk.strategies.While()),
         jk.strategies.Structured(jk.strategies.Batch()),
-        jk.strategies.While(),
-        jk.strategies.Chunked(2),
-        jk.strategies.Batch(),
-        jk.strategies.Jacobian(),
-        jk.strategies.Loop(),  # eager: the rule in place during each call
-        jk.strategies.Forward(),  # forward mode: the rule differentiated
+        *gradient_rules.strategies(2),
     ],
     ids=lambda s: s.label,
 )
@@ -251,18 +239,10 @@ def test_generator_under_the_rule_agrees_with_float64(forced, strategy):
     strategy's computation; 8 features on 6 channels, so that the linear
     head's shortcut applies), against the float64 reference; the tolerance
     is derived from the obvious loop's own error
-    (:func:`jacobkit.testing.assert_close`)."""
+    (:func:`jacobkit.testing.assert_close`); the rule takes conv2's and
+    conv3's input gradients."""
     ex = examples.build("generator", features=8)
-    result = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy=strategy)
-    if strategy.name != "forward":
-        assert forced  # conv2's and conv3's input gradients were the rule's
-    # forward mode: TensorFlow's forwardprop traces each op's JVP (through
-    # its registered gradient) once per op, attributes and shapes for the
-    # whole process, so whether the rule was in place depends on what ran
-    # before in the process (a CI worker had traced the generator's Conv2D
-    # JVP without it); the values agree either way
-    expected = testing.float64_reference(ex.model, ex.inputs, ex.layer)
-    testing.assert_close(result, expected)
+    assert_agrees_with_float64(ex.model, ex.inputs, ex.layer, strategy, forced)
 
 
 def _rows_in_a_loop(x, w, cotangents):
