@@ -272,9 +272,9 @@ def _cases() -> list[Any]:
                 # kind's generic computation from them): its rows are
                 # checked on every subject and row mode, and the kinds on
                 # forward by the MLP in every row mode; on the conv net and
-                # the subclassed model each took 40-50 s under load (the
-                # conv net's Gram 48 s against chunked's 5.7 and the MLP's
-                # 12.9), about 20 of the default run's worker-minutes
+                # the subclassed model the 24 cases took 43 s in one process
+                # on a lightly loaded machine (1.4-4.0 s each; 40-50 s each
+                # under heavy load)
                 slow |= (
                     strategy == "forward"
                     and reduction.id != "rows"
