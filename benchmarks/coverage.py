@@ -20,6 +20,8 @@ import os
 import time
 from pathlib import Path
 
+import model_configs
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
@@ -39,32 +41,24 @@ def models() -> dict:
             x["segment_ids"] = np.zeros((2, 8), "int32")
         return x
 
-    text = dict(num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32)
+    text = model_configs.tiny_text(16)
     image = rng.normal(size=(2, 32, 32, 3)).astype("float32")
 
     def gemma() -> object:
+        # Gemma's heads are its own: queries, and keys and values shared
+        sizes = {k: v for k, v in model_configs.TINY_TEXT.items() if k != "num_heads"}
         return keras_hub.models.GemmaBackbone(
-            vocabulary_size=50,
-            num_layers=2,
-            num_query_heads=2,
-            num_key_value_heads=1,
-            hidden_dim=16,
-            intermediate_dim=32,
-            head_dim=8,
+            **sizes, num_query_heads=2, num_key_value_heads=1, head_dim=8
         )
 
     found = {
         "keras_hub BERT": (
-            keras_hub.models.BertBackbone(
-                vocabulary_size=50, max_sequence_length=16, **text
-            ),
+            keras_hub.models.BertBackbone(**text),
             tokens(True),
             "sequence_output",
         ),
         "keras_hub GPT-2": (
-            keras_hub.models.GPT2Backbone(
-                vocabulary_size=50, max_sequence_length=16, **text
-            ),
+            keras_hub.models.GPT2Backbone(**text),
             tokens(),
             None,
         ),
@@ -72,9 +66,7 @@ def models() -> dict:
         # the backbones above, each under its head tied to its token table
         "keras_hub GPT2CausalLM": (
             keras_hub.models.GPT2CausalLM(
-                keras_hub.models.GPT2Backbone(
-                    vocabulary_size=50, max_sequence_length=16, **text
-                ),
+                keras_hub.models.GPT2Backbone(**text),
                 preprocessor=None,
             ),
             tokens(),

@@ -37,6 +37,7 @@ import warnings
 from pathlib import Path
 
 import keras
+import model_configs
 import numpy as np
 import tensorflow as tf
 
@@ -90,14 +91,7 @@ def _tokens(seed: int, segments: bool) -> dict[str, np.ndarray]:
 def _hub(name: str) -> keras.Model:
     import keras_hub
 
-    sizes = dict(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=8,
-    )
+    sizes = model_configs.tiny_text(8)
     if name == "bert":
         backbone = keras_hub.models.BertBackbone(**sizes)
         return keras_hub.models.BertTextClassifier(

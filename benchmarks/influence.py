@@ -46,6 +46,10 @@ PEERS = {
     "captum self_influence": ["--method", "self_influence_captum"],
     "TRAK TRAKer (BasicProjector)": ["--method", "trak"],
     "TRAK TRAKer (jacobkit's maps)": ["--method", "trak_jacobkit_maps"],
+    "TRAK TRAKer (jacobkit's maps, dense)": [
+        "--method",
+        "trak_jacobkit_maps_dense",
+    ],
     "PyTorch vmap(grad) TracIn": ["--method", "tracin_vmap"],
 }
 
@@ -240,7 +244,9 @@ def _markdown(data: dict) -> str:
         "`× jacobkit` compares those ratios (paired where measured): a "
         "PyTorch run's plain steps over jacobkit's. `TRAKer (jacobkit's "
         "maps)` projects by the maps jacobkit drew (exported with the "
-        "weights).",
+        "weights), each CountSketch by `index_add_` (one add per coordinate, "
+        "as jacobkit) or, `dense`, by a matmul of the matrix it stands for; "
+        "the peer is the faster correct one (named below the table).",
         "",
     ]
     lines += footing.machine_lines(data, measured)
@@ -259,6 +265,7 @@ def _markdown(data: dict) -> str:
         "captum self_influence": "self_influence",
         "TRAK TRAKer (BasicProjector)": "trak",
         "TRAK TRAKer (jacobkit's maps)": "trak",
+        "TRAK TRAKer (jacobkit's maps, dense)": "trak",
     }
     plain = {
         "tensorflow": measured.get("TF plain step", {}).get("steady_s"),
@@ -300,7 +307,36 @@ def _markdown(data: dict) -> str:
             f"{row['peak_growth_mib']:.1f} | "
             f"{row.get('first_growth_mib', float('nan')):.1f} | {agreement or ''} |"
         )
+    lines += _fastest_maps(measured, plain["torch"])
     return "\n".join(lines) + "\n"
+
+
+#: TRAKer with jacobkit's maps: each way of applying a CountSketch
+MAPS = {
+    "TRAK TRAKer (jacobkit's maps)": "index_add_",
+    "TRAK TRAKer (jacobkit's maps, dense)": "dense matmul",
+}
+
+
+def _fastest_maps(measured: dict, base: float | None) -> list[str]:
+    """Which way of applying jacobkit's maps the comparison takes as the
+    peer: the faster of those whose scores matched jacobkit's (a way that
+    disagreed or failed printed no timing)."""
+    good = {
+        label: found
+        for label in MAPS
+        if "error" not in measured.get(label, {"error": None})
+        and (found := _ratio(measured[label], base)) is not None
+    }
+    if not good:
+        return []
+    best = min(good, key=good.__getitem__)
+    shown = ", ".join(f"{MAPS[label]} {r:.2f}" for label, r in good.items())
+    return [
+        "",
+        f"TRAKer with jacobkit's maps, its fastest correct way here: "
+        f"{MAPS[best]} ({good[best]:.2f} × PyTorch's plain step; {shown}).",
+    ]
 
 
 if __name__ == "__main__":

@@ -152,37 +152,55 @@ def _cases(tf: Any, rows: int) -> dict[str, tuple[Callable[[], Any], float]]:
     return cases
 
 
+def _rounds(
+    calls: dict[str, Callable[[], Any]], rounds: int, repeats: int
+) -> list[dict[str, float]]:
+    """Each round's median of ``repeats`` timed calls of each of ``calls``
+    (by label), the calls alternating within a round: figures of one round
+    share its load."""
+    found = []
+    for _ in range(rounds):
+        round_ = {}
+        for label, call in calls.items():
+            each = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                call()
+                each.append(time.perf_counter() - start)
+            round_[label] = statistics.median(each)
+        found.append(round_)
+    return found
+
+
+def _fetched(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call``, its result fetched (a tensor's ``numpy()``)."""
+
+    def fetched() -> Any:
+        found = call()
+        return found.numpy() if hasattr(found, "numpy") else found
+
+    return fetched
+
+
 def per_op(rounds: int, repeats: int, rows: int) -> dict[str, Any]:
     import tensorflow as tf
 
     cases = _cases(tf, rows)
     for call, _ in cases.values():
         call()
-    times: dict[str, list[float]] = defaultdict(list)
-    ratios: dict[str, list[float]] = defaultdict(list)
     probe = next(iter(cases))
-    for _ in range(rounds):
-        round_: dict[str, float] = {}
-        for label, (call, _flops) in cases.items():
-            each = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                _ = call()
-                _ = _.numpy() if hasattr(_, "numpy") else _
-                each.append(time.perf_counter() - start)
-            round_[label] = statistics.median(each)
-            times[label].append(round_[label])
-        for label, (_, flops) in cases.items():
-            if flops:
-                rate = flops / round_[label]
-                ratios[label].append(rate / (cases[probe][1] / round_[probe]))
+    timed = _rounds(
+        {label: _fetched(call) for label, (call, _) in cases.items()}, rounds, repeats
+    )
     out = {}
     for label, (_, flops) in cases.items():
-        ms = statistics.median(times[label]) * 1e3
+        ms = statistics.median(r[label] for r in timed) * 1e3
+        # each round's rate over the probe's in the same round
+        of_probe = [(flops / r[label]) / (cases[probe][1] / r[probe]) for r in timed]
         out[label] = {
             "ms": ms,
             "gflops": flops / ms / 1e6 if flops else None,
-            "of_probe": statistics.median(ratios[label]) if flops else None,
+            "of_probe": statistics.median(of_probe) if flops else None,
         }
     return out
 
@@ -283,24 +301,11 @@ def whole(rounds: int, repeats: int, labels: list[str]) -> dict[str, Any]:
         print(label, "max rel diff", float(np.abs(found - reference).max()) / scale)
         calls[label] = call
     gradients.matmul.MATMUL_ROWS, batch_module.ROWS_AT_ONCE = 64, 16
-    times: dict[str, list[float]] = defaultdict(list)
-    ratios: dict[str, list[float]] = defaultdict(list)
-    for _ in range(rounds):
-        round_ = {}
-        for label, call in calls.items():
-            each = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                call()
-                each.append(time.perf_counter() - start)
-            round_[label] = statistics.median(each)
-            times[label].append(round_[label])
-        for label in calls:
-            ratios[label].append(round_[label] / round_[labels[0]])
+    timed = _rounds(calls, rounds, repeats)
     return {
         label: {
-            "s": statistics.median(times[label]),
-            "of_first": statistics.median(ratios[label]),
+            "s": statistics.median(r[label] for r in timed),
+            "of_first": statistics.median(r[label] / r[labels[0]] for r in timed),
         }
         for label in calls
     }

@@ -71,6 +71,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "peers"))
 
 import footing  # noqa: E402
+import model_configs  # noqa: E402
 import protocol  # noqa: E402
 
 MODELS = ("convnet", "bert", "gpt2", "gpt2_lora")
@@ -106,18 +107,12 @@ def _case(name: str) -> tuple[Any, Any, Any, Any]:
 
     import keras_hub
 
-    vocabulary, length = 1000, 32
+    length = 32
+    vocabulary = model_configs.GPT2["vocabulary_size"]
 
     def build() -> Any:
         keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=vocabulary,
-            num_layers=2,
-            num_heads=4,
-            hidden_dim=64,
-            intermediate_dim=128,
-            max_sequence_length=length,
-        )
+        backbone = keras_hub.models.GPT2Backbone(**model_configs.gpt2(length))
         if name == "gpt2_lora":
             backbone.enable_lora(4)
         return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)

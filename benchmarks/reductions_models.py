@@ -31,6 +31,11 @@ from typing import Any
 
 import numpy as np
 
+try:
+    from benchmarks import model_configs
+except ImportError:  # imported by name from this folder (peers' exports)
+    import model_configs  # type: ignore[no-redef]
+
 BATCH = 32
 CLASSES = 10
 
@@ -149,14 +154,7 @@ def next_token_loss(y_true: Any, y_pred: Any) -> Any:
 
 #: the causal LM's sizes (those of ``privacy_fit.py``'s and
 #: ``token_attribution.py``'s, with 32 positions)
-GPT2 = dict(
-    vocabulary_size=1000,
-    num_layers=2,
-    num_heads=4,
-    hidden_dim=64,
-    intermediate_dim=128,
-    max_sequence_length=32,
-)
+GPT2 = model_configs.gpt2(32)
 
 
 def gpt2(batch: int = BATCH, seed: int = 0) -> Case:

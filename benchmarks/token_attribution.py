@@ -46,6 +46,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import model_configs
 import runs
 
 HERE = Path(__file__).resolve().parent
@@ -85,14 +86,7 @@ def build() -> tuple:
     import numpy as np
 
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=1000,
-        num_layers=2,
-        num_heads=4,
-        hidden_dim=64,
-        intermediate_dim=128,
-        max_sequence_length=128,
-    )
+    backbone = keras_hub.models.GPT2Backbone(**model_configs.GPT2)
     model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
     tokens = np.random.default_rng(0).integers(1, 1000, (1, PROMPT)).astype("int32")
     # greedy decoding, as explain.generate_and_attribute does, without its

@@ -8,13 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.framework import ops
 
-import jacobkit as jk
-from jacobkit import runtime, testing
 from jacobkit.strategies import gradients
 from jacobkit.strategies.gradients import matmul, rules
 from jacobkit.testing import example_models
+from tests import gradient_rules
+from tests.gradient_rules import assert_agrees_with_float64, assert_in_place_only_inside
 
 
 @pytest.fixture
@@ -156,36 +155,15 @@ def test_copies_are_built_outside_a_loop(forced):
 
 
 def test_rule_in_place_only_inside_the_block(forced):
-    registry = ops._gradient_registry._registry
-    own = registry["MatMul"]
-    with gradients.matmul_rules():
-        assert registry["MatMul"] is not own
-        with gradients.matmul_rules():  # nested: one replacement
-            assert registry["MatMul"] is not own
-    assert registry["MatMul"] is own
-    assert not runtime.PROCESS.gradient_rules
+    assert_in_place_only_inside("MatMul", gradients.matmul_rules)
 
 
 @pytest.mark.parametrize(
-    "strategy",
-    [
-        jk.strategies.While(),
-        jk.strategies.Chunked(3),
-        jk.strategies.Batch(),
-        jk.strategies.Jacobian(),
-        jk.strategies.Loop(),  # eager: the rule in place during each call
-        jk.strategies.Forward(),  # forward mode: the rule differentiated
-    ],
-    ids=lambda s: s.label,
+    "strategy", gradient_rules.strategies(3), ids=lambda s: s.label
 )
 def test_mlp_under_the_rule_agrees_with_float64(forced, strategy):
     """The MLP's first Dense through the rule (every strategy's computation),
     against the float64 reference; the tolerance is derived from the
     obvious loop's own error (:func:`jacobkit.testing.assert_close`)."""
     ex = example_models.mlp(batch=6, inputs=5, hidden=7, features=4)
-    result = jk.jacobian(ex.model, ex.inputs, "hidden1", strategy=strategy)
-    if strategy.name != "forward":
-        assert any(forced)  # the backward pass's products were the rule's
-    layer = ex.model.get_layer("hidden1")
-    expected = testing.float64_reference(ex.model, ex.inputs, layer)
-    testing.assert_close(result, expected)
+    assert_agrees_with_float64(ex.model, ex.inputs, "hidden1", strategy, forced)

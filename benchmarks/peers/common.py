@@ -115,6 +115,17 @@ def count_sketch(rows: Any, buckets: Any, signs: Any, dim: int) -> Any:
     return out.index_add_(1, buckets.long(), rows * signs)
 
 
+def count_sketch_matrix(buckets: Any, signs: Any, dim: int) -> Any:
+    """The ``(n, dim)`` matrix a CountSketch stands for (row ``i``:
+    ``signs[i]`` in column ``buckets[i]``), for a dense matmul ``rows @ M``
+    that gives :func:`count_sketch`'s numbers (summed in another order)."""
+    import torch
+
+    matrix = torch.zeros(len(buckets), dim, dtype=signs.dtype)
+    matrix[torch.arange(len(buckets)), buckets.long()] = signs
+    return matrix
+
+
 # --------------------------------------------------------------------------
 # JAX
 
@@ -183,12 +194,40 @@ def method_parser(
     return parser
 
 
+def started(
+    script: str,
+    args: argparse.Namespace,
+    methods: Sequence[str],
+    needs: Callable[[str], str | None] = lambda method: None,
+) -> tuple[dict[str, Any], list[str]]:
+    """A checked-methods script's start: PyTorch pinned to ``args.threads``
+    (its footing record, ``footing.pin_torch``'s), and the methods to run:
+    those asked (``args.method``), else every one of ``methods`` whose
+    package (``needs(method)``, beyond torch; or ``None``) is installed,
+    those left out named on stderr. A method asked for whose package is
+    missing ends the run."""
+    import footing
+
+    record = footing.pin_torch(script, args.threads)
+    asked = args.method
+    missing = {m: p for m in methods if (p := needs(m)) and version(p) is None}
+    if asked:
+        refused = [f"{m} needs {missing[m]}" for m in asked if m in missing]
+        if refused:
+            raise SystemExit(f"{script}: {'; '.join(refused)}")
+        return record, list(asked)
+    if missing:
+        print(f"{script}: not installed, skipped {list(missing)}", file=sys.stderr)
+    return record, [m for m in methods if m not in missing]
+
+
 def run_methods(
     script: str,
     runs: Any,
     methods: Sequence[str],
     args: argparse.Namespace,
-    row: Callable[[str, dict[str, float], dict[str, Any], Any], dict[str, Any]],
+    record: dict[str, Any],
+    facts: Callable[[str, dict[str, Any], Any], dict[str, Any]],
     *,
     baseline: Callable[[str], str] = lambda method: "plain_step",
     kept: Callable[[str, Any], Any] = lambda method, result: None,
@@ -199,9 +238,11 @@ def run_methods(
     calls), its last result checked (the errors to stderr), then, if every
     ``*_err`` is within ``args.tolerance``, paired with its own plain step
     ``runs.<baseline(method)>()`` in this process (``args.paired_rounds``
-    rounds; none for the plain step itself) and printed as the JSON line
-    ``row(method, checks, timings, kept(method, result))`` (``kept``: what
-    the line needs of the result, taken before the result is freed).
+    rounds; none for the plain step itself) and printed as one JSON line:
+    the peer (``torch``) and method, ``facts(method, timings, kept(method,
+    result))`` (the script's own fields; ``kept``: what they need of the
+    result, taken before the result is freed), the checks, the timings and
+    the footing ``record`` (``footing.pin_torch``'s).
     ``after_first`` runs once, after the first method's timing. A method that
     raises or disagrees prints no line; the run ends with a ``SystemExit``
     naming them after the others ran."""
@@ -224,7 +265,7 @@ def run_methods(
             hook()
         try:
             checks = check(result)
-            facts = kept(method, result)
+            facts_of_result = kept(method, result)
         except Exception as error:  # noqa: BLE001
             refused(method, error)
             continue
@@ -248,7 +289,16 @@ def run_methods(
             # against the same framework's plain step, alternating in this process
             base, _ = getattr(runs, base_method)()
             timings["paired"] = paired(call, base, args.paired_rounds)
-        emit(row(method, checks, timings, facts))
+        emit(
+            {
+                "peer": "torch",
+                "method": method,
+                **facts(method, timings, facts_of_result),
+                **checks,
+                **timings,
+                "footing": record,
+            }
+        )
     if failed:  # one line: the runner keeps the last line of stderr
         raise SystemExit(
             f"{script}: {'; '.join(failed)} (checked against jacobkit's results "

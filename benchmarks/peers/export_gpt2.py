@@ -35,25 +35,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# the benchmarks' folder, for the models' sizes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
+import model_configs  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jacobkit import explain  # noqa: E402
 
-CONFIG = dict(
-    vocabulary_size=1000,
-    num_layers=2,
-    num_heads=4,
-    hidden_dim=64,
-    intermediate_dim=128,
-    max_sequence_length=128,
-)
+CONFIG = model_configs.GPT2
 #: keras_hub's GPT-2 layer norms (``GPT2Backbone``'s, fixed)
 EPSILON = 1e-5
 PROMPT, NEW_TOKENS = 64, 32

@@ -41,6 +41,13 @@ Methods (``--method``, repeatable; default all whose package imports):
   by its own factor, and so weights the ensemble's models unequally;
   jacobkit, as the paper, does not. With the same maps and this one step
   undone, TRAK's own code must give jacobkit's scores;
+- ``trak_jacobkit_maps_dense``: the same, each CountSketch applied as the
+  dense ``(n, dim)`` matrix it stands for (built once, before the timed
+  calls), by a matmul: at TRAK's size PyTorch's ``index_add_`` took 1.32x
+  that matmul, so the peer is timed both ways and the comparison takes the
+  faster (its fastest correct mode, as the reductions benchmark takes
+  Opacus's); its check also holds the two ways to the tolerance against
+  each other on random rows (``sketch_modes_err``);
 - ``tracin_vmap``: per checkpoint ``torch.func.vmap(grad)`` per-example
   gradients of the test and the training set, flattened, ``G_test G_trainᵀ``
   times the learning rate, summed (what one writes by hand).
@@ -64,7 +71,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -74,7 +80,6 @@ from typing import Any
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import common  # noqa: E402
-import footing  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -88,6 +93,7 @@ METHODS = (
     "self_influence_captum",
     "trak",
     "trak_jacobkit_maps",
+    "trak_jacobkit_maps_dense",
     "tracin_vmap",
 )
 #: the package each method needs beyond torch
@@ -96,10 +102,15 @@ NEEDS = {
     "self_influence_captum": "captum",
     "trak": "traker",
     "trak_jacobkit_maps": "traker",
+    "trak_jacobkit_maps_dense": "traker",
 }
 #: how each TRAK method inverts ``ΦᵀΦ``: TRAK's ``BasicScoreComputer``, or
 #: without its per-model rescaling (as the paper, and jacobkit)
-TRAK_INVERSE = {"trak": "reference", "trak_jacobkit_maps": "unscaled"}
+TRAK_INVERSE = {
+    "trak": "reference",
+    "trak_jacobkit_maps": "unscaled",
+    "trak_jacobkit_maps_dense": "unscaled",
+}
 
 
 def build() -> torch.nn.Sequential:
@@ -269,7 +280,12 @@ class Methods:
     def trak(self) -> Run:
         return self.traker(), lambda result: spearman(result, self.arrays["trak"])
 
-    def trak_jacobkit_maps(self) -> Run:
+    def trak_jacobkit_maps_dense(self) -> Run:
+        return self.trak_jacobkit_maps(dense=True)
+
+    def trak_jacobkit_maps(self, dense: bool = False) -> Run:
+        """TRAKer with jacobkit's maps, each CountSketch by ``index_add_``
+        or (``dense``) by a matmul of the matrix it stands for."""
         from trak.projectors import AbstractProjector, ProjectionType
         from trak.score_computers import BasicScoreComputer
 
@@ -291,9 +307,20 @@ class Methods:
             }
             for m in range(self.ensemble)
         ]
+        agreement = {}
         for found in (f for model in maps for f in model.values()):
             if "buckets" in found:  # as index_add_ takes them, converted once
                 found["buckets"] = found["buckets"].long()
+            if "buckets" in found and dense:
+                buckets, signs = found.pop("buckets"), found.pop("signs")
+                found["dense"] = common.count_sketch_matrix(buckets, signs, self.dim)
+                # the two ways on random rows: the same numbers
+                rows = torch.randn(8, len(buckets), generator=torch.Generator())
+                sketched = common.count_sketch(rows, buckets, signs, self.dim)
+                agreement["sketch_modes_err"] = max(
+                    agreement.get("sketch_modes_err", 0.0),
+                    error(rows @ found["dense"], sketched.numpy()),
+                )
         # the gradient's size: each map's rows
         size = sum(len(f.get("signs", f.get("dense"))) for f in maps[0].values())
         dim = self.dim
@@ -301,7 +328,8 @@ class Methods:
         class JacobkitMaps(AbstractProjector):
             """``sum_v M_v g_v`` with jacobkit's maps of model ``model_id``,
             each applied as jacobkit applies it: a CountSketch by one add per
-            coordinate (``index_add_``), a Gaussian map by a matmul."""
+            coordinate (``index_add_``; with ``dense``, as its matrix), a
+            Gaussian map by a matmul."""
 
             def __init__(self) -> None:
                 super().__init__(size, dim, 0, ProjectionType.normal, "cpu")
@@ -334,6 +362,7 @@ class Methods:
 
         def check(result: np.ndarray) -> dict[str, float]:
             return {
+                **agreement,
                 "trak_err": error(result, self.arrays["trak"]),
                 **spearman(result, self.arrays["trak"]),
             }
@@ -397,25 +426,12 @@ def main() -> None:
     )
     parser.add_argument("--captum-grads", choices=("batch", "loop"), default="batch")
     args = parser.parse_args()
-    record = footing.pin_torch("influence_torch", args.threads)
+    record, methods = common.started("influence_torch", args, METHODS, NEEDS.get)
     versions = {p: common.version(p) for p in ("torch", "captum", "traker")}
-    methods = args.method or [
-        m for m in METHODS if m not in NEEDS or versions[NEEDS[m]]
-    ]
-    for method in methods:
-        if method in NEEDS and versions[NEEDS[method]] is None:
-            raise SystemExit(f"influence_torch: {method} needs {NEEDS[method]}")
-    skipped = [m for m in METHODS if m not in methods]
-    if args.method is None and skipped:
-        print(f"influence_torch: not installed, skipped {skipped}", file=sys.stderr)
     runs = Methods(common.load(args.npz), args.batch_size, args.captum_grads)
 
-    def row(
-        method: str, checks: dict[str, float], timings: dict[str, Any], count: int
-    ) -> dict[str, Any]:
+    def facts(method: str, timings: dict[str, Any], count: int) -> dict[str, Any]:
         return {
-            "peer": "torch",
-            "method": method,
             **versions,
             "n_train": runs.n_train,
             "n_test": runs.n_test,
@@ -432,10 +448,7 @@ def main() -> None:
                 if method.endswith("_captum")
                 else {}
             ),
-            **checks,
-            **timings,
             "scores_per_s": count / timings["steady_s"],
-            "footing": record,
         }
 
     def scores(method: str, result: Any) -> int:
@@ -443,7 +456,9 @@ def main() -> None:
         return 0 if method == "plain_step" else int(np.prod(np.shape(result)))
 
     try:
-        common.run_methods("influence_torch", runs, methods, args, row, kept=scores)
+        common.run_methods(
+            "influence_torch", runs, methods, args, record, facts, kept=scores
+        )
     finally:
         runs.directory.cleanup()
 

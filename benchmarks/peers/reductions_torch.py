@@ -63,13 +63,11 @@ prints no line, and the run ends with an error after the others.
 from __future__ import annotations
 
 import math
-import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import common
-import footing
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -580,26 +578,15 @@ class Methods:
 def main() -> None:
     parser = common.method_parser(__doc__, "reductions.npz", METHODS)
     args = parser.parse_args()
-    record = footing.pin_torch("reductions_torch", args.threads)
-    opacus = common.version("opacus")
-    methods = args.method or [m for m in METHODS if opacus or "opacus" not in m]
-    if opacus is None and any("opacus" in m for m in methods) and args.method:
-        raise SystemExit("reductions_torch: the Opacus methods need opacus")
-    if opacus is None and args.method is None:
-        print("reductions_torch: no opacus, its methods skipped", file=sys.stderr)
+    record, methods = common.started(
+        "reductions_torch", args, METHODS, lambda m: "opacus" if "opacus" in m else None
+    )
     runs = Methods(common.load(args.npz), args.threads)
 
-    def row(
-        method: str, errors: dict[str, float], timings: dict[str, Any], _: Any
-    ) -> dict[str, Any]:
+    def facts(method: str, timings: dict[str, Any], _: Any) -> dict[str, Any]:
         return {
-            "peer": "torch",
-            "method": method,
             "batch": runs.batch,
             **({"noise": NOISE, "lr": LR} if "step" in method else {}),
-            **errors,
-            **timings,
-            "footing": record,
         }
 
     # the DP step against the plain SGD step, every other against the
@@ -609,7 +596,8 @@ def main() -> None:
         runs,
         methods,
         args,
-        row,
+        record,
+        facts,
         baseline=lambda method: "sgd_step" if "step" in method else "plain",
     )
 

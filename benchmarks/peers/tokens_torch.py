@@ -72,7 +72,6 @@ from collections.abc import Callable
 from typing import Any
 
 import common
-import footing
 import numpy as np
 import torch
 from common import Run
@@ -358,11 +357,9 @@ class Methods:
 def main() -> None:
     parser = common.method_parser(__doc__, "gpt2.npz", METHODS)
     args = parser.parse_args()
-    record = footing.pin_torch("tokens_torch", args.threads)
-    captum = common.version("captum")
-    methods = args.method or [m for m in METHODS if captum or "captum" not in m]
-    if captum is None and any(m.startswith("captum") for m in methods):
-        raise SystemExit("tokens_torch: the captum methods need captum installed")
+    record, methods = common.started(
+        "tokens_torch", args, METHODS, lambda m: "captum" if "captum" in m else None
+    )
     runs = Methods(common.load(args.npz))
     found: dict[str, float] = {}
 
@@ -377,22 +374,17 @@ def main() -> None:
                 f"Keras model's in {args.npz} (error {found['logits_err']:.2e})"
             )
 
-    def row(
-        method: str, errors: dict[str, float], timings: dict[str, Any], _: Any
-    ) -> dict[str, Any]:
+    def facts(method: str, timings: dict[str, Any], _: Any) -> dict[str, Any]:
         return {
-            "peer": "torch",
-            "method": method,
             "prompt": runs.prompt,
             "new_tokens": runs.new,
             "logits_err": found["logits_err"],
-            **errors,
-            **timings,
             "scores_per_s": runs.new / timings["steady_s"],
-            "footing": record,
         }
 
-    common.run_methods("tokens_torch", runs, methods, args, row, after_first=logits)
+    common.run_methods(
+        "tokens_torch", runs, methods, args, record, facts, after_first=logits
+    )
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
 
 from jacobkit import runtime
 from jacobkit.layers import conv
+from jacobkit.strategies import dilated
 from jacobkit.strategies.gradients import matmul, rules
 
 _OP = "Conv2D"
@@ -79,7 +80,9 @@ def convolution_rules() -> Iterator[None]:
 
 def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     """``Conv2D``'s gradient: TensorFlow's own (``own``) but where
-    :func:`flipped_padding` applies, there the input's by :func:`input_gradient`
+    :func:`flipped_padding` applies (or where
+    :func:`~jacobkit.strategies.dilated.refuses_dilation`: there its
+    ``dilated_gradient``), there the input's by :func:`input_gradient`
     and the kernel's by TensorFlow's own ``Conv2DBackpropFilter`` or, where
     the convolution was traced outside the graph its gradient is taken in
     (a loop over rows: see
@@ -87,6 +90,8 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     input's patches, formed once outside the loop, with the cotangent."""
     pads = flipped_padding(op)
     if pads is None:
+        if dilated.refuses_dilation(op):
+            return dilated.dilated_gradient(op, grad)
         return own(op, grad)
     x, kernel = op.inputs[0], op.inputs[1]
     # the loop's invariants, made once before it where there is one
