@@ -52,7 +52,6 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
 
-from jacobkit import runtime
 from jacobkit.layers import conv
 from jacobkit.strategies import dilated
 from jacobkit.strategies.gradients import matmul, rules
@@ -65,16 +64,7 @@ def convolution_rules() -> Iterator[None]:
     """``Conv2D``'s gradient replaced by :func:`_conv2d_gradient` for the
     block where :func:`~jacobkit.strategies.gradients.rules.replaces`
     (nested and concurrent blocks share one replacement)."""
-    registry = rules.registry(_OP) if rules.replaces() else None
-    if registry is None:
-        yield
-        return
-    with runtime.rule_replaced(
-        registry,
-        _OP,
-        runtime.PROCESS.gradient_rules,
-        lambda entry: rules.replaced(entry, _conv2d_gradient),
-    ):
+    with rules.rule_in_place(_OP, _conv2d_gradient):
         yield
 
 

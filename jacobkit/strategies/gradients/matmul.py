@@ -30,7 +30,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit import runtime
 from jacobkit.problem.products import Transposed
 from jacobkit.strategies.gradients import rules
 
@@ -51,16 +50,7 @@ def matmul_rules() -> Iterator[None]:
     """``MatMul``'s gradient replaced by :func:`_matmul_gradient` for the
     block where :func:`~jacobkit.strategies.gradients.rules.replaces`
     (nested and concurrent blocks share one replacement)."""
-    registry = rules.registry(_MATMUL) if rules.replaces() else None
-    if registry is None:
-        yield
-        return
-    with runtime.rule_replaced(
-        registry,
-        _MATMUL,
-        runtime.PROCESS.gradient_rules,
-        lambda entry: rules.replaced(entry, _matmul_gradient),
-    ):
+    with rules.rule_in_place(_MATMUL, _matmul_gradient):
         yield
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -50,6 +50,24 @@ def replaced(entry: dict[Any, Any], rule: Callable[..., Any]) -> dict[Any, Any]:
         return entry
     own = entry[keys[0]]
     return {**entry, keys[0]: functools.partial(rule, own)}
+
+
+@contextlib.contextmanager
+def rule_in_place(op: str, rule: Callable[..., Any]) -> Iterator[None]:
+    """``op``'s gradient replaced by ``rule`` (called with TensorFlow's own
+    gradient function, the op and its cotangent) for the block where
+    :func:`replaces` (nested and concurrent blocks share one replacement)."""
+    found = registry(op) if replaces() else None
+    if found is None:
+        yield
+        return
+    with runtime.rule_replaced(
+        found,
+        op,
+        runtime.PROCESS.gradient_rules,
+        lambda entry: replaced(entry, rule),
+    ):
+        yield
 
 
 def enclosing_graph(tensor: Any) -> Any:
