@@ -12,8 +12,8 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import runtime
-from jacobkit.strategies import dilated, gradients
-from jacobkit.strategies.gradients import convolution, rules
+from jacobkit.strategies import gradients
+from jacobkit.strategies.gradients import convolution, dilated, rules
 from jacobkit.testing import examples
 from tests import gradient_rules
 from tests.gradient_rules import assert_agrees_with_float64, assert_in_place_only_inside

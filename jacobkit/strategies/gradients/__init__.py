@@ -5,6 +5,9 @@ compute the same products faster, one module per op:
 - :mod:`~jacobkit.strategies.gradients.convolution`: a stride-1 ``Conv2D``'s
   input gradient as the forward convolution of the flipped kernel, and in a
   loop over rows its kernel gradient from the input's patches formed once;
+- :mod:`~jacobkit.strategies.gradients.dilated`: a dilated ``Conv2D``'s
+  gradient where TensorFlow's own CPU kernels refuse it (the convolution
+  rule's, by their undilated kernels on the kernel spread out);
 - :mod:`~jacobkit.strategies.gradients.matmul`: a ``MatMul``'s gradients as
   products of transposed copies, not by the kernel's transpose flags;
 - :mod:`~jacobkit.strategies.gradients.rules`: what they share (whether

@@ -53,8 +53,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
 
 from jacobkit.layers import conv
-from jacobkit.strategies import dilated
-from jacobkit.strategies.gradients import matmul, rules
+from jacobkit.strategies.gradients import dilated, matmul, rules
 
 _OP = "Conv2D"
 
@@ -71,7 +70,7 @@ def convolution_rules() -> Iterator[None]:
 def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     """``Conv2D``'s gradient: TensorFlow's own (``own``) but where
     :func:`flipped_padding` applies (or where
-    :func:`~jacobkit.strategies.dilated.refuses_dilation`: there its
+    :func:`~jacobkit.strategies.gradients.dilated.refuses_dilation`: there its
     ``dilated_gradient``), there the input's by :func:`input_gradient`
     and the kernel's by TensorFlow's own ``Conv2DBackpropFilter`` or, where
     the convolution was traced outside the graph its gradient is taken in

@@ -18,6 +18,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
 
 from jacobkit import runtime
+from jacobkit.strategies.gradients import rules
 
 
 def refuses_dilation(op: Any) -> bool:
@@ -38,8 +39,7 @@ def dilated_gradient(op: Any, grad: tf.Tensor) -> list[tf.Tensor]:
     with zero: exact zeros, but for an infinite or NaN input, where the
     zero taps give NaN. Any stride and padding."""
     x, kernel = op.inputs[0], op.inputs[1]
-    layout = op.get_attr("data_format")
-    layout = layout.decode() if isinstance(layout, bytes) else layout
+    layout = rules.text(op.get_attr("data_format"))
     dilations = list(op.get_attr("dilations"))
     steps = dilations[1:3] if layout == "NHWC" else dilations[2:4]
     spread = spread_kernel(kernel, steps)
