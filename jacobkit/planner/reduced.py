@@ -41,7 +41,7 @@ from jacobkit.planner.footprint import Overruns
 from jacobkit.planner.opening import memory_prior
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.probes import peak_measurable
-from jacobkit.problem import Problem
+from jacobkit.problem import Problem, measure_inspection
 from jacobkit.problem.plan import Estimate, Plan, Rejection, Switch
 from jacobkit.problem.solution import Solution
 from jacobkit.strategies import REGISTRY, Strategy
@@ -50,6 +50,12 @@ from jacobkit.strategies import REGISTRY, Strategy
 def result_bytes(problem: Problem) -> int:
     """Bytes of a reduced call's result."""
     return problem.reduction.result_bytes(problem)
+
+
+#: a memory budget's share the first candidate's peak, predicted from a
+#: problem's structural upper bounds (:mod:`jacobkit.problem.structural_inspect`),
+#: may take; beyond it, the inspection is measured and the plan made again
+ROOM = 0.5
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,9 @@ class Reduced:
         self.result_bytes = result_bytes(problem)
         self.rejected: list[Rejection] = []
         self.candidates = self._candidates(problem)
+        if memory_budget is not None and _tight(problem, self.candidates, self.allowed):
+            self.rejected = []
+            self.candidates = self._candidates(problem)
         #: measured / predicted peak of the runs so far (1 before any)
         self.scale = 1.0
         self.peak: int | None = None
@@ -359,3 +368,16 @@ class Reduced:
 
 def _scaled(predicted: int, scale: float) -> str:
     return memory.format_bytes(int(predicted * scale))
+
+
+def _tight(problem: Problem, candidates: list[Candidate], allowed: float) -> bool:
+    """Whether ``problem``'s inspection, read from its structure (upper
+    bounds), leaves its first candidate's predicted peak over :data:`ROOM`
+    of ``allowed``: then it is measured (:func:`jacobkit.problem.
+    measure_inspection`), and the candidates must be predicted again."""
+    if problem.inspection_measured:
+        return False
+    if candidates and candidates[0].predicted_bytes <= ROOM * allowed:
+        return False
+    measure_inspection(problem)
+    return True

@@ -23,7 +23,7 @@ from jacobkit.problem.cache import PerModel
 from jacobkit.problem.call import Call
 from jacobkit.problem.inspect import Inspection
 from jacobkit.problem.key import CallKey, ProblemKey
-from jacobkit.problem.problem import Problem
+from jacobkit.problem.problem import Problem, measure_inspection
 from jacobkit.problem.rows import OUTPUT_MODES, Rows
 from jacobkit.problem.targets import Roles, Targets
 
@@ -36,6 +36,7 @@ __all__ = [
     "Inspection",
     "PerModel",
     "Problem",
+    "measure_inspection",
     "ProblemKey",
     "Roles",
     "Rows",

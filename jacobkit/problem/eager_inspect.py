@@ -143,7 +143,7 @@ def inspection(problem: Traceable, keep: Kept | None = None) -> Inspection | Non
     the traced pass then runs. ``keep``: where the inspection holds, the
     pass on ``min(B, 2)`` examples is kept there (:class:`KeptPass`; with
     three examples, none: the checks read two)."""
-    batch = _batch(problem)
+    batch = batch_of(problem)
     if batch is None:
         return None
     sizes = (batch,) if batch <= max(EXAMPLES) else EXAMPLES
@@ -162,7 +162,7 @@ def inspection(problem: Traceable, keep: Kept | None = None) -> Inspection | Non
     return inspected
 
 
-def _batch(problem: Traceable) -> int | None:
+def batch_of(problem: Traceable) -> int | None:
     """The examples of ``problem``'s inputs, where an eager pass may tell
     its inspection (``None``: it may not)."""
     if (

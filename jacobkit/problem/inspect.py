@@ -66,6 +66,9 @@ class Inspection:
             that their gradients take transposed
             (:class:`~jacobkit.problem.products.Transposed`): what the
             ``MatMul`` rule copies where it applies (oneDNN off).
+        measured: whether a pass (traced or eager) measured it; ``False``
+            where it was read from the model's structure
+            (:mod:`.structural_inspect`: its byte counts upper bounds).
     """
 
     outputs_shape: tf.TensorShape | None
@@ -79,6 +82,7 @@ class Inspection:
     unpinned: tuple[str, ...] = ()
     layer_outputs: int | None = None
     transposed: tuple[products.Transposed, ...] = ()
+    measured: bool = True
 
 
 class Traceable(Protocol):

@@ -30,6 +30,7 @@ from jacobkit.problem import (
     inspect,
     loss,
     rows,
+    structural_inspect,
     targets,
 )
 from jacobkit.problem import outputs as model_outputs
@@ -124,11 +125,10 @@ class Problem:
         self.tensor_targets = resolved.tensors
         ids = tuple(id(t) for t in self.targets)
         differentiated = Differentiated(ids, self.rows_spec, self.training, self.output)
-        # a reduced call's first call (jk.gram's: reduced=True): eager passes
-        # where they can tell, one kept for batch's checks (.eager_inspect.Kept)
+        # a reduced call's (jk.gram's: reduced=True) inspection untraced
         reduced = reduced or self.reduction.reduces
         self.kept_pass = eager_inspect.Kept() if reduced else None
-        eager = None if self.kept_pass is None else self.kept_pass.inspection
+        eager = None if self.kept_pass is None else untraced
         inspection = inspect.inspect(self, differentiated, eager)
         self._take(inspection)
         self.key = ProblemKey(
@@ -173,6 +173,7 @@ class Problem:
         self.forward_bytes = inspection.layer_outputs or inspection.forward_bytes
         self.convolutions = inspection.convolutions
         self.transposed = inspection.transposed
+        self.inspection_measured = inspection.measured  # else upper bounds
         #: with training=True, the random ops no Keras seed state pins
         self.unpinned = inspection.unpinned if self.training else ()
         self.rows_shape: tuple[int, ...] = tuple(spec.shape.as_list())
@@ -366,3 +367,24 @@ def restricted(problem: Problem, indices: Sequence[int]) -> Problem:
         problem.key, differentiated=differentiated, layer=id(None)
     )
     return other
+
+
+def untraced(problem: Any) -> inspect.Inspection | None:
+    """A reduced call's inspection untraced: read from the model's structure
+    where it tells for sure (:mod:`.structural_inspect`: no pass runs), else
+    from eager passes (:mod:`.eager_inspect`, one kept in the problem's
+    ``kept_pass`` for ``batch``'s checks), else ``None`` (the traced pass
+    runs)."""
+    found = structural_inspect.inspection(problem)
+    return problem.kept_pass.inspection(problem) if found is None else found
+
+
+def measure_inspection(problem: Problem) -> None:
+    """Measure ``problem``'s memory facts by a pass (eager where it can tell,
+    else traced) in place of the structure's upper bounds: what a plan under
+    a tight memory budget reads (:mod:`jacobkit.planner.reduced`). Not kept
+    per model: the plan is."""
+    if problem.inspection_measured:
+        return
+    found = eager_inspect.inspection(problem)
+    problem._take(inspect.trace(problem) if found is None else found)

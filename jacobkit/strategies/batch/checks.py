@@ -15,7 +15,7 @@ import tensorflow as tf
 from jacobkit import layers
 from jacobkit.keras import calls as layer_calls
 from jacobkit.keras.graph import TapError
-from jacobkit.problem import PerModel, Problem
+from jacobkit.problem import PerModel, Problem, structural_inspect
 from jacobkit.problem.eager_inspect import KeptPass
 from jacobkit.strategies import precision
 from jacobkit.strategies.batch import rule_check
@@ -122,9 +122,25 @@ def _numeric_refusal(problem: Problem) -> str | None:
         None if batch is None else min(batch, CHECK_EXAMPLES),
     )
     if key not in kept:
-        kept[key] = _checked_refusal(problem, first)
-    refusal: str | None = kept[key]
+        if structural_inspect.trusted(problem):
+            kept[key] = (None, STRUCTURE)
+        else:
+            kept[key] = (_checked_refusal(problem, first), NUMERIC)
+    refusal: str | None = kept[key][0]
     return refusal
+
+
+#: how the checks went (:func:`how_checked`): trusted from the model's
+#: structure (:func:`jacobkit.problem.structural_inspect.trusted`: the test
+#: suite proves what they would), or run on one forward pass
+STRUCTURE, NUMERIC = "structure", "numeric"
+
+
+def how_checked(model: Any) -> tuple[str, ...]:
+    """How each of ``model``'s problems so far was checked
+    (:data:`STRUCTURE` or :data:`NUMERIC`), in the order checked: what the
+    tests read to see which way a first call went."""
+    return tuple(how for _, how in _REFUSALS.of(model).values())
 
 
 def _checked_refusal(problem: Problem, kept: KeptPass | None) -> str | None:
