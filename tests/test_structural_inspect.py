@@ -1,0 +1,277 @@
+"""A reduced call's inspection read from the model's structure
+(:mod:`jacobkit.problem.structural_inspect`) against the eager passes'
+(:mod:`jacobkit.problem.eager_inspect`, the reference): the same shapes,
+rows, connections and convolution kinds exactly, byte counts bounded above
+within the stated factor; ``None`` wherever the structure cannot tell.
+And ``batch``'s numeric checks trusted (:func:`structural_inspect.trusted`)
+only where the test suite proves them: a user's rule, a subclassed model,
+``training=True``, a layer called twice keep the numeric check."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import jacobkit as jk
+from jacobkit import layers, runtime
+from jacobkit.layers.dense import DenseRule
+from jacobkit.planner import reduced
+from jacobkit.problem import Problem, eager_inspect, structural_inspect
+from jacobkit.strategies.batch import checks
+
+RNG = np.random.default_rng(5)
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+#: the structural figures over the eager passes' (activations and forward
+#: bytes): at least 1 (an upper bound), at most the factor
+FACTOR = structural_inspect.ACTIVATION_FACTOR
+
+pytestmark = pytest.mark.skipif(
+    not runtime.cpu_kind().onednn,
+    reason="with oneDNN off the MatMul rule's copies need the passes' sizes",
+)
+
+
+def convnet() -> keras.Model:
+    inputs = keras.Input((12, 12, 3))
+    h = keras.layers.Conv2D(8, 3, activation="relu", name="conv1")(inputs)
+    h = keras.layers.Conv2D(16, 3, strides=2, activation="relu", name="conv2")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+
+
+def mlp() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((7,)),
+            keras.layers.Dense(16, activation="tanh", name="hidden"),
+            keras.layers.LayerNormalization(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(5, name="head"),
+        ]
+    )
+
+
+def mobilenet() -> keras.Model:
+    return keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=5
+    )
+
+
+def hub_bert() -> keras.Model:
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=8,
+    )
+    return keras_hub.models.BertTextClassifier(
+        backbone, num_classes=5, preprocessor=None
+    )
+
+
+def _inputs(model: keras.Model, batch: int) -> tuple:
+    y = RNG.integers(0, 5, batch).astype("int64")
+    if isinstance(model, Subclassed):
+        return RNG.normal(size=(batch, 7)).astype("float32"), y
+    if isinstance(model.inputs[0], dict) or len(model.inputs) > 1:
+        ids = RNG.integers(0, 50, (batch, 8)).astype("int32")
+        x = {
+            "token_ids": ids,
+            "segment_ids": np.zeros_like(ids),
+            "padding_mask": np.ones_like(ids),
+        }
+        return x, y
+    shape = (batch, *model.inputs[0].shape[1:])
+    return RNG.normal(size=shape).astype("float32"), y
+
+
+def _problem(model: keras.Model, batch: int, **kwargs) -> Problem:
+    kwargs.setdefault("reduce", jk.ClippedSum(1.0))
+    return Problem(
+        model,
+        _inputs(model, batch),
+        model.trainable_variables,
+        outputs=jk.Loss(LOSS),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("build", [convnet, mlp, mobilenet, hub_bert])
+def test_the_structural_inspection_is_the_eager_one(build):
+    problem = _problem(build(), 8)
+    found = structural_inspect.inspection(problem)
+    eager = eager_inspect.inspection(problem)
+    assert found is not None and eager is not None
+    assert not found.measured and eager.measured
+    assert found.outputs_shape == eager.outputs_shape
+    assert found.rows == eager.rows
+    assert found.connected == eager.connected
+    assert found.has_loops == eager.has_loops is False
+    assert found.convolutions == eager.convolutions
+    assert found.layer_outputs == eager.layer_outputs
+    assert found.unpinned == eager.unpinned == ()
+    # oneDNN on: the MatMul rule copies nothing, whatever the operands
+    assert found.transposed == ()
+    for mine, theirs in (
+        (found.activation_bytes, eager.activation_bytes),
+        (found.forward_bytes, eager.forward_bytes),
+    ):
+        assert theirs <= mine <= FACTOR * theirs
+    # the problem took it, and the checks were trusted
+    assert not problem.inspection_measured
+    assert structural_inspect.trusted(problem)
+
+
+class Subclassed(keras.Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.head = keras.layers.Dense(5)
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+def _built_subclassed() -> keras.Model:
+    model = Subclassed()
+    model(np.zeros((1, 7), "float32"))
+    return model
+
+
+def _bn_training() -> keras.Model:
+    inputs = keras.Input((7,))
+    h = keras.layers.Dense(8, name="hidden")(inputs)
+    h = keras.layers.BatchNormalization()(h, training=True)
+    return keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+
+
+def _shared() -> keras.Model:
+    inputs = keras.Input((5,))
+    dense = keras.layers.Dense(5, name="twice")
+    return keras.Model(inputs, dense(dense(inputs)))
+
+
+def _batch_mean() -> keras.Model:
+    inputs = keras.Input((7,))
+    h = keras.layers.Dense(8, name="hidden")(inputs)
+    h = keras.layers.Softmax(axis=0)(h)  # over the batch: examples mix
+    return keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+
+
+def _user_activation() -> keras.Model:
+    inputs = keras.Input((7,))
+    h = keras.layers.Dense(8, name="hidden")(inputs)
+    h = keras.layers.Activation(lambda t: t - keras.ops.mean(t, axis=0))(h)
+    return keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+
+
+@pytest.mark.parametrize(
+    "build", [_built_subclassed, _bn_training, _shared, _batch_mean, _user_activation]
+)
+def test_the_structure_does_not_tell(build):
+    problem = _problem(build(), 4)
+    assert structural_inspect.inspection(problem) is None
+    assert not structural_inspect.trusted(problem)
+    assert problem.inspection_measured
+
+
+def test_training_is_not_read():
+    model = mlp()
+    assert structural_inspect.inspection(_problem(model, 4, training=True)) is None
+
+
+def _per_example_reference(model, x, y, clip: float) -> list[np.ndarray]:
+    """The clipped sum the obvious way: each example's loss gradient on its
+    own, float64 norms and sums."""
+    grads = []
+    for i in range(len(y)):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[i : i + 1], model(x[i : i + 1], training=False))
+        found = tape.gradient(loss, model.trainable_variables)
+        grads.append([np.asarray(g, np.float64) for g in found])
+    total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+    for each in grads:
+        norm = np.sqrt(sum(float(np.sum(g**2)) for g in each))
+        scale = min(1.0, clip / max(norm, 1e-12))
+        for t, g in zip(total, each):
+            t += scale * g
+    return total
+
+
+@pytest.mark.parametrize("build", [convnet, mlp])
+def test_the_fast_path_is_taken_and_exact(build):
+    model = build()
+    x, y = _inputs(model, 6)
+    result = jk.jacobian(
+        model,
+        (x, y),
+        model.trainable_variables,
+        outputs=jk.Loss(LOSS),
+        reduce=jk.ClippedSum(0.5),
+    )
+    assert result.strategy == "batch", result.plan
+    assert checks.how_checked(model) == (checks.STRUCTURE,)
+    reference = _per_example_reference(model, x, y, 0.5)
+    for got, want in zip(result.values(), reference):
+        # float32 sums of 6 examples' gradients: measured within 2e-7 of
+        # the float64 reference's scale, 1e-5 leaves room
+        scale = np.abs(want).max() + 1e-12
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale)
+
+
+def test_a_user_rule_keeps_the_numeric_check():
+    class MyDense(keras.layers.Dense):
+        pass
+
+    layers.register(MyDense, DenseRule)  # a user's rule (for a subclass)
+    inputs = keras.Input((7,))
+    h = MyDense(8, name="mine")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+    x, y = _inputs(model, 4)
+    result = jk.jacobian(
+        model, (x, y), "mine", outputs=jk.Loss(LOSS), reduce=jk.ClippedSum(1.0)
+    )
+    assert result.strategy == "batch", result.plan
+    assert checks.how_checked(model) == (checks.NUMERIC,)
+
+
+def test_a_tight_budget_measures_the_inspection(monkeypatch):
+    """Where the structure's upper bound does not fit an explicit budget
+    with room, the planner measures the inspection by the passes."""
+    measured = []
+    original = reduced.measure_inspection
+
+    def counting(problem):
+        measured.append(problem)
+        original(problem)
+
+    monkeypatch.setattr(reduced, "measure_inspection", counting)
+    model = convnet()
+    x, y = _inputs(model, 8)
+    problem = _problem(model, 8)
+    assert not problem.inspection_measured
+    bound = problem.activation_bytes
+    jk.jacobian(
+        model,
+        (x, y),
+        model.trainable_variables,
+        outputs=jk.Loss(LOSS),
+        reduce=jk.ClippedSum(1.0),
+        memory_budget=int(bound * 1.2),
+    )
+    assert measured and measured[0].inspection_measured
+    measured.clear()
+    jk.jacobian(
+        model,
+        (x, y),
+        model.trainable_variables,
+        outputs=jk.Loss(LOSS),
+        reduce=jk.ClippedSum(1.0),
+        memory_budget="8GiB",
+    )
+    assert not measured
