@@ -13,6 +13,7 @@ import tensorflow as tf
 import jacobkit as jk
 from jacobkit import testing
 from jacobkit.keras import calls
+from jacobkit.problem import structural_inspect
 from jacobkit.strategies.batch import checks
 
 RNG = np.random.default_rng(7)
@@ -174,9 +175,13 @@ def test_a_reduced_first_call_runs_the_two_example_pass_once(monkeypatch):
     """The checks read the inspecting pass on two examples: eagerly, the
     model runs on two and three examples once each (the checks' own pass on
     two examples is gone), and the rows' gradient norms are the float64
-    reference's."""
+    reference's. (Where the model's structure tells the inspection and
+    vouches for the checks, as it does here, no eager pass runs at all:
+    :func:`test_the_structure_runs_no_eager_pass`; made unable here.)"""
     model = _stack()
     x = RNG.normal(size=(8, 4)).astype("float32")
+    monkeypatch.setattr(structural_inspect, "inspection", lambda problem: None)
+    monkeypatch.setattr(structural_inspect, "trusted", lambda problem: False)
     examples, kept = _passes(monkeypatch)
     variables = model.trainable_variables
     found = jk.jacobian(
@@ -188,6 +193,26 @@ def test_a_reduced_first_call_runs_the_two_example_pass_once(monkeypatch):
     for got, want in zip(found.values(), reference, strict=True):
         # each target's gradient norm per row; float32 against float64:
         # measured 1.2e-7
+        expected = np.linalg.norm(np.reshape(want, (8, 3, -1)), axis=2)
+        assert testing.max_relative_difference(got, expected) < 1e-5
+
+
+def test_the_structure_runs_no_eager_pass(monkeypatch):
+    """A stock model in inference mode: the inspection read from its
+    structure, the checks trusted (:mod:`jacobkit.problem.
+    structural_inspect`): the model never runs eagerly, and the norms are
+    the float64 reference's."""
+    model = _stack()
+    x = RNG.normal(size=(8, 4)).astype("float32")
+    examples, kept = _passes(monkeypatch)
+    variables = model.trainable_variables
+    found = jk.jacobian(
+        model, x, variables, outputs="per_example", reduce="norm", strategy="batch"
+    )
+    assert examples == [] and kept == []
+    reference = testing.float64_reference(model, x, variables, outputs="per_example")
+    for got, want in zip(found.values(), reference, strict=True):
+        # float32 against float64, as above: measured 1.2e-7
         expected = np.linalg.norm(np.reshape(want, (8, 3, -1)), axis=2)
         assert testing.max_relative_difference(got, expected) < 1e-5
 
@@ -212,9 +237,11 @@ def test_the_kept_pass_refuses_a_model_mixing_examples(monkeypatch):
 
 def test_an_unreduced_call_runs_the_checks_own_pass(monkeypatch):
     """No eager inspection without ``reduce=``: nothing kept, the checks
-    run their own pass on two examples."""
+    run their own pass on two examples (where the structure does not vouch
+    for them: made unable here, as a user's rule would)."""
     model = _stack()
     x = tf.constant(RNG.normal(size=(8, 4)).astype("float32"))
+    monkeypatch.setattr(structural_inspect, "trusted", lambda problem: False)
     examples, kept = _passes(monkeypatch)
     jk.jacobian(
         model, x, model.trainable_variables, outputs="per_example", strategy="batch"
