@@ -44,7 +44,7 @@ from jacobkit.planner.probes import peak_measurable
 from jacobkit.problem import Problem
 from jacobkit.problem.plan import Estimate, Plan, Rejection, Switch
 from jacobkit.problem.solution import Solution
-from jacobkit.strategies import REGISTRY, Strategy
+from jacobkit.strategies import REGISTRY, Strategy, precision
 
 
 def result_bytes(problem: Problem) -> int:
@@ -129,8 +129,10 @@ class Reduced:
         scratch space is measured (:func:`jacobkit.planner.scratch.
         scratch_bytes`) only where it can change which fit: where every
         candidate fits with :data:`~jacobkit.planner.scratch.SCRATCH_BOUND`
-        per backward pass in flight, none is measured and none counted (a
-        run over the budget scales the predictions by what it measured, as
+        per backward pass in flight, none is measured and this CPU kind's
+        prior is counted (:func:`jacobkit.planner.scratch.prior_bytes`:
+        uncounted, the predictions were 16-33 MiB a pass low without
+        oneDNN; a run over the budget scales them by what it measured, as
         for any error of the prior).
 
         NOTE (measured, loaded 2-core machine). The probe took 0.14-0.58 s
@@ -150,7 +152,11 @@ class Reduced:
 
         high = scratch.bound(problem.convolutions, self.device)
         if high and all(c.predicted_bytes <= self.allowed for c in predicted(high)):
-            return predicted(0)  # the probe cannot change which fit
+            # the probe cannot change which fit: the prior is counted
+            dtype = precision.gradient_dtype(problem)
+            return predicted(
+                scratch.prior_bytes(problem.convolutions, dtype, self.device)
+            )
         return predicted(None)  # measured where it can
 
     def _other(self) -> int | None:
