@@ -130,10 +130,8 @@ class Reduced:
         scratch_bytes`) only where it can change which fit: where every
         candidate fits with :data:`~jacobkit.planner.scratch.SCRATCH_BOUND`
         per backward pass in flight, none is measured and this CPU kind's
-        prior is counted (:func:`jacobkit.planner.scratch.prior_bytes`:
-        uncounted, the predictions were 16-33 MiB a pass low without
-        oneDNN; a run over the budget scales them by what it measured, as
-        for any error of the prior).
+        prior is counted (:func:`~jacobkit.planner.scratch.prior_bytes`;
+        a run over the budget scales the predictions, as for any error).
 
         NOTE (measured, loaded 2-core machine). The probe took 0.14-0.58 s
         of the reductions benchmark's conv net's first clipped sum (a plain
@@ -152,8 +150,7 @@ class Reduced:
 
         high = scratch.bound(problem.convolutions, self.device)
         if high and all(c.predicted_bytes <= self.allowed for c in predicted(high)):
-            # the probe cannot change which fit: the prior is counted
-            dtype = precision.gradient_dtype(problem)
+            dtype = precision.gradient_dtype(problem)  # no probe: the prior
             return predicted(
                 scratch.prior_bytes(problem.convolutions, dtype, self.device)
             )
