@@ -74,7 +74,7 @@ def judge(
     if timed > policy.trial_runs:
         settled = (
             f"; {timed} timed runs (within {policy.noise - 1:.0%} after "
-            f"{policy.trial_runs}: timed until settled, its best of the newest "
+            f"{policy.trial_runs}: timed again, judged on its best of the newest "
             f"{min(timed, runs)})"
         )
     if timed < policy.trial_runs:
