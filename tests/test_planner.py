@@ -91,11 +91,14 @@ def _covers_every_row_once(plan: jk.Plan) -> None:
 def test_settled_calls_run_every_row_at_once(generator, eager_trials):
     """A settled plan runs its strategy on every row in one run, as the fixed
     strategy would. The current strategy's rate takes two calls, and each of
-    the two candidates a traced call and two timed ones: the ninth call
-    judges the last try."""
+    the two candidates a traced call and two timed ones (four where it lost
+    within the noise, ``Policy.settle_runs``): the ninth call, or at most
+    the thirteenth, judges the last try."""
     ex = generator
-    for _ in range(9):
+    for _ in range(13):
         result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        if result.plan.settled:
+            break
     plan = result.plan
     assert plan.settled, str(plan)
     (whole,) = plan.last_call

@@ -156,3 +156,64 @@ def test_what_a_try_cost_beyond_its_prediction_is_owed():
     ]
     assert trials.overrun_s(probes, trying, 0.14) == pytest.approx(0.35)
     assert trials.overrun_s(probes, trying, 1.0) == 0.0
+
+
+def test_a_trial_lost_within_the_noise_runs_until_settled():
+    """After its ``trial_runs``, a candidate that would lose with its best
+    rate within ``noise`` of the current one's (its first timed runs in a
+    fresh process are slower than its steady ones: ``while(10)`` on the MLP
+    without oneDNN measured 1.13x ``batch``'s rate in one trial, 1.45x
+    steady) runs again, up to ``settle_runs`` timed runs, and is judged on
+    its best of the newest ``rate_runs``; a candidate clearly faster, or
+    clearly slower, ends its trial as before."""
+    policy = planner.Policy()
+    was, trying = Batch(), While(10)
+    mib = 2**20
+
+    def runs(*ratios: float) -> list[Probe]:
+        return [
+            Probe(was, 1, 0, 32, 0.10, True, 400 * mib),
+            Probe(was, 2, 0, 32, 0.012, False, 400 * mib),
+            Probe(was, 3, 0, 32, 0.010, False, 400 * mib),
+            Probe(trying, 4, 0, 32, 0.5, True, 600 * mib),
+            *(
+                Probe(trying, 5 + i, 0, 32, 0.010 * r, False, 600 * mib)
+                for i, r in enumerate(ratios)
+            ),
+        ]
+
+    def state(probes: list[Probe]) -> tuple[bool, trials.Verdict | None]:
+        ests = (
+            estimates.estimate(was, probes, rate_runs=policy.rate_runs),
+            estimates.estimate(trying, probes, rate_runs=policy.rate_runs),
+        )
+        if not trials.over(policy, probes, was, trying, ests):
+            return False, None
+        return True, trials.judge(policy, probes, was, trying, ests, (9, 0))
+
+    faster = 1 / policy.noise
+    # within the noise (0.9x, higher peak): not over after trial_runs
+    assert state(runs(1.0, 0.9)) == (False, None)
+    # its third run settles clearly faster: over, and it wins
+    done, verdict = state(runs(1.0, 0.9, 0.97 * faster))
+    assert done and verdict is not None and verdict.won
+    assert "3 timed runs" in verdict.switch.reason
+    # never settling: over at settle_runs (lost within the noise)
+    probes = runs(1.0, 0.95, 0.93, 0.96)
+    assert len(probes) - 4 == policy.settle_runs
+    done, verdict = state(probes)
+    assert done and verdict is not None and not verdict.won
+    # clear outcomes end after trial_runs, as before
+    done, verdict = state(runs(1.0, 0.97 * faster))
+    assert done and verdict is not None and verdict.won
+    done, verdict = state(runs(1.3, 1.02 * policy.noise))
+    assert done and verdict is not None and not verdict.won
+    # within the noise with a lower peak, it wins without more runs
+    lower = [
+        Probe(p.strategy, p.call, p.start, p.rows, p.seconds, p.traced, 300 * mib)
+        if p.strategy == trying
+        else p
+        for p in runs(1.0, 0.9)
+    ]
+    done, verdict = state(lower)
+    assert done and verdict is not None and verdict.won

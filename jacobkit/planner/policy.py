@@ -26,6 +26,15 @@ class Policy:
     Attributes:
         trial_runs: a tried candidate's rate is the median of this many
             runs that did not trace (one is at the mercy of a busy machine).
+        settle_runs: a tried candidate that would lose within ``noise`` of
+            the current strategy's rate after its ``trial_runs`` runs again,
+            up to this many timed runs, judged on its best of the newest
+            ``rate_runs`` (:func:`~jacobkit.planner.trials.settling`): its
+            first timed runs in a fresh process are slower than its steady
+            ones. Measured (MLP 512-1024-1024-144 without oneDNN, B=256,
+            one core, TensorFlow's default allocator, loaded): ``while(10)``
+            was kept in one of two fresh processes, 1.13x faster than
+            ``batch`` in the other's trial, 1.45x when steady.
         kept_probes: runs kept per strategy for its estimate (the newest).
         rate_runs: the steady rate is the median of this many newest runs
             that did not trace.
@@ -136,6 +145,7 @@ class Policy:
     """
 
     trial_runs: int = 2
+    settle_runs: int = 4
     kept_probes: int = 8
     rate_runs: int = 3
     rent: float = 5.0

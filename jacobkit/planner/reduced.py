@@ -44,7 +44,7 @@ from jacobkit.planner.probes import peak_measurable
 from jacobkit.problem import Problem, measure_inspection
 from jacobkit.problem.plan import Estimate, Plan, Rejection, Switch
 from jacobkit.problem.solution import Solution
-from jacobkit.strategies import REGISTRY, Strategy
+from jacobkit.strategies import REGISTRY, Strategy, precision
 
 
 def result_bytes(problem: Problem) -> int:
@@ -138,15 +138,13 @@ class Reduced:
         scratch space is measured (:func:`jacobkit.planner.scratch.
         scratch_bytes`) only where it can change which fit: where every
         candidate fits with :data:`~jacobkit.planner.scratch.SCRATCH_BOUND`
-        per backward pass in flight, none is measured and none counted (a
-        run over the budget scales the predictions by what it measured, as
-        for any error of the prior).
+        per backward pass in flight, none is measured and this CPU kind's
+        prior is counted (:func:`~jacobkit.planner.scratch.prior_bytes`;
+        a run over the budget scales the predictions, as for any error).
 
-        NOTE (measured, loaded 2-core machine). The probe took 0.14-0.58 s
-        of the reductions benchmark's conv net's first clipped sum (a plain
-        step's first call: 0.48 s) and 22 of its graph ops; its answer, 9
-        KiB with oneDNN (16-33 MiB without, :mod:`.scratch`), changed
-        nothing beside a default budget of 14 GiB."""
+        NOTE (measured, loaded). The probe took 0.14-0.58 s of the conv
+        net's first clipped sum (plain step's: 0.48 s); its answer (9 KiB
+        with oneDNN, 16-33 MiB without) changed nothing beside 14 GiB."""
 
         def predicted(scratch_bytes: int | None) -> list[Candidate]:
             prior = memory_prior(
@@ -159,7 +157,10 @@ class Reduced:
 
         high = scratch.bound(problem.convolutions, self.device)
         if high and all(c.predicted_bytes <= self.allowed for c in predicted(high)):
-            return predicted(0)  # the probe cannot change which fit
+            dtype = precision.gradient_dtype(problem)  # no probe: the prior
+            return predicted(
+                scratch.prior_bytes(problem.convolutions, dtype, self.device)
+            )
         return predicted(None)  # measured where it can
 
     def _other(self) -> int | None:

@@ -131,6 +131,38 @@ def bound(kinds: Iterable[str], device: str | None) -> int:
     return SCRATCH_BOUND if device is not None and any(True for _ in kinds) else 0
 
 
+#: one backward pass's kernels' scratch space where the probe is skipped
+#: (:func:`prior_bytes`), per convolution kind and whether oneDNN's kernels
+#: (not TensorFlow's own) run it: the most :func:`scratch_bytes` measured
+#: (TF 2.21, float32, float64 and bfloat16 probes; oneDNN's never runs
+#: float64), rounded up. TensorFlow's own ``Conv2D`` gradients size their
+#: im2col buffer to a fixed 30 MiB "L3 cache" whatever the CPU's (31.9 MiB
+#: measured on an Intel Xeon with a 480 MiB L3; 16-33 MiB on an AMD EPYC
+#: with 32 MiB, the module's NOTE); oneDNN's took 9-80 KiB, the depthwise
+#: and ``Conv3D`` gradients 0-45 KiB on either kind (45 KiB: a float64
+#: ``Conv3D`` probed after other work in the process, 0 alone)
+PRIOR_BYTES = {
+    ("conv2d", False): 32 * 2**20,
+    ("conv2d", True): 128 * 2**10,
+    ("conv3d", False): 128 * 2**10,
+    ("conv3d", True): 128 * 2**10,
+    ("depthwise", False): 128 * 2**10,
+    ("depthwise", True): 128 * 2**10,
+}
+
+
+def prior_bytes(kinds: Iterable[str], dtype: tf.DType, device: str | None) -> int:
+    """What :func:`scratch_bytes` is taken to be without measuring it: the
+    largest :data:`PRIOR_BYTES` of ``kinds`` on this CPU's kind
+    (:func:`jacobkit.runtime.cpu_kind`: oneDNN's kernels, but for float64,
+    which only TensorFlow's own run); 0 off the CPU (no figures measured),
+    without convolutions, or for a kind not listed."""
+    if device is None or "CPU" not in device.upper():
+        return 0
+    onednn = runtime.cpu_kind().onednn and tf.as_dtype(dtype) != tf.float64
+    return max((PRIOR_BYTES.get((kind, onednn), 0) for kind in kinds), default=0)
+
+
 def inter_op_threads() -> int:
     """Threads TensorFlow runs independent ops on (its inter-op pool)."""
     configured = tf.config.threading.get_inter_op_parallelism_threads()

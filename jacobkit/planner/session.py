@@ -202,12 +202,15 @@ class Session:
         return due.candidate
 
     def _trial_over(self, trying: Strategy) -> bool:
-        """Whether ``trying`` ran its trial's runs, or ends early
-        (:func:`~jacobkit.planner.trials.ends_early`)."""
-        if self._measured.timed_runs(trying) >= self._policy.trial_runs:
-            return True
+        """Whether ``trying``'s trial is over (:func:`~jacobkit.planner.
+        trials.over`: its runs done, settled, or ended early)."""
+        was = self._lineup.current
+        current, found = self.estimate(was), self.estimate(trying)
+        if current is None or found is None or found.seconds_per_row is None:
+            return False  # it has not run untraced yet
+        assert current.seconds_per_row is not None, "a try starts from a rate"
         probes = self._measured.probes
-        return trials.ends_early(self._policy, probes, self._lineup.current, trying)
+        return trials.over(self._policy, probes, was, trying, (current, found))
 
     def record(self, probe: Probe) -> None:
         """Keep what a run measured (the newest runs of each strategy)."""
