@@ -193,7 +193,9 @@ def _identity_patches(
     layer's 32x32x3 images so for its clipped sum and Gram matrix."""
     channels = int(x.shape[-1])
     size = channels * math.prod(sizes)
-    kernel = tf.reshape(tf.eye(size, dtype=x.dtype), (*sizes, channels, size))
+    # one constant (tf.eye built six graph ops, and a reshape two more)
+    identity = np.eye(size).reshape((*sizes, channels, size))
+    kernel = tf.constant(identity, dtype=x.dtype)
     found = tf.nn.convolution(x, kernel, strides=strides, padding="VALID")
     batch = x.shape[0]
     return tf.reshape(found, (-1 if batch is None else batch, outs[0] * outs[1], size))
