@@ -95,7 +95,10 @@ def contract(
         key = (id(scales[target]), flat.dtype)
         if key not in row_scales:
             row_scales[key] = tf.cast(tf.reshape(scales[target], (1, -1)), flat.dtype)
-        return tf.reshape(tf.matmul(row_scales[key], flat), targets[target].shape)
+        found = tf.matmul(row_scales[key], flat)  # (1, size)
+        if targets[target].shape.rank == 1:  # a Squeeze: no shape constant
+            return tf.squeeze(found, 0)
+        return tf.reshape(found, targets[target].shape)
 
     def contracted(i: int, p: Any, target: int) -> tuple[Any, Any]:
         """Part ``i``'s ``(kernel, bias)`` sums, the cotangents of each call
