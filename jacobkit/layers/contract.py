@@ -91,6 +91,8 @@ def kernel_and_bias_gradients(
     """
     batch, rows = dz.shape[0], dz.shape[1]
     units = dz.shape[-1]
+    if rows == 1:
+        return _one_row(patches, dz, kernel_shape, summed=summed)
     cotangents = tf.reshape(dz, (batch, rows, -1, units))  # (B, K, P, O)
     if summed:
         kernel = summed_matmul(patches, cotangents)
@@ -103,3 +105,29 @@ def kernel_and_bias_gradients(
         tf.reshape(kernel, (count, *kernel_shape)),
         tf.reshape(bias, (count, units)),
     )
+
+
+def _one_row(
+    patches: tf.Tensor,
+    dz: tf.Tensor,
+    kernel_shape: tuple[int, ...],
+    *,
+    summed: bool,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """:func:`kernel_and_bias_gradients` of one row per example (a loss),
+    ``dz`` ``(B, 1, *z.shape[1:])``: the same matmuls and sums with no row
+    axis to carry. NOTE (why). Its reshape to ``(B, 1, P, O)``, a Squeeze,
+    an ExpandDims after the matmul and the bias's reshape traced nine graph
+    ops per convolution of the conv net's first clipped sum, a transpose and
+    another reshape more where summed."""
+    batch, units = dz.shape[0], dz.shape[-1]
+    if summed:  # (B * P, I)ᵀ (B * P, O): one 2-D matmul
+        flat = tf.reshape(patches, (-1, patches.shape[-1]))
+        cotangents = tf.reshape(dz, (-1, units))  # (B * P, O)
+        kernel = tf.matmul(flat, cotangents, transpose_a=True)
+        bias = tf.reduce_sum(cotangents, axis=0, keepdims=True)
+        return tf.reshape(kernel, (1, *kernel_shape)), bias
+    cotangents = tf.reshape(dz, (batch, -1, units))  # (B, P, O)
+    kernel = tf.matmul(patches, cotangents, transpose_a=True)  # (B, I, O)
+    bias = tf.reduce_sum(cotangents, axis=1)
+    return tf.reshape(kernel, (batch, *kernel_shape)), bias

@@ -193,7 +193,9 @@ def _identity_patches(
     layer's 32x32x3 images so for its clipped sum and Gram matrix."""
     channels = int(x.shape[-1])
     size = channels * math.prod(sizes)
-    kernel = tf.reshape(tf.eye(size, dtype=x.dtype), (*sizes, channels, size))
+    # one constant (tf.eye built six graph ops, and a reshape two more)
+    identity = np.eye(size).reshape((*sizes, channels, size))
+    kernel = tf.constant(identity, dtype=x.dtype)
     found = tf.nn.convolution(x, kernel, strides=strides, padding="VALID")
     batch = x.shape[0]
     return tf.reshape(found, (-1 if batch is None else batch, outs[0] * outs[1], size))
@@ -345,12 +347,15 @@ def example_filters(
         tf.transpose(dz, (0, 2, 3, 1, 4)), (batch, 1, *spatial, rows * units)
     )
     sizes = [*kernel_shape[:-1], rows * units]
+    # one constant shared by every example's op (a list made one per op: 31
+    # more graph ops per layer of 32 examples)
+    filter_sizes = tf.constant(sizes, tf.int32)
 
     def one(pair: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
         image, cotangent = pair
         return tf.raw_ops.Conv2DBackpropFilter(
             input=image,
-            filter_sizes=sizes,
+            filter_sizes=filter_sizes,
             out_backprop=cotangent,
             strides=[1, *strides, 1],
             padding=padding,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from jacobkit.layers import norms as layer_norms
@@ -96,9 +97,12 @@ class EmbeddingRule(MaterializedNorms):
         batch, rows, dim = dz.shape[0], dz.shape[1], dz.shape[-1]
         ids = _ids(x, batch)  # (B, P)
         positions = ids.shape[1]
-        same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.int32)
+        # ExpandDims and a constant of offsets: no strided slices, no range
+        same = tf.cast(
+            tf.equal(tf.expand_dims(ids, 2), tf.expand_dims(ids, 1)), tf.int32
+        )
         first = tf.argmax(same, axis=-1, output_type=tf.int32)  # (B, P)
-        segments = first + positions * tf.range(batch)[:, None]
+        segments = first + _offsets(batch, positions, first.dtype)
         data = _by_position(dz, positions)
         by_id = tf.math.unsorted_segment_sum(
             data, tf.reshape(segments, (-1,)), batch * positions
@@ -132,7 +136,7 @@ def per_example_tables(ids: tf.Tensor, dz: tf.Tensor, vocabulary: int) -> tf.Ten
     vocabulary, D)``, row-major, one segment sum (each example's cotangent
     rows scattered into its own copy of the table)."""
     batch, rows, dim = dz.shape[0], dz.shape[1], dz.shape[-1]
-    own = ids + vocabulary * tf.range(batch)[:, None]  # example b's rows
+    own = ids + _offsets(batch, vocabulary, ids.dtype)  # example b's rows
     table = tf.math.unsorted_segment_sum(
         _by_position(dz, ids.shape[1]), tf.reshape(own, (-1,)), batch * vocabulary
     )  # (B * V, K, D)
@@ -365,3 +369,12 @@ def _pair(one: _Side, other: _Side) -> tf.Tensor:
     if not (lookup or lookup_other):
         features = features[:, None]
     return tf.reduce_sum(tables * features, axis=(2, 3))
+
+
+def _offsets(batch: Any, step: Any, dtype: Any) -> tf.Tensor:
+    """``step * b`` for each example ``b``, ``(B, 1)``: one constant where
+    the batch and step are known (a range and its strided slice traced six
+    graph ops)."""
+    if isinstance(batch, int) and isinstance(step, int):
+        return tf.constant(np.arange(batch)[:, None] * step, dtype=dtype)
+    return step * tf.expand_dims(tf.range(batch), 1)

@@ -80,7 +80,7 @@ class _Normalization(MaterializedNorms):
         # BERT's LayerNorm at 32 examples of 32 tokens, 64 channels, one row
         # each, 0.12 against 0.42 ms; 144 rows of 8 examples of 196 positions,
         # 32 channels, 6.2 against 28.5 ms (summed over the batch: the same)
-        products = xhat[:, None] * g
+        products = tf.expand_dims(xhat, 1) * g  # no strided slice
         if summed:
             gamma = tf.reduce_sum(products, axis=(0, 2))
             beta = tf.reduce_sum(g, axis=(0, 2))

@@ -69,7 +69,6 @@ def kernel_and_bias_norms(
     """
     batch, rows, units = dz.shape[0], dz.shape[1], dz.shape[-1]
     positions, inputs = patches.shape[1], patches.shape[2]
-    cotangents = tf.reshape(dz, (batch, rows, positions, units))  # (B, K, P, O)
     gram = use_gram(positions, inputs, units, rows) if form is None else form == "gram"
     if not summed and gram and positions == 1:
         # one position (a Dense layer on vectors): a row's gradient is x δᵀ,
@@ -77,12 +76,16 @@ def kernel_and_bias_norms(
         # (measured, as :func:`jacobkit.layers.base.squared_rows`): the conv
         # net's head, two small one-pass norms instead of three Einsums
         # (0.10 ms of its clipped sum)
-        flat = tf.reshape(cotangents, (batch, rows, units))
+        # reshaped only where the shapes differ (the conv net's head's
+        # cotangents are (B, K, O) already: three reshapes traced six graph
+        # ops)
+        flat = _shaped(dz, (batch, rows, units))
         bias = tf.math.reduce_euclidean_norm(flat, axis=-1)  # (B, K)
         # (B, 1, 1) -> (B, 1): no strided slice for a new axis
         inputs_norm = tf.math.reduce_euclidean_norm(patches, axis=2)
-        kernel = tf.cast(tf.reshape(inputs_norm, (batch, 1)), bias.dtype) * bias
+        kernel = tf.cast(_shaped(inputs_norm, (batch, 1)), bias.dtype) * bias
         return tf.reshape(kernel, (-1,)), tf.reshape(bias, (-1,))
+    cotangents = _shaped(dz, (batch, rows, positions, units))  # (B, K, P, O)
     if not summed and gram:
         gram_inputs = tf.einsum("bpi,bqi->bpq", patches, patches)
         kernel = tf.sqrt(tf.maximum(ghost_squared(gram_inputs, cotangents), 0.0))
@@ -113,6 +116,13 @@ def kernel_and_bias_norms(
         tf.reshape(tf.transpose(kernel), (-1,)),
         tf.reshape(tf.transpose(bias), (-1,)),
     )
+
+
+def _shaped(tensor: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
+    """``tensor`` reshaped to ``shape``, unless its static shape is that."""
+    if tensor.shape.is_fully_defined() and tuple(tensor.shape) == tuple(shape):
+        return tensor
+    return tf.reshape(tensor, shape)
 
 
 def ghost_squared(positions: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:

@@ -82,7 +82,9 @@ class Rows:
         """
         if isinstance(self.mode, Loss):
             losses = self.mode.rows(selected, labels)
-            return losses if losses.shape.rank == 2 else losses[:, None]
+            # ExpandDims, not a strided slice: its begin, end and strides
+            # constants, and its gradient's five more (a StridedSliceGrad)
+            return losses if losses.shape.rank == 2 else tf.expand_dims(losses, 1)
         if self.mode == "full":
             return tf.reshape(selected, (selected.shape[0], -1))
         middle = list(range(1, selected.shape.rank - 1))

@@ -128,7 +128,8 @@ class TargetMap:
     def held(self, name: str) -> tf.Tensor:
         """The array ``name`` (``"dense"``, ``"left"``, ``"right"``,
         ``"buckets"`` or ``"signs"``; or
-        ``"dense_t"``, the dense map transposed and laid out so) as a
+        ``"dense_t"``, the dense map transposed and laid out so, or
+        ``"signs_column"``, the signs ``(n, 1)``) as a
         tensor made once, eagerly even while a function is traced, so that
         a compiled call captures it as an input instead of embedding it as a
         constant.
@@ -140,10 +141,16 @@ class TargetMap:
         MiB; steady calls the same."""
         if name not in self._held:
             transposed = name.endswith("_t")  # "dense_t": Mᵀ, laid out so
-            array = getattr(self, name[:-2] if transposed else name)
+            column = name.endswith("_column")  # "signs_column": (n, 1)
+            array = getattr(
+                self,
+                name[:-2] if transposed else name.removesuffix("_column"),
+            )
             assert array is not None, f"the map has {name}"
             if transposed:
                 array = np.ascontiguousarray(array.T)
+            if column:
+                array = array[:, None]
             with tf.init_scope():
                 self._held[name] = tf.constant(array)
         return self._held[name]
@@ -161,7 +168,11 @@ class TargetMap:
         ``einsum("ia,rib->rab")`` after ``G R`` took 1-1.8 ms each of a 50 ms
         call, and ``jk.Project(2048)`` went from 2.55 to 2.1 x the plain
         step with this order (paired in one process)."""
-        rows = tf.shape(gradients)[0]
+        # a static row count where it is known: tf.shape's strided slice
+        # and the Pack of a reshape's shape traced eight graph ops a target
+        rows = gradients.shape[0]
+        if rows is None:
+            rows = tf.shape(gradients)[0]
         if self.buckets is not None:
             return self._counted(tf.reshape(gradients, (rows, -1)))
         if self.dense is not None:
@@ -205,9 +216,11 @@ class TargetMap:
         ``scatter_nd`` 308 / 413 / 772 µs; the segment sum of the rows
         untransposed 380 / 447 / 840 µs (most of the small sizes is the
         call's own overhead)."""
-        signs = tf.cast(self.held("signs"), flat.dtype)
+        # the signs held as a column (``signs[:, None]`` traced a strided
+        # slice and its three constants per target)
+        signs = tf.cast(self.held("signs_column"), flat.dtype)
         summed = tf.math.unsorted_segment_sum(
-            tf.transpose(flat) * signs[:, None], self.held("buckets"), self.dim
+            tf.transpose(flat) * signs, self.held("buckets"), self.dim
         )
         return tf.transpose(summed)
 
@@ -250,7 +263,10 @@ class TargetMap:
     def _kept(self, both: tf.Tensor) -> tf.Tensor:
         # the scale in the rows' own dtype (tf.cast of a Python float went
         # through float32: float64 rows were 1.7e-8 off at dim=2048)
-        return both[:, : self.dim] / tf.constant(math.sqrt(self.dim), both.dtype)
+        # no slice where the map gives ``dim`` columns (its begin, end and
+        # strides constants)
+        kept = both if both.shape[1] == self.dim else both[:, : self.dim]
+        return kept / tf.constant(math.sqrt(self.dim), both.dtype)
 
 
 def _times(tensor: tf.Tensor, matrix: tf.Tensor) -> tf.Tensor:

@@ -141,21 +141,26 @@ class Batch(Strategy):
             zs = [tap.z for tap in forward.taps]
             batch, rows = int(forward.rows.shape[0]), seeds.count
 
+            def one_row() -> list[Any]:
+                # each (B, *z.shape[1:]): one row per example (a loss), one
+                # backward pass as it is, not pfor's conversion of it (a
+                # vectorized map of one seed: the same products, BERT tiny's
+                # clipped sum traced 2,519 graph ops with it, 2,245 without;
+                # its results moved by 1e-7 relative, float32 rounding)
+                if isinstance(seeds, seeding.OneHotRows):
+                    # the one-hot seed of one row is ones: one constant, not
+                    # a range, one_hot, broadcast and squeeze (19 graph ops)
+                    return forward.cotangents(tf.ones((batch, 1), forward.rows.dtype))
+                chunk = seeds.of(0, 1, batch, forward.rows.dtype)
+                return forward.cotangents(tf.squeeze(chunk, 0))
+
             def cotangents(start: Any, count: Any) -> Any:
                 # each (count, B, *z.shape[1:]): d P[b, k] / d z[b] for the
                 # chunk's rows k, from the batch-summed rows (examples do not
                 # mix)
-                chunk = seeds.of(start, count, batch, forward.rows.dtype)
                 if rows == 1:
-                    # one row per example (a loss): one backward pass as it
-                    # is, not pfor's conversion of it (a vectorized map of
-                    # one seed: the same products, BERT tiny's clipped sum
-                    # traced 2,519 graph ops with it, 2,245 without; its
-                    # results moved by 1e-7 relative, float32 rounding)
-                    return [
-                        tf.expand_dims(d, 0)
-                        for d in forward.cotangents(tf.squeeze(chunk, 0))
-                    ]
+                    return [tf.expand_dims(d, 0) for d in one_row()]
+                chunk = seeds.of(start, count, batch, forward.rows.dtype)
                 found = vectorize.vectorized_map(
                     forward.cotangents,
                     chunk,
@@ -172,7 +177,10 @@ class Batch(Strategy):
             size = rows_per_chunk(rows, zs)
             taps = ([_in_z_dtype(tap) for tap in forward.taps], forward.parts)
             found = form(
-                problem, taps, Cotangents(cotangents, rows, size), summed=summed
+                problem,
+                taps,
+                Cotangents(cotangents, rows, size, one_row if rows == 1 else None),
+                summed=summed,
             )
             if head is None and isinstance(found, Output) and found.norms is not None:
                 # the clipped sum: its pass's rows (a DP step's loss) ride along

@@ -133,6 +133,10 @@ class Cotangents:
     of: Callable[[Any, Any], list[Any]]
     rows: int
     size: int
+    #: one row only: its cotangents ``(B, *z.shape[1:])`` each, which
+    #: :meth:`every_row` gives an axis of one row (no transpose of ``of``'s
+    #: row-major layout)
+    one: Callable[[], list[Any]] | None = None
 
     def each_chunk(self, contract: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """``contract`` of each chunk's cotangents, written into the result
@@ -144,6 +148,10 @@ class Cotangents:
     def every_row(self) -> list[Any]:
         """Every row's cotangents, ``(B, R, *z.shape[1:])`` each (example-major,
         so that one contraction writes the result once)."""
+        if self.one is not None:
+            # one ExpandDims each, where the row-major chunk and its
+            # transpose traced four graph ops a tap
+            return [tf.expand_dims(dz, 1) for dz in self.one()]
         found = map_chunks(self.of, self.rows, self.size)
         # one Transpose each (NumPy's moveaxis built its permutation from
         # shape ops)

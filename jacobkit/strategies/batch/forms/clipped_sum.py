@@ -15,7 +15,6 @@ from jacobkit.strategies.batch.contract import (
     Taps,
     added,
     no_autograph,
-    placed,
 )
 from jacobkit.strategies.batch.forward import projections
 from jacobkit.strategies.chunks import map_chunks
@@ -66,8 +65,9 @@ def contract(
         if norms is None:
             shape = tuple(targets[p.kernel].shape)
             each = [p.rule.gradients(x, dz, shape, summed=summed) for x, dz in calls]
-            kernel = added([k for k, _ in each])
-            bias = None if p.bias is None else added([b for _, b in each])
+            # flat (R, size) once, for their norms and their weighted sum
+            kernel = _flat(added([k for k, _ in each]))
+            bias = None if p.bias is None else _flat(added([b for _, b in each]))
             formed[i] = (kernel, bias)
             squares[p.kernel] = squared_rows(kernel)
             if p.bias is not None:
@@ -91,58 +91,78 @@ def contract(
     # oneDNN on); the matmul, 9.4 ms
     row_scales: dict[tuple[int, Any], Any] = {}
 
-    def weighted(rows: Any, target: int) -> Any:  # (R, ...) -> (1, ...)
-        key = (id(scales[target]), rows.dtype)
+    def weighted(flat: Any, target: int) -> Any:  # (R, size) -> target's shape
+        key = (id(scales[target]), flat.dtype)
         if key not in row_scales:
-            row_scales[key] = tf.cast(tf.reshape(scales[target], (1, -1)), rows.dtype)
-        by = row_scales[key]
-        shape = rows.shape[1:]
-        if not shape.is_fully_defined():
-            return tf.tensordot(by[0], rows, 1)[None]
-        flat = tf.reshape(rows, (int(rows.shape[0]), -1))
-        found = tf.matmul(by, flat)
-        return tf.reshape(found, (1, *shape.as_list()))
+            row_scales[key] = tf.cast(tf.reshape(scales[target], (1, -1)), flat.dtype)
+        found = tf.matmul(row_scales[key], flat)  # (1, size)
+        if targets[target].shape.rank == 1:  # a Squeeze: no shape constant
+            return tf.squeeze(found, 0)
+        return tf.reshape(found, targets[target].shape)
 
     def contracted(i: int, p: Any, target: int) -> tuple[Any, Any]:
         """Part ``i``'s ``(kernel, bias)`` sums, the cotangents of each call
         scaled by ``target``'s scales and contracted once per call."""
-        by_row = tf.reshape(scales[target], (1, rows) if summed else (batch, rows))
         kernels: list[Any] = []
         biases: list[Any] = []
         for x, dz in ((x, d) for x, d, j in zip(xs, dzs, parts) if j == i):
-            scale = tf.reshape(by_row, (*by_row.shape, *[1] * (dz.shape.rank - 2)))
+            # one reshape to the cotangents' rank (two traced four graph ops)
+            scale = tf.reshape(
+                scales[target],
+                (1 if summed else batch, rows, *[1] * (dz.shape.rank - 2)),
+            )
             kernel, bias = p.rule.gradients(
                 x,
                 dz * tf.cast(scale, dz.dtype),
                 tuple(targets[p.kernel].shape),
                 summed=True,
             )
-            kernels.append(tf.reduce_sum(kernel, axis=0, keepdims=True))
-            biases.append(tf.reduce_sum(bias, axis=0, keepdims=True))
+            kernels.append(_row_sum(kernel))
+            biases.append(_row_sum(bias))
         return added(kernels), added(biases)
 
-    # each part's sum with a leading axis of 1, as _placed lays rows out
-    sums: list[tuple[Any, Any]] = []
+    # each part's sums in its targets' shapes and dtypes (no leading axis of
+    # one to drop, nor the bias's reshape of ``placed``)
+    out: list[Any] = [None] * len(targets)
     for i, p in enumerate(projections(problem)):
         if i in formed:  # the rows' gradients, weighted
             kernel, bias = formed[i]
-            sums.append(
-                (
-                    weighted(kernel, p.kernel),
-                    None if bias is None or p.bias is None else weighted(bias, p.bias),
-                )
-            )
-            continue
-        # the cotangents, each row's scaled, contracted once per call (twice
-        # where the kernel and the bias are in groups of their own: a user's
-        # grouping; the second call's kernel is left unused)
-        kernel, bias = contracted(i, p, p.kernel)
-        if p.bias is not None and scales[p.bias] is not scales[p.kernel]:
-            bias = contracted(i, p, p.bias)[1]
-        sums.append((kernel, bias))
-    # the leading axis of 1 dropped by Squeeze (an axis attribute), not a
-    # strided slice (three constants per target)
-    return Output(tuple(tf.squeeze(s, 0) for s in placed(problem, sums)), total)
+            out[p.kernel] = weighted(kernel, p.kernel)
+            if p.bias is not None and bias is not None:
+                out[p.bias] = weighted(bias, p.bias)
+        else:
+            # the cotangents, each row's scaled, contracted once per call
+            # (twice where the kernel and the bias are in groups of their
+            # own: a user's grouping; the second call's kernel is left unused)
+            out[p.kernel], bias = contracted(i, p, p.kernel)
+            if p.bias is not None and scales[p.bias] is not scales[p.kernel]:
+                bias = contracted(i, p, p.bias)[1]
+            if p.bias is not None:
+                out[p.bias] = bias
+    return Output(tuple(_as_target(t, v) for t, v in zip(out, targets)), total)
+
+
+def _flat(rows: Any) -> Any:
+    """``(R, ...)`` rows as ``(R, size)`` (rows already flat as they are)."""
+    if rows.shape.rank == 2:
+        return rows
+    return tf.reshape(rows, (-1, rows.shape[1:].num_elements()))
+
+
+def _row_sum(rows: Any) -> Any:
+    """``(K, ...)`` -> ``(...)``, the sum over the rows (one row: a Squeeze,
+    an attribute where a sum has its axis constant)."""
+    if rows.shape[0] == 1:
+        return tf.squeeze(rows, 0)
+    return tf.reduce_sum(rows, axis=0)
+
+
+def _as_target(found: Any, target: Any) -> Any:
+    """A sum in its target's shape (a bias of a rule's ``(units,)`` for
+    ``EinsumDense``'s ``(heads, dim)``) and dtype."""
+    if tuple(found.shape) != tuple(target.shape):
+        found = tf.reshape(found, target.shape)
+    return tf.cast(found, target.dtype)
 
 
 def _norms(rule: Any, calls: list[Any], *, summed: bool) -> Any:

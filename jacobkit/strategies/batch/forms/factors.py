@@ -4,12 +4,14 @@ cotangents, else the rows' gradients formed."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import tensorflow as tf
 
 from jacobkit.layers import lookups
 from jacobkit.layers import norms as layer_norms
+from jacobkit.layers.base import UnfoldedMatmul
 from jacobkit.problem import Problem
 from jacobkit.problem.reduction import Factors, Flat, Ghost, Lookup, Output
 from jacobkit.strategies.batch.contract import (
@@ -83,24 +85,23 @@ def contract(
         if lookup is not None:  # an embedding has no bias
             out[p.kernel] = Lookup(*lookup)
             continue
-        pairs = (
-            [unfolded(p.rule, x, dz, summed=summed) for x, dz in calls]
-            if p.rule.factored()
-            else []
+        sizes = (
+            None
+            if formed or not p.rule.factored()
+            else _factor_sizes(p.rule, calls, shape, summed=summed)
         )
-        ghost = (
-            bool(pairs)
-            and not formed
-            and layer_norms.ghost_pairs(
-                sum(int(u.shape[1]) for u, _ in pairs),
-                int(pairs[0][0].shape[-1]),
-                int(pairs[0][1].shape[-1]),
-                int(pairs[0][1].shape[1]),
-            )
-        )
+        pairs = [] if sizes is None else sizes[1]
+        ghost = sizes is not None and layer_norms.ghost_pairs(*sizes[0])
         if ghost:
-            patches = tf.concat([u for u, _ in pairs], axis=1)
-            by_positions = tf.concat([g for _, g in pairs], axis=2)
+            if not pairs:
+                pairs = [unfolded(p.rule, x, dz, summed=summed) for x, dz in calls]
+                assert sizes is not None and _sizes_of(pairs) == sizes[0], (
+                    "a rule's patches as its static shapes say"
+                )
+            # one call's factors as they are (a concat of one is an Identity
+            # and its axis constant)
+            patches = _joined([u for u, _ in pairs], axis=1)
+            by_positions = _joined([g for _, g in pairs], axis=2)
             out[p.kernel] = Ghost(patches, by_positions)
             bias = tf.reduce_sum(by_positions, axis=2)
             bias = tf.reshape(bias, (-1, bias.shape[-1]))
@@ -117,6 +118,41 @@ def contract(
         if p.bias is not None:
             out[p.bias] = Flat(_flat_rows(bias))
     return Output(tuple(out))
+
+
+def _factor_sizes(
+    rule: Any, calls: list[Any], shape: tuple[int, ...], *, summed: bool
+) -> tuple[tuple[int, int, int, int], list[Any]]:
+    """The sizes :func:`jacobkit.layers.norms.ghost_pairs` weighs for a
+    factored part (its calls' positions, the patches' and cotangents' widths,
+    the rows per example), and its unfolded pairs where they were made for
+    them. A rule whose patches are one matmul's (:class:`UnfoldedMatmul`:
+    Dense, Conv1D, Conv2D) has them from the static shapes, its kernel
+    ``(..., O)`` seen as ``(I, O)`` and ``z``'s positions its patches': the
+    patches are then unfolded only for the Gram form (unfolded and left
+    unused, they traced a convolution or gather and its reshapes per
+    target, and its rows' gradients unfolded them again)."""
+    if isinstance(rule, UnfoldedMatmul):
+        positions = [math.prod(int(n) for n in dz.shape[2:-1]) for _, dz in calls]
+        batch, rows = int(calls[0][1].shape[0]), int(calls[0][1].shape[1])
+        each = sum(positions) * (batch if summed else 1)
+        return (each, math.prod(shape[:-1]), int(shape[-1]), rows), []
+    pairs = [unfolded(rule, x, dz, summed=summed) for x, dz in calls]
+    return _sizes_of(pairs), pairs
+
+
+def _sizes_of(pairs: list[Any]) -> tuple[int, int, int, int]:
+    """:func:`_factor_sizes` read from unfolded pairs."""
+    return (
+        sum(int(u.shape[1]) for u, _ in pairs),
+        int(pairs[0][0].shape[-1]),
+        int(pairs[0][1].shape[-1]),
+        int(pairs[0][1].shape[1]),
+    )
+
+
+def _joined(found: list[Any], axis: int) -> Any:
+    return found[0] if len(found) == 1 else tf.concat(found, axis=axis)
 
 
 def _flat_rows(rows: Any) -> Any:
