@@ -109,8 +109,9 @@ def blocks():
 @pytest.fixture(scope="module")
 def references():
     """The float64 references computed in this module, by block, layer and
-    row mode: the closed form's and the norms' cases of a row mode share
-    one (the module's models are shared already, and read only)."""
+    row mode: the closed form's, the norms' and every strategy's cases of a
+    row mode share one (the module's models are shared already, and read
+    only)."""
     return {}
 
 
@@ -258,7 +259,9 @@ REFUSED = {
     [("transformer", "embedding"), ("transformer", "norm"), ("mobile", "bn1")],
 )
 @pytest.mark.parametrize("strategy", list(jk.strategies.REGISTRY))
-def test_every_strategy_on_the_blocks(blocks, strategy, block, layer, outputs):
+def test_every_strategy_on_the_blocks(
+    blocks, references, strategy, block, layer, outputs
+):
     model, x = blocks[block]
     why = REFUSED.get((strategy, block))
     if why is not None:
@@ -266,7 +269,7 @@ def test_every_strategy_on_the_blocks(blocks, strategy, block, layer, outputs):
             jk.jacobian(model, x, layer, strategy=strategy, outputs=outputs)
         return
     res = jk.jacobian(model, x, layer, strategy=strategy, outputs=outputs)
-    testing.assert_close(res, _reference(model, x, layer, outputs))
+    testing.assert_close(res, _reference(model, x, layer, outputs, references, block))
 
 
 @pytest.mark.parametrize("layer", ["expand", "depthwise", "bn"])
