@@ -63,7 +63,8 @@ def same_chunks_as(case: StrategyCase, made_with: int, rows: int) -> str | None:
     ``chunked(R+1000)`` is ``chunked(R)``, and on 3 rows ``chunked(7)`` and
     ``chunked(16)`` are ``chunked(3)``. Such a case checks nothing its
     earlier twin does not, and runs with ``--slow`` only
-    (:func:`skip_same_chunks`)."""
+    (:func:`skip_same_chunks`; ``--slow -m slow`` selects it too:
+    ``conftest.py``)."""
     strategy = case.make(made_with)
     if not isinstance(strategy, jk.strategies.Chunked):
         return None
@@ -83,11 +84,20 @@ def skip_same_chunks(
     """Skip ``case`` (unless ``--slow``) where an earlier case runs the same
     chunks (:func:`same_chunks_as`), naming that case."""
     twin = same_chunks_as(case, made_with, rows)
-    if twin is not None and not request.config.getoption("--slow"):
+    slow = request.config.getoption("--slow")
+    if twin is not None and not slow:
         pytest.skip(
             f"slow: {case.id} runs chunks of min(size, {rows} rows), as {twin} "
             "does in the same test"
         )
+    if (
+        twin is None
+        and case.id.startswith("chunked(")
+        and slow
+        and request.config.getoption("markexpr") == "slow"
+    ):
+        # selected by ``--slow -m slow`` as a possible twin (conftest.py)
+        pytest.skip(f"{case.id} on {rows} rows runs in the plain pytest")
 
 
 #: every test problem; the frozen backbones are benchmark-sized and tested

@@ -128,23 +128,26 @@ def _refuses(strategy) -> bool:
     return strategy.name == "structured"
 
 
-def _skip_forwards_kind(request, case, name: str) -> None:
-    """``forward`` computes the rows only (no ``builds`` of its own): its
-    clipped sums and projections are each kind's generic computation from
-    its rows, checked on ``forward`` by the MLP here, and its rows of the
-    token model and the conv net by ``test_loss_rows_agree_with_float64``.
-    Those kinds on those two models (7-20 s a case under load) run with
-    ``--slow``."""
-    if (
-        case.id == "forward"
-        and name in ("tokens", "conv")
-        and not request.config.getoption("--slow")
-    ):
-        pytest.skip(
-            f"slow: forward's rows of {name} are checked by "
-            f"test_loss_rows_agree_with_float64[forward-{name}], the kind on "
-            "forward by the MLP"
+def _forwards_kinds(names) -> list:
+    """``(case, name)`` for every strategy and model, ``forward`` on the
+    token model and the conv net marked slow: ``forward`` computes the rows
+    only (no ``builds`` of its own), so its clipped sums and projections
+    are each kind's generic computation from its rows, checked on
+    ``forward`` by the MLP here, and its rows of those two models by
+    ``test_loss_rows_agree_with_float64[forward-tokens]`` and
+    ``[forward-conv]`` (7-20 s a case under load)."""
+    return [
+        pytest.param(
+            case,
+            name,
+            id=f"{case.id}-{name}",
+            marks=[pytest.mark.slow]
+            if case.id == "forward" and name in ("tokens", "conv")
+            else [],
         )
+        for case in STRATEGIES
+        for name in names
+    ]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -164,12 +167,10 @@ def test_loss_rows_agree_with_float64(case, name, request):
     _close(list(result.jacobians.values()), want)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+@pytest.mark.parametrize(("case", "name"), _forwards_kinds(MODELS))
 def test_clipped_sum_agrees_with_float64(case, name, request):
     model, inputs = MODELS[name]()
     skip_same_chunks(request, case, len(inputs[0]), len(inputs[0]))
-    _skip_forwards_kind(request, case, name)
     strategy = case.make(inputs[0].shape[0])
     variables = model.trainable_variables
     want, flat = _per_example(model, inputs)
@@ -203,8 +204,7 @@ GROUPS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+@pytest.mark.parametrize(("case", "name"), _forwards_kinds(MODELS))
 def test_grouped_clipped_sum_agrees_with_float64(case, name, request):
     """``jk.ClippedSum(clips, groups=...)``: each group's part of every
     row's gradient clipped to its own norm (per-layer DP-SGD), in one call;
@@ -212,7 +212,6 @@ def test_grouped_clipped_sum_agrees_with_float64(case, name, request):
     and sum in numpy. ``result.norms``: the whole row's norm."""
     model, inputs = MODELS[name]()
     skip_same_chunks(request, case, len(inputs[0]), len(inputs[0]))
-    _skip_forwards_kind(request, case, name)
     strategy = case.make(inputs[0].shape[0])
     variables = model.trainable_variables
     want, flat = _per_example(model, inputs)
@@ -408,12 +407,12 @@ def _projected_reference(project, names, variables, grads):
     return total
 
 
-@pytest.mark.parametrize("name", ["mlp", "tokens", "conv", "wide"])
-@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    ("case", "name"), _forwards_kinds(["mlp", "tokens", "conv", "wide"])
+)
 def test_projection_agrees_with_float64(case, name, request):
     model, inputs = {**MODELS, "wide": _wide}[name]()
     skip_same_chunks(request, case, len(inputs[0]), len(inputs[0]))
-    _skip_forwards_kind(request, case, name)
     strategy = case.make(inputs[0].shape[0])
     variables = model.trainable_variables
     project = jk.Project(512 if name == "wide" else 32, seed=7)
