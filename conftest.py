@@ -112,6 +112,15 @@ GROUPED_FILES = (
 )
 
 
+#: the files whose ``chunked(k)`` cases skip without ``--slow`` where an
+#: earlier case runs the same chunks (``tests.cases.skip_same_chunks``)
+CHUNK_TWIN_FILES = (
+    "test_conformance.py",
+    "test_reductions.py",
+    "test_mixed_precision.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         callspec = getattr(item, "callspec", None)
@@ -122,6 +131,15 @@ def pytest_collection_modifyitems(config, items):
         ):
             item.add_marker(pytest.mark.slow)
     if config.getoption("--slow"):
+        # chunked's twins decide at run time (tests.cases.skip_same_chunks):
+        # marked here so that ``--slow -m slow`` selects them; the chunked
+        # cases that are not twins skip there, having run in the plain run
+        for item in items:
+            case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+            if item.path.name in CHUNK_TWIN_FILES and getattr(
+                case, "id", ""
+            ).startswith("chunked("):
+                item.add_marker(pytest.mark.slow)
         return
     skip = pytest.mark.skip(reason="slow: run with pytest --slow")
     for item in items:

@@ -51,6 +51,55 @@ STRATEGIES = [
     StrategyCase("while(parallel=1)", lambda rows: jk.strategies.While(1)),
 ]
 
+
+def same_chunks_as(case: StrategyCase, made_with: int, rows: int) -> str | None:
+    """The id of an earlier case of :data:`STRATEGIES` that runs the same
+    computation as ``case`` on a problem of ``rows`` rows (each case made by
+    ``make(made_with)``), or ``None``.
+
+    ``chunked`` depends on its chunk size only through ``min(chunk_size,
+    rows)`` (``jacobkit.strategies.chunks.map_chunks``; checked by
+    ``tests/test_conformance.py::test_chunk_sizes_beyond_the_rows_are_the_rows``):
+    ``chunked(R+1000)`` is ``chunked(R)``, and on 3 rows ``chunked(7)`` and
+    ``chunked(16)`` are ``chunked(3)``. Such a case checks nothing its
+    earlier twin does not, and runs with ``--slow`` only
+    (:func:`skip_same_chunks`; ``--slow -m slow`` selects it too:
+    ``conftest.py``)."""
+    strategy = case.make(made_with)
+    if not isinstance(strategy, jk.strategies.Chunked):
+        return None
+    size = strategy.rows_at_once(rows)
+    for other in STRATEGIES:
+        if other is case:
+            return None
+        twin = other.make(made_with)
+        if isinstance(twin, jk.strategies.Chunked) and twin.rows_at_once(rows) == size:
+            return other.id
+    return None
+
+
+def skip_same_chunks(
+    request: pytest.FixtureRequest, case: StrategyCase, made_with: int, rows: int
+) -> None:
+    """Skip ``case`` (unless ``--slow``) where an earlier case runs the same
+    chunks (:func:`same_chunks_as`), naming that case."""
+    twin = same_chunks_as(case, made_with, rows)
+    slow = request.config.getoption("--slow")
+    if twin is not None and not slow:
+        pytest.skip(
+            f"slow: {case.id} runs chunks of min(size, {rows} rows), as {twin} "
+            "does in the same test"
+        )
+    if (
+        twin is None
+        and case.id.startswith("chunked(")
+        and slow
+        and request.config.getoption("markexpr") == "slow"
+    ):
+        # selected by ``--slow -m slow`` as a possible twin (conftest.py)
+        pytest.skip(f"{case.id} on {rows} rows runs in the plain pytest")
+
+
 #: every test problem; the frozen backbones are benchmark-sized and tested
 #: alone (tests/test_real_models.py: MobileNetV2 and BERT at small sizes)
 PROBLEMS = [

@@ -106,9 +106,26 @@ def blocks():
     return {name: build() for name, build in BLOCKS.items()}
 
 
-def _reference(model, x, layer, outputs):
+@pytest.fixture(scope="module")
+def references():
+    """The float64 references computed in this module, by block, layer and
+    row mode: the closed form's, the norms' and every strategy's cases of a
+    row mode share one (the module's models are shared already, and read
+    only)."""
+    return {}
+
+
+def _reference(model, x, layer, outputs, references=None, block=None):
+    """The float64 reference; once per ``(block, layer, outputs)`` given the
+    module's ``references``."""
+    key = (block, layer, outputs)
+    if references is not None and key in references:
+        return references[key]
     variables = [v for v in model.get_layer(layer).trainable_weights]
-    return testing.float64_reference(model, x, variables, outputs=outputs)
+    found = testing.float64_reference(model, x, variables, outputs=outputs)
+    if references is not None:
+        references[key] = found
+    return found
 
 
 def _assert_matches(res, ref):
@@ -131,18 +148,18 @@ def _assert_matches(res, ref):
 
 @pytest.mark.parametrize("outputs", ROW_MODES)
 @pytest.mark.parametrize(("block", "layer"), TARGETS)
-def test_closed_form_agrees_with_float64(blocks, block, layer, outputs):
+def test_closed_form_agrees_with_float64(blocks, references, block, layer, outputs):
     model, x = blocks[block]
     res = jk.jacobian(model, x, layer, strategy="batch", outputs=outputs)
-    _assert_matches(res, _reference(model, x, layer, outputs))
+    _assert_matches(res, _reference(model, x, layer, outputs, references, block))
 
 
 @pytest.mark.parametrize("outputs", ["features", "per_example"])
 @pytest.mark.parametrize(("block", "layer"), TARGETS)
-def test_norms_agree_with_float64(blocks, block, layer, outputs):
+def test_norms_agree_with_float64(blocks, references, block, layer, outputs):
     model, x = blocks[block]
     res = jk.jacobian(model, x, layer, strategy="batch", outputs=outputs, reduce="norm")
-    ref = _reference(model, x, layer, outputs)
+    ref = _reference(model, x, layer, outputs, references, block)
     scale = max(np.abs(np.asarray(full)).max() for full in ref.jacobians)
     for got, full in zip(res.jacobians.values(), ref.jacobians):
         rows = np.asarray(full).reshape(*res.rows_shape, -1)
@@ -242,7 +259,9 @@ REFUSED = {
     [("transformer", "embedding"), ("transformer", "norm"), ("mobile", "bn1")],
 )
 @pytest.mark.parametrize("strategy", list(jk.strategies.REGISTRY))
-def test_every_strategy_on_the_blocks(blocks, strategy, block, layer, outputs):
+def test_every_strategy_on_the_blocks(
+    blocks, references, strategy, block, layer, outputs
+):
     model, x = blocks[block]
     why = REFUSED.get((strategy, block))
     if why is not None:
@@ -250,7 +269,7 @@ def test_every_strategy_on_the_blocks(blocks, strategy, block, layer, outputs):
             jk.jacobian(model, x, layer, strategy=strategy, outputs=outputs)
         return
     res = jk.jacobian(model, x, layer, strategy=strategy, outputs=outputs)
-    testing.assert_close(res, _reference(model, x, layer, outputs))
+    testing.assert_close(res, _reference(model, x, layer, outputs, references, block))
 
 
 @pytest.mark.parametrize("layer", ["expand", "depthwise", "bn"])

@@ -18,7 +18,7 @@ import tensorflow as tf
 import jacobkit as jk
 from jacobkit import testing
 from jacobkit.problem import sketch
-from tests.cases import STRATEGIES
+from tests.cases import STRATEGIES, skip_same_chunks
 
 RTOL = 1e-5
 LOSS = jk.Loss(
@@ -75,13 +75,44 @@ def _conv() -> tuple[keras.Model, tuple[np.ndarray, ...]]:
 MODELS = {"mlp": _mlp, "tokens": _tokens, "conv": _conv}
 
 
+#: the float64 references computed in this process, by what they are of and
+#: the model's layers, weights and inputs (:func:`_once`)
+_REFERENCES: dict[tuple, tuple[np.ndarray, ...]] = {}
+
+
+def _once(what: str, model, inputs, compute) -> list[np.ndarray]:
+    """``compute()``'s float64 arrays, computed once per process for a model
+    of these layers and weights on these inputs: every strategy's case of a
+    test checks the same rows (a float64 loop per row otherwise, per case).
+    Each case still builds its own model; the cached arrays are read-only."""
+    key = (
+        what,
+        tuple(
+            (type(layer).__name__, repr(layer.get_config() | {"name": None}))
+            for layer in model.layers
+        ),
+        tuple((w.dtype.str, w.shape, w.tobytes()) for w in model.get_weights()),
+        tuple((a.dtype.str, a.shape, a.tobytes()) for a in map(np.asarray, inputs)),
+    )
+    if key not in _REFERENCES:
+        arrays = tuple(np.array(r, np.float64) for r in compute())
+        for array in arrays:
+            array.setflags(write=False)
+        _REFERENCES[key] = arrays
+    return list(_REFERENCES[key])
+
+
 def _per_example(model, inputs):
     """Every trainable variable's per-example loss gradient, float64, flat
     ``(B, P)`` beside the list in the variables' shapes."""
-    ref = testing.float64_reference(
-        model, inputs, model.trainable_variables, outputs=LOSS
+    grads = _once(
+        "loss rows",
+        model,
+        inputs,
+        lambda: testing.float64_reference(
+            model, inputs, model.trainable_variables, outputs=LOSS
+        ),
     )
-    grads = [np.asarray(r, np.float64) for r in ref]
     flat = np.concatenate([g.reshape(g.shape[0], -1) for g in grads], 1)
     return grads, flat
 
@@ -97,10 +128,33 @@ def _refuses(strategy) -> bool:
     return strategy.name == "structured"
 
 
+def _forwards_kinds(names) -> list:
+    """``(case, name)`` for every strategy and model, ``forward`` on the
+    token model and the conv net marked slow: ``forward`` computes the rows
+    only (no ``builds`` of its own), so its clipped sums and projections
+    are each kind's generic computation from its rows, checked on
+    ``forward`` by the MLP here, and its rows of those two models by
+    ``test_loss_rows_agree_with_float64[forward-tokens]`` and
+    ``[forward-conv]`` (7-20 s a case under load)."""
+    return [
+        pytest.param(
+            case,
+            name,
+            id=f"{case.id}-{name}",
+            marks=[pytest.mark.slow]
+            if case.id == "forward" and name in ("tokens", "conv")
+            else [],
+        )
+        for case in STRATEGIES
+        for name in names
+    ]
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
-def test_loss_rows_agree_with_float64(case, name):
+def test_loss_rows_agree_with_float64(case, name, request):
     model, inputs = MODELS[name]()
+    skip_same_chunks(request, case, len(inputs[0]), len(inputs[0]))
     strategy = case.make(inputs[0].shape[0])
     variables = model.trainable_variables
     if _refuses(strategy):
@@ -113,10 +167,10 @@ def test_loss_rows_agree_with_float64(case, name):
     _close(list(result.jacobians.values()), want)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
-def test_clipped_sum_agrees_with_float64(case, name):
+@pytest.mark.parametrize(("case", "name"), _forwards_kinds(MODELS))
+def test_clipped_sum_agrees_with_float64(case, name, request):
     model, inputs = MODELS[name]()
+    skip_same_chunks(request, case, len(inputs[0]), len(inputs[0]))
     strategy = case.make(inputs[0].shape[0])
     variables = model.trainable_variables
     want, flat = _per_example(model, inputs)
@@ -150,14 +204,14 @@ GROUPS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
-def test_grouped_clipped_sum_agrees_with_float64(case, name):
+@pytest.mark.parametrize(("case", "name"), _forwards_kinds(MODELS))
+def test_grouped_clipped_sum_agrees_with_float64(case, name, request):
     """``jk.ClippedSum(clips, groups=...)``: each group's part of every
     row's gradient clipped to its own norm (per-layer DP-SGD), in one call;
     the reference: every row's float64 gradient, each group's norm, scale
     and sum in numpy. ``result.norms``: the whole row's norm."""
     model, inputs = MODELS[name]()
+    skip_same_chunks(request, case, len(inputs[0]), len(inputs[0]))
     strategy = case.make(inputs[0].shape[0])
     variables = model.trainable_variables
     want, flat = _per_example(model, inputs)
@@ -353,10 +407,12 @@ def _projected_reference(project, names, variables, grads):
     return total
 
 
-@pytest.mark.parametrize("name", ["mlp", "tokens", "conv", "wide"])
-@pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
-def test_projection_agrees_with_float64(case, name):
+@pytest.mark.parametrize(
+    ("case", "name"), _forwards_kinds(["mlp", "tokens", "conv", "wide"])
+)
+def test_projection_agrees_with_float64(case, name, request):
     model, inputs = {**MODELS, "wide": _wide}[name]()
+    skip_same_chunks(request, case, len(inputs[0]), len(inputs[0]))
     strategy = case.make(inputs[0].shape[0])
     variables = model.trainable_variables
     project = jk.Project(512 if name == "wide" else 32, seed=7)
@@ -400,10 +456,11 @@ def _sequence() -> tuple[keras.Model, tuple[np.ndarray, ...]]:
 
 
 @pytest.mark.parametrize("case", STRATEGIES, ids=lambda c: c.id)
-def test_loss_rows_of_each_token(case):
+def test_loss_rows_of_each_token(case, request):
     """``jk.Loss(fn, each=True)``: every token's loss its own row, ``(B,
     T)``, a padded token's row exactly zero."""
     model, inputs = _sequence()
+    skip_same_chunks(request, case, len(inputs[0]), inputs[1].size)
     strategy = case.make(inputs[0].shape[0])
     each = jk.Loss(LOSS.fn, each=True)
     variables = model.trainable_variables
@@ -411,8 +468,12 @@ def test_loss_rows_of_each_token(case):
         with pytest.raises(ValueError):
             jk.jacobian(model, inputs, variables, strategy=strategy, outputs=each)
         return
-    want = testing.float64_reference(model, inputs, variables, outputs=each)
-    want = [np.asarray(w, np.float64) for w in want]
+    want = _once(
+        "each token's loss rows",
+        model,
+        inputs,
+        lambda: testing.float64_reference(model, inputs, variables, outputs=each),
+    )
     result = jk.jacobian(model, inputs, variables, strategy=strategy, outputs=each)
     assert result.rows_shape == (4, 5)
     _close(list(result.jacobians.values()), want)
