@@ -19,6 +19,7 @@ from jacobkit import layers, runtime
 from jacobkit.layers.dense import DenseRule
 from jacobkit.planner import reduced
 from jacobkit.problem import Problem, eager_inspect, structural_inspect
+from jacobkit.strategies import gradients
 from jacobkit.strategies.batch import checks
 
 RNG = np.random.default_rng(5)
@@ -26,11 +27,6 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=No
 #: the structural figures over the eager passes' (activations and forward
 #: bytes): at least 1 (an upper bound), at most the factor
 FACTOR = structural_inspect.ACTIVATION_FACTOR
-
-pytestmark = pytest.mark.skipif(
-    not runtime.cpu_kind().onednn,
-    reason="with oneDNN off the MatMul rule's copies need the passes' sizes",
-)
 
 
 def convnet() -> keras.Model:
@@ -115,8 +111,10 @@ def test_the_structural_inspection_is_the_eager_one(build):
     assert found.convolutions == eager.convolutions
     assert found.layer_outputs == eager.layer_outputs
     assert found.unpinned == eager.unpinned == ()
-    # oneDNN on: the MatMul rule copies nothing, whatever the operands
-    assert found.transposed == ()
+    # oneDNN on: the MatMul rule copies nothing, whatever the operands;
+    # off: the products' operands read from the layers, the passes' own
+    want = () if runtime.cpu_kind().onednn else eager.transposed
+    assert found.transposed == want
     for mine, theirs in (
         (found.activation_bytes, eager.activation_bytes),
         (found.forward_bytes, eager.forward_bytes),
@@ -254,7 +252,9 @@ def test_a_tight_budget_measures_the_inspection(monkeypatch):
         original(problem)
 
     monkeypatch.setattr(reduced, "measure_inspection", counting)
-    model = convnet()
+    # oneDNN off: the convolution rules' scratch alone (32 MiB at this
+    # batch) exceeds a budget of the conv net's bound, so the MLP there
+    model = convnet() if runtime.cpu_kind().onednn else mlp()
     x, y = _inputs(model, 8)
     problem = _problem(model, 8)
     assert not problem.inspection_measured
@@ -297,3 +297,98 @@ def test_gram_takes_the_fast_path():
     np.testing.assert_allclose(
         np.asarray(found.matrix), want, atol=1e-5 * np.abs(want).max()
     )
+
+
+@pytest.fixture
+def onednn_off(monkeypatch):
+    """TensorFlow's own kernels as :func:`jacobkit.runtime.cpu_kind` reports
+    them (what the ``MatMul`` rule and the structural inspection read), on
+    any machine: the eager passes record the same ``MatMul`` ops either way
+    (oneDNN changes kernels, not the ops an eager pass dispatches)."""
+    here = runtime.cpu_kind()
+    off = runtime.CpuKind(here.model, here.flags, False)
+    monkeypatch.setattr(runtime, "cpu_kind", lambda *args: off)
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("on a GPU the MatMul rule replaces nothing")
+
+
+def _head_of(model: keras.Model) -> list:
+    """The last Dense's weights (the classifier's head): the products
+    before it depend on no target."""
+    dense = [x for x in model._flatten_layers() if type(x).__name__ == "Dense"]
+    return list(dense[-1].trainable_weights)
+
+
+def _first_of(model: keras.Model) -> list:
+    """The weights of the layer holding the model's first variable (the
+    first convolution, the MLP's hidden Dense, BERT's token embeddings):
+    every later product's input depends on a target, no later kernel is
+    one."""
+    first = model.trainable_variables[0]
+    for layer in model._flatten_layers(include_self=False):
+        mine = [] if isinstance(layer, keras.Model) else layer.trainable_weights
+        if any(w is first for w in mine):
+            return list(mine)
+    raise AssertionError("no layer holds it")
+
+
+@pytest.mark.parametrize("which", ["all", "head", "first"])
+@pytest.mark.parametrize("build", [convnet, mlp, hub_bert, mobilenet])
+@pytest.mark.parametrize("batch", [8, 100])
+def test_the_transposed_operands_are_the_eager_passes(onednn_off, build, which, batch):
+    """With oneDNN off, each Dense's product's operands read from the layers:
+    field by field (rows, bytes, order) the eager passes' records, at a
+    batch under and over the rule's least rows, whichever weights are
+    targets; the hoisted copies' bytes the planner counts alike."""
+    model = build()
+    targets = {
+        "all": model.trainable_variables,
+        "head": _head_of(model),
+        "first": _first_of(model),
+    }[which]
+    problem = Problem(
+        model,
+        _inputs(model, batch),
+        targets,
+        outputs=jk.Loss(LOSS),
+        reduce=jk.ClippedSum(1.0),
+    )
+    found = structural_inspect.inspection(problem)
+    eager = eager_inspect.inspection(problem)
+    assert found is not None and eager is not None
+    assert found.transposed == eager.transposed
+    if which == "all" and batch == 100:
+        assert gradients.hoisted_bytes(found.transposed) > 0
+    assert gradients.hoisted_bytes(found.transposed) == gradients.hoisted_bytes(
+        eager.transposed
+    )
+    assert not problem.inspection_measured
+
+
+def _lora() -> keras.Model:
+    model = mlp()
+    model.layers[0].enable_lora(2)
+    return model
+
+
+def _einsum_2d() -> keras.Model:
+    inputs = keras.Input((7,))
+    h = keras.layers.EinsumDense("ab,bc->ac", output_shape=8, name="mixer")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+
+
+@pytest.mark.parametrize("build", [_lora, _einsum_2d])
+def test_products_the_layers_do_not_tell(onednn_off, build):
+    """LoRA's own product of its factors, an EinsumDense Keras computes by a
+    rank-2 MatMul, before the head (the target, its checks trusted): not
+    read from the layers, the eager passes count them."""
+    model = build()
+    x, y = _inputs(model, 4)
+    problem = Problem(
+        model, (x, y), _head_of(model), outputs=jk.Loss(LOSS), reduce=jk.ClippedSum(1.0)
+    )
+    assert structural_inspect.trusted(problem)
+    assert structural_inspect.inspection(problem) is None
+    assert problem.inspection_measured
+    eager = eager_inspect.inspection(problem)
+    assert eager is not None and eager.transposed

@@ -37,7 +37,10 @@ callable):
   same figure the passes give; ``unpinned``: ``()`` (inference mode).
 - ``transposed``: ``()`` where oneDNN runs (the ``MatMul`` rule replaces
   nothing there, :func:`jacobkit.strategies.gradients.hoisted_bytes` is
-  0); with oneDNN off: ``None`` (the rule's copies need the products' sizes).
+  0); with oneDNN off: read from the layers
+  (:func:`jacobkit.keras.matmuls.transposed`: each ``Dense``'s product, the
+  records :func:`~jacobkit.problem.products.of_eager` makes, in the same
+  order), ``None`` where they do not tell it.
 
 Measured (eager passes' count / the layers' figure
 :func:`~jacobkit.keras.per_example.layer_output_bound`, activations and
@@ -61,10 +64,10 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import layers, runtime
-from jacobkit.keras import compat, layer_tree, per_example
+from jacobkit.keras import compat, layer_tree, matmuls, per_example
 from jacobkit.layers import convolutions as convolution_kinds
 from jacobkit.layers import stock
-from jacobkit.problem import eager_inspect, loss
+from jacobkit.problem import eager_inspect, loss, products
 from jacobkit.problem.inspect import Inspection, Traceable
 from jacobkit.problem.loss import Loss
 
@@ -80,8 +83,6 @@ def inspection(problem: Traceable) -> Inspection | None:
     """The :class:`~jacobkit.problem.inspect.Inspection` of ``problem`` read
     from its model's structure (the module's NOTE), ``None`` where that
     cannot tell it for sure (the eager or traced pass then runs)."""
-    if not runtime.cpu_kind().onednn and not tf.config.list_logical_devices("GPU"):
-        return None  # the MatMul rule's copies: the passes count them
     if getattr(problem, "output", None) is not None or not trusted(problem):
         return None
     mode = problem.rows_spec.mode
@@ -106,7 +107,10 @@ def inspection(problem: Traceable) -> Inspection | None:
     bound = per_example.layer_output_bound(model, batch, length or None)
     if rows is None or bound is None:
         return None
+    copied = _transposed(problem, batch, length or None)
     upstream = per_example.upstream_layers(model) or set()
+    if copied is None:
+        return None
     kinds: set[str] = set()
     for layer in compat.flatten_layers(model):
         if id(layer) in upstream:
@@ -123,9 +127,24 @@ def inspection(problem: Traceable) -> Inspection | None:
         sequential_memory=None,
         unpinned=(),
         layer_outputs=layer_tree.output_bytes(model, batch),
-        transposed=(),
+        transposed=copied,
         measured=False,
     )
+
+
+def _transposed(
+    problem: Traceable, batch: int, length: int | None
+) -> tuple[products.Transposed, ...] | None:
+    """The operands the forward pass's products' gradients take transposed:
+    ``()`` where the ``MatMul`` rule replaces nothing (oneDNN on, a GPU),
+    else read from the layers (:mod:`jacobkit.keras.matmuls`)."""
+    if runtime.cpu_kind().onednn or tf.config.list_logical_devices("GPU"):
+        return ()
+    targets = {id(compat.unwrap(t)) for t in problem.targets}
+    found = matmuls.transposed(problem.model, targets, batch, length)
+    if found is None:
+        return None
+    return tuple(products.Transposed(rows, size) for rows, size in found)
 
 
 def _rows(problem: Traceable, shape: tuple[int, ...]) -> tuple[int, ...] | None:
