@@ -392,3 +392,73 @@ def test_products_the_layers_do_not_tell(onednn_off, build):
     assert problem.inspection_measured
     eager = eager_inspect.inspection(problem)
     assert eager is not None and eager.transposed
+
+
+def causal_lm() -> keras.Model:
+    """Logits ``(B, None, V)``: every unknown size the tokens' length."""
+    tokens = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(50, 16, name="embed")(tokens)
+    attended = keras.layers.MultiHeadAttention(2, 8, name="attn")(
+        h, h, use_causal_mask=True
+    )
+    h = keras.layers.LayerNormalization()(keras.layers.Add()([h, attended]))
+    h = keras.layers.Dense(32, activation="gelu", name="ff")(h)
+    return keras.Model(tokens, keras.layers.Dense(50, name="logits")(h))
+
+
+def _sliced() -> keras.Model:
+    """An unknown size a slice shortens: not the tokens' length."""
+    tokens = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(50, 16, name="embed")(tokens)
+    return keras.Model(tokens, keras.layers.Dense(50, name="logits")(h[:, 1:]))
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("batch", [3, 40])
+def test_an_open_length_is_the_inputs(monkeypatch, onednn, batch):
+    """A causal LM's logits ``(B, None, V)``: the unknown size read as the
+    tokens' length, the inspection field by field the eager passes' (the
+    products' operands with oneDNN off too)."""
+    here = runtime.cpu_kind()
+    kind = runtime.CpuKind(here.model, here.flags, onednn)
+    monkeypatch.setattr(runtime, "cpu_kind", lambda *args: kind)
+    model = causal_lm()
+    tokens = RNG.integers(0, 50, (batch, 6)).astype("int32")
+    labels = RNG.integers(0, 50, (batch, 6)).astype("int64")
+    problem = Problem(
+        model,
+        (tokens, labels),
+        model.trainable_variables,
+        outputs=jk.Loss(LOSS),
+        reduce=jk.ClippedSum(1.0),
+    )
+    found = structural_inspect.inspection(problem)
+    eager = eager_inspect.inspection(problem)
+    assert found is not None and eager is not None
+    assert found.outputs_shape == eager.outputs_shape == (batch, 6, 50)
+    assert found.rows == eager.rows
+    assert found.connected == eager.connected
+    assert found.layer_outputs == eager.layer_outputs
+    gpu = bool(tf.config.list_logical_devices("GPU"))
+    want = () if onednn or gpu else eager.transposed
+    assert found.transposed == want
+    for mine, theirs in (
+        (found.activation_bytes, eager.activation_bytes),
+        (found.forward_bytes, eager.forward_bytes),
+    ):
+        assert theirs <= mine <= FACTOR * theirs
+
+
+def test_a_sliced_length_is_not_read():
+    model = _sliced()
+    tokens = RNG.integers(0, 50, (4, 6)).astype("int32")
+    labels = RNG.integers(0, 50, (4, 5)).astype("int64")
+    problem = Problem(
+        model,
+        (tokens, labels),
+        model.trainable_variables,
+        outputs=jk.Loss(LOSS),
+        reduce=jk.ClippedSum(1.0),
+    )
+    assert structural_inspect.inspection(problem) is None
+    assert problem.inspection_measured

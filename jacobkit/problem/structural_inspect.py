@@ -12,9 +12,11 @@ costs into the next, so both are skipped together, or neither.
 NOTE (what is read, and why it is exact). Only a Keras functional or
 sequential model (nested ones walked) every operation of which is one of
 :mod:`jacobkit.keras.per_example`'s listed classes, exactly, in inference
-mode (``training=False``), with a single output of known sizes beyond the
-batch, no tensor targets, ``output=None`` and rows of a mode (not a
-callable):
+mode (``training=False``), with a single output whose sizes beyond the
+batch are known or the inputs' one open size (a causal LM's logits ``(B,
+T, V)``: every node with an unknown size keeps or sets its input's,
+:func:`~jacobkit.keras.matmuls.lengths_kept`), no tensor targets,
+``output=None`` and rows of a mode (not a callable):
 
 - ``outputs_shape``: the output's symbolic shape, the batch substituted;
   ``rows``: the mode's shape of it (a loss: ``(B,)``), in its dtype.
@@ -93,8 +95,7 @@ def inspection(problem: Traceable) -> Inspection | None:
     outputs = list(getattr(model, "outputs", None) or ())
     if batch is None or len(outputs) != 1:
         return None
-    dims = tuple(outputs[0].shape)[1:]
-    if any(d is None for d in dims) or str(outputs[0].dtype) != "float32":
+    if str(outputs[0].dtype) != "float32":
         return None
     given = problem.inputs
     if problem.rows_spec.loss is not None:
@@ -102,7 +103,11 @@ def inspection(problem: Traceable) -> Inspection | None:
     length = _length(model, given)
     if length is False:
         return None
-    shape = (batch, *(int(d) for d in dims))
+    dims = tuple(outputs[0].shape)[1:]
+    if None in dims and (length is None or not matmuls.lengths_kept(model)):
+        return None
+    fill = int(length or 0)  # an open size: the inputs' length
+    shape = (batch, *(int(fill if d is None else d) for d in dims))
     rows = _rows(problem, shape)
     bound = per_example.layer_output_bound(model, batch, length or None)
     if rows is None or bound is None:
