@@ -20,8 +20,8 @@ from jacobkit.planner import estimates, probes, selection
 from jacobkit.planner.footprint import Footprint
 from jacobkit.planner.opening import memory_prior
 from jacobkit.problem import Problem, eager_inspect, inspect
+from jacobkit.problem.operands import Transposed
 from jacobkit.problem.plan import Estimate
-from jacobkit.problem.products import Transposed
 from jacobkit.strategies import Batch, Chunked, While, gradients
 from jacobkit.testing import example_models
 

@@ -1,7 +1,7 @@
 """The matrix products a Keras model's forward pass makes, read from its
 layers: for each ``MatMul`` op whose gradient takes an operand transposed,
 the product's rows and that operand's bytes, as
-:func:`jacobkit.problem.products.of_eager` records them from an eager pass.
+:func:`jacobkit.problem.operands.of_eager` records them from an eager pass.
 
 NOTE (what Keras runs, TensorFlow backend, read from its source and checked
 against the eager passes in ``tests/test_structural_inspect.py``).

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from jacobkit.keras import calls, compat, layer_tree
 from jacobkit.layers import convolutions
-from jacobkit.problem import liveness, products
+from jacobkit.problem import liveness, operands
 from jacobkit.problem.inspect import Inspection, Traceable
 from jacobkit.problem.liveness import Node
 
@@ -91,7 +91,7 @@ class _Pass:
     connected: tuple[bool, ...]
     nodes: tuple[Node, ...]
     forward_ops: int
-    transposed: tuple[products.Transposed, ...] = ()
+    transposed: tuple[operands.Transposed, ...] = ()
     kept: KeptPass | None = None
 
 
@@ -259,7 +259,7 @@ def _run(problem: Traceable, n: int, batch: int, keep: bool) -> _Pass | None:
         connected=tuple(g is not None for g in grads),
         nodes=_nodes(record.ops, handles),
         forward_ops=forward_ops,
-        transposed=products.of_eager(record.ops[:forward_ops], handles),
+        transposed=operands.of_eager(record.ops[:forward_ops], handles),
         kept=kept,
     )
 
@@ -315,7 +315,7 @@ def _combined(
         found = _extrapolated(first.nodes, last.nodes, sizes, batch)
         outputs_shape = _shape(first.outputs, last.outputs, sizes, batch)
         rows_shape = _shape(first.rows, last.rows, sizes, batch)
-        grown = products.extrapolated(
+        grown = operands.extrapolated(
             first.transposed, last.transposed, (sizes[0], sizes[1]), batch
         )
         if (

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from jacobkit.keras import compat, layer_tree, state
 from jacobkit.layers import convolutions
-from jacobkit.problem import liveness, products
+from jacobkit.problem import liveness, operands
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.cache import PerModel
 from jacobkit.problem.key import Differentiated
@@ -64,7 +64,7 @@ class Inspection:
             call does not walk the layers again.
         transposed: the operands of the forward pass's matrix products
             that their gradients take transposed
-            (:class:`~jacobkit.problem.products.Transposed`): what the
+            (:class:`~jacobkit.problem.operands.Transposed`): what the
             ``MatMul`` rule copies where it applies (oneDNN off).
         measured: whether a pass (traced or eager) measured it; ``False``
             where it was read from the model's structure
@@ -81,7 +81,7 @@ class Inspection:
     sequential_memory: SequentialMemory | None = None
     unpinned: tuple[str, ...] = ()
     layer_outputs: int | None = None
-    transposed: tuple[products.Transposed, ...] = ()
+    transposed: tuple[operands.Transposed, ...] = ()
     measured: bool = True
 
 
@@ -194,7 +194,7 @@ def trace(problem: Traceable) -> Inspection:
             operations[:forward_ops], graph.as_graph_def() if has_loops else None
         ),
         layer_outputs=layer_outputs,
-        transposed=products.of_graph(operations[:forward_ops], reads),
+        transposed=operands.of_graph(operations[:forward_ops], reads),
     )
 
 

@@ -75,7 +75,7 @@ class Problem:
             floating tensor of the traced pass.
         transposed: the operands of the forward pass's matrix products
             that their gradients take transposed
-            (:class:`~jacobkit.problem.products.Transposed`).
+            (:class:`~jacobkit.problem.operands.Transposed`).
         convolutions: the convolution kinds its backward pass runs
             (``"conv2d"``, ...; their CPU kernels' scratch space and accuracy
             depend on the CPU).

@@ -41,7 +41,7 @@ T, V)``: every node with an unknown size keeps or sets its input's,
   nothing there, :func:`jacobkit.strategies.gradients.hoisted_bytes` is
   0); with oneDNN off: read from the layers
   (:func:`jacobkit.keras.matmuls.transposed`: each ``Dense``'s product, the
-  records :func:`~jacobkit.problem.products.of_eager` makes, in the same
+  records :func:`~jacobkit.problem.operands.of_eager` makes, in the same
   order), ``None`` where they do not tell it.
 
 Measured (eager passes' count / the layers' figure
@@ -69,7 +69,7 @@ from jacobkit import layers, runtime
 from jacobkit.keras import compat, layer_tree, matmuls, per_example
 from jacobkit.layers import convolutions as convolution_kinds
 from jacobkit.layers import stock
-from jacobkit.problem import eager_inspect, loss, products
+from jacobkit.problem import eager_inspect, loss, operands
 from jacobkit.problem.inspect import Inspection, Traceable
 from jacobkit.problem.loss import Loss
 
@@ -139,7 +139,7 @@ def inspection(problem: Traceable) -> Inspection | None:
 
 def _transposed(
     problem: Traceable, batch: int, length: int | None
-) -> tuple[products.Transposed, ...] | None:
+) -> tuple[operands.Transposed, ...] | None:
     """The operands the forward pass's products' gradients take transposed:
     ``()`` where the ``MatMul`` rule replaces nothing (oneDNN on, a GPU),
     else read from the layers (:mod:`jacobkit.keras.matmuls`)."""
@@ -149,7 +149,7 @@ def _transposed(
     found = matmuls.transposed(problem.model, targets, batch, length)
     if found is None:
         return None
-    return tuple(products.Transposed(rows, size) for rows, size in found)
+    return tuple(operands.Transposed(rows, size) for rows, size in found)
 
 
 def _rows(problem: Traceable, shape: tuple[int, ...]) -> tuple[int, ...] | None:

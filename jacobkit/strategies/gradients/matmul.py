@@ -30,7 +30,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.problem.products import Transposed
+from jacobkit.problem.operands import Transposed
 from jacobkit.strategies.gradients import rules
 
 _MATMUL = "MatMul"
