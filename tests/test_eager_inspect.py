@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit.problem import Problem, eager_inspect, inspect
+from tests.inspect_models import convnet, mlp
 
 RNG = np.random.default_rng(11)
 #: eager / traced byte counts (forward bytes, what a row's backward pass
@@ -23,26 +24,6 @@ RNG = np.random.default_rng(11)
 #: later by the eager gradient), so 15% here
 BYTES_TOLERANCE = 0.15
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-
-def convnet() -> keras.Model:
-    inputs = keras.Input((12, 12, 3))
-    h = keras.layers.Conv2D(8, 3, activation="relu", name="conv1")(inputs)
-    h = keras.layers.Conv2D(16, 3, strides=2, activation="relu", name="conv2")(h)
-    h = keras.layers.GlobalAveragePooling2D()(h)
-    return keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
-
-
-def mlp() -> keras.Model:
-    return keras.Sequential(
-        [
-            keras.Input((7,)),
-            keras.layers.Dense(16, activation="tanh", name="hidden"),
-            keras.layers.LayerNormalization(),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(5, name="head"),
-        ]
-    )
 
 
 def tokens() -> keras.Model:

@@ -21,32 +21,13 @@ from jacobkit.planner import reduced
 from jacobkit.problem import Problem, eager_inspect, structural_inspect
 from jacobkit.strategies import gradients
 from jacobkit.strategies.batch import checks
+from tests.inspect_models import convnet, mlp
 
 RNG = np.random.default_rng(5)
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 #: the structural figures over the eager passes' (activations and forward
 #: bytes): at least 1 (an upper bound), at most the factor
 FACTOR = structural_inspect.ACTIVATION_FACTOR
-
-
-def convnet() -> keras.Model:
-    inputs = keras.Input((12, 12, 3))
-    h = keras.layers.Conv2D(8, 3, activation="relu", name="conv1")(inputs)
-    h = keras.layers.Conv2D(16, 3, strides=2, activation="relu", name="conv2")(h)
-    h = keras.layers.GlobalAveragePooling2D()(h)
-    return keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
-
-
-def mlp() -> keras.Model:
-    return keras.Sequential(
-        [
-            keras.Input((7,)),
-            keras.layers.Dense(16, activation="tanh", name="hidden"),
-            keras.layers.LayerNormalization(),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(5, name="head"),
-        ]
-    )
 
 
 def mobilenet() -> keras.Model:
