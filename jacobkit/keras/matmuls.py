@@ -20,9 +20,8 @@ layer holds one; a ``PositionEmbedding`` reads its input's static shape
 alone. Anything else with a ``Dense`` or ``EinsumDense`` in it, LoRA, a
 quantized or non-float32 layer: ``None`` (the eager pass counts it).
 
-Beside them, whether every unknown size of the model's graphs is the
-inputs' sequence length (:func:`lengths_kept`), for the products' rows and
-the output's shape.
+An unknown size beyond the batch is the inputs' sequence length where
+:func:`jacobkit.keras.per_example.lengths_kept` says so.
 
 Nothing here calls a model or changes a layer.
 """
@@ -32,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jacobkit.keras import compat, per_example
+from jacobkit.keras import compat, nodes
 
 #: layers that run no rank-2 ``MatMul`` of their own and hold none that does
 _COMPOSITES = frozenset({"MultiHeadAttention", "TokenAndPositionEmbedding"})
@@ -181,28 +180,5 @@ def _shape(tensor: Any, batch: int, length: int | None) -> tuple[int, ...] | Non
     beyond the batch: ``length``)."""
     if str(getattr(tensor, "dtype", "")) != "float32":
         return None
-    dims = [batch]
-    for d in tuple(tensor.shape)[1:]:
-        size = length if d is None else int(d)
-        if size is None:
-            return None
-        dims.append(size)
-    return tuple(dims) if len(dims) >= 2 else None
-
-
-def lengths_kept(model: Any) -> bool:
-    """Whether every unknown size beyond the batch in ``model``'s graphs is
-    the inputs' sequence length: each node with one is of a layer that
-    keeps or sets its sizes (``per_example._SAME_LENGTH``), a ``GetItem``
-    excepted (its slice may shorten it)."""
-    for op in per_example._operations(model):
-        if op is None or compat.is_model(op):
-            continue
-        for node in getattr(op, "_inbound_nodes", None) or ():
-            for out in getattr(node, "output_tensors", None) or ():
-                if None not in tuple(out.shape)[1:]:
-                    continue
-                name = type(op).__name__
-                if name not in per_example._SAME_LENGTH or name == "GetItem":
-                    return False
-    return True
+    dims = nodes.sized(tensor.shape, batch, length)
+    return dims if dims is not None and len(dims) >= 2 else None

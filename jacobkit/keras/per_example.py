@@ -19,10 +19,9 @@ Nothing here calls a model or changes a layer.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
-from jacobkit.keras import compat
+from jacobkit.keras import compat, nodes
 
 #: Keras layers that compute each example alone in inference mode, whatever
 #: their configuration (their axes are checked apart: :data:`_AXES`)
@@ -144,7 +143,7 @@ def per_example_graph(model: Any) -> bool:
     its graphs fixes ``training=True``."""
     if not compat.is_model(model):
         return False
-    found = list(_operations(model))
+    found = list(nodes.operations(model))
     if not found:
         return False  # no graph to read (a subclassed model)
     for op in found:
@@ -156,22 +155,6 @@ def per_example_graph(model: Any) -> bool:
         if not all(_per_example(layer) for layer in inner):
             return False
     return True
-
-
-def _operations(model: Any) -> Iterator[Any]:
-    """Every operation of ``model``'s graph and of the models in it, their
-    nodes checked: ``training=True`` fixed in a call yields ``None``."""
-    # a sequential model's graph is the functional model it builds
-    graph = getattr(model, "_functional", None) or model
-    for op in getattr(graph, "operations", None) or ():
-        for node in getattr(op, "_inbound_nodes", None) or ():
-            arguments = getattr(node, "arguments", None)
-            kwargs = getattr(arguments, "kwargs", None) or {}
-            if kwargs.get("training") is True:
-                yield None
-        yield op
-        if compat.is_model(op):
-            yield from _operations(op)
 
 
 def _per_example(op: Any) -> bool:
@@ -264,6 +247,24 @@ def _keeps_batch(op: Any) -> bool:
     return True
 
 
+def lengths_kept(model: Any) -> bool:
+    """Whether every unknown size beyond the batch in ``model``'s graphs is
+    the inputs' sequence length: each node with one is of a layer that
+    keeps or sets its sizes (:data:`_SAME_LENGTH`), a ``GetItem`` excepted
+    (its slice may shorten it)."""
+    for op in nodes.operations(model):
+        if op is None or compat.is_model(op):
+            continue
+        for node in getattr(op, "_inbound_nodes", None) or ():
+            for out in getattr(node, "output_tensors", None) or ():
+                if None not in tuple(out.shape)[1:]:
+                    continue
+                name = type(op).__name__
+                if name not in _SAME_LENGTH or name == "GetItem":
+                    return False
+    return True
+
+
 def upstream_layers(model: Any) -> set[int] | None:
     """The ids of the layers whose outputs reach ``model``'s single output
     (a functional model's, nested models walked through the outputs they
@@ -319,7 +320,7 @@ def layer_output_bound(model: Any, batch: int, length: int | None) -> int | None
     length) where the layer keeps or sets its sizes (:data:`_SAME_LENGTH`);
     ``None`` where that cannot be read."""
     total = 0
-    for op in _operations(model):
+    for op in nodes.operations(model):
         if op is None or compat.is_model(op):
             continue
         for node in getattr(op, "_inbound_nodes", None) or ():
@@ -355,16 +356,8 @@ def _bytes(
     """Bytes of a tensor of ``shape`` (its first axis the batch) with
     ``batch`` examples, an unknown size taken as ``length``."""
     size = _dtype_size(dtype)
-    if size is None or not shape:
-        return None
-    dims = []
-    for d in shape[1:]:
-        if d is None:
-            if length is None:
-                return None
-            d = length
-        dims.append(int(d))
-    return batch * size * math.prod(dims)
+    dims = nodes.sized(shape, batch, length) if shape else None
+    return None if size is None or dims is None else size * math.prod(dims)
 
 
 def _scores(layer: Any, batch: int, length: int | None) -> int | None:

@@ -15,7 +15,7 @@ sequential model (nested ones walked) every operation of which is one of
 mode (``training=False``), with a single output whose sizes beyond the
 batch are known or the inputs' one open size (a causal LM's logits ``(B,
 T, V)``: every node with an unknown size keeps or sets its input's,
-:func:`~jacobkit.keras.matmuls.lengths_kept`), no tensor targets,
+:func:`~jacobkit.keras.per_example.lengths_kept`), no tensor targets,
 ``output=None`` and rows of a mode (not a callable):
 
 - ``outputs_shape``: the output's symbolic shape, the batch substituted;
@@ -66,7 +66,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import layers, runtime
-from jacobkit.keras import compat, layer_tree, matmuls, per_example
+from jacobkit.keras import compat, layer_tree, matmuls, nodes, per_example
 from jacobkit.layers import convolutions as convolution_kinds
 from jacobkit.layers import stock
 from jacobkit.problem import eager_inspect, loss, operands
@@ -104,7 +104,7 @@ def inspection(problem: Traceable) -> Inspection | None:
     if length is False:
         return None
     dims = tuple(outputs[0].shape)[1:]
-    if None in dims and (length is None or not matmuls.lengths_kept(model)):
+    if None in dims and (length is None or not per_example.lengths_kept(model)):
         return None
     fill = int(length or 0)  # an open size: the inputs' length
     shape = (batch, *(int(fill if d is None else d) for d in dims))
@@ -238,23 +238,8 @@ def trusted(problem: Any) -> bool:
             or compat.lora_enabled(layer)
             or compat.quantization_mode(layer) is not None
             or compat.dtype_policy_name(layer) != "float32"
-            or not _called_once(layer)
+            or not nodes.called_once(layer)
             or id(layer) not in upstream
         ):
-            return False
-    return True
-
-
-def _called_once(layer: Any) -> bool:
-    """Whether ``layer`` has at most one node in a graph (none: called from
-    the Python of a listed layer, which calls each of its layers once), and
-    that node does not call it in reverse (a ``ReversibleEmbedding`` as a
-    language model's head: its weights tied to the inputs' embedding)."""
-    nodes = list(getattr(layer, "_inbound_nodes", None) or ())
-    if len(nodes) > 1:
-        return False
-    for node in nodes:
-        kwargs = getattr(getattr(node, "arguments", None), "kwargs", None) or {}
-        if kwargs.get("reverse"):
             return False
     return True
