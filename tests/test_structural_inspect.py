@@ -240,24 +240,21 @@ def test_a_tight_budget_measures_the_inspection(monkeypatch):
     problem = _problem(model, 8)
     assert not problem.inspection_measured
     bound = problem.activation_bytes
-    jk.jacobian(
-        model,
-        (x, y),
-        model.trainable_variables,
-        outputs=jk.Loss(LOSS),
-        reduce=jk.ClippedSum(1.0),
-        memory_budget=int(bound * 1.2),
-    )
+
+    def clipped(budget: int | str) -> None:
+        jk.jacobian(
+            model,
+            (x, y),
+            model.trainable_variables,
+            outputs=jk.Loss(LOSS),
+            reduce=jk.ClippedSum(1.0),
+            memory_budget=budget,
+        )
+
+    clipped(int(bound * 1.2))
     assert measured and measured[0].inspection_measured
     measured.clear()
-    jk.jacobian(
-        model,
-        (x, y),
-        model.trainable_variables,
-        outputs=jk.Loss(LOSS),
-        reduce=jk.ClippedSum(1.0),
-        memory_budget="8GiB",
-    )
+    clipped("8GiB")
     assert not measured
 
 
