@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,6 +329,74 @@ class PerRow:
         return np.linalg.norm(self.flat, axis=1)
 
 
+def per_example_gradients(
+    forward: Callable[[Any], Any],
+    variables: Sequence[Any],
+    data: tuple,
+    loss: Callable[[Any, Any], Any],
+) -> PerRow:
+    """Every example's loss gradient in float64, the obvious way: one
+    ``tf.GradientTape`` per example, on that example alone.
+
+    ``data`` is ``(x, y)`` or ``(x, y, w)``, ``x`` any nest of arrays (a
+    dict of tensors, as keras_hub models take) sliced to example ``i`` leaf
+    by leaf, its floating leaves cast to float64; row ``i`` is
+    ``w_i * sum(loss(y_i, forward(x_i)))``, as ``jk.Loss`` weighs it.
+    ``forward`` is called as it is (a float64 copy of the model, or the
+    model written out on float64 variables); each gradient is made dense
+    (an embedding's) and float64, zeros where a variable is not reached.
+    """
+    x, y, *weight = data
+    rows: list[list[np.ndarray]] = []
+    for i in range(len(y)):
+        one = tf.nest.map_structure(lambda t, i=i: _float64(t[i : i + 1]), x)
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(loss(y[i : i + 1], forward(one)))
+            if weight:
+                value = tf.cast(weight[0][i], value.dtype) * value
+        grads = tape.gradient(
+            value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        rows.append([np.asarray(tf.convert_to_tensor(g), np.float64) for g in grads])
+    names = tuple(getattr(v, "path", v.name) for v in variables)
+    gradients = tuple(np.stack(each) for each in zip(*rows, strict=True))
+    return PerRow(gradients, (len(y),), names)
+
+
+def _float64(t: Any) -> Any:
+    """A floating input as float64; ids and masks as they are."""
+    t = tf.convert_to_tensor(t)
+    return tf.cast(t, tf.float64) if t.dtype.is_floating else t
+
+
+def clipped_sums(
+    rows: PerRow,
+    clips: float | Sequence[float],
+    groups: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """``Σ_r min(1, C / |g_r|) g_r`` per target, in NumPy from the float64
+    rows, and every row's norm (over every target together).
+
+    With ``groups`` (each a list of target indices, one clip each), each
+    group's rows are clipped by their norm over that group's targets alone
+    (DP-SGD's per-layer clipping). A row of norm 0 (an example of weight 0)
+    adds 0.
+    """
+    groups = groups if groups is not None else [range(len(rows.gradients))]
+    clips = [float(clips)] * len(groups) if np.ndim(clips) == 0 else clips
+    sums: list[np.ndarray] = [np.zeros(0)] * len(rows.gradients)
+    for group, clip in zip(groups, clips, strict=True):
+        flat = np.concatenate(
+            [rows.of_target(j).reshape(rows.num_rows, -1) for j in group], axis=1
+        )
+        scales = np.minimum(
+            1.0, clip / np.maximum(np.linalg.norm(flat, axis=1), 1e-300)
+        )
+        for j in group:
+            sums[j] = np.tensordot(scales, rows.of_target(j), 1)
+    return sums, rows.norms.reshape(rows.rows_shape)
+
+
 @dataclass(frozen=True)
 class ReductionCase:
     """One kind of ``reduce=`` (or ``jk.gram``'s factors), as the suite tests it.
@@ -376,12 +444,8 @@ def _clip_norm(rows: PerRow) -> jk.ClippedSum:
 def _clipped_sum(rows: PerRow, clipped: jk.ClippedSum) -> list[np.ndarray]:
     """``Σ_r g_r min(1, C / |g_r|)`` per target (each row's norm over every
     target together), then every row's norm."""
-    norms = rows.norms
-    scales = np.minimum(1.0, clipped.clip_norm / np.maximum(norms, 1e-300))
-    sums = [
-        np.tensordot(scales, rows.of_target(i), 1) for i in range(len(rows.gradients))
-    ]
-    return [*sums, norms.reshape(rows.rows_shape)]
+    sums, norms = clipped_sums(rows, clipped.clip_norm, clipped.groups)
+    return [*sums, norms]
 
 
 def _projection(rows: PerRow, project: jk.Project) -> list[np.ndarray]:

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit.problem.reduction import KINDS
-from tests.cases import REDUCTIONS, PerRow
+from tests.cases import REDUCTIONS, PerRow, clipped_sums, per_example_gradients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the public kinds ``reduce=`` takes, from the registry
@@ -95,26 +95,20 @@ def test_every_kind_in_a_tf_function_equals_the_eager_call(case, outputs):
 
 def _clipped_sum_float64(model, x, y, w, clip):
     """``Σ_i min(1, C/|g_i|) g_i`` over the examples, a float64 tape per
-    example on a float64 copy of ``model``'s hidden and head layers."""
+    example on ``model``'s hidden and head layers written out on float64
+    copies of their weights."""
     hidden, head = model.get_layer("hidden"), model.get_layer("head")
     kernel, bias, head_k, head_b = (
         tf.cast(v, tf.float64)
         for v in (hidden.kernel, hidden.bias, head.kernel, head.bias)
     )
     targets = [tf.Variable(kernel), tf.Variable(bias)]
-    sums = [np.zeros(v.shape) for v in targets]
-    norms = []
-    for i in range(len(x)):
-        with tf.GradientTape() as tape:
-            h = tf.tanh(tf.constant(x[i : i + 1], tf.float64) @ targets[0] + targets[1])
-            logits = h @ head_k + head_b
-            loss = w[i] * per_example_loss(y[i : i + 1], logits)[0]
-        grads = [g.numpy() for g in tape.gradient(loss, targets)]
-        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
-        norms.append(norm)
-        for s, g in zip(sums, grads, strict=True):
-            s += min(1.0, clip / norm) * g
-    return sums, np.asarray(norms)
+
+    def forward(x):
+        return tf.tanh(x @ targets[0] + targets[1]) @ head_k + head_b
+
+    rows = per_example_gradients(forward, targets, (x, y, w), per_example_loss)
+    return clipped_sums(rows, clip)
 
 
 def test_clipped_sum_of_a_loss_against_float64_as_batch_sizes_change():

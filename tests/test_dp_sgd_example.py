@@ -4,11 +4,11 @@ the float64 reference computed the obvious way, and the same step taken by
 ``make_private``'s ``fit``.
 
 The reference: the model's weights copied into float64 variables, one
-``tf.GradientTape`` per example on its own cross-entropy, each gradient's
-norm over all variables, clipped, weighted (0 for padding), summed and
-divided in NumPy, the noise drawn by the documented recipe
-(``stateless_normal`` seeded by ``stateless_fold_in((seed, t), i)``), and
-plain SGD's ``w - lr * update``.
+``tf.GradientTape`` per example on its own weighted cross-entropy (weight 0
+for padding, as ``jk.Loss`` weighs it), each gradient's norm over all
+variables, clipped, summed and divided in NumPy (``tests.cases``), the
+noise drawn by the documented recipe (``stateless_normal`` seeded by
+``stateless_fold_in((seed, t), i)``), and plain SGD's ``w - lr * update``.
 
 Tolerance: beyond one float32 spacing of each weight (the float32 weight
 cannot hold a finer result), the largest error measured for the compiled
@@ -34,6 +34,7 @@ import pytest
 import tensorflow as tf
 
 from examples import dp_sgd
+from tests.cases import PerRow, clipped_sums, per_example_gradients
 
 RTOL = 1e-5
 #: plain SGD's: the update is lr * (clipped sum + noise) / expected batch
@@ -52,20 +53,22 @@ def _batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _per_example_float64(
-    weights: list[np.ndarray], x: np.ndarray, y: np.ndarray
-) -> list[np.ndarray]:
-    """Each example's loss gradient, float64, one tape per example: the
-    example's MLP (64 -> tanh 64 -> 10 logits) written out by hand."""
-    variables = [tf.Variable(w.astype(np.float64)) for w in weights]
+    weights: list[np.ndarray], x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None
+) -> PerRow:
+    """Each example's (weighted) loss gradient, float64, one tape per
+    example: the example's MLP (64 -> tanh 64 -> 10 logits) written out by
+    hand."""
+    variables = [tf.Variable(v.astype(np.float64)) for v in weights]
     kernel1, bias1, kernel2, bias2 = variables
-    rows: list[list[np.ndarray]] = []
-    for b in range(len(x)):
-        xb = tf.constant(x[b : b + 1], tf.float64)
-        with tf.GradientTape() as tape:
-            logits = tf.tanh(xb @ kernel1 + bias1) @ kernel2 + bias2
-            loss = tf.nn.sparse_softmax_cross_entropy_with_logits(y[b : b + 1], logits)
-        rows.append([g.numpy() for g in tape.gradient(loss, variables)])
-    return [np.stack(parts) for parts in zip(*rows)]  # per variable: (B, *shape)
+
+    def forward(xb):
+        return tf.tanh(xb @ kernel1 + bias1) @ kernel2 + bias2
+
+    def loss(labels, logits):
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+
+    data = (x, y) if w is None else (x, y, w)
+    return per_example_gradients(forward, variables, data, loss)
 
 
 def _noise(weights: list[np.ndarray], seed: int, step: int, std: float):
@@ -92,16 +95,13 @@ def _reference_update(
     step: int = 0,
 ) -> list[np.ndarray]:
     """``lr * (clipped sum + noise) / expected batch``, per variable."""
-    grads = _per_example_float64(weights, x, y)
-    flat = np.concatenate([g.reshape(len(x), -1) for g in grads], axis=1)
-    scales = np.minimum(1.0, clip_norm / np.linalg.norm(flat, axis=1))
-    scales = scales * sample_weight
+    rows = _per_example_float64(weights, x, y, sample_weight)
+    sums, _ = clipped_sums(rows, clip_norm)
     noise = _noise(weights, seed, step, noise_multiplier * clip_norm)
-    updates = []
-    for g, n in zip(grads, noise):
-        clipped_sum = np.tensordot(scales, g, 1)
-        updates.append(LEARNING_RATE * (clipped_sum + n) / EXPECTED_BATCH)
-    return updates
+    return [
+        LEARNING_RATE * (total + n) / EXPECTED_BATCH
+        for total, n in zip(sums, noise, strict=True)
+    ]
 
 
 def _step(
@@ -154,9 +154,7 @@ def _close(
 def _median_norm(x: np.ndarray, y: np.ndarray) -> float:
     """A clip norm that clips some examples and not others."""
     weights = [np.asarray(v) for v in dp_sgd.build_model(seed=0).trainable_variables]
-    grads = _per_example_float64(weights, x, y)
-    flat = np.concatenate([g.reshape(len(x), -1) for g in grads], axis=1)
-    return float(np.median(np.linalg.norm(flat, axis=1)))
+    return float(np.median(_per_example_float64(weights, x, y).norms))
 
 
 @pytest.mark.parametrize("noise_multiplier", [0.0, 0.7])

@@ -3,8 +3,9 @@ examples of sample weight 0 to a few sizes give the clipped sum and the
 norms of the unpadded batch, by every registered strategy, and batches of
 different sizes within one padded size trace once.
 
-Reference: every example's loss gradient in float64 (``jacobkit.testing``),
-then each norm, scale and sum in NumPy, for the batch as given. Tolerance:
+Reference: every example's loss gradient in float64, one tape per example
+on a float64 copy (``tests.cases``), then each norm, scale and sum in
+NumPy, for the batch as given. Tolerance:
 as ``tests/test_reductions.py`` (1e-5 of the largest value, the suite's
 float32 bound; padding adds exact zeros, so the errors are those of the
 unpadded sums, at most 1.9e-7 there).
@@ -20,7 +21,7 @@ import tensorflow as tf
 import jacobkit as jk
 from jacobkit import testing
 from jacobkit.problem import padding
-from tests.cases import STRATEGIES
+from tests.cases import STRATEGIES, clipped_sums, per_example_gradients
 from tests.test_reductions import _mlp, _tokens
 
 RTOL = 1e-5
@@ -32,15 +33,11 @@ LOSS = jk.Loss(
 def _reference(model, inputs, clip: float | None = None):
     """The clipped sums in the variables' shapes, the norms and the clip
     (``None``: the norms' median, so that some rows are clipped)."""
-    ref = testing.float64_reference(
-        model, inputs, model.trainable_variables, outputs=LOSS
-    )
-    grads = [np.asarray(r, np.float64) for r in ref]
-    flat = np.concatenate([g.reshape(g.shape[0], -1) for g in grads], 1)
-    norms = np.linalg.norm(flat, axis=1)
-    clip = float(np.median(norms)) if clip is None else clip
-    scales = np.minimum(1.0, clip / norms)
-    return [np.tensordot(scales, g, 1) for g in grads], norms, clip
+    copy = testing.float64_copy(model)
+    rows = per_example_gradients(copy, copy.trainable_variables, inputs, LOSS.fn)
+    clip = float(np.median(rows.norms)) if clip is None else clip
+    sums, norms = clipped_sums(rows, clip)
+    return sums, norms, clip
 
 
 def _padded(model, inputs, clip: float, **kwargs):

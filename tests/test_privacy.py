@@ -23,6 +23,7 @@ import tensorflow as tf
 import jacobkit as jk
 from examples import dp_sgd
 from jacobkit.privacy import step as privacy_step
+from tests.cases import PerRow, clipped_sums, per_example_gradients
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 N, Q, SEED = 40, 0.25, 7
@@ -61,32 +62,18 @@ def _data(model: keras.Model) -> tuple[np.ndarray, np.ndarray]:
     return rng.normal(size=(N, *shape)).astype("float32"), rng.integers(0, 3, N)
 
 
-def _per_example(copy, x, y, w):
+def _per_example(copy, x, y, w) -> PerRow:
     """Each example's weighted loss gradient in float64, by tape."""
-    variables = copy.trainable_variables
-    found = []
-    for i in range(len(x)):
-        with tf.GradientTape() as tape:
-            logits = copy(tf.constant(x[i : i + 1], tf.float64), training=True)
-            loss = LOSS(y[i : i + 1], logits)[0] * w[i]
-        found.append([g.numpy() for g in tape.gradient(loss, variables)])
-    return found
-
-
-def _norm(grads) -> float:
-    return math.sqrt(sum(float(np.sum(g**2)) for g in grads))
+    return per_example_gradients(
+        lambda one: copy(one, training=True), copy.trainable_variables, (x, y, w), LOSS
+    )
 
 
 def _reference_gradient(copy, x, y, w, clipping, step, sigma):
     """(clipped sum + noise) / (q N) in float64, per example by tape."""
     variables = copy.trainable_variables
-    sums = [np.zeros(v.shape) for v in variables]
-    for grads in _per_example(copy, x, y, w):
-        for group, clip in zip(clipping.groups, clipping.clips):
-            norm = math.sqrt(sum(float(np.sum(grads[j] ** 2)) for j in group))
-            scale = min(1.0, clip / norm) if norm > 0 else 1.0
-            for j in group:
-                sums[j] += scale * grads[j]
+    rows = _per_example(copy, x, y, w)
+    sums, _ = clipped_sums(rows, clipping.clips, clipping.groups)
     std = sigma * math.sqrt(sum(c * c for c in clipping.clips))
     out = []
     for j, v in enumerate(variables):
@@ -167,8 +154,8 @@ def _two_steps(model, kind: str, per_layer, eager: bool) -> tuple[float, bool]:
     assert [len(sampler[t][2]) for t in range(2)] == [6, 14]
     assert sampler[1][2][-1] == 0
     # a clip norm that clips some examples and leaves others: the median norm
-    first = _per_example(copy, *sampler[0])
-    clip = float(np.median([_norm(g) for g in first if _norm(g) > 0]))
+    norms = _per_example(copy, *sampler[0]).norms
+    clip = float(np.median(norms[norms > 0]))
     sigma, lr = 0.8, 0.05
     private = jk.privacy.make_private(
         model,
