@@ -4,7 +4,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import tensorflow as tf
+
+
+def reshaped(tensor: tf.Tensor, shape: Sequence[int]) -> tf.Tensor:
+    """``tensor`` reshaped to ``shape``, unless its static shape is that
+    already (no Reshape traced where it would change nothing: the conv net's
+    head's cotangents, three of them six graph ops)."""
+    if tensor.shape.is_fully_defined() and tuple(tensor.shape) == tuple(shape):
+        return tensor
+    return tf.reshape(tensor, shape)
 
 
 def per_example_matmul(patches: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:

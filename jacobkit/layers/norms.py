@@ -79,13 +79,13 @@ def kernel_and_bias_norms(
         # reshaped only where the shapes differ (the conv net's head's
         # cotangents are (B, K, O) already: three reshapes traced six graph
         # ops)
-        flat = _shaped(dz, (batch, rows, units))
+        flat = contract.reshaped(dz, (batch, rows, units))
         bias = tf.math.reduce_euclidean_norm(flat, axis=-1)  # (B, K)
         # (B, 1, 1) -> (B, 1): no strided slice for a new axis
         inputs_norm = tf.math.reduce_euclidean_norm(patches, axis=2)
-        kernel = tf.cast(_shaped(inputs_norm, (batch, 1)), bias.dtype) * bias
+        kernel = tf.cast(contract.reshaped(inputs_norm, (batch, 1)), bias.dtype) * bias
         return tf.reshape(kernel, (-1,)), tf.reshape(bias, (-1,))
-    cotangents = _shaped(dz, (batch, rows, positions, units))  # (B, K, P, O)
+    cotangents = contract.reshaped(dz, (batch, rows, positions, units))  # (B, K, P, O)
     if not summed and gram:
         gram_inputs = tf.einsum("bpi,bqi->bpq", patches, patches)
         kernel = tf.sqrt(tf.maximum(ghost_squared(gram_inputs, cotangents), 0.0))
@@ -116,13 +116,6 @@ def kernel_and_bias_norms(
         tf.reshape(tf.transpose(kernel), (-1,)),
         tf.reshape(tf.transpose(bias), (-1,)),
     )
-
-
-def _shaped(tensor: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
-    """``tensor`` reshaped to ``shape``, unless its static shape is that."""
-    if tensor.shape.is_fully_defined() and tuple(tensor.shape) == tuple(shape):
-        return tensor
-    return tf.reshape(tensor, shape)
 
 
 def ghost_squared(positions: tf.Tensor, cotangents: tf.Tensor) -> tf.Tensor:

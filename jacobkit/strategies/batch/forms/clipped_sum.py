@@ -8,6 +8,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit.layers.base import squared_rows
+from jacobkit.layers.contract import reshaped
 from jacobkit.problem import Problem
 from jacobkit.problem.reduction import ClippedSum, Output
 from jacobkit.strategies.batch.contract import (
@@ -160,9 +161,7 @@ def _row_sum(rows: Any) -> Any:
 def _as_target(found: Any, target: Any) -> Any:
     """A sum in its target's shape (a bias of a rule's ``(units,)`` for
     ``EinsumDense``'s ``(heads, dim)``) and dtype."""
-    if tuple(found.shape) != tuple(target.shape):
-        found = tf.reshape(found, target.shape)
-    return tf.cast(found, target.dtype)
+    return tf.cast(reshaped(found, target.shape), target.dtype)
 
 
 def _norms(rule: Any, calls: list[Any], *, summed: bool) -> Any:
