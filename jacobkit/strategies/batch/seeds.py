@@ -26,6 +26,12 @@ class OneHotRows:
         one_hot = tf.one_hot(tf.range(start, start + count), self.count, dtype=dtype)
         return tf.broadcast_to(one_hot[:, None, :], (count, batch, self.count))
 
+    def only(self, batch: int, dtype: Any) -> Any:
+        """``(B, 1)``: the cotangent of the one row (``count`` 1), ones: one
+        constant, not a range, one_hot, broadcast and squeeze (19 graph
+        ops)."""
+        return tf.ones((batch, 1), dtype)
+
 
 @dataclass(frozen=True)
 class HeadRows:
@@ -51,6 +57,11 @@ class HeadRows:
         for every example."""
         rows = tf.cast(self.columns[start : start + count], dtype)
         return tf.broadcast_to(rows[:, None, :], (count, batch, self.columns.shape[1]))
+
+    def only(self, batch: int, dtype: Any) -> Any:
+        """``(B, D)``: the cotangent of the one row (``count`` 1), ``W``'s
+        column for every example."""
+        return tf.squeeze(self.of(0, 1, batch, dtype), 0)
 
 
 def seed_head(problem: Problem) -> structure.LinearHead | None:
