@@ -104,7 +104,7 @@ def test_the_structural_inspection_is_the_eager_one(build):
         assert theirs <= mine <= FACTOR * theirs
     # the problem took it, and the checks were trusted
     assert not problem.inspection_measured
-    assert structural_inspect.trusted(problem)
+    assert structural_inspect.verdict(problem) == structural_inspect.Trust(True)
 
 
 class Subclassed(keras.Model):
@@ -156,8 +156,37 @@ def _user_activation() -> keras.Model:
 def test_the_structure_does_not_tell(build):
     problem = _problem(build(), 4)
     assert structural_inspect.inspection(problem) is None
-    assert not structural_inspect.trusted(problem)
+    found = structural_inspect.verdict(problem)
+    assert not found.trusted and found.reason
     assert problem.inspection_measured
+
+
+def test_a_first_call_judges_the_checks_once(monkeypatch):
+    """The structural inspection and ``batch``'s checks read one verdict,
+    kept per model: a fresh model's first clipped sum judges it once (each
+    judged it before, twice in all)."""
+    judged = []
+    judge = structural_inspect._judged
+
+    def counted(problem):
+        judged.append(problem)
+        return judge(problem)
+
+    monkeypatch.setattr(structural_inspect, "_judged", counted)
+    model = mlp()
+    x, y = _inputs(model, 4)
+    for _ in range(2):
+        jk.jacobian(
+            model,
+            (x, y),
+            model.trainable_variables,
+            outputs=jk.Loss(LOSS),
+            reduce=jk.ClippedSum(1.0),
+            strategy="batch",
+            cache=False,
+        )
+    assert len(judged) == 1
+    assert checks.how_checked(model) == (checks.STRUCTURE,)
 
 
 def test_training_is_not_read():

@@ -61,6 +61,7 @@ the inspection by the eager passes as before
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
@@ -70,8 +71,11 @@ from jacobkit.keras import compat, layer_tree, matmuls, nodes, per_example
 from jacobkit.layers import convolutions as convolution_kinds
 from jacobkit.layers import stock
 from jacobkit.problem import eager_inspect, loss, operands
+from jacobkit.problem.cache import PerModel
 from jacobkit.problem.inspect import Inspection, Traceable
 from jacobkit.problem.loss import Loss
+
+_VERDICTS = PerModel("trusted: whether batch's numeric checks are proven, per targets")
 
 #: the activations' bytes (what a row's backward pass keeps) at most this
 #: many times the layers' figure (measured up to 6.0x: the module's NOTE)
@@ -198,25 +202,66 @@ def _length(model: Any, inputs: Any) -> int | bool | None:
     return open_sizes.pop() if open_sizes else None
 
 
+@dataclass(frozen=True)
+class Trust:
+    """The verdict of :func:`trusted` on a problem's targets, reached once
+    per model and kept: the structural inspection and ``batch``'s checks
+    (:mod:`jacobkit.strategies.batch.checks`) both read it.
+
+    Attributes:
+        trusted: the checks are what the test suite proves (need not run).
+        reason: the first condition not met, in words (``""`` where
+            trusted).
+    """
+
+    trusted: bool
+    reason: str = ""
+
+
 def trusted(problem: Any) -> bool:
     """Whether ``batch``'s numeric checks on ``problem`` (the layer computes
     its rule's closed form, the rule's gradients are autodiff's, examples do
     not mix) are what the test suite proves (``tests/test_conformance.py``,
-    the rule tests), so need not run: every target layer (``problem.forms``)
+    the rule tests), so need not run: :func:`verdict`'s."""
+    return verdict(problem).trusted
+
+
+def verdict(problem: Any) -> Trust:
+    """The :class:`Trust` of ``problem``, judged once per model, targets,
+    target layer, ``training`` and the layer registry's version (what it
+    reads besides the model's graph): every target layer (``problem.forms``)
     exactly a stock class with a built-in rule, LoRA off, not quantized,
     float32, called at most once in its graph, its weights held by no other
     layer, and every operation of the model per-example in inference mode
     (:func:`jacobkit.keras.per_example.per_example_graph`). A user's rule,
-    a subclass, a tied weight, ``training=True``: ``False`` (numeric)."""
-    if problem.training or getattr(problem, "tensor_targets", None) is not None:
-        return False
+    a subclass, a tied weight, ``training=True``: not trusted (numeric)."""
+    key = (
+        tuple(id(t) for t in problem.targets),
+        id(getattr(problem, "layer", None)),
+        bool(problem.training),
+        getattr(problem, "tensor_targets", None) is not None,
+        layers.REGISTRY.current_version(),
+    )
+    kept = _VERDICTS.of(problem.model)
+    if key not in kept:
+        kept[key] = _judged(problem)
+    found: Trust = kept[key]
+    return found
+
+
+def _judged(problem: Any) -> Trust:
+    """:func:`verdict`'s conditions, each in turn."""
+    if problem.training:
+        return Trust(False, "training=True")
+    if getattr(problem, "tensor_targets", None) is not None:
+        return Trust(False, "tensor targets")
     model = problem.model
     if not per_example.per_example_graph(model):
-        return False
+        return Trust(False, "an operation not listed per-example")
     found = problem.forms
     upstream = per_example.upstream_layers(model)
     if not found or upstream is None:
-        return False
+        return Trust(False, "no closed form serves every target")
     # a target weight held by two layers is tied (a language model's head)
     mine = {id(compat.unwrap(t)) for t in problem.targets}
     held: dict[int, int] = {}
@@ -226,7 +271,7 @@ def trusted(problem: Any) -> bool:
             if key in mine:
                 held[key] = held.get(key, 0) + 1
     if any(count > 1 for count in held.values()):
-        return False
+        return Trust(False, "a target weight held by two layers")
     for form in found:
         layer = form.layer
         kind = layers.stock_kind(layer)
@@ -241,5 +286,5 @@ def trusted(problem: Any) -> bool:
             or not nodes.called_once(layer)
             or id(layer) not in upstream
         ):
-            return False
-    return True
+            return Trust(False, f"layer {layer.name!r} not proven by the tests")
+    return Trust(True)
