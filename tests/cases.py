@@ -443,7 +443,8 @@ def _clip_norm(rows: PerRow) -> jk.ClippedSum:
 
 def _clipped_sum(rows: PerRow, clipped: jk.ClippedSum) -> list[np.ndarray]:
     """``Σ_r g_r min(1, C / |g_r|)`` per target (each row's norm over every
-    target together), then every row's norm."""
+    target together, or over each of its ``groups``), then every row's
+    norm (:func:`clipped_sums`)."""
     sums, norms = clipped_sums(rows, clipped.clip_norm, clipped.groups)
     return [*sums, norms]
 
