@@ -113,11 +113,11 @@ def test_a_settled_call_costs_what_the_kept_strategy_does(generator, eager_trial
     one untraced run of every row, and a fixed call of that configuration
     shares the computation (the same problem key and strategy key: it does
     not trace either), so auto's steady call costs what the fixed strategy's
-    does. Measured on the MLP of ``benchmarks/mlp_limit.py`` (oneDNN off,
-    TensorFlow's default allocator, one core, paired in one process, 10
-    rounds, loaded): auto kept ``while(10)``, its steady call 0.96x the
-    time of a fixed ``While(10)``'s and 1.01x its user CPU time, the fixed
-    ``while`` 1.04x, none retraced."""
+    does (the timing itself is a benchmark's: on the MLP of
+    ``benchmarks/mlp_limit.py``, oneDNN off, TensorFlow's default allocator,
+    one core, paired in one process, loaded, auto kept ``while(10)`` and the
+    fixed strategies took 0.96-1.04x its steady call's time, 0.94-1.03x its
+    user CPU time, none retraced: ``benchmarks/mlp_auto_paired.py``)."""
     ex = generator
     for _ in range(13):
         result = jk.jacobian(ex.model, ex.inputs, ex.layer)
