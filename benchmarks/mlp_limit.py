@@ -99,10 +99,14 @@ def child(strategy: str, weights: str, repeats: int) -> None:
     else:
         kwargs = {} if strategy == "auto" else {"strategy": strategy}
         plans = []
+        #: what each call ran (auto: the strategy of its last run)
+        each: list[str] = []
 
         def call() -> list[tf.Tensor]:
             result = jk.jacobian(model, x, "hidden1", **kwargs)
             plans[:] = [result.plan]
+            plan = result.plan
+            each.append(plan.last_call[-1].strategy.label if plan else strategy)
             return [result.kernel.numpy(), result.bias.numpy()]
 
         def settled() -> bool:
@@ -126,8 +130,13 @@ def child(strategy: str, weights: str, repeats: int) -> None:
     ran = {}
     if strategy == "auto" and plans[0] is not None:
         # what auto runs after its tries, and the switches it made
+        # the steady calls' own strategies (and the peak call's): a try
+        # among them would make the steady time not the kept strategy's
         ran = {
             "ran": plans[0].strategy.label,
+            "settled": plans[0].settled,
+            "calls": len(each),
+            "steady_ran": sorted(set(each[-(repeats + 1) :])),
             "switches": [str(s) for s in plans[0].switches],
         }
     print(
@@ -285,6 +294,9 @@ def _report(
         ran = [r["ran"] for r in good if "ran" in r]
         if ran:
             rows[label]["ran"] = ", ".join(sorted(set(ran)))
+        steady = sorted({s for r in good for s in r.get("steady_ran", ())})
+        if len(steady) > 1:  # a try among the steady calls: not steady
+            rows[label]["steady_ran"] = steady
         rows[label]["agreement"] = agreement.get(label)
     out.mkdir(parents=True, exist_ok=True)
     data = {
@@ -346,6 +358,8 @@ def _markdown(data: dict) -> str:
             continue
         diff = row["agreement"]
         ran = f" → {row['ran']}" if row.get("ran") else ""
+        if row.get("steady_ran"):
+            ran += f" (steady calls ran {', '.join(row['steady_ran'])})"
         lines.append(
             f"| {label}{ran} | {row['steady_s']:.2f} s | {row['first_s']:.2f} s "
             f"| {row['first_three_s']:.2f} s "

@@ -248,6 +248,26 @@ def test_rounds_rotate_the_sides_and_time_each_call():
     assert two == list("xyyxxy")  # two sides alternate
 
 
+def test_steady_calls_come_after_the_plan_settled():
+    """``auto`` on the MLP without oneDNN settles at call 43-44 (its
+    ``chunked(144)`` try after keeping ``while(10)``); waiting at most 40
+    calls past the first 3 timed that try as steady calls. Here a call
+    settles at call 50: every steady call (and the peak call) comes after."""
+    import protocol
+
+    settled_at = 50
+    calls: list[bool] = []  # whether each call ran after settling
+
+    def call() -> int:
+        calls.append(len(calls) >= settled_at)
+        return len(calls)
+
+    timings, last = protocol.measure(call, 5, settled=lambda: len(calls) >= settled_at)
+    assert last == settled_at + 6 == len(calls)
+    assert calls[-6:] == [True] * 6 and not any(calls[:settled_at])
+    assert timings["steady_s"] >= 0
+
+
 def test_the_bootstrap_interval_holds_the_median_and_is_seeded():
     import protocol
 

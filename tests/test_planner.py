@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import jacobkit as jk
 from jacobkit import engine, memory, planner, testing
-from jacobkit.planner import Probe, estimates
+from jacobkit.planner import Probe, estimates, scratch
 from jacobkit.problem import Call
 from jacobkit.problem.liveness import SequentialMemory
 from jacobkit.strategies import Batch, Chunked, Jacobian, While
@@ -23,6 +23,7 @@ from jacobkit.testing import examples
 from tests.cases import (
     OUTPUTS,
     call_kwargs,
+    kernel_scratch,
     reference,
     target_variables,
     unless_kernels_exceed_the_budget,
@@ -104,6 +105,40 @@ def test_settled_calls_run_every_row_at_once(generator, eager_trials):
     (whole,) = plan.last_call
     assert (whole.start, whole.rows, whole.strategy) == (0, 48, plan.strategy)
     testing.assert_close(result, generator_reference())
+
+
+def test_a_settled_call_costs_what_the_kept_strategy_does(generator, eager_trials):
+    """Once settled, a call runs the kept strategy's own compiled computation,
+    and nothing else: no retrace (its tf.function's trace count stays put),
+    one untraced run of every row, and a fixed call of that configuration
+    shares the computation (the same problem key and strategy key: it does
+    not trace either), so auto's steady call costs what the fixed strategy's
+    does (the timing itself is a benchmark's: on the MLP of
+    ``benchmarks/mlp_limit.py``, oneDNN off, TensorFlow's default allocator,
+    one core, paired in one process, loaded, auto kept ``while(10)`` and the
+    fixed strategies took 0.96-1.04x its steady call's time, 0.94-1.03x its
+    user CPU time, none retraced: ``benchmarks/mlp_auto_paired.py``)."""
+    ex = generator
+    for _ in range(13):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        if result.plan.settled:
+            break
+    kept = result.plan.strategy
+    assert result.plan.settled, str(result.plan)
+    compiled = kept.compiled_for(Call(ex.model, ex.layer).problem(ex.inputs))
+    traces = compiled.tracing_count
+    assert traces >= 1, "auto ran the kept strategy's computation, traced"
+    expected = generator_reference()
+    for _ in range(3):
+        result = jk.jacobian(ex.model, ex.inputs, ex.layer)
+        (run,) = result.plan.last_call
+        assert (run.strategy, run.traced, run.rows) == (kept, False, 48), run
+        assert not result.stats.traced and result.plan.strategy == kept
+        testing.assert_close(result, expected)
+    fixed = jk.jacobian(ex.model, ex.inputs, ex.layer, strategy=kept)
+    assert not fixed.stats.traced, "the fixed call reuses auto's computation"
+    testing.assert_close(fixed, expected)
+    assert compiled.tracing_count == traces
 
 
 def test_every_call_runs_every_row_at_once_by_default(generator, eager_trials):
@@ -622,7 +657,24 @@ def test_the_while_prior_is_never_below_its_measured_peak(name):
     tensors (``jacobkit.problem.liveness``). Measured against it (TF 2.21,
     CPU): 1.1-2.2x on ten problems' second calls, never under; here the
     first traced call, tracing and checks included, must stay under it, and
-    within 4x (this generator's: 1.4-2.2 MiB against 4.3 predicted)."""
+    within 4x (this generator's: 1.4-2.2 MiB against 4.3 predicted) beside
+    the kernels' scratch the prior counts.
+
+    Why the scratch stands beside the 4x: the prior adds the measured
+    scratch of TensorFlow's own convolution gradient kernels per pass in
+    flight (:mod:`jacobkit.planner.scratch`; 32 MiB a pass with oneDNN off,
+    about 0 with it on) as an upper bound. With oneDNN off a ``while`` loop's
+    stride-1 ``Conv2D`` gradients run jacobkit's rules instead
+    (:mod:`jacobkit.strategies.gradients.convolution`: the forward
+    convolution of the flipped kernel, the shared patches' product), which
+    take no im2col buffer, so the run holds none of it: measured (oneDNN
+    off, 2 inter-op threads) 2.8 MiB against 68.2 predicted on the
+    generator, 0.38 MiB against 64.6 on the conv net, 63.9 MiB of each the
+    scratch (without it 4.3 and 0.69: 1.6x and 1.8x; oneDNN on 2.7 against
+    4.3, 0.31 against 0.72, 26 KiB of scratch). Whether a rule applies
+    is decided per op while tracing (a strided convolution, or patches over
+    16 MiB, fall back to TensorFlow's kernels), so the prior keeps the bound;
+    the liveness part alone must be within 4x."""
     ex = SEQUENTIAL_CASES[name]()
     model, inputs, layer = ex.model, ex.inputs, ex.layer
     with planner.use_policy(eager_rows=0):
@@ -631,7 +683,11 @@ def test_the_while_prior_is_never_below_its_measured_peak(name):
         with memory.PeakMemory("CPU:0") as peak:
             jk.jacobian(model, inputs, layer, cache=False)
     measured = peak.extra_bytes
-    assert measured <= plan.predicted_peak_bytes <= 4 * measured, str(plan)
+    problem = Call(model, layer).problem(inputs)
+    passes = plan.strategy.passes_in_flight(problem.num_rows)
+    counted = min(passes, scratch.inter_op_threads()) * kernel_scratch(problem)
+    assert measured <= plan.predicted_peak_bytes, str(plan)
+    assert plan.predicted_peak_bytes <= 4 * measured + counted, (counted, str(plan))
 
 
 def test_the_eager_start_answers_the_first_call_only():

@@ -1,9 +1,9 @@
 """How every run of the MLP benchmark is timed, the same for jacobkit,
 TensorFlow, PyTorch and JAX: the first call (tracing included) and its
 resident-memory growth, the first 3 calls, then (once ``settled()``: ``auto``
-tries its other candidates on its first calls; at most 40 calls) the median
-of ``repeats`` steady calls, and last one more call's peak resident growth
-with the previous result freed (:mod:`memory`).
+tries its other candidates on its first calls; at most :data:`SETTLING_CALLS`
+calls) the median of ``repeats`` steady calls, and last one more call's peak
+resident growth with the previous result freed (:mod:`memory`).
 
 Beside it, every paired measurement's pieces: :func:`rotated` (rounds that
 time each side in turn, the order rotating), :func:`bootstrap` (the
@@ -22,6 +22,13 @@ from typing import Any
 import numpy as np
 from memory import PeakRss
 
+#: calls waited for ``settled()`` after the first 3. It was 40: on the MLP
+#: without oneDNN ``auto`` keeps ``while(10)`` at call 20-23 and tries
+#: ``chunked(144)`` some 20 calls later (call 42-44 measured), so its try (a
+#: traced call and a timed one, each about twice ``while``'s) could fall
+#: into the steady calls, which then were not steady
+SETTLING_CALLS = 100
+
 
 def measure(
     call: Callable[[], Any],
@@ -39,7 +46,7 @@ def measure(
         start = time.perf_counter()
         result = call()
         first_three += time.perf_counter() - start
-    for _ in range(40):
+    for _ in range(SETTLING_CALLS):
         if settled():
             break
         result = call()
