@@ -46,12 +46,6 @@ from jacobkit.problem.plan import Estimate, Plan, Rejection, Switch
 from jacobkit.problem.solution import Solution
 from jacobkit.strategies import REGISTRY, Strategy, precision
 
-
-def result_bytes(problem: Problem) -> int:
-    """Bytes of a reduced call's result."""
-    return problem.reduction.result_bytes(problem)
-
-
 #: a memory budget's share the first candidate's peak, predicted from a
 #: problem's structural upper bounds (:mod:`jacobkit.problem.structural_inspect`),
 #: may take; beyond it, the inspection is measured and the plan made again
@@ -64,6 +58,8 @@ class Candidate:
 
     strategy: Strategy
     predicted_bytes: int
+    #: its result's bytes (:func:`~jacobkit.planner.estimates.result_bytes`)
+    result_bytes: int
 
 
 class Reduced:
@@ -85,7 +81,6 @@ class Reduced:
         self.allowed = self.budget * policy.safety
         self.device = device if peak_measurable(device) else None
         self.num_rows = problem.num_rows
-        self.result_bytes = result_bytes(problem)
         self.rejected: list[Rejection] = []
         self.candidates = self._candidates(problem)
         if memory_budget is not None and _tight(problem, self.candidates, self.allowed):
@@ -146,12 +141,14 @@ class Reduced:
         net's first clipped sum (plain step's: 0.48 s); its answer (9 KiB
         with oneDNN, 16-33 MiB without) changed nothing beside 14 GiB."""
 
+        held = {s: estimates.result_bytes(s, problem) for s, _ in found}
+
         def predicted(scratch_bytes: int | None) -> list[Candidate]:
             prior = memory_prior(
                 problem, problem.activation_bytes, self.device, scratch_bytes
             )
             return [
-                Candidate(s, estimates.predicted_peak(s, n, prior, self.result_bytes))
+                Candidate(s, estimates.predicted_peak(s, n, prior, held[s]), held[s])
                 for s, n in found
             ]
 
@@ -315,7 +312,7 @@ class Reduced:
         return Plan(
             chosen.strategy,
             self.budget,
-            self.result_bytes,
+            chosen.result_bytes,
             self.num_rows,
             predicted_time_s=self._best(chosen),
             predicted_peak_bytes=int(chosen.predicted_bytes * self.scale),
