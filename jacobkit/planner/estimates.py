@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from jacobkit import strategies
 from jacobkit.planner.policy import Policy
@@ -128,7 +129,7 @@ def result_bytes(strategy: Strategy, problem: Problem) -> int:
     if not (kind.traced_result and strategy.compiled and strategy.computes(problem)):
         return kind.result_bytes(problem)
     try:
-        fn = strategy.compiled_for(problem).fn
+        fn: Any = strategy.compiled_for(problem).fn  # a tf.function: compiled
         traced = fn.get_concrete_function(problem.inputs).structured_outputs
     except ValueError:  # refused where it runs, in its own words
         return kind.result_bytes(problem)
