@@ -5,21 +5,22 @@ as the strategy computes it, ``jk.gram``'s factors as ``batch`` keeps them).
 The model: a token table of 4,000 rows of 32 (a row's gradient 500 KiB
 formed), 16 tokens per example, a Dense(64) and a head, 32 loss rows; its
 rows formed are 15.9 MiB, ``jk.gram``'s factors 0.33 MiB (the table's rows
-as ids and cotangents). Measured (TF 2.21, 2-core CPU, loaded), the first
-call's peak against the plan's prediction, predicted / measured:
+as ids and cotangents). Measured (TF 2.21, 2-core CPU, loaded by other
+work), the first call's peak on a new model against the plan's
+prediction, predicted / measured (the factors' call is ``jk.gram``'s):
 
-=============  =========  =============  ==========
-kind           oneDNN on  oneDNN off     measured
-=============  =========  =============  ==========
-norm           3.47       3.54           0.91 MiB
-clipped sum    3.30       3.37           1.11 MiB
-projection     2.43       3.08           1.06-1.32
-factors        3.36       3.29           1.04-1.08
-=============  =========  =============  ==========
+=============  =========  ==========  =============
+kind           oneDNN on  oneDNN off  measured
+=============  =========  ==========  =============
+norm           3.47       3.54-4.15   0.78-0.91 MiB
+clipped sum    3.27-3.30  3.35-3.38   1.10-1.12
+projection     2.99-3.07  3.19        1.07-1.27
+factors        2.13-2.63  2.57-3.00   0.89-1.22
+=============  =========  ==========  =============
 
-(the factors counted as every row formed, as before: 18x, 19.1 MiB). What
-is left above the measured peak is ``batch``'s activations counted twice
-(the forward pass kept and one backward pass), an upper bound.
+The factors counted as every row formed (before): 18x, 19.1 MiB. What is
+left above the measured peak is ``batch``'s activations counted twice (the
+forward pass kept and one backward pass), an upper bound.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ KINDS = {
     "factors": Factors(),
 }
 #: the most the prediction may be over the measured peak (measured: at most
-#: 3.54x, the module's table; the factors formed: 18x)
-MOST_OVER = 5.0
+#: 4.15x, the module's table; the factors formed: 18x)
+MOST_OVER = 6.0
 #: a budget the factors' prediction fits (3.5 MiB at 85%: 6.8 MiB) and the
 #: rows formed alone (15.9 MiB) do not
 BUDGET = 8 * 2**20
