@@ -77,7 +77,11 @@ def estimate(
 
 
 def predicted_peak(
-    strategy: Strategy, num_rows: int, prior: MemoryPrior, result_bytes: int
+    strategy: Strategy,
+    num_rows: int,
+    prior: MemoryPrior,
+    result_bytes: int,
+    working_bytes: int = 0,
 ) -> int:
     """Peak memory before ``strategy`` ran: the forward pass kept by the tape
     and one forward pass's activations per row alive at once (where rows run
@@ -92,7 +96,9 @@ def predicted_peak(
     copies (:attr:`~jacobkit.planner.scratch.MemoryPrior.hoisted_bytes`:
     oneDNN off, once per call whatever the rows), the Jacobians (twice, where
     they are stacked into the result:
-    :attr:`~jacobkit.strategies.Strategy.result_copies`), and for an eager
+    :attr:`~jacobkit.strategies.Strategy.result_copies`), what a reduction
+    holds beside its result (``working_bytes``: :meth:`~jacobkit.problem.
+    reduction.Reduction.working_bytes`), and for an eager
     strategy every activation of the forward pass (an eager Keras call holds
     them until it returns); for an exact shortcut, at least its first call's
     check (:func:`check_peak`)."""
@@ -107,7 +113,7 @@ def predicted_peak(
         rows = prior.vectorized_peak(vectorized_in_flight(at_once, num_rows))
     whole = (1 + at_once) * prior.row_bytes
     rows = whole if rows is None else min(rows, whole)
-    run = int(rows + scratch + prior.hoisted_bytes + results + eager)
+    run = int(rows + scratch + prior.hoisted_bytes + results + working_bytes + eager)
     return max(run, check_peak(strategy, prior, result_bytes))
 
 

@@ -141,16 +141,11 @@ class Reduced:
         net's first clipped sum (plain step's: 0.48 s); its answer (9 KiB
         with oneDNN, 16-33 MiB without) changed nothing beside 14 GiB."""
 
-        held = {s: estimates.result_bytes(s, problem) for s, _ in found}
-
         def predicted(scratch_bytes: int | None) -> list[Candidate]:
             prior = memory_prior(
                 problem, problem.activation_bytes, self.device, scratch_bytes
             )
-            return [
-                Candidate(s, estimates.predicted_peak(s, n, prior, held[s]), held[s])
-                for s, n in found
-            ]
+            return _with_peaks(problem, found, prior)
 
         high = scratch.bound(problem.convolutions, self.device)
         if high and all(c.predicted_bytes <= self.allowed for c in predicted(high)):
@@ -362,6 +357,20 @@ class Reduced:
     def _per_row(self, way: int) -> float | None:
         times = self.trial.times[way]
         return min(times) / max(self.num_rows, 1) if times else None
+
+
+def _with_peaks(
+    problem: Problem, found: list[tuple[Strategy, int]], prior: Any
+) -> list[Candidate]:
+    """``found``'s candidates (each with its passes) and their peaks under
+    ``prior``, each one's result as it computes it."""
+    working = problem.reduction.working_bytes(problem)
+    peaks = []
+    for s, n in found:
+        held = estimates.result_bytes(s, problem)
+        predicted = estimates.predicted_peak(s, n, prior, held, working)
+        peaks.append(Candidate(s, predicted, held))
+    return peaks
 
 
 def _scaled(predicted: int, scale: float) -> str:

@@ -9,7 +9,8 @@ everything that depends on it:
 - its result: each target's shape (:meth:`Reduction.shaped`,
   :meth:`Reduction.row_shape`) and bytes (:meth:`Reduction.result_bytes`,
   what ``auto`` plans with; where only a closed form's trace tells them,
-  :attr:`Reduction.traced_result` and :meth:`Reduction.traced_bytes`);
+  :attr:`Reduction.traced_result` and :meth:`Reduction.traced_bytes`), and
+  what computing it holds beside (:meth:`Reduction.working_bytes`);
 - how batches combine (:attr:`Reduction.sums_batches`) and how replicas'
   pieces join (:meth:`Reduction.joined`);
 - its generic computation from a strategy's rows or norms
@@ -205,6 +206,12 @@ class Reduction(abc.ABC):
                     count *= int(n)
                 total += problem.num_rows * count
         return total * size
+
+    def working_bytes(self, problem: Problem) -> int:
+        """Bytes the kind's computation holds beside its result and the
+        strategy's own tensors (a projection's maps and the rows it maps
+        formed); ``auto`` adds them once to a prediction."""
+        return 0
 
     def traced_bytes(self, values: Sequence[Any]) -> int:
         """Bytes of a traced computation's per-target ``values`` (specs or

@@ -96,20 +96,20 @@ class Project(Reduction):
     def row_shape(self, target: Any) -> tuple[int, ...]:
         return (self.dim,)
 
-    def result_bytes(self, problem: Problem) -> int:
-        """Each target's part of every row's projection ``(R, dim)``, and
-        what mapping it holds beside: a small map's target's rows formed
-        (:func:`~jacobkit.problem.sketch.small`; a Kronecker map's factored
-        kernel's rows never are), twice (the rows and their transposed,
-        signed copy a CountSketch sums), and every target's map (made on the
-        first call, held since: :func:`~jacobkit.problem.sketch.map_bytes`).
+    def working_bytes(self, problem: Problem) -> int:
+        """What mapping the rows holds beside the projections: a small
+        map's target's rows formed (:func:`~jacobkit.problem.sketch.small`;
+        a Kronecker map's factored kernel's rows never are), twice (the rows
+        and their transposed, signed copy a CountSketch sums), and every
+        target's map (made on the first call, held since:
+        :func:`~jacobkit.problem.sketch.map_bytes`).
 
-        NOTE (measured, why). Counted as the projections alone, the
-        projection's predicted peak was the lowest of the kinds against its
-        measured one: on a Conv2D(64) and Dense(256) of 5 examples (oneDNN
-        on) 1.12-1.25 MiB predicted, 0.99-1.17 measured, where the norms and
-        the clipped sum measure 0.4; its small targets' rows are 0.5 MiB."""
-        total = super().result_bytes(problem)
+        NOTE (measured, why). Uncounted, the projection's predicted peak
+        was the lowest of the kinds against its measured one: on a
+        Conv2D(64) and Dense(256) of 5 examples (oneDNN on) 1.12-1.25 MiB
+        predicted, 0.99-1.17 measured, where the norms and the clipped sum
+        measure 0.4; its small targets' rows are 0.5 MiB."""
+        total = 0
         size = problem.output_dtype.size
         for target in problem.targets:
             shape = tuple(int(n) for n in target.shape)
