@@ -99,23 +99,24 @@ class Project(Reduction):
     def working_bytes(self, problem: Problem) -> int:
         """What mapping the rows holds beside the projections: a small
         map's target's rows formed (:func:`~jacobkit.problem.sketch.small`;
-        a Kronecker map's factored kernel's rows never are), twice (the rows
-        and their transposed, signed copy a CountSketch sums), and every
-        target's map (made on the first call, held since:
-        :func:`~jacobkit.problem.sketch.map_bytes`).
+        a Kronecker map's factored kernel's rows never are), three times
+        (the rows, their transposed copy and its signed product, which a
+        CountSketch sums), and every target's map (made on the first call,
+        held since: :func:`~jacobkit.problem.sketch.map_bytes`).
 
-        NOTE (measured, why). Uncounted, the projection's predicted peak
-        was the lowest of the kinds against its measured one: on a
-        Conv2D(64) and Dense(256) of 5 examples (oneDNN on) 1.12-1.25 MiB
-        predicted, 0.99-1.17 measured, where the norms and the clipped sum
-        measure 0.4; its small targets' rows are 0.5 MiB."""
+        NOTE (measured, why). Uncounted, the projection's prediction was
+        under its measured peak: ``jk.Project(64)`` of an MLP 256 -> 256 ->
+        256 -> 3 (two kernels of 65,536 numbers, small maps; 32 loss rows,
+        16 MiB of them formed; oneDNN on) predicted 1.9 MiB, measured
+        24-34 MiB (2.05 times the rows at most: both kernels' rows and a
+        copy each at once); counted twice, 34.9 MiB, 1.04x the first call."""
         total = 0
         size = problem.output_dtype.size
         for target in problem.targets:
             shape = tuple(int(n) for n in target.shape)
             total += sketch.map_bytes(self, shape)
             if sketch.small(self, shape):
-                total += 2 * problem.num_rows * math.prod(shape) * size
+                total += 3 * problem.num_rows * math.prod(shape) * size
         return total
 
     def generic(
