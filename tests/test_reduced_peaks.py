@@ -13,9 +13,9 @@ prediction, predicted / measured (the factors' call is ``jk.gram``'s):
 kind           oneDNN on  oneDNN off  measured
 =============  =========  ==========  =============
 norm           3.47       3.54-4.15   0.78-0.91 MiB
-clipped sum    3.27-3.30  3.35-3.38   1.10-1.12
-projection     2.99-3.07  3.19        1.07-1.27
-factors        2.13-2.63  2.57-3.00   0.89-1.22
+clipped sum    3.27-3.30  3.33-3.38   1.10-1.12
+projection     3.74-3.9   3.28        1.07-1.30
+factors        2.10-2.63  2.12-3.00   0.89-1.26
 =============  =========  ==========  =============
 
 The factors counted as every row formed (before): 18x, 19.1 MiB. What is
