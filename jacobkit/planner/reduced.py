@@ -46,12 +46,6 @@ from jacobkit.problem.plan import Estimate, Plan, Rejection, Switch
 from jacobkit.problem.solution import Solution
 from jacobkit.strategies import REGISTRY, Strategy, precision
 
-
-def result_bytes(problem: Problem) -> int:
-    """Bytes of a reduced call's result."""
-    return problem.reduction.result_bytes(problem)
-
-
 #: a memory budget's share the first candidate's peak, predicted from a
 #: problem's structural upper bounds (:mod:`jacobkit.problem.structural_inspect`),
 #: may take; beyond it, the inspection is measured and the plan made again
@@ -64,6 +58,8 @@ class Candidate:
 
     strategy: Strategy
     predicted_bytes: int
+    #: its result's bytes (:func:`~jacobkit.planner.estimates.result_bytes`)
+    result_bytes: int
 
 
 class Reduced:
@@ -85,7 +81,6 @@ class Reduced:
         self.allowed = self.budget * policy.safety
         self.device = device if peak_measurable(device) else None
         self.num_rows = problem.num_rows
-        self.result_bytes = result_bytes(problem)
         self.rejected: list[Rejection] = []
         self.candidates = self._candidates(problem)
         if memory_budget is not None and _tight(problem, self.candidates, self.allowed):
@@ -150,10 +145,7 @@ class Reduced:
             prior = memory_prior(
                 problem, problem.activation_bytes, self.device, scratch_bytes
             )
-            return [
-                Candidate(s, estimates.predicted_peak(s, n, prior, self.result_bytes))
-                for s, n in found
-            ]
+            return _with_peaks(problem, found, prior)
 
         high = scratch.bound(problem.convolutions, self.device)
         if high and all(c.predicted_bytes <= self.allowed for c in predicted(high)):
@@ -315,7 +307,7 @@ class Reduced:
         return Plan(
             chosen.strategy,
             self.budget,
-            self.result_bytes,
+            chosen.result_bytes,
             self.num_rows,
             predicted_time_s=self._best(chosen),
             predicted_peak_bytes=int(chosen.predicted_bytes * self.scale),
@@ -365,6 +357,20 @@ class Reduced:
     def _per_row(self, way: int) -> float | None:
         times = self.trial.times[way]
         return min(times) / max(self.num_rows, 1) if times else None
+
+
+def _with_peaks(
+    problem: Problem, found: list[tuple[Strategy, int]], prior: Any
+) -> list[Candidate]:
+    """``found``'s candidates (each with its passes) and their peaks under
+    ``prior``, each one's result as it computes it."""
+    working = problem.reduction.working_bytes(problem)
+    peaks = []
+    for s, n in found:
+        held = estimates.result_bytes(s, problem)
+        predicted = estimates.predicted_peak(s, n, prior, held, working)
+        peaks.append(Candidate(s, predicted, held))
+    return peaks
 
 
 def _scaled(predicted: int, scale: float) -> str:

@@ -81,6 +81,25 @@ def split(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape[:-1]), int(shape[-1])
 
 
+def small(project: Any, shape: tuple[int, ...]) -> bool:
+    """Whether the target of ``shape`` has a small map (a CountSketch or a
+    Gaussian one, applied to its rows formed), else a Kronecker one."""
+    inputs, units = split(shape)
+    return inputs * units * project.dim <= DENSE_ELEMENTS
+
+
+def map_bytes(project: Any, shape: tuple[int, ...]) -> int:
+    """Bytes of the target's map as held (:meth:`TargetMap.held`): a
+    CountSketch's buckets and signs, a Gaussian map, or a Kronecker map's
+    two factors."""
+    inputs, units = split(shape)
+    if not small(project, shape):
+        return (inputs + units) * (math.isqrt(project.dim - 1) + 1) * 4
+    if project.small == "countsketch":
+        return inputs * units * 8
+    return inputs * units * project.dim * 4
+
+
 @dataclass(frozen=True)
 class TargetMap:
     """One target's map ``M_v`` (see the module docstring).
@@ -301,12 +320,12 @@ def target_map(project: Any, name: str, shape: tuple[int, ...]) -> TargetMap:
     dim, seed = project.dim, project.seed
     inputs, units = split(shape)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode()), dim])
-    if inputs * units * dim <= DENSE_ELEMENTS and project.small == "countsketch":
+    if small(project, shape) and project.small == "countsketch":
         size = inputs * units
         buckets = rng.integers(0, dim, size, dtype=np.int32)
         signs = (2 * rng.integers(0, 2, size) - 1).astype(np.float32)
         return TargetMap(dim, inputs, units, None, None, None, buckets, signs)
-    if inputs * units * dim <= DENSE_ELEMENTS:
+    if small(project, shape):
         dense = rng.standard_normal((inputs * units, dim), dtype=np.float32)
         dense /= np.float32(math.sqrt(dim))
         return TargetMap(dim, inputs, units, dense, None, None)

@@ -8,7 +8,9 @@ everything that depends on it:
 - its argument checks (:meth:`Reduction.check`, :meth:`Reduction.check_batches`);
 - its result: each target's shape (:meth:`Reduction.shaped`,
   :meth:`Reduction.row_shape`) and bytes (:meth:`Reduction.result_bytes`,
-  what ``auto`` plans with);
+  what ``auto`` plans with; where only a closed form's trace tells them,
+  :attr:`Reduction.traced_result` and :meth:`Reduction.traced_bytes`), and
+  what computing it holds beside (:meth:`Reduction.working_bytes`);
 - how batches combine (:attr:`Reduction.sums_batches`) and how replicas'
   pieces join (:meth:`Reduction.joined`);
 - its generic computation from a strategy's rows or norms
@@ -142,6 +144,13 @@ class Reduction(abc.ABC):
         ``"norm"``, or the object itself), as results and errors show it."""
         return self
 
+    #: whether a strategy that computes this kind itself gives a result
+    #: whose bytes only its traced computation tells (``jk.gram``'s
+    #: factors: which target ``batch`` keeps as factors, and their
+    #: positions): ``auto`` then counts the traced outputs
+    #: (:meth:`traced_bytes`) in place of :meth:`result_bytes`
+    traced_result: ClassVar[bool] = False
+
     #: whether each batch is padded with examples of weight 0
     #: (``jk.ClippedSum(..., pad_batches=True)``)
     pads_batches: ClassVar[bool] = False
@@ -183,7 +192,8 @@ class Reduction(abc.ABC):
         return tf.reshape(value, shape)
 
     def result_bytes(self, problem: Problem) -> int:
-        """Bytes of the result of one batch (``auto`` plans with it)."""
+        """Bytes of the result of one batch as the kind's generic
+        computation gives it (``auto`` plans with it)."""
         size = problem.output_dtype.size
         total = 0
         for target in problem.targets:
@@ -196,6 +206,22 @@ class Reduction(abc.ABC):
                     count *= int(n)
                 total += problem.num_rows * count
         return total * size
+
+    def working_bytes(self, problem: Problem) -> int:
+        """Bytes the kind's computation holds beside its result and the
+        strategy's own tensors (a projection's maps and the rows it maps
+        formed); ``auto`` adds them once to a prediction."""
+        return 0
+
+    def traced_bytes(self, values: Sequence[Any]) -> int:
+        """Bytes of a traced computation's per-target ``values`` (specs or
+        symbolic tensors), where :attr:`traced_result`: every tensor they
+        hold."""
+        return sum(
+            int(t.shape.num_elements() or 0) * t.dtype.size
+            for t in tf.nest.flatten(tuple(values))
+            if t is not None
+        )
 
     def joined(self, parts: list[Any], *, summed: bool) -> Any:
         """One value from the pieces the replicas of ``distribute=`` computed,

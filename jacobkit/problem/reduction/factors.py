@@ -12,6 +12,7 @@ rank or dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, final
 
@@ -108,12 +109,25 @@ class Factors(Reduction):
     name = "factors"
     public = False
     formed: bool = False
+    #: ``batch`` keeps a factored kernel's or a lookup's rows as factors
+    #: where its rule says (from the taps' shapes): bert_small's 32 loss
+    #: rows are 388 MiB so, 1.3 GiB formed (its token table alone 953 MiB
+    #: formed, 1 MiB as ids and cotangents)
+    traced_result = True
 
     def check(self, problem: Problem) -> None:
         refuse_tensor_targets(problem, self, "pairs")
 
     def row_shape(self, target: Any) -> tuple[int, ...]:
+        """Every row formed: the generic computation's result, and the
+        most a closed form's factors take (:meth:`traced_bytes`)."""
         return tuple(target.shape)
+
+    def traced_bytes(self, values: Sequence[Any]) -> int:
+        """Each target's :data:`Feature` as traced: a :class:`Ghost`'s
+        patches and cotangents, a :class:`Lookup`'s ids and cotangents, a
+        :class:`Flat`'s formed rows."""
+        return sum(f.nbytes for f in values)
 
     def generic(
         self, problem: Problem, computation: Computations, native: frozenset[str]
