@@ -174,7 +174,8 @@ def flipped_padding(op: Any) -> list[list[int]] | None:
     """How :func:`input_gradient` pads the cotangent of ``op`` (a ``Conv2D``)
     on its two spatial axes, or ``None`` where it does not apply: a stride or
     dilation other than 1, a layout other than ``NHWC``, explicit padding, a
-    kernel of unknown window."""
+    kernel of unknown window, a grouped convolution (the kernel's input
+    channels not the input's: its flipped kernel is no convolution's)."""
     strides = list(op.get_attr("strides"))
     dilations = list(op.get_attr("dilations"))
     padding = rules.text(op.get_attr("padding"))
@@ -183,6 +184,9 @@ def flipped_padding(op: Any) -> list[list[int]] | None:
     if strides != [1, 1, 1, 1] or dilations != [1, 1, 1, 1] or layout != "NHWC":
         return None
     if padding not in ("SAME", "VALID") or not window.is_fully_defined():
+        return None
+    channels, kernel_channels = op.inputs[0].shape[-1], op.inputs[1].shape[2]
+    if channels is None or kernel_channels is None or channels != kernel_channels:
         return None
     pads = []
     for size in (int(window[0]), int(window[1])):
