@@ -342,10 +342,10 @@ def example_filters(
     channels, so there is one op per example whatever ``K``."""
     batch, rows, units = int(dz.shape[0]), int(dz.shape[1]), int(dz.shape[-1])
     spatial = [int(size) for size in dz.shape[2:-1]]
-    # (B, K, H', W', O) -> (B, 1, H', W', K * O): the rows as output channels
-    cotangents = tf.reshape(
-        tf.transpose(dz, (0, 2, 3, 1, 4)), (batch, 1, *spatial, rows * units)
-    )
+    # (B, K, H', W', O) -> (B, H', W', K * O): the rows as output channels
+    # (one row, a loss's: a reshape alone)
+    moved = dz if rows == 1 else tf.transpose(dz, (0, 2, 3, 1, 4))
+    cotangents = tf.reshape(moved, (batch, *spatial, rows * units))
     sizes = [*kernel_shape[:-1], rows * units]
     # one constant shared by every example's op (a list made one per op: 31
     # more graph ops per layer of 32 examples)
@@ -361,20 +361,22 @@ def example_filters(
             padding=padding,
         )
 
-    images = tf.cast(padded, dz.dtype)[:, None]
+    images = tf.cast(padded, dz.dtype)
     if batch <= UNROLLED_EXAMPLES:  # one op per example, no while loop
+        # split, not unstacked: each example keeps its batch axis of one, so
+        # no slice or reshape per example (6 graph ops per layer fewer)
         found = tf.stack(
             [
-                one((image, cotangent))
-                for image, cotangent in zip(
-                    tf.unstack(images), tf.unstack(cotangents), strict=True
+                one(pair)
+                for pair in zip(
+                    tf.split(images, batch), tf.split(cotangents, batch), strict=True
                 )
             ]
         )
     else:
         found = tf.map_fn(
             one,
-            (images, cotangents),
+            (images[:, None], cotangents[:, None]),
             fn_output_signature=tf.TensorSpec(sizes, dz.dtype),
         )  # (B, kh, kw, C, K * O)
     if rows > 1:  # -> (B, K, kh, kw, C, O)

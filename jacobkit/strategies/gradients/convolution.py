@@ -76,19 +76,30 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     the convolution was traced outside the graph its gradient is taken in
     (a loop over rows: see
     :func:`~jacobkit.strategies.gradients.rules.enclosing_graph`), as the product of its
-    input's patches, formed once outside the loop, with the cotangent."""
+    input's patches, formed once outside the loop, with the cotangent.
+    Where the tape needs no input gradient (``op.skip_input_indices``: the
+    input is neither a source nor a recorded op's output, a model's first
+    convolution on its inputs), the kernel's alone, at any stride.
+
+    NOTE (measured, oneDNN off). TensorFlow's own gradient traces the input
+    gradient whatever the tape needs (Grappler prunes it before the first
+    run): for the conv net of ``benchmarks/reductions.py`` its first
+    layer's flipped convolution, 7 of the 248 graph ops ``jk.gram``'s first
+    call built."""
     pads = flipped_padding(op)
-    if pads is None:
-        if dilated.refuses_dilation(op):
-            return dilated.dilated_gradient(op, grad)
+    if dilated.refuses_dilation(op):
+        return dilated.dilated_gradient(op, grad)
+    # the tape needs no input gradient where the input is no recorded op's
+    # output and no source (a model's first layer, on its inputs)
+    skipped = 0 in (getattr(op, "skip_input_indices", None) or ())
+    if pads is None and not skipped:
         return own(op, grad)
     x, kernel = op.inputs[0], op.inputs[1]
-    # the loop's invariants, made once before it where there is one
-    with rules.within_graph(rules.enclosing_graph(kernel)):
-        flipped = flipped_kernel(kernel)
     outer = rules.enclosing_graph(x)
-    with rules.within_graph(outer):
-        unfolded = shared_patches(op) if outer is not None else None
+    unfolded = None
+    if pads is not None:  # stride 1: the loop's patches, made once before it
+        with rules.within_graph(outer):
+            unfolded = shared_patches(op) if outer is not None else None
     if unfolded is not None:
         cotangent = tf.reshape(grad, (-1, int(kernel.shape[-1])))
         product = tf.matmul(unfolded, cotangent)  # (kh * kw * I, O)
@@ -105,6 +116,12 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
             use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
             data_format=op.get_attr("data_format"),
         )
+    if skipped:
+        return [None, kernel_gradient]
+    assert pads is not None  # a stride other than 1 took TensorFlow's own above
+    # the flipped kernel, a loop's invariant, made once before it
+    with rules.within_graph(rules.enclosing_graph(kernel)):
+        flipped = flipped_kernel(kernel)
     return [input_gradient(grad, kernel, pads, flipped), kernel_gradient]
 
 
@@ -157,7 +174,8 @@ def flipped_padding(op: Any) -> list[list[int]] | None:
     """How :func:`input_gradient` pads the cotangent of ``op`` (a ``Conv2D``)
     on its two spatial axes, or ``None`` where it does not apply: a stride or
     dilation other than 1, a layout other than ``NHWC``, explicit padding, a
-    kernel of unknown window."""
+    kernel of unknown window, a grouped convolution (the kernel's input
+    channels not the input's: its flipped kernel is no convolution's)."""
     strides = list(op.get_attr("strides"))
     dilations = list(op.get_attr("dilations"))
     padding = rules.text(op.get_attr("padding"))
@@ -166,6 +184,9 @@ def flipped_padding(op: Any) -> list[list[int]] | None:
     if strides != [1, 1, 1, 1] or dilations != [1, 1, 1, 1] or layout != "NHWC":
         return None
     if padding not in ("SAME", "VALID") or not window.is_fully_defined():
+        return None
+    channels, kernel_channels = op.inputs[0].shape[-1], op.inputs[1].shape[2]
+    if channels is None or kernel_channels is None or channels != kernel_channels:
         return None
     pads = []
     for size in (int(window[0]), int(window[1])):
