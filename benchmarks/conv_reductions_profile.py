@@ -78,6 +78,10 @@ VARIANTS: dict[str, tuple[tuple[str, str, Any], ...]] = {
             "none",
         ),
     ),
+    # a call whose activation is several ops (GELU) computed again beside
+    # the model, its cotangent carried back through that copy, as before
+    # ``jacobkit.keras.pre_activation``'s walk to its own z
+    "activation_beside": (("jacobkit.keras.pre_activation", "ACTIVATION_OPS", 0),),
     # both: GPT-2's Gram as it was before them
     "tied_before": (
         ("jacobkit.layers.tables", "reverse_tables", "einsum"),
@@ -371,7 +375,9 @@ def main() -> None:
     parser.add_argument("--variants", default="default,filters")
     parser.add_argument("--sides", default="clipped sum,gram")
     parser.add_argument(
-        "--case", default="convnet", choices=("convnet", "bert", "gpt2")
+        "--case",
+        default="convnet",
+        choices=("convnet", "bert", "gpt2", "bert_small"),
     )
     args = parser.parse_args()
     if args.mode == "profile":
