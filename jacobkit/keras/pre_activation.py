@@ -76,10 +76,14 @@ def _activation_input(
     path ends anywhere else (a tensor of another shape, an input, a second
     such tensor) or the walk is longer than :data:`ACTIVATION_OPS` ops.
 
-    NOTE (measured, bert_small's ``jk.gram``, one core, oneDNN on). Without
-    it each GELU call was computed again beside the model (its matmul, its
-    GELU and the GELU's backward): about 12% of the Gram's ops. The first
-    call's checks compare this ``z`` with the rule's, call by call."""
+    NOTE (measured, the reductions benchmark's ``bert_small``, one core,
+    oneDNN on, loaded). Without it each GELU call was computed again beside
+    the model (its matmul, its GELU and the GELU's backward): 16 ms of the
+    Gram call's 184 ms of ops (the plain step's: 126); paired in one
+    process, the Gram's CPU time over the plain step's went from 1.33-1.40
+    to 1.23-1.27 (``benchmarks/results/cpu/bert_small_gram_profile.md``).
+    The first call's checks compare this ``z`` with the rule's, call by
+    call."""
     shape, dtype = output.shape, output.dtype
     found: tf.Tensor | None = None
     pending, seen, walked = [output], {id(output)}, 0
