@@ -1,13 +1,16 @@
 """Where the conv net's clipped sum and Gram matrix spend their time beyond a
 plain step (``benchmarks/results/cpu/conv_reductions_profile.md``); with
-``--case gpt2`` (or ``bert``), the reductions benchmark's other models
-(``benchmarks/results/cpu/gpt2_gram_profile.md``).
+``--case gpt2`` (or ``bert``, ``bert_small``), the reductions benchmark's
+other models (``benchmarks/results/cpu/gpt2_gram_profile.md``,
+``benchmarks/results/cpu/bert_small_gram_profile.md``).
 
     taskset -c 1 python benchmarks/conv_reductions_profile.py profile
     taskset -c 1 python benchmarks/conv_reductions_profile.py paired \\
         --variants default,filters --rounds 9
     taskset -c 1 python benchmarks/conv_reductions_profile.py paired \\
         --case gpt2 --sides gram --variants default,tied_before,tables_added
+    taskset -c 1 python benchmarks/conv_reductions_profile.py paired \\
+        --case bert_small --variants default,activation_beside --rounds 11
 
 - ``profile``: TensorFlow's profiler over ``--calls`` steady calls of the
   plain step, the clipped sum (``jk.ClippedSum(1.0)``, loss rows, every
@@ -78,6 +81,10 @@ VARIANTS: dict[str, tuple[tuple[str, str, Any], ...]] = {
             "none",
         ),
     ),
+    # a call whose activation is several ops (GELU) computed again beside
+    # the model, its cotangent carried back through that copy, as before
+    # ``jacobkit.keras.pre_activation``'s walk to its own z
+    "activation_beside": (("jacobkit.keras.pre_activation", "ACTIVATION_OPS", 0),),
     # both: GPT-2's Gram as it was before them
     "tied_before": (
         ("jacobkit.layers.tables", "reverse_tables", "einsum"),
@@ -371,7 +378,9 @@ def main() -> None:
     parser.add_argument("--variants", default="default,filters")
     parser.add_argument("--sides", default="clipped sum,gram")
     parser.add_argument(
-        "--case", default="convnet", choices=("convnet", "bert", "gpt2")
+        "--case",
+        default="convnet",
+        choices=("convnet", "bert", "gpt2", "bert_small"),
     )
     args = parser.parse_args()
     if args.mode == "profile":

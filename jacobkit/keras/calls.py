@@ -73,7 +73,7 @@ def layer_calls(
     """
     if not hasattr(graph, "captures"):
         raise NoCall("the forward pass is not traced (no function graph)")
-    handles = _handles(graph, variables)
+    handles = variable_handles(graph, variables)
     reads = [
         op for op in graph.get_operations() if any(id(t) in handles for t in op.inputs)
     ]
@@ -95,7 +95,7 @@ def layer_calls(
     return tuple(_call(scope, operations) for scope in scopes)
 
 
-def _handles(graph: Any, variables: Iterable[Any]) -> set[int]:
+def variable_handles(graph: Any, variables: Iterable[Any]) -> set[int]:
     """``id()`` of the handles through which ``graph`` reads ``variables``
     (the placeholders their eager handles are captured as)."""
     wanted = {id(compat.as_tf_variable(v).handle) for v in variables if v is not None}
@@ -152,45 +152,6 @@ def _passed_through(op: Any, index: int) -> bool:
     pre-activation, and was taken for the layer's output, as the last tensor
     of its shape that nothing took."""
     return bool(op.type == "IdentityN" and index > 0)
-
-
-def pre_activation(
-    layer: Any,
-    output: tf.Tensor,
-    one_op: dict[str, str],
-    record: Record | None = None,
-) -> Any:
-    """The pre-activation ``z`` that a call's ``output = activation(z)`` was
-    computed from in the traced pass, where the layer's activation is a stock
-    one made of one op (``one_op``: its name -> the op's type) and that op
-    made ``output`` (through identities); else ``None``.
-
-    NOTE (why). The ``batch`` strategy needs each call's cotangent at ``z``.
-    Without the model's own ``z``, it computes the layer again beside the
-    model from the call's input and carries the cotangent at the output back
-    through that copy: a second forward pass of every tapped layer (on a
-    small conv net, 2.5 of a clipped sum's 11 ms). The first call's checks
-    compare this ``z`` with the rule's. ``record``: the eager pass's
-    :class:`Record` (``None``: a traced pass)."""
-    name = None
-    for keras in compat.keras_modules():
-        name = name or compat.stock_activation(keras, compat.activation(layer))
-    wanted = one_op.get(name or "")
-    made_by = _graph_maker if record is None else record.maker
-    op_type, op_inputs = made_by(output)
-    while op_type == "Identity" and op_inputs:
-        op_type, op_inputs = made_by(op_inputs[0])
-    if wanted is None or op_type != wanted or len(op_inputs) != 1:
-        return None
-    z = op_inputs[0]
-    if z.dtype != output.dtype or z.shape != output.shape:
-        return None
-    return z
-
-
-def _graph_maker(tensor: tf.Tensor) -> tuple[str, tuple[Any, ...]]:
-    """The type and inputs of the op that made ``tensor`` in a graph."""
-    return tensor.op.type, tuple(tensor.op.inputs)
 
 
 class Unavailable(ValueError):

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from jacobkit.keras import calls as layer_calls
 from jacobkit.keras.graph import TapError
+from jacobkit.keras.pre_activation import pre_activation
 from jacobkit.layers import LayerRule
 from jacobkit.layers.base import Tapped
 from jacobkit.layers.stock import ONE_OP_ACTIVATIONS
@@ -289,13 +290,13 @@ def _own_z(
 ) -> tf.Tensor | None:
     """A call's own pre-activation ``z`` in the traced pass, where it has one
     part: its output where that is ``z``, else its one-op activation's input
-    (:func:`jacobkit.keras.calls.pre_activation`); ``None`` elsewhere, and
+    (:func:`jacobkit.keras.pre_activation.pre_activation`); ``None`` elsewhere, and
     for a float16/bfloat16 output (the rule's ``z`` is float32)."""
     if taps != 1 or y.dtype.size < 4:
         return None
     if unit.rule.output_is_z():
         return y
-    return layer_calls.pre_activation(unit.layer, y, ONE_OP_ACTIVATIONS, record)
+    return pre_activation(unit.layer, y, ONE_OP_ACTIVATIONS, record)
 
 
 def _own_z_alone(unit: _Unit, call: layer_calls.LayerCall) -> tf.Tensor | None:
