@@ -4,6 +4,8 @@ prior, and the disk cache's entry continued where it applies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jacobkit import memory, strategies
 from jacobkit.planner import cache as disk
 from jacobkit.planner import keeping, probes, scratch
@@ -97,22 +99,40 @@ def memory_prior(
     problem: Problem,
     row_bytes: int,
     device: str | None,
-    scratch_bytes: int | None = None,
+    per_pass: Callable[[str, frozenset[str]], int] | None = None,
 ) -> MemoryPrior:
     """The memory prior of ``problem``: ``row_bytes`` per row alive at once
     in a vectorized pass, its sequential rows' figures, and the scratch space
-    its convolution gradients' kernels take on this machine, measured where
-    ``device`` reports its peak (else none), or ``scratch_bytes`` where
-    given (nothing measured)."""
-    measured = 0 if scratch_bytes is None else scratch_bytes
-    if scratch_bytes is None and device is not None and problem.convolutions:
-        dtype = precision.gradient_dtype(problem)
-        measured = scratch.scratch_bytes(problem.convolutions, dtype, device)
+    its convolution gradients' kernels take on this machine, per way they
+    run (:data:`~jacobkit.planner.scratch.WAYS`: only the kinds whose
+    TensorFlow kernels run that way, :func:`~jacobkit.planner.scratch.
+    kinds_run`), measured where ``device`` reports its peak (else none), or
+    ``per_pass(way, kinds)`` where given (nothing measured)."""
+    dtype = precision.gradient_dtype(problem) if problem.convolutions else None
+    found: dict[frozenset[str], int] = {}
+
+    def scratch_of(way: str, kinds: frozenset[str]) -> int:
+        if per_pass is not None:
+            return per_pass(way, kinds)
+        if kinds not in found:  # each set of kinds asked once
+            measurable = device is not None and kinds and dtype is not None
+            found[kinds] = (
+                scratch.scratch_bytes(kinds, dtype, device) if measurable else 0  # type: ignore[arg-type]
+            )
+        return found[kinds]
+
+    replaced = gradients.replaces() if problem.convolutions else False
+    ways = tuple(
+        (way, scratch_of(way, scratch.kinds_run(problem, way, replaced)))
+        for way in scratch.WAYS
+    )
     return MemoryPrior(
         row_bytes,
         problem.sequential_memory,
-        measured,
+        ways[0][1],  # "tape": every kind the others run, and more
         scratch.inter_op_threads(),
         eager_bytes=problem.forward_bytes,
         hoisted_bytes=gradients.hoisted_bytes(problem.transposed),
+        ways=ways[1:],
+        patches_bytes=scratch.patches_held(problem, replaced),
     )

@@ -32,6 +32,7 @@ A run over the budget ends the trial. The plan lists the other as pending
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,29 +132,49 @@ class Reduced:
     ) -> list[Candidate]:
         """``found``'s candidates with their predicted peaks. The kernels'
         scratch space is measured (:func:`jacobkit.planner.scratch.
-        scratch_bytes`) only where it can change which fit: where every
-        candidate fits with :data:`~jacobkit.planner.scratch.SCRATCH_BOUND`
-        per backward pass in flight, none is measured and this CPU kind's
-        prior is counted (:func:`~jacobkit.planner.scratch.prior_bytes`;
-        a run over the budget scales the predictions, as for any error).
+        scratch_bytes`) only where it can change which fit: for the way
+        a candidate's convolution gradients run (:attr:`~jacobkit.
+        strategies.Strategy.convolution_gradients`; only the kinds whose
+        TensorFlow kernels run that way, :func:`~jacobkit.planner.scratch.
+        kinds_run`) where it fits without scratch but not with
+        :data:`~jacobkit.planner.scratch.SCRATCH_BOUND` per backward pass in
+        flight; elsewhere this CPU kind's prior is counted
+        (:func:`~jacobkit.planner.scratch.prior_bytes`; a run over the
+        budget scales the predictions, as for any error). The probe's own
+        peak is the kernel's (32 MiB with oneDNN off): asked where nothing
+        can change, it alone broke a 2 MiB budget the run kept.
 
         NOTE (measured, loaded). The probe took 0.14-0.58 s of the conv
         net's first clipped sum (plain step's: 0.48 s); its answer (9 KiB
         with oneDNN, 16-33 MiB without) changed nothing beside 14 GiB."""
 
-        def predicted(scratch_bytes: int | None) -> list[Candidate]:
+        def predicted(
+            per_pass: Callable[[str, frozenset[str]], int] | None,
+        ) -> list[Candidate]:
             prior = memory_prior(
-                problem, problem.activation_bytes, self.device, scratch_bytes
+                problem, problem.activation_bytes, self.device, per_pass
             )
             return _with_peaks(problem, found, prior)
 
-        high = scratch.bound(problem.convolutions, self.device)
-        if high and all(c.predicted_bytes <= self.allowed for c in predicted(high)):
-            dtype = precision.gradient_dtype(problem)  # no probe: the prior
-            return predicted(
-                scratch.prior_bytes(problem.convolutions, dtype, self.device)
-            )
-        return predicted(None)  # measured where it can
+        if not scratch.bound(problem.convolutions, self.device):
+            return predicted(None)  # nothing to measure
+        dtype = precision.gradient_dtype(problem)
+        low = predicted(lambda way, kinds: 0)
+        high = predicted(lambda way, kinds: scratch.bound(kinds, self.device))
+        # the ways whose scratch decides whether one of their candidates fits
+        deciding = {
+            without.strategy.convolution_gradients
+            for without, bounded in zip(low, high, strict=True)
+            if without.predicted_bytes <= self.allowed < bounded.predicted_bytes
+        }
+
+        def per_pass(way: str, kinds: frozenset[str]) -> int:
+            if way in deciding and kinds:
+                assert self.device is not None, "a bound only where measured"
+                return scratch.scratch_bytes(kinds, dtype, self.device)
+            return scratch.prior_bytes(kinds, dtype, self.device)  # no probe
+
+        return predicted(per_pass)
 
     def _other(self) -> int | None:
         """The candidate to time against the first that fits: the next that
