@@ -169,10 +169,13 @@ class Reduced:
         }
 
         def per_pass(way: str, kinds: frozenset[str]) -> int:
-            if way in deciding and kinds:
+            prior = scratch.prior_bytes(kinds, dtype, self.device)
+            if way in deciding and kinds and prior <= self.allowed:
                 assert self.device is not None, "a bound only where measured"
                 return scratch.scratch_bytes(kinds, dtype, self.device)
-            return scratch.prior_bytes(kinds, dtype, self.device)  # no probe
+            # no probe: it cannot change the plan, or its own peak (the
+            # kernel's scratch, as the prior has it) would break the budget
+            return prior
 
         return predicted(per_pass)
 
