@@ -4,7 +4,7 @@ prior, and the disk cache's entry continued where it applies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jacobkit import memory, strategies
@@ -16,6 +16,9 @@ from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
 from jacobkit.strategies import Strategy, gradients, precision
 from jacobkit.strategies.structured import NoShortcut
+
+#: a way's scratch a pass from the kinds whose kernels run that way
+PerPass = Callable[[str, frozenset[str]], int]
 
 
 def open_session(
@@ -100,7 +103,7 @@ def memory_prior(
     problem: Problem,
     row_bytes: int,
     device: str | None,
-    per_pass: Callable[[str, frozenset[str]], int] | None = None,
+    per_pass: PerPass | None = None,
     allowed: float | None = None,
 ) -> MemoryPrior:
     """The memory prior of ``problem``: ``row_bytes`` per row alive at once
@@ -152,3 +155,39 @@ def _measured(
     if allowed is not None and prior > allowed:
         return prior
     return scratch.scratch_bytes(kinds, dtype, device)
+
+
+def deciding_scratch(
+    problem: Problem,
+    device: str | None,
+    allowed: float,
+    predict: Callable[[PerPass | None], Sequence[Any]],
+) -> PerPass | None:
+    """How a reduced call's candidates count the kernels' scratch a pass
+    (``predict(per_pass)``: the candidates, each with its ``strategy`` and
+    ``predicted_bytes``): measured (:func:`~jacobkit.planner.scratch.
+    scratch_bytes`) only for a way whose candidate fits without scratch but
+    not with :data:`~jacobkit.planner.scratch.SCRATCH_BOUND` and where this
+    CPU kind's prior fits ``allowed`` (the probe's own peak is the
+    kernel's), else that prior; ``None``: nothing to measure."""
+    if not scratch.bound(problem.convolutions, device):
+        return None
+    dtype = precision.gradient_dtype(problem)
+    low = predict(lambda way, kinds: 0)
+    high = predict(lambda way, kinds: scratch.bound(kinds, device))
+    # the ways whose scratch decides whether one of their candidates fits
+    deciding = {
+        without.strategy.convolution_gradients
+        for without, bounded in zip(low, high, strict=True)
+        if without.predicted_bytes <= allowed < bounded.predicted_bytes
+    }
+
+    def per_pass(way: str, kinds: frozenset[str]) -> int:
+        prior = scratch.prior_bytes(kinds, dtype, device)
+        if way in deciding and kinds and prior <= allowed and device is not None:
+            return scratch.scratch_bytes(kinds, dtype, device)
+        # no probe: it cannot change the plan, or its own peak (the
+        # kernel's scratch, as the prior has it) would break the budget
+        return prior
+
+    return per_pass

@@ -37,15 +37,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jacobkit import memory
-from jacobkit.planner import estimates, paired, scratch
+from jacobkit.planner import estimates, paired
 from jacobkit.planner.footprint import Overruns
-from jacobkit.planner.opening import memory_prior
+from jacobkit.planner.opening import deciding_scratch, memory_prior
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.probes import peak_measurable
 from jacobkit.problem import Problem, measure_inspection
 from jacobkit.problem.plan import Estimate, Plan, Rejection, Switch
 from jacobkit.problem.solution import Solution
-from jacobkit.strategies import REGISTRY, Strategy, precision
+from jacobkit.strategies import REGISTRY, Strategy
 
 #: a memory budget's share the first candidate's peak, predicted from a
 #: problem's structural upper bounds (:mod:`jacobkit.problem.structural_inspect`),
@@ -156,28 +156,9 @@ class Reduced:
             )
             return _with_peaks(problem, found, prior)
 
-        if not scratch.bound(problem.convolutions, self.device):
-            return predicted(None)  # nothing to measure
-        dtype = precision.gradient_dtype(problem)
-        low = predicted(lambda way, kinds: 0)
-        high = predicted(lambda way, kinds: scratch.bound(kinds, self.device))
-        # the ways whose scratch decides whether one of their candidates fits
-        deciding = {
-            without.strategy.convolution_gradients
-            for without, bounded in zip(low, high, strict=True)
-            if without.predicted_bytes <= self.allowed < bounded.predicted_bytes
-        }
-
-        def per_pass(way: str, kinds: frozenset[str]) -> int:
-            prior = scratch.prior_bytes(kinds, dtype, self.device)
-            if way in deciding and kinds and prior <= self.allowed:
-                assert self.device is not None, "a bound only where measured"
-                return scratch.scratch_bytes(kinds, dtype, self.device)
-            # no probe: it cannot change the plan, or its own peak (the
-            # kernel's scratch, as the prior has it) would break the budget
-            return prior
-
-        return predicted(per_pass)
+        return predicted(
+            deciding_scratch(problem, self.device, self.allowed, predicted)
+        )
 
     def _other(self) -> int | None:
         """The candidate to time against the first that fits: the next that

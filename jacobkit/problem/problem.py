@@ -76,12 +76,9 @@ class Problem:
         transposed: the operands of the forward pass's matrix products
             that their gradients take transposed
             (:class:`~jacobkit.problem.operands.Transposed`).
-        convolutions: the convolution kinds its backward pass runs
-            (``"conv2d"``, ...; their CPU kernels' scratch space and accuracy
-            depend on the CPU).
-        convolution_gradients: its convolution gradient ops
-            (:class:`jacobkit.layers.convolutions.Gradient`), ``None``
-            where not read.
+        convolutions: its backward pass's convolution kinds (``"conv2d"``,
+            ...), ``convolution_gradients`` their ops (``None``: not read;
+            :class:`jacobkit.layers.convolutions.Gradient`).
         key: what identifies it in the state kept per model
             (:class:`~jacobkit.problem.key.ProblemKey`, built once here).
     """
