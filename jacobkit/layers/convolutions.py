@@ -124,8 +124,8 @@ class Gradient:
     Attributes:
         kind: its :class:`Convolution`'s kind.
         wrt: ``"input"`` or ``"kernel"``: what it differentiates.
-        stride_one: a ``conv2d`` at stride 1, no dilation, ``NHWC``,
-            ``SAME``/``VALID`` padding, its window known: where jacobkit's
+        stride_one: a ``conv2d`` at stride 1, no dilation, no groups,
+            ``NHWC``, ``SAME``/``VALID`` padding, its window known: where jacobkit's
             ``Conv2D`` rule (oneDNN off) takes it instead of TensorFlow's op
             (:mod:`jacobkit.strategies.gradients.convolution`).
         patches_bytes: a kernel gradient's input patches (``B * H' * W' *
@@ -183,11 +183,15 @@ def gradient_op(
         if found.kind != "conv2d":
             return Gradient(found.kind, wrt, False)
         # Conv2DBackpropInput(sizes, kernel, dy); ...Filter(x, sizes, dy)
-        window = (inputs[1] if wrt == "input" else output)[:2]
-        ruled = window.is_fully_defined() and _stride_one(attrs)
+        kernel = inputs[1] if wrt == "input" else output
+        x = output if wrt == "input" else inputs[0]
+        window = kernel[:2]
+        # groups: the kernel's input channels not the input's (no rule)
+        plain = kernel.rank == 4 and x.rank == 4 and kernel[2] == x[-1]
+        ruled = plain and window.is_fully_defined() and _stride_one(attrs)
         if wrt == "input":
             return Gradient(found.kind, wrt, ruled)
-        cotangent, x = inputs[2], inputs[0]
+        cotangent = inputs[2]
         patches = None
         if cotangent.is_fully_defined() and x.is_fully_defined():
             numbers = cotangent[:3].num_elements() * window.num_elements()

@@ -148,12 +148,13 @@ def _gradients(layer: Any, kinds: tuple[str, ...]) -> list[convolution_kinds.Gra
     """The gradient ops a listed convolution layer's backward pass may run
     (its input's and kernel's, a superset), read from its configuration:
     stride 1 only for a plain ``Conv1D``/``Conv2D`` of stride and dilation
-    1, channels last, ``same``/``valid`` padding; patches unknown."""
+    1, no groups, channels last, ``same``/``valid`` padding; patches unknown."""
     ones = all(
         all(int(v) == 1 for v in tuple(getattr(layer, name, None) or (0,)))
         for name in ("strides", "dilation_rate")
     )
     plain = type(layer).__name__ in ("Conv1D", "Conv2D") and ones
+    plain = plain and getattr(layer, "groups", 1) == 1
     plain = plain and getattr(layer, "data_format", None) == "channels_last"
     plain = plain and getattr(layer, "padding", None) in ("same", "valid")
     return [

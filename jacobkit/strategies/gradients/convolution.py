@@ -157,7 +157,10 @@ def flipped_padding(op: Any) -> list[list[int]] | None:
     """How :func:`input_gradient` pads the cotangent of ``op`` (a ``Conv2D``)
     on its two spatial axes, or ``None`` where it does not apply: a stride or
     dilation other than 1, a layout other than ``NHWC``, explicit padding, a
-    kernel of unknown window."""
+    kernel of unknown window, groups (the flipped kernel's ``I / g`` output
+    channels are not the input's ``I``: an off-kind ``Conv2D(groups=2)``'s
+    gradient failed with "incompatible shapes", ``(3, 6, 6, 2)`` for ``(3,
+    6, 6, 4)``)."""
     strides = list(op.get_attr("strides"))
     dilations = list(op.get_attr("dilations"))
     padding = rules.text(op.get_attr("padding"))
@@ -165,6 +168,8 @@ def flipped_padding(op: Any) -> list[list[int]] | None:
     window = op.inputs[1].shape[:2]
     if strides != [1, 1, 1, 1] or dilations != [1, 1, 1, 1] or layout != "NHWC":
         return None
+    if op.inputs[0].shape[-1] != op.inputs[1].shape[2]:
+        return None  # grouped (Conv2D(groups=g)), or channels not known
     if padding not in ("SAME", "VALID") or not window.is_fully_defined():
         return None
     pads = []
