@@ -161,7 +161,8 @@ def bound(kinds: Iterable[str], device: str | None) -> int:
 #: and ``Conv3D`` gradients 0-45 KiB on either kind (45 KiB: a float64
 #: ``Conv3D`` probed after other work in the process, 0 alone)
 PRIOR_BYTES = {
-    ("conv2d", False): 32 * 2**20,
+    # 33: the probe measured 32 MiB + 1 KiB once (a flaky test, 32 before)
+    ("conv2d", False): 33 * 2**20,
     ("conv2d", True): 128 * 2**10,
     ("conv3d", False): 128 * 2**10,
     ("conv3d", True): 128 * 2**10,
