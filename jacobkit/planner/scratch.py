@@ -27,10 +27,12 @@ runs as many rows' ops at once as it has iterations in flight, up to
 TensorFlow's inter-op threads; a vectorized strategy (``chunked``, pfor) runs
 one op over all its rows, so one buffer.
 
-:func:`scratch_bytes` measures it on a tiny convolution of each kind the
-problem's gradient uses (``Problem.convolutions``; the kinds and their ops:
-:mod:`jacobkit.layers.convolutions`), in the problem's dtype,
-once per process; the planner adds it per backward pass in flight
+:func:`scratch_bytes` measures it on a tiny convolution of each kind whose
+TensorFlow kernel runs in the problem's gradient for a strategy
+(:func:`kinds_run`, from ``Problem.convolution_gradients``: jacobkit's
+stride-1 ``Conv2D`` rule takes some ops with oneDNN off; the kinds and their
+ops: :mod:`jacobkit.layers.convolutions`), in the problem's dtype, once per
+process; the planner adds it per backward pass in flight
 (:class:`MemoryPrior`).
 """
 
