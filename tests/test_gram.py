@@ -201,8 +201,16 @@ def test_a_subclassed_model(monkeypatch):
 
 
 def test_a_memory_budget_sets_the_chunk_size():
+    """2 MiB beyond the convolution kernels' scratch, which the rule's
+    per-example filter gradients take with TensorFlow's own kernels (oneDNN
+    off: measured 16.3 MiB a steady call, 0.75 with oneDNN on; a fixed 2
+    MiB was accepted there only while the prior left it out)."""
+    from tests.test_reductions_budget import _scratch
+
     model, inputs = _wide()
-    small = jk.gram(model, inputs, outputs=LOSS, memory_budget="2MiB")
+    scratch = _scratch(model, inputs, "clipped sum")
+    budget = int((2 * 2**20 + scratch) / jk.planner.Policy().safety)
+    small = jk.gram(model, inputs, outputs=LOSS, memory_budget=budget)
     large = jk.gram(model, inputs, outputs=LOSS)
     assert small.chunk_examples < large.chunk_examples
     _close(small.matrix, large.matrix)

@@ -189,7 +189,9 @@ def test_the_scratch_probe_runs_only_where_it_can_change_the_plan(monkeypatch):
     ``SCRATCH_BOUND`` of kernel scratch per backward pass: the probe cannot
     change which fit, and is not run; under a budget that bound would break
     (4 MiB beyond the measured scratch), it is measured and counted as
-    before; where it is not run, this CPU kind's prior is counted. The
+    before (asked again, the one measurement answering it, where the
+    budget has the inspection measured and the candidates predicted anew:
+    oneDNN off); where it is not run, this CPU kind's prior is counted. The
     results are the same."""
     model, inputs = _wide()
     reduce = REDUCTIONS["clipped sum"]
@@ -207,14 +209,16 @@ def test_the_scratch_probe_runs_only_where_it_can_change_the_plan(monkeypatch):
     free = _call(model, inputs, reduce)
     assert asked == [] and free.plan.strategy == jk.strategies.Batch()
     tight = _call(model, inputs, reduce, memory_budget=budget)
-    assert asked == [frozenset({"conv2d"})]
+    assert asked and set(asked) == {frozenset({"conv2d"})}, asked
     assert tight.plan.strategy == jk.strategies.Batch()
     # the measured scratch is in the tight plan's prediction, this CPU
-    # kind's prior in the free one's (one backward pass each)
+    # kind's prior in the free one's (one backward pass each); the rest is
+    # the free plan's at most: the tight one's inspection is measured where
+    # the structure's upper bounds left it tight (oneDNN off: 0.40 MiB
+    # against 1.22), else the same
     prior = scratch.prior_bytes({"conv2d"}, tf.float32, "CPU:0")
-    assert tight.plan.predicted_peak_bytes - measured == (
-        free.plan.predicted_peak_bytes - prior
-    )
+    rest = tight.plan.predicted_peak_bytes - measured
+    assert tight.plan.result_bytes <= rest <= free.plan.predicted_peak_bytes - prior
     _same(tight, free)
 
 

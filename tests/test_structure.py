@@ -24,10 +24,10 @@ import pytest
 import tensorflow as tf
 
 import jacobkit as jk
-from jacobkit import memory, testing
-from jacobkit.problem import Problem
+from jacobkit import memory, runtime, testing
+from jacobkit.problem import Call, Problem
 from jacobkit.testing import examples
-from tests.cases import unless_kernels_exceed_the_budget
+from tests.cases import kernel_scratch, unless_kernels_exceed_the_budget
 
 
 @functools.cache
@@ -344,6 +344,12 @@ def test_a_tight_budget_runs_the_shortcut_with_fewer_rows_at_once():
     budget = "32MiB"
     with unless_kernels_exceed_the_budget():
         tight = jk.plan(ex.model, ex.inputs, "conv1", memory_budget=budget)
+    checked = [r.reason for r in tight.rejected if "first call's check" in r.reason]
+    if checked and kernel_scratch(Call(ex.model, "conv1").problem(ex.inputs)):
+        # the check's eager backward pass runs TensorFlow's own convolution
+        # kernels (oneDNN off: 32 MiB of scratch, measured in the default
+        # call's 34 MiB peak), which the shortcut's first call cannot avoid
+        pytest.xfail(f"{runtime.cpu_kind().describe()}: {checked[0]}")
     assert tight.strategy.name == "structured" and tight.structure is not None
     inner = tight.strategy.resolved_inner()
     assert inner.name == "while" and inner.parallel_iterations < 10, str(tight)

@@ -169,6 +169,8 @@ class EagerOp:
     scopes: tuple[Any, ...]
     inputs: tuple[Any, ...]
     outputs: tuple[Any, ...]
+    #: TensorFlow's flat sequence of its attributes' names and values
+    attrs: tuple[Any, ...] = ()
 
 
 def _keras_scopes() -> Any:
@@ -217,7 +219,13 @@ class Record:
             return
         stack = _keras_scopes()
         self.ops.append(
-            EagerOp(kind, tuple(stack or ()), tuple(inputs), tuple(outputs))
+            EagerOp(
+                kind,
+                tuple(stack or ()),
+                tuple(inputs),
+                tuple(outputs),
+                tuple(attrs or ()),
+            )
         )
 
     def head(self, count: int) -> Record:

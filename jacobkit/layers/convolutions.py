@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import tensorflow as tf
 
@@ -111,3 +112,123 @@ def of_gradient_ops(op_types: Iterable[str]) -> frozenset[str]:
     (a traced backward pass's)."""
     types = frozenset(op_types)
     return frozenset(c.kind for c in CONVOLUTIONS if c.gradient_ops & types)
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """One convolution gradient op of a backward pass, as the memory prior
+    reads it: whether TensorFlow's own kernel for it (and its scratch space,
+    :mod:`jacobkit.planner.scratch`) runs depends on the strategy and the
+    CPU's kind (:func:`jacobkit.planner.scratch.runs_kernel`).
+
+    Attributes:
+        kind: its :class:`Convolution`'s kind.
+        wrt: ``"input"`` or ``"kernel"``: what it differentiates.
+        stride_one: a ``conv2d`` at stride 1, no dilation, no groups,
+            ``NHWC``, ``SAME``/``VALID`` padding, its window known: where jacobkit's
+            ``Conv2D`` rule (oneDNN off) takes it instead of TensorFlow's op
+            (:mod:`jacobkit.strategies.gradients.convolution`).
+        patches_bytes: a kernel gradient's input patches (``B * H' * W' *
+            kh * kw * C`` numbers), which the rule forms once in a loop over
+            rows where they are small enough; ``None``: not known (or an
+            input gradient).
+    """
+
+    kind: str
+    wrt: str
+    stride_one: bool
+    patches_bytes: int | None = None
+
+    def scaled(self, factor: float) -> Gradient:
+        """The same op on ``factor`` times the examples (its patches grow
+        with them)."""
+        size = self.patches_bytes
+        return Gradient(
+            self.kind,
+            self.wrt,
+            self.stride_one,
+            None if size is None else int(size * factor),
+        )
+
+
+def _stride_one(attrs: Callable[[str], object]) -> bool:
+    """Whether a ``Conv2D`` gradient op's attributes (``attrs(name)``) are
+    the ones jacobkit's rule takes (the window checked apart)."""
+
+    def text(value: object) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    return (
+        list(attrs("strides")) == [1, 1, 1, 1]  # type: ignore[call-overload]
+        and list(attrs("dilations")) == [1, 1, 1, 1]  # type: ignore[call-overload]
+        and text(attrs("data_format")) == "NHWC"
+        and text(attrs("padding")) in ("SAME", "VALID")
+    )
+
+
+def gradient_op(
+    op_type: str,
+    attrs: Callable[[str], object],
+    inputs: tuple[tf.TensorShape, ...],
+    output: tf.TensorShape,
+    dtype: tf.DType,
+) -> Gradient | None:
+    """The :class:`Gradient` of one op (``None``: not a convolution's
+    gradient), from its type, attributes, its inputs' shapes and its
+    output's (a traced op's or an eagerly run one's alike)."""
+    for found in CONVOLUTIONS:
+        if op_type not in found.gradient_ops:
+            continue
+        wrt = "kernel" if "Filter" in op_type else "input"
+        if found.kind != "conv2d":
+            return Gradient(found.kind, wrt, False)
+        # Conv2DBackpropInput(sizes, kernel, dy); ...Filter(x, sizes, dy)
+        kernel = inputs[1] if wrt == "input" else output
+        x = output if wrt == "input" else inputs[0]
+        window = kernel[:2]
+        # groups: the kernel's input channels not the input's (no rule)
+        plain = kernel.rank == 4 and x.rank == 4 and kernel[2] == x[-1]
+        ruled = plain and window.is_fully_defined() and _stride_one(attrs)
+        if wrt == "input":
+            return Gradient(found.kind, wrt, ruled)
+        cotangent = inputs[2]
+        patches = None
+        if cotangent.is_fully_defined() and x.is_fully_defined():
+            numbers = cotangent[:3].num_elements() * window.num_elements()
+            patches = int(numbers) * int(x[-1]) * tf.as_dtype(dtype).size
+        return Gradient(found.kind, wrt, ruled, patches)
+    return None
+
+
+def of_graph_ops(operations: Iterable[Any]) -> tuple[Gradient, ...]:
+    """The :class:`Gradient` records of a traced backward pass's ops."""
+    found = []
+    for op in operations:
+        if op.type not in _GRADIENT_OPS:
+            continue
+        shapes = tuple(t.shape for t in op.inputs)
+        out = op.outputs[0]
+        read = gradient_op(op.type, op.get_attr, shapes, out.shape, out.dtype)
+        if read is not None:
+            found.append(read)
+    return tuple(found)
+
+
+def of_eager_ops(operations: Iterable[Any]) -> tuple[Gradient, ...]:
+    """The :class:`Gradient` records of ops run eagerly (each with its
+    ``type``, ``attrs``: TensorFlow's flat name, value sequence, ``inputs``
+    and ``outputs``: :class:`jacobkit.keras.calls.EagerOp`)."""
+    found = []
+    for op in operations:
+        if op.type not in _GRADIENT_OPS or not op.outputs:
+            continue
+        named = dict(zip(op.attrs[::2], op.attrs[1::2], strict=True))
+        shapes = tuple(t.shape for t in op.inputs)
+        out = op.outputs[0]
+        read = gradient_op(op.type, named.__getitem__, shapes, out.shape, out.dtype)
+        if read is not None:
+            found.append(read)
+    return tuple(found)
+
+
+_GRADIENT_OPS = frozenset().union(*(c.gradient_ops for c in CONVOLUTIONS))

@@ -103,7 +103,9 @@ def predicted_peak(
     them until it returns); for an exact shortcut, at least its first call's
     check (:func:`check_peak`)."""
     at_once = strategy.rows_at_once(num_rows)
-    scratch = prior.scratch_in_flight(strategy.passes_in_flight(num_rows))
+    scratch = prior.scratch_in_flight(
+        strategy.passes_in_flight(num_rows), strategy.convolution_gradients
+    )
     eager = 0 if strategy.compiled else prior.eager_bytes
     results = strategy.result_copies * result_bytes
     rows = None

@@ -4,6 +4,9 @@ prior, and the disk cache's entry continued where it applies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 from jacobkit import memory, strategies
 from jacobkit.planner import cache as disk
 from jacobkit.planner import keeping, probes, scratch
@@ -13,6 +16,9 @@ from jacobkit.planner.session import Session
 from jacobkit.problem import Problem
 from jacobkit.strategies import Strategy, gradients, precision
 from jacobkit.strategies.structured import NoShortcut
+
+#: a way's scratch a pass from the kinds whose kernels run that way
+PerPass = Callable[[str, frozenset[str]], int]
 
 
 def open_session(
@@ -61,7 +67,7 @@ def open_session(
         budget,
         budget * policy.safety,
         measured_on,
-        memory_prior(problem, row_bytes, measured_on),
+        memory_prior(problem, row_bytes, measured_on, allowed=budget * policy.safety),
         shortcut=shortcut,
         structure=structure,
         policy=policy,
@@ -97,22 +103,91 @@ def memory_prior(
     problem: Problem,
     row_bytes: int,
     device: str | None,
-    scratch_bytes: int | None = None,
+    per_pass: PerPass | None = None,
+    allowed: float | None = None,
 ) -> MemoryPrior:
     """The memory prior of ``problem``: ``row_bytes`` per row alive at once
     in a vectorized pass, its sequential rows' figures, and the scratch space
-    its convolution gradients' kernels take on this machine, measured where
-    ``device`` reports its peak (else none), or ``scratch_bytes`` where
-    given (nothing measured)."""
-    measured = 0 if scratch_bytes is None else scratch_bytes
-    if scratch_bytes is None and device is not None and problem.convolutions:
-        dtype = precision.gradient_dtype(problem)
-        measured = scratch.scratch_bytes(problem.convolutions, dtype, device)
+    its convolution gradients' kernels take on this machine, per way they
+    run (:data:`~jacobkit.planner.scratch.WAYS`: only the kinds whose
+    TensorFlow kernels run that way, :func:`~jacobkit.planner.scratch.
+    kinds_run`), measured where ``device`` reports its peak (else none), or
+    ``per_pass(way, kinds)`` where given (nothing measured). Where this
+    CPU kind's prior for the kinds is over ``allowed`` (what a plan may
+    use), the prior is counted, not measured: the probe's own peak is the
+    kernel's scratch, which would break the budget by itself (measured,
+    oneDNN off: 32.3 MiB in a 4 MiB call on the Conv1D generator)."""
+    dtype = precision.gradient_dtype(problem) if problem.convolutions else None
+    found: dict[frozenset[str], int] = {}
+
+    def scratch_of(way: str, kinds: frozenset[str]) -> int:
+        if per_pass is not None:
+            return per_pass(way, kinds)
+        if kinds not in found:  # each set of kinds asked once
+            found[kinds] = _measured(kinds, dtype, device, allowed)
+        return found[kinds]
+
+    replaced = gradients.replaces() if problem.convolutions else False
+    ways = tuple(
+        (way, scratch_of(way, scratch.kinds_run(problem, way, replaced)))
+        for way in scratch.WAYS
+    )
     return MemoryPrior(
         row_bytes,
         problem.sequential_memory,
-        measured,
+        ways[0][1],  # "tape": every kind the others run, and more
         scratch.inter_op_threads(),
         eager_bytes=problem.forward_bytes,
         hoisted_bytes=gradients.hoisted_bytes(problem.transposed),
+        ways=ways[1:],
+        patches_bytes=scratch.patches_held(problem, replaced),
     )
+
+
+def _measured(
+    kinds: frozenset[str], dtype: Any, device: str | None, allowed: float | None
+) -> int:
+    """The scratch of ``kinds`` measured on ``device`` (0: nothing to
+    measure), or this CPU kind's prior where it is over ``allowed``."""
+    if device is None or not kinds or dtype is None:
+        return 0
+    prior = scratch.prior_bytes(kinds, dtype, device)
+    if allowed is not None and prior > allowed:
+        return prior
+    return scratch.scratch_bytes(kinds, dtype, device)
+
+
+def deciding_scratch(
+    problem: Problem,
+    device: str | None,
+    allowed: float,
+    predict: Callable[[PerPass | None], Sequence[Any]],
+) -> PerPass | None:
+    """How a reduced call's candidates count the kernels' scratch a pass
+    (``predict(per_pass)``: the candidates, each with its ``strategy`` and
+    ``predicted_bytes``): measured (:func:`~jacobkit.planner.scratch.
+    scratch_bytes`) only for a way whose candidate fits without scratch but
+    not with :data:`~jacobkit.planner.scratch.SCRATCH_BOUND` and where this
+    CPU kind's prior fits ``allowed`` (the probe's own peak is the
+    kernel's), else that prior; ``None``: nothing to measure."""
+    if not scratch.bound(problem.convolutions, device):
+        return None
+    dtype = precision.gradient_dtype(problem)
+    low = predict(lambda way, kinds: 0)
+    high = predict(lambda way, kinds: scratch.bound(kinds, device))
+    # the ways whose scratch decides whether one of their candidates fits
+    deciding = {
+        without.strategy.convolution_gradients
+        for without, bounded in zip(low, high, strict=True)
+        if without.predicted_bytes <= allowed < bounded.predicted_bytes
+    }
+
+    def per_pass(way: str, kinds: frozenset[str]) -> int:
+        prior = scratch.prior_bytes(kinds, dtype, device)
+        if way in deciding and kinds and prior <= allowed and device is not None:
+            return scratch.scratch_bytes(kinds, dtype, device)
+        # no probe: it cannot change the plan, or its own peak (the
+        # kernel's scratch, as the prior has it) would break the budget
+        return prior
+
+    return per_pass

@@ -32,19 +32,20 @@ A run over the budget ends the trial. The plan lists the other as pending
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from jacobkit import memory
-from jacobkit.planner import estimates, paired, scratch
+from jacobkit.planner import estimates, paired
 from jacobkit.planner.footprint import Overruns
-from jacobkit.planner.opening import memory_prior
+from jacobkit.planner.opening import deciding_scratch, memory_prior
 from jacobkit.planner.policy import Policy
 from jacobkit.planner.probes import peak_measurable
 from jacobkit.problem import Problem, measure_inspection
 from jacobkit.problem.plan import Estimate, Plan, Rejection, Switch
 from jacobkit.problem.solution import Solution
-from jacobkit.strategies import REGISTRY, Strategy, precision
+from jacobkit.strategies import REGISTRY, Strategy
 
 #: a memory budget's share the first candidate's peak, predicted from a
 #: problem's structural upper bounds (:mod:`jacobkit.problem.structural_inspect`),
@@ -131,29 +132,33 @@ class Reduced:
     ) -> list[Candidate]:
         """``found``'s candidates with their predicted peaks. The kernels'
         scratch space is measured (:func:`jacobkit.planner.scratch.
-        scratch_bytes`) only where it can change which fit: where every
-        candidate fits with :data:`~jacobkit.planner.scratch.SCRATCH_BOUND`
-        per backward pass in flight, none is measured and this CPU kind's
-        prior is counted (:func:`~jacobkit.planner.scratch.prior_bytes`;
-        a run over the budget scales the predictions, as for any error).
+        scratch_bytes`) only where it can change which fit: for the way
+        a candidate's convolution gradients run (:attr:`~jacobkit.
+        strategies.Strategy.convolution_gradients`; only the kinds whose
+        TensorFlow kernels run that way, :func:`~jacobkit.planner.scratch.
+        kinds_run`) where it fits without scratch but not with
+        :data:`~jacobkit.planner.scratch.SCRATCH_BOUND` per backward pass in
+        flight; elsewhere this CPU kind's prior is counted
+        (:func:`~jacobkit.planner.scratch.prior_bytes`; a run over the
+        budget scales the predictions, as for any error). The probe's own
+        peak is the kernel's (32 MiB with oneDNN off): asked where nothing
+        can change, it alone broke a 2 MiB budget the run kept.
 
         NOTE (measured, loaded). The probe took 0.14-0.58 s of the conv
         net's first clipped sum (plain step's: 0.48 s); its answer (9 KiB
         with oneDNN, 16-33 MiB without) changed nothing beside 14 GiB."""
 
-        def predicted(scratch_bytes: int | None) -> list[Candidate]:
+        def predicted(
+            per_pass: Callable[[str, frozenset[str]], int] | None,
+        ) -> list[Candidate]:
             prior = memory_prior(
-                problem, problem.activation_bytes, self.device, scratch_bytes
+                problem, problem.activation_bytes, self.device, per_pass
             )
             return _with_peaks(problem, found, prior)
 
-        high = scratch.bound(problem.convolutions, self.device)
-        if high and all(c.predicted_bytes <= self.allowed for c in predicted(high)):
-            dtype = precision.gradient_dtype(problem)  # no probe: the prior
-            return predicted(
-                scratch.prior_bytes(problem.convolutions, dtype, self.device)
-            )
-        return predicted(None)  # measured where it can
+        return predicted(
+            deciding_scratch(problem, self.device, self.allowed, predicted)
+        )
 
     def _other(self) -> int | None:
         """The candidate to time against the first that fits: the next that

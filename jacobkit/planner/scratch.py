@@ -27,10 +27,12 @@ runs as many rows' ops at once as it has iterations in flight, up to
 TensorFlow's inter-op threads; a vectorized strategy (``chunked``, pfor) runs
 one op over all its rows, so one buffer.
 
-:func:`scratch_bytes` measures it on a tiny convolution of each kind the
-problem's gradient uses (``Problem.convolutions``; the kinds and their ops:
-:mod:`jacobkit.layers.convolutions`), in the problem's dtype,
-once per process; the planner adds it per backward pass in flight
+:func:`scratch_bytes` measures it on a tiny convolution of each kind whose
+TensorFlow kernel runs in the problem's gradient for a strategy
+(:func:`kinds_run`, from ``Problem.convolution_gradients``: jacobkit's
+stride-1 ``Conv2D`` rule takes some ops with oneDNN off; the kinds and their
+ops: :mod:`jacobkit.layers.convolutions`), in the problem's dtype, once per
+process; the planner adds it per backward pass in flight
 (:class:`MemoryPrior`).
 """
 
@@ -39,12 +41,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
 from jacobkit import memory, runtime
 from jacobkit.layers import convolutions
 from jacobkit.problem.liveness import SequentialMemory
+from jacobkit.strategies.gradients import SHARED_PATCHES_BYTES
+
+if TYPE_CHECKING:
+    from jacobkit.problem import Problem
 
 #: rows of a ``while`` loop holding their cotangents at once, per inter-op
 #: thread. Measured on 2 threads (TF 2.21, CPU), the 144-feature generator
@@ -86,6 +93,14 @@ class MemoryPrior:
             makes once per call and holds while the rows run (oneDNN off:
             :func:`jacobkit.strategies.gradients.hoisted_bytes`; 0 where
             it replaces nothing).
+        ways: ``scratch_bytes`` for the strategies whose convolution
+            gradients run another way (:attr:`jacobkit.strategies.Strategy.
+            convolution_gradients` -> bytes a pass: fewer of TensorFlow's
+            kernels run there, :func:`runs_kernel`); a way not listed
+            takes ``scratch_bytes``.
+        patches_bytes: the input patches a loop over rows forms once and
+            holds (``"loop"``: jacobkit's
+            ``Conv2D`` rule, :func:`patches_held`).
     """
 
     row_bytes: int
@@ -94,10 +109,16 @@ class MemoryPrior:
     threads: int = 1
     eager_bytes: int = 0
     hoisted_bytes: int = 0
+    ways: tuple[tuple[str, int], ...] = ()
+    patches_bytes: int = 0
 
-    def scratch_in_flight(self, passes: int) -> int:
-        """Scratch of ``passes`` separate backward passes started at once."""
-        return min(passes, self.threads) * self.scratch_bytes
+    def scratch_in_flight(self, passes: int, way: str = "tape") -> int:
+        """Scratch of ``passes`` separate backward passes started at once by
+        a strategy whose convolution gradients run ``way``, and the patches
+        that way holds."""
+        per_pass = dict(self.ways).get(way, self.scratch_bytes)
+        held = self.patches_bytes if way == "loop" else 0
+        return min(passes, self.threads) * per_pass + held
 
     def vectorized_peak(self, rows_in_flight: int) -> int | None:
         """What a pfor-vectorized pass (``chunked``, ``jacobian``) holds with
@@ -142,7 +163,8 @@ def bound(kinds: Iterable[str], device: str | None) -> int:
 #: and ``Conv3D`` gradients 0-45 KiB on either kind (45 KiB: a float64
 #: ``Conv3D`` probed after other work in the process, 0 alone)
 PRIOR_BYTES = {
-    ("conv2d", False): 32 * 2**20,
+    # 33: the probe measured 32 MiB + 1 KiB once (a flaky test, 32 before)
+    ("conv2d", False): 33 * 2**20,
     ("conv2d", True): 128 * 2**10,
     ("conv3d", False): 128 * 2**10,
     ("conv3d", True): 128 * 2**10,
@@ -161,6 +183,62 @@ def prior_bytes(kinds: Iterable[str], dtype: tf.DType, device: str | None) -> in
         return 0
     onednn = runtime.cpu_kind().onednn and tf.as_dtype(dtype) != tf.float64
     return max((PRIOR_BYTES.get((kind, onednn), 0) for kind in kinds), default=0)
+
+
+#: the ways a strategy's convolution gradients run
+#: (:attr:`jacobkit.strategies.Strategy.convolution_gradients`)
+WAYS = ("tape", "loop")
+
+
+def runs_kernel(gradient: convolutions.Gradient, way: str, replaced: bool) -> bool:
+    """Whether TensorFlow's own kernel (and its scratch space) runs
+    ``gradient`` for a strategy whose convolution gradients run ``way``,
+    where jacobkit's ``Conv2D`` rule is in place (``replaced``: oneDNN off,
+    :func:`jacobkit.strategies.gradients.replaces`) or not. The rule takes
+    a stride-1 ``Conv2D``'s input gradient (a forward convolution: no
+    im2col buffer) and, in a loop over rows, its kernel gradient where the
+    patches are known and small enough (:func:`jacobkit.strategies.
+    gradients.shared_patches`); any other runs TensorFlow's op, a layer's
+    closed form included (its per-example filter gradients,
+    :func:`jacobkit.layers.conv.example_filters`, run TensorFlow's op: the
+    wide conv net's ``jk.gram``, ``batch``, measured 16.3 MiB with oneDNN
+    off against 0.75 with it on).
+
+    NOTE (measured, oneDNN off, loaded 2 cores). Counted as TensorFlow's
+    everywhere, the Conv1D generator's ``while`` was predicted 68.2 MiB and
+    measured 2.8 (its every convolution stride 1: no TensorFlow kernel
+    runs)."""
+    if not replaced or not gradient.stride_one:
+        return True
+    if gradient.wrt == "input":
+        return False
+    size = gradient.patches_bytes
+    return not (way == "loop" and size is not None and size <= SHARED_PATCHES_BYTES)
+
+
+def kinds_run(problem: Problem, way: str, replaced: bool) -> frozenset[str]:
+    """The convolution kinds whose TensorFlow kernels run in ``problem``'s
+    backward pass by a strategy of ``way`` (:func:`runs_kernel`); every kind
+    of it where its gradient ops were not read."""
+    found = problem.convolution_gradients
+    if found is None:
+        return problem.convolutions
+    return frozenset(g.kind for g in found if runs_kernel(g, way, replaced))
+
+
+def patches_held(problem: Problem, replaced: bool) -> int:
+    """What a loop over rows holds of the patches jacobkit's ``Conv2D``
+    rule forms once (each kernel gradient it takes). Counted once: the
+    patches and their transposed copy are not both held (measured, oneDNN
+    off, the Conv1D generator: ``while(1)`` 1.2 MiB against 0.98 with oneDNN
+    on, beside 1.16 MiB of patches)."""
+    found = problem.convolution_gradients or ()
+    taken = [
+        g.patches_bytes or 0
+        for g in found
+        if g.wrt == "kernel" and g.stride_one and not runs_kernel(g, "loop", replaced)
+    ]
+    return sum(taken) if replaced else 0
 
 
 def inter_op_threads() -> int:

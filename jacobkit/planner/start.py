@@ -73,7 +73,7 @@ def start(
     every = list(found)
     # which strategy starts is a property of the problem (what vectorizing
     # its rows costs), not of this CPU's kernels: compared without scratch
-    activations = replace(prior, scratch_bytes=0)
+    activations = replace(prior, scratch_bytes=0, ways=(), patches_bytes=0)
     found = selection.starting_first(
         found,
         num_rows,
@@ -183,14 +183,20 @@ def _too_big(shortcut: Strategy, footprint: Footprint) -> str:
 def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
     """Not even one row at a time fits: the error, with what it would need."""
     prior = footprint.prior
-    smallest = min(
-        est.predicted_peak(s, 1, prior, footprint.result_bytes)
-        for s in _smallest_configurations()
+    smallest, least = min(
+        (
+            (est.predicted_peak(s, 1, prior, footprint.result_bytes), s)
+            for s in _smallest_configurations()
+        ),
+        key=lambda pair: pair[0],
     )
+    # the kernels' scratch that one (its way: jacobkit.planner.scratch)
+    scratch = prior.scratch_in_flight(1, least.convolution_gradients)
+    scratch -= prior.patches_bytes if least.convolution_gradients == "loop" else 0
     source = "from the traced pass's tensors"
-    if prior.scratch_bytes:
+    if scratch:
         source += (
-            f" and {_fmt(prior.scratch_bytes)} of work space that this "
+            f" and {_fmt(scratch)} of work space that this "
             "CPU's convolution gradient kernels take, measured"
         )
     return ValueError(

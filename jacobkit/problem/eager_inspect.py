@@ -93,6 +93,7 @@ class _Pass:
     forward_ops: int
     transposed: tuple[operands.Transposed, ...] = ()
     kept: KeptPass | None = None
+    gradients: tuple[convolutions.Gradient, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,7 @@ def _run(problem: Traceable, n: int, batch: int, keep: bool) -> _Pass | None:
         forward_ops=forward_ops,
         transposed=operands.of_eager(record.ops[:forward_ops], handles),
         kept=kept,
+        gradients=convolutions.of_eager_ops(record.ops[forward_ops:]),
     )
 
 
@@ -344,6 +346,10 @@ def _combined(
         unpinned=(),
         layer_outputs=layer_tree.output_bytes(problem.model, outputs[0]),
         transposed=transposed,
+        # patches grow with the examples (the last pass's: sizes[-1])
+        convolution_gradients=tuple(
+            g.scaled(batch / sizes[-1]) for g in last.gradients
+        ),
     )
 
 

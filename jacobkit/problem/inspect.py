@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from jacobkit.keras import compat, layer_tree, state
 from jacobkit.layers import convolutions
+from jacobkit.layers.convolutions import Gradient as ConvolutionGradient
 from jacobkit.problem import liveness, operands
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.cache import PerModel
@@ -66,6 +67,11 @@ class Inspection:
             that their gradients take transposed
             (:class:`~jacobkit.problem.operands.Transposed`): what the
             ``MatMul`` rule copies where it applies (oneDNN off).
+        convolution_gradients: each convolution gradient op of the
+            backward pass (:class:`jacobkit.layers.convolutions.Gradient`):
+            whether TensorFlow's kernel or jacobkit's rule runs it, per
+            strategy; ``None`` where not read (every op then counted as
+            TensorFlow's, for every kind in ``convolutions``).
         measured: whether a pass (traced or eager) measured it; ``False``
             where it was read from the model's structure
             (:mod:`.structural_inspect`: its byte counts upper bounds).
@@ -82,6 +88,7 @@ class Inspection:
     unpinned: tuple[str, ...] = ()
     layer_outputs: int | None = None
     transposed: tuple[operands.Transposed, ...] = ()
+    convolution_gradients: tuple[ConvolutionGradient, ...] | None = None
     measured: bool = True
 
 
@@ -195,6 +202,7 @@ def trace(problem: Traceable) -> Inspection:
         ),
         layer_outputs=layer_outputs,
         transposed=operands.of_graph(operations[:forward_ops], reads),
+        convolution_gradients=convolutions.of_graph_ops(operations[forward_ops:]),
     )
 
 

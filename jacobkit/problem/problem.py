@@ -76,9 +76,9 @@ class Problem:
         transposed: the operands of the forward pass's matrix products
             that their gradients take transposed
             (:class:`~jacobkit.problem.operands.Transposed`).
-        convolutions: the convolution kinds its backward pass runs
-            (``"conv2d"``, ...; their CPU kernels' scratch space and accuracy
-            depend on the CPU).
+        convolutions: its backward pass's convolution kinds (``"conv2d"``,
+            ...), ``convolution_gradients`` their ops (``None``: not read;
+            :class:`jacobkit.layers.convolutions.Gradient`).
         key: what identifies it in the state kept per model
             (:class:`~jacobkit.problem.key.ProblemKey`, built once here).
     """
@@ -172,6 +172,7 @@ class Problem:
         # tensor traced (2x more on EfficientNetB0, 8x on a keras_hub BERT)
         self.forward_bytes = inspection.layer_outputs or inspection.forward_bytes
         self.convolutions = inspection.convolutions
+        self.convolution_gradients = inspection.convolution_gradients
         self.transposed = inspection.transposed
         self.inspection_measured = inspection.measured  # else upper bounds
         #: with training=True, the random ops no Keras seed state pins

@@ -121,10 +121,12 @@ def inspection(problem: Traceable) -> Inspection | None:
     if copied is None:
         return None
     kinds: set[str] = set()
+    gradients: list[convolution_kinds.Gradient] = []
     for layer in compat.flatten_layers(model):
         if id(layer) in upstream:
             kind = layers.stock_kind(layer)
             kinds.update(() if kind is None else kind.convolutions)
+            gradients += _gradients(layer, () if kind is None else kind.convolutions)
     return Inspection(
         outputs_shape=tf.TensorShape(shape),
         rows=tf.TensorSpec(rows, tf.float32),
@@ -137,8 +139,29 @@ def inspection(problem: Traceable) -> Inspection | None:
         unpinned=(),
         layer_outputs=layer_tree.output_bytes(model, batch),
         transposed=copied,
+        convolution_gradients=tuple(gradients),
         measured=False,
     )
+
+
+def _gradients(layer: Any, kinds: tuple[str, ...]) -> list[convolution_kinds.Gradient]:
+    """The gradient ops a listed convolution layer's backward pass may run
+    (its input's and kernel's, a superset), read from its configuration:
+    stride 1 only for a plain ``Conv1D``/``Conv2D`` of stride and dilation
+    1, no groups, channels last, ``same``/``valid`` padding; patches unknown."""
+    ones = all(
+        all(int(v) == 1 for v in tuple(getattr(layer, name, None) or (0,)))
+        for name in ("strides", "dilation_rate")
+    )
+    plain = type(layer).__name__ in ("Conv1D", "Conv2D") and ones
+    plain = plain and getattr(layer, "groups", 1) == 1
+    plain = plain and getattr(layer, "data_format", None) == "channels_last"
+    plain = plain and getattr(layer, "padding", None) in ("same", "valid")
+    return [
+        convolution_kinds.Gradient(k, wrt, plain and k == "conv2d")
+        for k in kinds
+        for wrt in ("input", "kernel")
+    ]
 
 
 def _transposed(

@@ -58,6 +58,14 @@ class Strategy(abc.ABC):
     #: Jacobians are stacked into it, 1 where :func:`map_chunks` writes each
     #: chunk into it in place
     result_copies: ClassVar[int] = 2
+    #: how its convolution gradients run (``auto``'s memory prior,
+    #: :func:`jacobkit.planner.scratch.runs_kernel`): ``"tape"``, by the
+    #: tape (TensorFlow's ops, or jacobkit's ``Conv2D`` rule where it
+    #: applies) or a layer's closed form (which may run TensorFlow's filter
+    #: gradient per example: :func:`jacobkit.layers.conv.example_filters`);
+    #: ``"loop"``, the tape's in a compiled loop over rows (a kernel's
+    #: gradient from its input's patches formed once before it)
+    convolution_gradients: ClassVar[str] = "tape"
 
     @classmethod
     def for_auto(cls, num_rows: int) -> Strategy | None:

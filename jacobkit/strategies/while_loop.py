@@ -51,6 +51,7 @@ class While(Strategy):
         return (While(1),)
 
     reduced_preference = 3
+    convolution_gradients = "loop"
 
     def rows_at_once(self, num_rows: int) -> int:
         return min(self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS, num_rows)
