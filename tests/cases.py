@@ -285,6 +285,24 @@ def two_blocks() -> tuple[keras.Model, np.ndarray]:
     return model, x
 
 
+def token_classifier(
+    vocab: int, length: int, width: int, hidden: int, size: int, seed: int
+) -> tuple[keras.Model, np.ndarray, np.ndarray, np.random.Generator]:
+    """An embedding, a GELU Dense over each token, average pooling and a
+    3-class head: the model, ``size`` examples' ids ``(size, length)`` and
+    labels ``(size,)``, and the generator they were drawn from (``seed``,
+    as the weights)."""
+    rng = np.random.default_rng(seed)
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((length,), dtype="int32")
+    h = keras.layers.Embedding(vocab, width, name="embed")(ids)
+    h = keras.layers.Dense(hidden, activation="gelu", name="ffn")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    out = keras.layers.Dense(3, name="head")(h)
+    x = rng.integers(0, vocab, size=(size, length)).astype("int32")
+    return keras.Model(ids, out), x, rng.integers(0, 3, size), rng
+
+
 def kernel_scratch(problem: Any) -> int:
     """What this CPU's convolution gradient kernels allocate in
     ``problem``'s backward pass beside its tensors, as the planner measures

@@ -33,6 +33,7 @@ import jacobkit as jk
 from jacobkit import memory, testing
 from jacobkit.problem import Problem
 from jacobkit.problem.reduction import Factors
+from tests import cases
 from tests.test_reductions import LOSS
 
 KINDS = {
@@ -50,16 +51,8 @@ BUDGET = 8 * 2**20
 
 
 def _tokens() -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(7)
-    keras.utils.set_random_seed(7)
-    ids = keras.Input((16,), dtype="int32")
-    h = keras.layers.Embedding(4000, 32, name="embed")(ids)
-    h = keras.layers.Dense(64, activation="gelu", name="ffn")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    out = keras.layers.Dense(3, name="head")(h)
-    model = keras.Model(ids, out)
-    x = rng.integers(0, 4000, (32, 16)).astype("int32")
-    return model, (x, rng.integers(0, 3, 32))
+    model, x, y, _ = cases.token_classifier(4000, 16, 32, 64, 32, seed=7)
+    return model, (x, y)
 
 
 def _factors_problem(model, inputs) -> Problem:

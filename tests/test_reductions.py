@@ -18,6 +18,7 @@ import tensorflow as tf
 import jacobkit as jk
 from jacobkit import testing
 from jacobkit.problem import sketch
+from tests import cases
 from tests.cases import STRATEGIES, skip_same_chunks
 
 RTOL = 1e-5
@@ -42,16 +43,7 @@ def _mlp(size: int = 9) -> tuple[keras.Model, tuple[np.ndarray, ...]]:
 
 
 def _tokens(size: int = 7) -> tuple[keras.Model, tuple[np.ndarray, ...]]:
-    rng = np.random.default_rng(1)
-    keras.utils.set_random_seed(1)
-    ids = keras.Input((5,), dtype="int32")
-    h = keras.layers.Embedding(11, 4, name="embed")(ids)
-    h = keras.layers.Dense(6, activation="gelu", name="ffn")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    out = keras.layers.Dense(3, name="head")(h)
-    model = keras.Model(ids, out)
-    x = rng.integers(0, 11, size=(size, 5)).astype("int32")
-    y = rng.integers(0, 3, size)
+    model, x, y, rng = cases.token_classifier(11, 5, 4, 6, size, seed=1)
     w = rng.uniform(0.5, 2.0, size).astype("float32")
     return model, (x, y, w)
 

@@ -202,30 +202,31 @@ def gradient_op(
 
 def of_graph_ops(operations: Iterable[Any]) -> tuple[Gradient, ...]:
     """The :class:`Gradient` records of a traced backward pass's ops."""
-    found = []
-    for op in operations:
-        if op.type not in _GRADIENT_OPS:
-            continue
-        shapes = tuple(t.shape for t in op.inputs)
-        out = op.outputs[0]
-        read = gradient_op(op.type, op.get_attr, shapes, out.shape, out.dtype)
-        if read is not None:
-            found.append(read)
-    return tuple(found)
+    return _records(operations, lambda op: op.get_attr)
 
 
 def of_eager_ops(operations: Iterable[Any]) -> tuple[Gradient, ...]:
     """The :class:`Gradient` records of ops run eagerly (each with its
     ``type``, ``attrs``: TensorFlow's flat name, value sequence, ``inputs``
     and ``outputs``: :class:`jacobkit.keras.calls.EagerOp`)."""
+    return _records(
+        (op for op in operations if op.outputs),
+        lambda op: dict(zip(op.attrs[::2], op.attrs[1::2], strict=True)).__getitem__,
+    )
+
+
+def _records(
+    operations: Iterable[Any], attributes: Callable[[Any], Callable[[str], Any]]
+) -> tuple[Gradient, ...]:
+    """The :class:`Gradient` records of the convolution-gradient ops among
+    ``operations``, each op's attributes read by ``attributes(op)(name)``."""
     found = []
     for op in operations:
-        if op.type not in _GRADIENT_OPS or not op.outputs:
+        if op.type not in _GRADIENT_OPS:
             continue
-        named = dict(zip(op.attrs[::2], op.attrs[1::2], strict=True))
         shapes = tuple(t.shape for t in op.inputs)
         out = op.outputs[0]
-        read = gradient_op(op.type, named.__getitem__, shapes, out.shape, out.dtype)
+        read = gradient_op(op.type, attributes(op), shapes, out.shape, out.dtype)
         if read is not None:
             found.append(read)
     return tuple(found)
