@@ -161,6 +161,18 @@ def test_the_structure_does_not_tell(build):
     assert problem.inspection_measured
 
 
+def _clipped_sum(model, inputs, **kwargs):
+    """A clipped sum over every trainable variable of ``model``."""
+    return jk.jacobian(
+        model,
+        inputs,
+        model.trainable_variables,
+        outputs=jk.Loss(LOSS),
+        reduce=jk.ClippedSum(1.0),
+        **kwargs,
+    )
+
+
 def test_a_first_call_judges_the_checks_once(monkeypatch):
     """The structural inspection and ``batch``'s checks read one verdict,
     kept per model: a fresh model's first clipped sum judges it once (each
@@ -176,15 +188,7 @@ def test_a_first_call_judges_the_checks_once(monkeypatch):
     model = mlp()
     x, y = _inputs(model, 4)
     for _ in range(2):
-        jk.jacobian(
-            model,
-            (x, y),
-            model.trainable_variables,
-            outputs=jk.Loss(LOSS),
-            reduce=jk.ClippedSum(1.0),
-            strategy="batch",
-            cache=False,
-        )
+        _clipped_sum(model, (x, y), strategy="batch", cache=False)
     assert len(judged) == 1
     assert checks.how_checked(model) == (checks.STRUCTURE,)
 
@@ -263,20 +267,10 @@ def test_a_tight_budget_measures_the_inspection(monkeypatch):
     assert not problem.inspection_measured
     bound = problem.activation_bytes
 
-    def clipped(budget: int | str) -> None:
-        jk.jacobian(
-            model,
-            (x, y),
-            model.trainable_variables,
-            outputs=jk.Loss(LOSS),
-            reduce=jk.ClippedSum(1.0),
-            memory_budget=budget,
-        )
-
-    clipped(int(bound * 1.2))
+    _clipped_sum(model, (x, y), memory_budget=int(bound * 1.2))
     assert measured and measured[0].inspection_measured
     measured.clear()
-    clipped("8GiB")
+    _clipped_sum(model, (x, y), memory_budget="8GiB")
     assert not measured
 
 
