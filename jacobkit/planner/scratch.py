@@ -116,9 +116,14 @@ class MemoryPrior:
         """Scratch of ``passes`` separate backward passes started at once by
         a strategy whose convolution gradients run ``way``, and the patches
         that way holds."""
-        per_pass = dict(self.ways).get(way, self.scratch_bytes)
         held = self.patches_bytes if way == "loop" else 0
-        return min(passes, self.threads) * per_pass + held
+        return self.kernel_scratch(passes, way) + held
+
+    def kernel_scratch(self, passes: int, way: str = "tape") -> int:
+        """The kernels' own work space alone of :meth:`scratch_in_flight`
+        (not the patches a loop holds)."""
+        per_pass = dict(self.ways).get(way, self.scratch_bytes)
+        return min(passes, self.threads) * per_pass
 
     def vectorized_peak(self, rows_in_flight: int) -> int | None:
         """What a pfor-vectorized pass (``chunked``, ``jacobian``) holds with

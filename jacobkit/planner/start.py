@@ -191,8 +191,7 @@ def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
         key=lambda pair: pair[0],
     )
     # the kernels' scratch that one (its way: jacobkit.planner.scratch)
-    scratch = prior.scratch_in_flight(1, least.convolution_gradients)
-    scratch -= prior.patches_bytes if least.convolution_gradients == "loop" else 0
+    scratch = prior.kernel_scratch(1, least.convolution_gradients)
     source = "from the traced pass's tensors"
     if scratch:
         source += (
