@@ -151,6 +151,15 @@ def _measured(
     measure), or this CPU kind's prior where it is over ``allowed``."""
     if device is None or not kinds or dtype is None:
         return 0
+    return _probed(kinds, dtype, device, allowed)
+
+
+def _probed(
+    kinds: frozenset[str], dtype: Any, device: str, allowed: float | None
+) -> int:
+    """The scratch of ``kinds`` measured on ``device``, or this CPU kind's
+    prior where it is over ``allowed``: the probe's own peak is the
+    kernel's scratch, which would break the budget by itself."""
     prior = scratch.prior_bytes(kinds, dtype, device)
     if allowed is not None and prior > allowed:
         return prior
@@ -183,11 +192,8 @@ def deciding_scratch(
     }
 
     def per_pass(way: str, kinds: frozenset[str]) -> int:
-        prior = scratch.prior_bytes(kinds, dtype, device)
-        if way in deciding and kinds and prior <= allowed and device is not None:
-            return scratch.scratch_bytes(kinds, dtype, device)
-        # no probe: it cannot change the plan, or its own peak (the
-        # kernel's scratch, as the prior has it) would break the budget
-        return prior
+        if way in deciding and kinds and device is not None:
+            return _probed(kinds, dtype, device, allowed)
+        return scratch.prior_bytes(kinds, dtype, device)  # cannot change the plan
 
     return per_pass
