@@ -58,6 +58,8 @@ JACOBKIT = {
     "jacobkit while": "while",
     "TF tape.jacobian (pfor)": "tape.jacobian",
 }
+#: each peer framework's GEMM probe: the table's name -> ``gemm_probe.py``'s
+PEER_FRAMEWORKS = {"PyTorch": "torch", "JAX": "jax"}
 #: the peers' best settings from a first sweep (chunk sizes 4, 8, 16 and 36
 #: for PyTorch, 8 and 16 for JAX; one core): 16 and 36 were slower
 PEERS = {
@@ -195,6 +197,12 @@ def main() -> None:
         help="run only the runs whose label contains one of these words "
         "(e.g. --only auto batch 'jacobkit while'); the GEMM probe always runs",
     )
+    parser.add_argument(
+        "--probes-only",
+        action="store_true",
+        help="rerun each framework's GEMM probe only (--rounds), keeping "
+        "--out's timings",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     parser.add_argument("--gemm", action="store_true", help=argparse.SUPPRESS)
@@ -203,6 +211,8 @@ def main() -> None:
         return child(args.child, args.weights, args.repeats)
     if args.gemm:
         return print(json.dumps({"gflops": gemm_rate()}))
+    if args.probes_only:
+        return _probes_only(args)
 
     work = Path(tempfile.mkdtemp())
     weights = str(work / "mlp.npz")
@@ -231,8 +241,10 @@ def main() -> None:
     if args.only:
         runs = {k: v for k, v in runs.items() if any(w in k for w in args.only)}
     rates, rounds = [], {label: [] for label in runs}
+    peer_rates: dict[str, list[float]] = {}
     for round_ in range(args.rounds):
         rates.append(_run([sys.executable, __file__, "--gemm"], env)["gflops"])
+        _peer_probes(args.peers_python, env, peer_rates)
         for label, command in runs.items():
             result = _run(command, env)
             if label in JACOBKIT and "error" not in result:
@@ -241,7 +253,51 @@ def main() -> None:
             rounds[label].append(result)
             print(f"round {round_ + 1}: {label}: {result}", flush=True)
     _report(rounds, runs, statistics.median(rates), work, args.out, args.loaded)
+    _with_peer_rates(args.out, peer_rates)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _peer_probes(
+    python: str | None, env: dict[str, str], found: dict[str, list[float]]
+) -> None:
+    """One GEMM probe of each peer framework's own (``peers/gemm_probe.py``)
+    into ``found``, where the peers' environment is given."""
+    if not python:
+        return
+    for name, framework in PEER_FRAMEWORKS.items():
+        command = [python, str(HERE / "peers" / "gemm_probe.py")]
+        probe = _run([*command, "--framework", framework], env)
+        if "gflops" in probe:
+            found.setdefault(name, []).append(probe["gflops"])
+
+
+def _with_peer_rates(out: Path, peer_rates: dict[str, list[float]]) -> None:
+    """``out``'s table with each peer framework's median GEMM probe and every
+    peer run's share of its own framework's limit."""
+    if not peer_rates:
+        return
+    path = out / "mlp_limit.json"
+    data = json.loads(path.read_text())
+    data["peer_gemm_gflops"] = {
+        name: statistics.median(rates) for name, rates in peer_rates.items()
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    (out / "mlp_limit.md").write_text(_markdown(data))
+
+
+def _probes_only(args: argparse.Namespace) -> None:
+    """Each framework's GEMM probe alone, ``--rounds`` times alternating;
+    ``--out``'s timings kept, its limit moved to this run's TensorFlow
+    probe only where none was recorded."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    rates: list[float] = []
+    peer_rates: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        rates.append(_run([sys.executable, __file__, "--gemm"], env)["gflops"])
+        _peer_probes(args.peers_python, env, peer_rates)
+    print(f"TensorFlow {statistics.median(rates):.0f} GFLOP/s (limit kept)")
+    _with_peer_rates(args.out, peer_rates)
+    print((args.out / "mlp_limit.md").read_text())
 
 
 def _agreement(rounds: dict, runs: dict, work: Path) -> dict[str, float]:
@@ -335,6 +391,7 @@ def _markdown(data: dict) -> str:
             if data.get("loaded")
             else ""
         ),
+        *_peer_rate_lines(data),
         "",
         "Peak growth: how much the process's peak resident memory grew during "
         "one steady call (the previous result freed and the heap trimmed "
@@ -363,7 +420,8 @@ def _markdown(data: dict) -> str:
         lines.append(
             f"| {label}{ran} | {row['steady_s']:.2f} s | {row['first_s']:.2f} s "
             f"| {row['first_three_s']:.2f} s "
-            f"| {row['of_limit']:.0%} | {row['peak_growth_mib']:.0f} MiB "
+            f"| {row['of_limit']:.0%}{_own_limit(label, row, data)} "
+            f"| {row['peak_growth_mib']:.0f} MiB "
             f"({row['peak_growth_mib'] / data['result_mib']:.2f}× result) "
             f"| {_pooled(row, data['result_mib'])} "
             f"| {row['first_growth_mib']:.0f} MiB "
@@ -377,6 +435,32 @@ def _markdown(data: dict) -> str:
         "(the same weights; excluding that unit they agree to 6e-7).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _peer_rate_lines(data: dict) -> list[str]:
+    rates = data.get("peer_gemm_gflops")
+    if not rates:
+        return []
+    each = ", ".join(f"{name} {rate:.0f}" for name, rate in rates.items())
+    return [
+        "",
+        "Each peer framework's own GEMM probe (the same product, one thread, "
+        f"`peers/gemm_probe.py`): {each} GFLOP/s, against TensorFlow's "
+        f"{data['gemm_gflops']:.0f}. A peer's share of its own framework's "
+        "limit is in brackets: how far its Jacobian method is from its own "
+        "library's products, apart from how fast those are on this CPU.",
+    ]
+
+
+def _own_limit(label: str, row: dict, data: dict) -> str:
+    """`` (own: 71%)`` for a peer's run where its framework's GEMM rate was
+    probed."""
+    rates = data.get("peer_gemm_gflops", {})
+    name = next((n for n in rates if label.startswith(n)), None)
+    if name is None:
+        return ""
+    own_limit_s = data["flops"] / rates[name] / 1e9
+    return f" ({own_limit_s / row['steady_s']:.0%} of own)"
 
 
 def _pooled(row: dict, result_mib: float) -> str:

@@ -82,6 +82,20 @@ def test_same_shapes_do_not_retrace(name):
     assert testing.max_relative_difference(second.kernel, first.kernel) > 0.01
 
 
+def test_while_with_tensorflows_default_shares_the_explicit_tens_trace():
+    """``While()`` (``parallel_iterations=None``: TensorFlow's default of
+    10) and ``While(10)`` build the same loop: the second call does not
+    trace again, and its answer is the float64 reference's."""
+    model, x = _model()
+    first = jk.jacobian(model, x, "a", strategy=jk.strategies.While(10))
+    second = jk.jacobian(model, 2 * x, "a", strategy=jk.strategies.While())
+    assert first.stats.traced and not second.stats.traced
+    testing.assert_close(second, _expected(model, 2 * x, "a"))
+    # another number of rows in flight is another loop
+    third = jk.jacobian(model, x, "a", strategy=jk.strategies.While(2))
+    assert third.stats.traced
+
+
 @pytest.mark.parametrize("name", COMPILED)
 def test_new_batch_size_retraces_once(name):
     model, x = _model()

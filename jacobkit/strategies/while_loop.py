@@ -78,6 +78,14 @@ class While(Strategy):
         if parallel is not None:
             object.__setattr__(self, "parallel_iterations", int(parallel))
 
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """``None`` read as TensorFlow's default of 10: ``While()`` and
+        ``While(10)`` build the same loop, and share one compiled
+        computation (a user calling both traces once)."""
+        parallel = self.parallel_iterations or DEFAULT_PARALLEL_ITERATIONS
+        return (self.name, (("parallel_iterations", parallel),))
+
     def smaller(self) -> While | None:
         """Half the rows in flight (from TensorFlow's default of 10), down
         to one."""
