@@ -104,7 +104,7 @@ def predicted_peak(
     check (:func:`check_peak`)."""
     at_once = strategy.rows_at_once(num_rows)
     scratch = prior.scratch_in_flight(
-        strategy.passes_in_flight(num_rows), strategy.convolution_gradients
+        strategy.passes_in_flight(num_rows), prior.way(strategy)
     )
     eager = 0 if strategy.compiled else prior.eager_bytes
     results = strategy.result_copies * result_bytes
@@ -204,7 +204,9 @@ def check_peak(strategy: Strategy, prior: MemoryPrior, result_bytes: int) -> int
     backward = prior.sequential_peak(1)
     if backward is None:
         backward = 2 * prior.row_bytes
-    backward += prior.scratch_in_flight(1)
+    # through the loop's rules (jacobkit.strategies.gradients.
+    # patches_in_pass): its kernels' scratch and the patches it forms
+    backward += prior.scratch_in_flight(1, "loop")
     return int(result_bytes + max(EAGER_MARGIN * prior.eager_bytes, backward))
 
 

@@ -24,7 +24,7 @@ import tensorflow as tf
 from jacobkit.problem import PerModel, Problem, structure
 from jacobkit.problem.reduction import Output
 from jacobkit.problem.solution import Stats
-from jacobkit.strategies import conv_channels, vectorize
+from jacobkit.strategies import conv_channels, gradients, vectorize
 from jacobkit.strategies.base import ZERO, Strategy, check_wrapped
 from jacobkit.strategies.registry import get as get_strategy
 from jacobkit.verification import VerificationError, check
@@ -129,6 +129,29 @@ class Structured(Strategy):
         """The inner strategy's."""
         return self.resolved_inner().passes_in_flight(num_rows)
 
+    @property
+    def convolution_gradients(self) -> str:  # type: ignore[override]
+        """The inner strategy's, which runs the rows' backward passes where a
+        linear head's rows are computed (:meth:`runs_inner`); elsewhere one
+        backward pass of the shortcut's own runs them the tape's way."""
+        return self.resolved_inner().convolution_gradients
+
+    @staticmethod
+    def runs_inner(problem: Problem) -> bool:
+        """Whether the shortcut computes ``problem``'s rows by its inner
+        strategy (a linear head whose input's rows are not separable), not
+        by a backward pass of its own (separable channels), nor at all (no
+        shortcut applies)."""
+        if not isinstance(problem, Problem) or problem.tensor_targets is not None:
+            return False
+        try:
+            found = structure.find(problem)
+        except structure.NotApplicable:
+            return False
+        if not isinstance(found, structure.LinearHead):
+            return False
+        return _separable_or_none(found.sub_problem.with_inputs(problem.inputs)) is None
+
     def describe(self, problem: Problem) -> str:
         """The shortcut used for ``problem``, in words (for plans)."""
         found = structure.find(problem)
@@ -228,7 +251,11 @@ class Structured(Strategy):
             # NaN and fail, so it waits for a finite call
             return output, stats
         try:
-            check(problem, jacobians, probes=self.probes, tolerance=self.tolerance)
+            # through the rules the rows ran by, a kernel's gradient from its
+            # input's patches: not TensorFlow's kernel's scratch, which with
+            # oneDNN off more than tripled the check's peak (module NOTE)
+            with gradients.patches_in_pass():
+                check(problem, jacobians, probes=self.probes, tolerance=self.tolerance)
         except VerificationError as err:
             # not the exception: its traceback would keep the callers' frames
             # (and the Jacobians in their locals) alive
