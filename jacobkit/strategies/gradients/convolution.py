@@ -79,8 +79,7 @@ def patches_in_pass() -> Iterator[None]:
     outside any loop over rows (an eager pass: ``structured``'s first call's
     check) from its input's patches formed in that pass
     (:func:`shared_patches`: the products a loop's rows take), not by
-    ``Conv2DBackpropFilter``, for the block in this thread; a kernel
-    gradient the tape does not need is not taken.
+    ``Conv2DBackpropFilter``, for the block in this thread.
 
     NOTE (measured, oneDNN off, AMD EPYC, 2 cores loaded). The Conv1D
     generator (B=32, T=128, 8 -> 32 -> 32 -> 32, 144 features, ``conv1``):
@@ -110,7 +109,8 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     cotangent (or in the pass, within :func:`patches_in_pass`). Where the
     tape needs no input gradient (``op.skip_input_indices``: the input is
     neither a source nor a recorded op's output, a model's first
-    convolution on its inputs), the kernel's alone, at any stride.
+    convolution on its inputs), the kernel's alone, at any stride; where it
+    needs no kernel gradient (a later layer's kernel, no target), none.
 
     NOTE (measured, oneDNN off). TensorFlow's own gradient traces the input
     gradient whatever the tape needs (Grappler prunes it before the first
@@ -127,11 +127,10 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     if pads is None and not skipped:
         return own(op, grad)
     kernel = op.inputs[1]
-    # in a pass of its own (patches_in_pass), a kernel gradient the tape
-    # does not need (a later layer's, its kernel no target) is not taken:
-    # eagerly, nothing prunes it
-    unneeded = 1 in skip and _IN_PASS.get()
-    kernel_gradient = None if unneeded else _kernel_gradient(op, grad, pads)
+    # a kernel gradient the tape does not need (a later layer's, its kernel
+    # no target) is not taken: eagerly nothing prunes it, and in a loop its
+    # patches would be formed before the loop and carried into it
+    kernel_gradient = None if 1 in skip else _kernel_gradient(op, grad, pads)
     if skipped:
         return [None, kernel_gradient]
     assert pads is not None  # a stride other than 1 took TensorFlow's own above
