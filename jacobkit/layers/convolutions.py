@@ -16,6 +16,7 @@ A ``Conv1D`` runs ``conv2d`` ops (TensorFlow adds an axis of size one), a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -132,12 +133,19 @@ class Gradient:
             kh * kw * C`` numbers), which the rule forms once in a loop over
             rows where they are small enough; ``None``: not known (or an
             input gradient).
+        used: whether the pass uses its result; ``False`` for a kernel
+            gradient nothing takes (TensorFlow's gradient of a later
+            layer whose kernel is no target: a traced pass prunes it, the
+            rule in a pass of its own does not take it, :func:`jacobkit.
+            strategies.gradients.patches_in_pass`); ``True`` where not
+            known.
     """
 
     kind: str
     wrt: str
     stride_one: bool
     patches_bytes: int | None = None
+    used: bool = True
 
     def scaled(self, factor: float) -> Gradient:
         """The same op on ``factor`` times the examples (its patches grow
@@ -148,6 +156,7 @@ class Gradient:
             self.wrt,
             self.stride_one,
             None if size is None else int(size * factor),
+            self.used,
         )
 
 
@@ -201,8 +210,24 @@ def gradient_op(
 
 
 def of_graph_ops(operations: Iterable[Any]) -> tuple[Gradient, ...]:
-    """The :class:`Gradient` records of a traced backward pass's ops."""
-    return _records(operations, lambda op: op.get_attr)
+    """The :class:`Gradient` records of a traced backward pass's ops, a
+    kernel gradient whose result no op takes and the graph does not return
+    marked unused (:attr:`Gradient.used`)."""
+    found = []
+    for op in operations:
+        (record,) = _records((op,), lambda op: op.get_attr) or (None,)
+        if record is not None and record.wrt == "kernel" and _unused(op):
+            record = dataclasses.replace(record, used=False)
+        if record is not None:
+            found.append(record)
+    return tuple(found)
+
+
+def _unused(op: Any) -> bool:
+    """Whether no op takes a traced op's outputs and its graph returns none
+    of them."""
+    returned = {id(t) for t in getattr(op.graph, "outputs", None) or ()}
+    return all(not t.consumers() and id(t) not in returned for t in op.outputs)
 
 
 def of_eager_ops(operations: Iterable[Any]) -> tuple[Gradient, ...]:

@@ -141,6 +141,7 @@ def memory_prior(
         hoisted_bytes=gradients.hoisted_bytes(problem.transposed),
         ways=ways[1:],
         patches_bytes=scratch.patches_held(problem, replaced),
+        shortcut_runs_inner=strategies.Structured.runs_inner(problem),
     )
 
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
-from jacobkit import memory, runtime
+from jacobkit import memory, runtime, strategies
 from jacobkit.layers import convolutions
 from jacobkit.problem.liveness import SequentialMemory
 from jacobkit.strategies.gradients import SHARED_PATCHES_BYTES
@@ -101,6 +101,10 @@ class MemoryPrior:
         patches_bytes: the input patches a loop over rows forms once and
             holds (``"loop"``: jacobkit's
             ``Conv2D`` rule, :func:`patches_held`).
+        shortcut_runs_inner: whether the exact shortcut (``structured``)
+            runs the rows' backward passes by its inner strategy, whose
+            way its convolution gradients then take (:meth:`way`); else
+            (one backward pass of its own) the tape's.
     """
 
     row_bytes: int
@@ -111,6 +115,15 @@ class MemoryPrior:
     hoisted_bytes: int = 0
     ways: tuple[tuple[str, int], ...] = ()
     patches_bytes: int = 0
+    shortcut_runs_inner: bool = False
+
+    def way(self, strategy: strategies.Strategy) -> str:
+        """How ``strategy``'s convolution gradients run on this problem:
+        its :attr:`~jacobkit.strategies.Strategy.convolution_gradients`, but
+        the tape's for a shortcut that runs no inner strategy here."""
+        if isinstance(strategy, strategies.Structured) and not self.shortcut_runs_inner:
+            return "tape"
+        return strategy.convolution_gradients
 
     def scratch_in_flight(self, passes: int, way: str = "tape") -> int:
         """Scratch of ``passes`` separate backward passes started at once by
@@ -256,7 +269,10 @@ def patches_held(problem: Problem, replaced: bool) -> int:
     taken = [
         g.patches_bytes or 0
         for g in found
-        if g.wrt == "kernel" and g.stride_one and not runs_kernel(g, "loop", replaced)
+        if g.wrt == "kernel"
+        and g.used  # pruned, or not taken: no patches formed
+        and g.stride_one
+        and not runs_kernel(g, "loop", replaced)
     ]
     return sum(taken) if replaced else 0
 

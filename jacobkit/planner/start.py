@@ -191,7 +191,7 @@ def _refusal(footprint: Footprint, budget_bytes: int) -> ValueError:
         key=lambda pair: pair[0],
     )
     # the kernels' scratch that one (its way: jacobkit.planner.scratch)
-    scratch = prior.kernel_scratch(1, least.convolution_gradients)
+    scratch = prior.kernel_scratch(1, prior.way(least))
     source = "from the traced pass's tensors"
     if scratch:
         source += (

@@ -29,6 +29,7 @@ from jacobkit.strategies.gradients.convolution import (
     flipped_kernel,
     flipped_padding,
     input_gradient,
+    patches_in_pass,
     shared_patches,
 )
 from jacobkit.strategies.gradients.matmul import (
@@ -51,6 +52,7 @@ __all__ = [
     "flipped_padding",
     "input_gradient",
     "matmul_rules",
+    "patches_in_pass",
     "replaces",
     "shared_patches",
     "transposed_copy",

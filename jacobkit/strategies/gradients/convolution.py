@@ -46,6 +46,7 @@ turn.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,6 +57,11 @@ from jacobkit.layers import conv
 from jacobkit.strategies.gradients import dilated, matmul, rules
 
 _OP = "Conv2D"
+#: whether a kernel gradient taken outside any loop forms its input's
+#: patches in its own pass (:func:`patches_in_pass`)
+_IN_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jacobkit_patches_in_pass", default=False
+)
 
 
 @contextlib.contextmanager
@@ -67,6 +73,29 @@ def convolution_rules() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def patches_in_pass() -> Iterator[None]:
+    """:func:`convolution_rules`, and a stride-1 kernel gradient taken
+    outside any loop over rows (an eager pass: ``structured``'s first call's
+    check) from its input's patches formed in that pass
+    (:func:`shared_patches`: the products a loop's rows take), not by
+    ``Conv2DBackpropFilter``, for the block in this thread.
+
+    NOTE (measured, oneDNN off, AMD EPYC, 2 cores loaded). The Conv1D
+    generator (B=32, T=128, 8 -> 32 -> 32 -> 32, 144 features, ``conv1``):
+    the check's peak 41.0 MiB by TensorFlow's kernels (40.7 with the input
+    gradients by this module's rule), 14.5 with the patches formed in the
+    pass (``Conv2DBackpropFilter``'s im2col buffer was the rest), 12.0 with
+    the later layers' unneeded kernel gradients not taken: what it
+    measures with oneDNN on (12.0)."""
+    token = _IN_PASS.set(True)
+    try:
+        with convolution_rules():
+            yield
+    finally:
+        _IN_PASS.reset(token)
+
+
 def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     """``Conv2D``'s gradient: TensorFlow's own (``own``) but where
     :func:`flipped_padding` applies (or where
@@ -75,11 +104,13 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     and the kernel's by TensorFlow's own ``Conv2DBackpropFilter`` or, where
     the convolution was traced outside the graph its gradient is taken in
     (a loop over rows: see
-    :func:`~jacobkit.strategies.gradients.rules.enclosing_graph`), as the product of its
-    input's patches, formed once outside the loop, with the cotangent.
-    Where the tape needs no input gradient (``op.skip_input_indices``: the
-    input is neither a source nor a recorded op's output, a model's first
-    convolution on its inputs), the kernel's alone, at any stride.
+    :func:`~jacobkit.strategies.gradients.rules.enclosing_graph`), as the
+    product of its input's patches, formed once outside the loop, with the
+    cotangent (or in the pass, within :func:`patches_in_pass`). Where the
+    tape needs no input gradient (``op.skip_input_indices``: the input is
+    neither a source nor a recorded op's output, a model's first
+    convolution on its inputs), the kernel's alone, at any stride; where it
+    needs no kernel gradient (a later layer's kernel, no target), none.
 
     NOTE (measured, oneDNN off). TensorFlow's own gradient traces the input
     gradient whatever the tape needs (Grappler prunes it before the first
@@ -91,31 +122,15 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
         return dilated.dilated_gradient(op, grad)
     # the tape needs no input gradient where the input is no recorded op's
     # output and no source (a model's first layer, on its inputs)
-    skipped = 0 in (getattr(op, "skip_input_indices", None) or ())
+    skip = getattr(op, "skip_input_indices", None) or ()
+    skipped = 0 in skip
     if pads is None and not skipped:
         return own(op, grad)
-    x, kernel = op.inputs[0], op.inputs[1]
-    outer = rules.enclosing_graph(x)
-    unfolded = None
-    if pads is not None:  # stride 1: the loop's patches, made once before it
-        with rules.within_graph(outer):
-            unfolded = shared_patches(op) if outer is not None else None
-    if unfolded is not None:
-        cotangent = tf.reshape(grad, (-1, int(kernel.shape[-1])))
-        product = tf.matmul(unfolded, cotangent)  # (kh * kw * I, O)
-        kernel_gradient = tf.reshape(product, tf.shape(kernel))
-    else:
-        kernel_gradient = _gen_nn_ops.conv2d_backprop_filter(
-            x,
-            tf.shape(kernel),
-            grad,
-            dilations=op.get_attr("dilations"),
-            strides=op.get_attr("strides"),
-            padding=op.get_attr("padding"),
-            explicit_paddings=op.get_attr("explicit_paddings"),
-            use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
-            data_format=op.get_attr("data_format"),
-        )
+    kernel = op.inputs[1]
+    # a kernel gradient the tape does not need (a later layer's, its kernel
+    # no target) is not taken: eagerly nothing prunes it, and in a loop its
+    # patches would be formed before the loop and carried into it
+    kernel_gradient = None if 1 in skip else _kernel_gradient(op, grad, pads)
     if skipped:
         return [None, kernel_gradient]
     assert pads is not None  # a stride other than 1 took TensorFlow's own above
@@ -123,6 +138,39 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     with rules.within_graph(rules.enclosing_graph(kernel)):
         flipped = flipped_kernel(kernel)
     return [input_gradient(grad, kernel, pads, flipped), kernel_gradient]
+
+
+def _kernel_gradient(
+    op: Any, grad: tf.Tensor, pads: list[list[int]] | None
+) -> tf.Tensor:
+    """``op``'s kernel gradient (:func:`_conv2d_gradient`): at stride 1
+    (``pads`` given) from its input's patches where they are formed once
+    before a loop over rows, or in this pass (:func:`patches_in_pass`),
+    else by TensorFlow's ``Conv2DBackpropFilter``."""
+    x, kernel = op.inputs[0], op.inputs[1]
+    outer = rules.enclosing_graph(x)
+    unfolded = None
+    if pads is not None and outer is not None:
+        # stride 1 in a loop over rows: its patches, made once before it
+        with rules.within_graph(outer):
+            unfolded = shared_patches(op)
+    elif pads is not None and _IN_PASS.get():  # stride 1: this pass's patches
+        unfolded = shared_patches(op)
+    if unfolded is not None:
+        cotangent = tf.reshape(grad, (-1, int(kernel.shape[-1])))
+        product = tf.matmul(unfolded, cotangent)  # (kh * kw * I, O)
+        return tf.reshape(product, tf.shape(kernel))
+    return _gen_nn_ops.conv2d_backprop_filter(
+        x,
+        tf.shape(kernel),
+        grad,
+        dilations=op.get_attr("dilations"),
+        strides=op.get_attr("strides"),
+        padding=op.get_attr("padding"),
+        explicit_paddings=op.get_attr("explicit_paddings"),
+        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
+        data_format=op.get_attr("data_format"),
+    )
 
 
 #: the largest input patches :func:`shared_patches` forms (bytes): they are
