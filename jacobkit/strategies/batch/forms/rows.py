@@ -25,8 +25,10 @@ KIND = Rows
 #: Measured (MLP 512-1024-1024-144, B=256, target hidden1, oneDNN off, one
 #: core, loaded): 16 rows a chunk (32 MiB) took 147.6k minor page faults a
 #: call, twice the result's 73.7k, and 0.29-0.35 s of system time; 12 rows
-#: (24 MiB) 86k faults, 0.14-0.16 s, the call's CPU time 0.95x ``while``'s
-#: where 16 rows took 1.07-1.13x. A smaller chunk also lowers the peak.
+#: (24 MiB) 74-86k faults, 0.14-0.17 s; the call's least CPU time in three
+#: paired runs 0.93-1.04x ``while``'s, where 16 rows took 1.06-1.14x (the
+#: same bits). With oneDNN on (its own pooled allocator), no change
+#: measured (1.01x). A smaller chunk also lowers the peak.
 CHUNK_RESULT_BYTES = 28 * 2**20
 
 
