@@ -53,7 +53,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
 
 from jacobkit.layers import conv
-from jacobkit.strategies.gradients import dilated, matmul, rules
+from jacobkit.strategies.gradients import dilated, matmul, rules, unneeded
 
 _OP = "Conv2D"
 
@@ -90,11 +90,21 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     if dilated.refuses_dilation(op):
         return dilated.dilated_gradient(op, grad)
     # the tape needs no input gradient where the input is no recorded op's
-    # output and no source (a model's first layer, on its inputs)
-    skipped = 0 in (getattr(op, "skip_input_indices", None) or ())
-    if pads is None and not skipped:
+    # output and no source (a model's first layer, on its inputs); no
+    # kernel gradient where the pass goes towards the taps alone
+    left_out = unneeded.skipped(op)
+    skipped, no_kernel = 0 in left_out, 1 in left_out
+    if skipped and no_kernel:
+        return [None, None]
+    if pads is None and not skipped and not no_kernel:
         return own(op, grad)
     x, kernel = op.inputs[0], op.inputs[1]
+    if no_kernel:
+        if pads is None:  # stride other than 1: TensorFlow's own input gradient
+            return [_own_input_gradient(op, grad), None]
+        with rules.within_graph(rules.enclosing_graph(kernel)):
+            flipped = flipped_kernel(kernel)
+        return [input_gradient(grad, kernel, pads, flipped), None]
     outer = rules.enclosing_graph(x)
     unfolded = None
     if pads is not None:  # stride 1: the loop's patches, made once before it
@@ -123,6 +133,21 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     with rules.within_graph(rules.enclosing_graph(kernel)):
         flipped = flipped_kernel(kernel)
     return [input_gradient(grad, kernel, pads, flipped), kernel_gradient]
+
+
+def _own_input_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor:
+    """``op``'s input gradient as TensorFlow's own gradient computes it."""
+    return _gen_nn_ops.conv2d_backprop_input(
+        tf.shape(op.inputs[0]),
+        op.inputs[1],
+        grad,
+        dilations=op.get_attr("dilations"),
+        strides=op.get_attr("strides"),
+        padding=op.get_attr("padding"),
+        explicit_paddings=op.get_attr("explicit_paddings"),
+        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
+        data_format=op.get_attr("data_format"),
+    )
 
 
 #: the largest input patches :func:`shared_patches` forms (bytes): they are
