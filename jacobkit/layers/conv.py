@@ -295,10 +295,7 @@ ONEDNN_EXAMPLE_FILTER_MACS = 2**23
 #: example's arithmetic does. Both thresholds were measured against the
 #: ``tf.map_fn`` loop; one op per example (:data:`UNROLLED_EXAMPLES`) costs
 #: 0.65-0.79x the loop, so their crossovers now lie lower (to be measured
-#: again). Raised to 2**20 (the conv net's conv1, 0.78 M, by the batched
-#: matmul, conv2 kept): its clipped sum paired with the plain step in one
-#: process 1.09-1.15x against 1.00-1.02x (loaded, 2 runs each), steady
-#: slower; kept at 2**18.
+#: again).
 EIGEN_EXAMPLE_FILTER_MACS = 2**18
 
 
