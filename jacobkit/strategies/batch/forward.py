@@ -44,6 +44,7 @@ from jacobkit.problem import Problem
 from jacobkit.problem.eager_inspect import KeptPass
 from jacobkit.problem.forms import LayerForm
 from jacobkit.problem.targets import Projection
+from jacobkit.strategies import gradients
 from jacobkit.strategies.base import ZERO
 
 
@@ -79,12 +80,15 @@ class Forward:
     def cotangents(self, seeds: tf.Tensor) -> list[tf.Tensor]:
         """The cotangent at each tap's ``z`` of ``sum(seeds * rows)``
         (``seeds`` of the rows' shape), one backward pass."""
-        at_ends = self.tape.gradient(
-            self.rows,
-            self.ends,
-            output_gradients=seeds,
-            unconnected_gradients=ZERO,
-        )
+        # towards the ends alone: no gradient at the watched targets' reads
+        # (:mod:`jacobkit.strategies.gradients.unneeded`)
+        with gradients.towards(self.ends):
+            at_ends = self.tape.gradient(
+                self.rows,
+                self.ends,
+                output_gradients=seeds,
+                unconnected_gradients=ZERO,
+            )
         return self.through(at_ends)
 
 

@@ -10,6 +10,10 @@ compute the same products faster, one module per op:
   rule's, by their undilated kernels on the kernel spread out);
 - :mod:`~jacobkit.strategies.gradients.matmul`: a ``MatMul``'s gradients as
   products of transposed copies, not by the kernel's transpose flags;
+- :mod:`~jacobkit.strategies.gradients.unneeded`: the inputs whose
+  gradients a pass leaves out (the variables' reads where ``batch``'s pass
+  goes towards its taps alone), and a ``BiasAdd``'s gradient that leaves its
+  bias's out there;
 - :mod:`~jacobkit.strategies.gradients.rules`: what they share (whether
   they replace anything here, TensorFlow's registry, a loop's enclosing
   graph).
@@ -40,6 +44,7 @@ from jacobkit.strategies.gradients.matmul import (
     transposed_copy,
 )
 from jacobkit.strategies.gradients.rules import enclosing_graph, replaces
+from jacobkit.strategies.gradients.unneeded import bias_rules, towards
 
 __all__ = [
     "hoisted_bytes",
@@ -55,6 +60,7 @@ __all__ = [
     "patches_in_pass",
     "replaces",
     "shared_patches",
+    "towards",
     "transposed_copy",
     "within",
 ]
@@ -66,7 +72,7 @@ def within(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def ruled(*args: Any, **kwargs: Any) -> Any:
-        with convolution_rules(), matmul_rules():
+        with convolution_rules(), matmul_rules(), bias_rules():
             return fn(*args, **kwargs)
 
     return ruled

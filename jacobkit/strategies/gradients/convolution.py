@@ -54,7 +54,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_nn_ops as _gen_nn_ops
 
 from jacobkit.layers import conv
-from jacobkit.strategies.gradients import dilated, matmul, rules
+from jacobkit.strategies.gradients import dilated, matmul, rules, unneeded
 
 _OP = "Conv2D"
 #: whether a kernel gradient taken outside any loop forms its input's
@@ -121,16 +121,22 @@ def _conv2d_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     if dilated.refuses_dilation(op):
         return dilated.dilated_gradient(op, grad)
     # the tape needs no input gradient where the input is no recorded op's
-    # output and no source (a model's first layer, on its inputs)
-    skip = getattr(op, "skip_input_indices", None) or ()
-    skipped = 0 in skip
-    if pads is None and not skipped:
+    # output and no source (a model's first layer, on its inputs); no kernel
+    # gradient the tape does not need (a later layer's, its kernel no
+    # target: eagerly nothing prunes it, and in a loop its patches would be
+    # formed before the loop and carried into it) or where the pass goes
+    # towards the taps alone (:func:`~jacobkit.strategies.gradients.
+    # unneeded.towards`)
+    left_out = unneeded.skipped(op)
+    skipped, no_kernel = 0 in left_out, 1 in left_out
+    if skipped and no_kernel:
+        return [None, None]
+    if pads is None and not skipped and not no_kernel:
         return own(op, grad)
     kernel = op.inputs[1]
-    # a kernel gradient the tape does not need (a later layer's, its kernel
-    # no target) is not taken: eagerly nothing prunes it, and in a loop its
-    # patches would be formed before the loop and carried into it
-    kernel_gradient = None if 1 in skip else _kernel_gradient(op, grad, pads)
+    if no_kernel and pads is None:  # stride other than 1: TensorFlow's own
+        return [_own_input_gradient(op, grad), None]
+    kernel_gradient = None if no_kernel else _kernel_gradient(op, grad, pads)
     if skipped:
         return [None, kernel_gradient]
     assert pads is not None  # a stride other than 1 took TensorFlow's own above
@@ -163,6 +169,21 @@ def _kernel_gradient(
     return _gen_nn_ops.conv2d_backprop_filter(
         x,
         tf.shape(kernel),
+        grad,
+        dilations=op.get_attr("dilations"),
+        strides=op.get_attr("strides"),
+        padding=op.get_attr("padding"),
+        explicit_paddings=op.get_attr("explicit_paddings"),
+        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
+        data_format=op.get_attr("data_format"),
+    )
+
+
+def _own_input_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor:
+    """``op``'s input gradient as TensorFlow's own gradient computes it."""
+    return _gen_nn_ops.conv2d_backprop_input(
+        tf.shape(op.inputs[0]),
+        op.inputs[1],
         grad,
         dilations=op.get_attr("dilations"),
         strides=op.get_attr("strides"),

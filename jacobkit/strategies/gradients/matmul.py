@@ -31,7 +31,7 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit.problem.operands import Transposed
-from jacobkit.strategies.gradients import rules
+from jacobkit.strategies.gradients import rules, unneeded
 
 _MATMUL = "MatMul"
 #: the least rows of a ``MatMul``'s cotangent whose gradient
@@ -64,6 +64,7 @@ def _matmul_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
     the module's NOTE on the matmul)."""
     a, b = op.inputs[0], op.inputs[1]
     rows = grad.shape[0] if grad.shape.rank == 2 else None
+    skip = unneeded.skipped(op)
     if (
         op.get_attr("transpose_a")
         or op.get_attr("transpose_b")
@@ -71,8 +72,8 @@ def _matmul_gradient(own: Callable[..., Any], op: Any, grad: tf.Tensor) -> Any:
         or rows is None
         or rows < MATMUL_ROWS
     ):
-        return own(op, grad)
-    skip = getattr(op, "skip_input_indices", None) or ()
+        # TensorFlow's own leaves out what skip_input_indices names
+        return own(unneeded.told(op, skip), grad)
     grad_a = grad_b = None
     if 0 not in skip:
         if _copied(b):
