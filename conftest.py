@@ -109,6 +109,7 @@ GROUPED_FILES = (
     "test_reduction_kinds.py",
     "test_architecture.py",
     "test_one_draw.py",
+    "test_reduced_peaks.py",
 )
 
 

@@ -106,37 +106,36 @@ def test_a_budget_nothing_fits_is_refused(reduce):
 
 @pytest.mark.parametrize("reduce", REDUCTIONS.values(), ids=list(REDUCTIONS))
 def test_without_closed_forms_a_tight_budget_holds_fewer_rows(reduce):
-    """The LSTM's prior underestimates its chunks (predicted 2.5 MiB for
-    ``chunked(16)``, measured 24 MiB): the first run over an 8 MiB budget
-    moves the next calls to fewer rows at once, with a BudgetWarning. The
-    head's closed form runs beside it (a grouped plan: batch on the head,
-    chunked on the LSTM), or, where the reduced call's timed trial finds it
-    faster, ``while`` on every target."""
+    """The LSTM's loop counted (its accumulators, which the traced pass's
+    ops do not show: ``chunked(16)`` predicted 74 MiB; uncounted, 2.5 MiB
+    against 24 measured, which only a run over the budget corrected), a 32
+    MiB budget plans fewer rows at once before anything runs, and its calls
+    hold it without a warning. The head's closed form runs beside it (a
+    grouped plan: batch on the head, chunked on the LSTM), or, where the
+    reduced call's timed trial finds it faster, ``while`` on every target."""
     model, inputs = _lstm()
     free = _call(model, inputs, reduce)
     assert free.plan.strategy == jk.strategies.Grouped(
         jk.strategies.Chunked(16), tuple(n for n in free if n.startswith("rnn/"))
     )
     assert any(r.label == "batch" for r in free.plan.rejected)
+    budget = 32 * 2**20
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = [_call(model, inputs, reduce, memory_budget="8MiB") for _ in range(3)]
+        results = [_call(model, inputs, reduce, memory_budget=budget) for _ in range(3)]
+    first = results[0].plan
+    assert first.strategy.name == "grouped" and first.strategy.chunk_size < 16
     last = results[-1].plan
-    # fewer rows at once: grouped on smaller chunks, or, where auto's timed
-    # trial of the next fitting candidate (calls 2-6) found it faster, while
-    # (one row at a time; chosen in a loaded CI run)
     if last.strategy.name == "grouped":
         assert last.strategy.chunk_size < 16
-    else:
+    else:  # auto's timed trial (calls 2-6) found one row at a time faster
         assert last.strategy.name == "while", last.strategy
-    assert last.source == "measured"
-    # each warning once: the back-off, and (where even one row at a time
-    # measured over the allowed 85%: 7-8 MiB here) that the budget is not held
-    said = [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
-    assert 1 <= len(said) <= 2 and "less at once" in said[0], said
-    assert len(set(said)) == len(said)
     for result in results:
+        peaks = [e.peak_bytes for e in result.plan.estimates if e.peak_bytes]
+        assert peaks and max(peaks) <= budget, peaks
         _same(result, free)
+    said = [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
+    assert not said, said
 
 
 def _pfor_refused():

@@ -368,12 +368,15 @@ def _with_peaks(
     problem: Problem, found: list[tuple[Strategy, int]], prior: Any
 ) -> list[Candidate]:
     """``found``'s candidates (each with its passes) and their peaks under
-    ``prior``, each one's result as it computes it."""
+    ``prior``, each one's result as it computes it, with the kind's working
+    bytes and the rows it forms on that strategy (:meth:`~jacobkit.
+    strategies.Strategy.formed_bytes`)."""
     working = problem.reduction.working_bytes(problem)
     peaks = []
     for s, n in found:
         held = estimates.result_bytes(s, problem)
-        predicted = estimates.predicted_peak(s, n, prior, held, working)
+        formed = s.formed_bytes(problem)
+        predicted = estimates.predicted_peak(s, n, prior, held, working + formed)
         peaks.append(Candidate(s, predicted, held))
     return peaks
 

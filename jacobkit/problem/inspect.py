@@ -19,15 +19,12 @@ import tensorflow as tf
 from jacobkit.keras import compat, layer_tree, state
 from jacobkit.layers import convolutions
 from jacobkit.layers.convolutions import Gradient as ConvolutionGradient
-from jacobkit.problem import liveness, operands
+from jacobkit.problem import liveness, loops, operands
 from jacobkit.problem import outputs as model_outputs
 from jacobkit.problem.cache import PerModel
 from jacobkit.problem.key import Differentiated
 from jacobkit.problem.liveness import SequentialMemory
 from jacobkit.problem.rows import Rows
-
-#: op types of a ``tf.while_loop`` (recurrent layers run one over time)
-_LOOPS = ("While", "StatelessWhile")
 
 _INSPECTED = PerModel("the one traced pass per problem and input signature")
 
@@ -43,7 +40,9 @@ class Inspection:
         connected: per target, whether it reaches the rows.
         has_loops: whether the computation runs a ``tf.while_loop``.
         activation_bytes: bytes of every floating tensor the forward pass
-            makes: an upper bound on what one row's backward pass keeps.
+            makes, its loops' accumulators included
+            (:func:`~jacobkit.problem.loops.kept_bytes`): an upper bound on
+            what one row's backward pass keeps.
         convolutions: the convolution kinds the backward pass runs
             (``"conv2d"``, ...: :mod:`jacobkit.layers.convolutions`, read from
             its op types; their CPU kernels' scratch space and accuracy depend
@@ -173,7 +172,7 @@ def trace(problem: Traceable) -> Inspection:
         )
     operations = graph.get_operations()
     forward_ops = found.get("forward_ops", 0)
-    has_loops = any(op.type in _LOOPS for op in operations)
+    has_loops = any(op.type in loops.LOOPS for op in operations)
     # one Node record per op, read by the byte counts and the walk alike
     nodes = liveness.graph_nodes(operations)
     forward = nodes[:forward_ops]
@@ -188,7 +187,9 @@ def trace(problem: Traceable) -> Inspection:
         rows=tf.TensorSpec(rows.shape, rows.dtype),
         connected=tuple(found["connected"]),
         has_loops=has_loops,
-        activation_bytes=liveness.backward_bytes(forward, reads),
+        # a loop's accumulators are in no op's outputs: counted apart
+        activation_bytes=liveness.backward_bytes(forward, reads)
+        + loops.kept_bytes(operations[:forward_ops]),
         convolutions=convolutions.of_gradient_ops(
             op.type for op in operations[forward_ops:]
         ),

@@ -121,6 +121,17 @@ class Strategy(abc.ABC):
         vectorized into one (pfor) or run one after another."""
         return 1
 
+    def rows_formed(self, num_rows: int) -> int:
+        """Rows whose gradients its own computation of a kind holds formed
+        at once (``auto``'s memory prior): here every row."""
+        return num_rows
+
+    def formed_bytes(self, problem: Problem) -> int:
+        """Bytes of rows formed that computing ``problem``'s reduction holds
+        (:meth:`~jacobkit.problem.reduction.Reduction.formed_bytes`)."""
+        at_once = self.rows_formed(problem.num_rows)
+        return problem.reduction.formed_bytes(problem, at_once, self.native)
+
     @abc.abstractmethod
     def build(self, problem: Problem) -> Callable[[Any], Any]:
         """The computation of a reduction this strategy computes natively

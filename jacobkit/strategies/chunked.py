@@ -70,6 +70,12 @@ class Chunked(Strategy):
     def vectorized_rows(self) -> bool:
         return True
 
+    def rows_formed(self, num_rows: int) -> int:
+        """Two chunks' rows where there is more than one chunk (the rows in
+        flight of :func:`jacobkit.planner.estimates.vectorized_in_flight`)."""
+        at_once = self.rows_at_once(num_rows)
+        return num_rows if at_once >= num_rows else min(num_rows, 2 * at_once)
+
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "chunk_size", check_chunk_size(self.name, self.chunk_size)

@@ -227,6 +227,13 @@ class Grouped(Strategy):
     def passes_in_flight(self, num_rows: int) -> int:
         return self.resolved_rest().passes_in_flight(num_rows)
 
+    def formed_bytes(self, problem: Problem) -> int:
+        """Each group's, on its targets."""
+        return sum(
+            g.strategy.formed_bytes(problem.restricted(g.indices))
+            for g in self.groups(problem)
+        )
+
 
 def _split(problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The positions ``batch`` runs and the others, where both are

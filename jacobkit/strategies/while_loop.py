@@ -59,6 +59,10 @@ class While(Strategy):
     def sequential_rows(self) -> bool:
         return True
 
+    def rows_formed(self, num_rows: int) -> int:
+        """Each iteration in flight's row."""
+        return self.rows_at_once(num_rows)
+
     def passes_in_flight(self, num_rows: int) -> int:
         """Each iteration in flight runs its own row's backward pass."""
         return self.rows_at_once(num_rows)

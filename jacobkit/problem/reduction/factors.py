@@ -25,6 +25,7 @@ from jacobkit.problem.reduction.base import (
     Problem,
     Reduction,
     refuse_tensor_targets,
+    row_bytes,
 )
 from jacobkit.problem.reduction.rows import Rows
 
@@ -128,6 +129,14 @@ class Factors(Reduction):
         patches and cotangents, a :class:`Lookup`'s ids and cotangents, a
         :class:`Flat`'s formed rows."""
         return sum(f.nbytes for f in values)
+
+    def formed_bytes(
+        self, problem: Problem, at_once: int, native: frozenset[str]
+    ) -> int:
+        """None beside the result where the strategy computes the factors
+        (its traced outputs are counted: :attr:`traced_result`); else the
+        strategy's rows, stacked once before they are flattened into it."""
+        return 0 if self.name in native else problem.num_rows * row_bytes(problem)
 
     def generic(
         self, problem: Problem, computation: Computations, native: frozenset[str]

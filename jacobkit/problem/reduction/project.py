@@ -96,13 +96,26 @@ class Project(Reduction):
     def row_shape(self, target: Any) -> tuple[int, ...]:
         return (self.dim,)
 
+    #: the rows, their transposed copy and its signed product (which a
+    #: CountSketch sums)
+    formed_copies = 3
+
     def working_bytes(self, problem: Problem) -> int:
-        """What mapping the rows holds beside the projections: a small
-        map's target's rows formed (:func:`~jacobkit.problem.sketch.small`;
-        a Kronecker map's factored kernel's rows never are), three times
-        (the rows, their transposed copy and its signed product, which a
-        CountSketch sums), and every target's map (made on the first call,
-        held since: :func:`~jacobkit.problem.sketch.map_bytes`).
+        """Every target's map (made on the first call, held since:
+        :func:`~jacobkit.problem.sketch.map_bytes`)."""
+        return sum(
+            sketch.map_bytes(self, tuple(int(n) for n in t.shape))
+            for t in problem.targets
+        )
+
+    def formed_bytes(
+        self, problem: Problem, at_once: int, native: frozenset[str]
+    ) -> int:
+        """The rows mapped formed, :attr:`formed_copies` times: where the
+        strategy computes the projection itself (``batch``'s closed forms),
+        a small map's target's rows (:func:`~jacobkit.problem.sketch.small`;
+        a Kronecker map's factored kernel's rows never are); else every
+        target's (:meth:`generic` maps the strategy's rows, every one).
 
         NOTE (measured, why). Uncounted, the projection's prediction was
         under its measured peak: ``jk.Project(64)`` of an MLP 256 -> 256 ->
@@ -110,14 +123,13 @@ class Project(Reduction):
         16 MiB of them formed; oneDNN on) predicted 1.9 MiB, measured
         24-34 MiB (2.05 times the rows at most: both kernels' rows and a
         copy each at once); counted twice, 34.9 MiB, 1.04x the first call."""
-        total = 0
-        size = problem.output_dtype.size
-        for target in problem.targets:
-            shape = tuple(int(n) for n in target.shape)
-            total += sketch.map_bytes(self, shape)
-            if sketch.small(self, shape):
-                total += 3 * problem.num_rows * math.prod(shape) * size
-        return total
+        generic = self.name not in native
+        size = sum(
+            math.prod(int(n) for n in t.shape)
+            for t in problem.targets
+            if generic or sketch.small(self, tuple(int(n) for n in t.shape))
+        )
+        return self.formed_copies * problem.num_rows * size * problem.output_dtype.size
 
     def generic(
         self, problem: Problem, computation: Computations, native: frozenset[str]

@@ -97,6 +97,10 @@ class Batch(Strategy):
         little to matter in ``auto``'s memory prior)."""
         return min(num_rows, ROWS_AT_ONCE)
 
+    def rows_formed(self, num_rows: int) -> int:
+        """None: the closed forms reduce each layer's factors."""
+        return 0
+
     def cannot_run(self, problem: Problem) -> str | None:
         """Tensor targets (``Inputs()``, ``Output()``: the saliency maps,
         Grad-CAM, token attribution): no closed form is of a tensor, so
