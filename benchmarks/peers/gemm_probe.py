@@ -53,8 +53,10 @@ def _jax() -> tuple[float, dict[str, Any]]:
     record = footing.pin_jax("gemm_probe", jax.__version__)
     key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
     a, b = jax.random.normal(key_a, (M, K)), jax.random.normal(key_b, (K, N))
-    product = jax.jit(lambda: a @ b)
-    return _rate(lambda: product().block_until_ready()), record
+    # the operands as arguments: a product of closed-over constants is
+    # folded at compile time (it read 10,757 GFLOP/s)
+    product = jax.jit(lambda a, b: a @ b)
+    return _rate(lambda: product(a, b).block_until_ready()), record
 
 
 def main() -> None:
