@@ -184,19 +184,8 @@ def _user() -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
 
 
 def _lstm() -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
-    """An LSTM(64) over 12 steps (its loop keeps 1.5 MiB for its gradient,
-    which the traced pass's ops do not show) and a Dense head."""
-    rng = np.random.default_rng(4)
-    keras.utils.set_random_seed(4)
-    model = keras.Sequential(
-        [
-            keras.Input((12, 6)),
-            keras.layers.LSTM(64, name="rnn"),
-            keras.layers.Dense(3, name="head"),
-        ]
-    )
-    x = rng.normal(size=(32, 12, 6)).astype("float32")
-    return model, (x, rng.integers(0, 3, 32))
+    """No closed form for the LSTM's kernels (:func:`tests.cases.lstm_classifier`)."""
+    return cases.lstm_classifier(32)
 
 
 MODELS = {"user layer": _user, "lstm": _lstm}

@@ -25,7 +25,7 @@ from jacobkit import memory, testing
 from jacobkit.layers import convolutions
 from jacobkit.planner import BudgetWarning, scratch
 from jacobkit.problem import Problem
-from tests.cases import kernel_scratch
+from tests.cases import kernel_scratch, lstm_classifier
 from tests.test_reductions import LOSS, _projected_reference, _wide
 
 #: a budget every candidate fits with ``SCRATCH_BOUND`` (1 GiB) a pass to spare
@@ -39,18 +39,8 @@ REDUCTIONS = {
 
 
 def _lstm():
-    """No closed form for the LSTM's kernels: ``chunked`` runs."""
-    rng = np.random.default_rng(4)
-    keras.utils.set_random_seed(4)
-    model = keras.Sequential(
-        [
-            keras.Input((12, 6)),
-            keras.layers.LSTM(64, name="rnn"),
-            keras.layers.Dense(3, name="head"),
-        ]
-    )
-    x = rng.normal(size=(16, 12, 6)).astype("float32")
-    return model, (x, rng.integers(0, 3, 16))
+    """No closed form for the LSTM's kernels (:func:`tests.cases.lstm_classifier`)."""
+    return lstm_classifier(16)
 
 
 def _call(model, inputs, reduce, **kwargs):

@@ -170,13 +170,24 @@ def _kernel_gradient(
         x,
         tf.shape(kernel),
         grad,
-        dilations=op.get_attr("dilations"),
-        strides=op.get_attr("strides"),
-        padding=op.get_attr("padding"),
-        explicit_paddings=op.get_attr("explicit_paddings"),
-        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
-        data_format=op.get_attr("data_format"),
+        **_attributes(op),
     )
+
+
+#: what a ``Conv2D`` passes on to its gradient ops
+_ATTRIBUTES = (
+    "dilations",
+    "strides",
+    "padding",
+    "explicit_paddings",
+    "use_cudnn_on_gpu",
+    "data_format",
+)
+
+
+def _attributes(op: Any) -> dict[str, Any]:
+    """The attributes ``op`` (a ``Conv2D``) passes on to its gradient ops."""
+    return {name: op.get_attr(name) for name in _ATTRIBUTES}
 
 
 def _own_input_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor:
@@ -185,12 +196,7 @@ def _own_input_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor:
         tf.shape(op.inputs[0]),
         op.inputs[1],
         grad,
-        dilations=op.get_attr("dilations"),
-        strides=op.get_attr("strides"),
-        padding=op.get_attr("padding"),
-        explicit_paddings=op.get_attr("explicit_paddings"),
-        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
-        data_format=op.get_attr("data_format"),
+        **_attributes(op),
     )
 
 
