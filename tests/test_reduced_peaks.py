@@ -205,9 +205,12 @@ REDUCED = sorted(
 #: on LSTMs and GRUs of 3-160 MiB; on the user layer's ``while(1)``, whose
 #: peak is under 1 MiB, 3.0 MiB predicted over 0.1-0.96 MiB measured, which
 #: varies with the cases run before in the process: the prior's fixed terms
-#: over a tiny peak)
+#: over a tiny peak; the LSTM's norms on ``chunked(1)``, 11.4 MiB predicted,
+#: measured 0.19 MiB in a full test run's worker, where earlier tests had left
+#: the allocator what the call reused). The bound is for gross over-counts
+#: (the hundreds of MiB of rows never formed), not a small peak's prior.
 MOST_OVER_FORMING = 6.0
-SLACK = 4 * 2**20
+SLACK = 16 * 2**20
 
 
 def _configs(model, inputs, kind, name):
