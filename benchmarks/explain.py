@@ -372,6 +372,18 @@ def _read(path):
         return f.read()
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def floor_report(runs, args):
     affinity = sorted(os.sched_getaffinity(0))
     lines = [
@@ -379,9 +391,10 @@ def floor_report(runs, args):
         "",
         f"MobileNetV2 (alpha={args.alpha}, {args.size} px, random weights, "
         f"1000 classes, linear head), B={args.batch}, maps at `out_relu` "
-        "(`resize=False`). Intel Xeon with AMX, TF "
-        f"{tf.__version__}, pinned to CPU {affinity} (`taskset -c 1`: the "
-        "machine was loaded by other engineers). 'before': `shortcut=False` "
+        f"(`resize=False`). {_cpu_model()}, TF "
+        f"{tf.__version__}, pinned to CPU {affinity}"
+        + (" (the machine was loaded by other work)" if args.loaded else "")
+        + ". 'before': `shortcut=False` "
         "(the gradients of every class from `jacobian`); 'after': the pooled "
         "head's matmul (the default); 'matmul': the activations times the "
         "head's kernel alone; 'forward + matmul': the compiled forward pass to "
@@ -442,6 +455,11 @@ def main(argv=None):
     parser.add_argument("--classes", type=int, default=5)
     parser.add_argument("--floor", action="store_true")
     parser.add_argument("--floor-child", action="store_true")
+    parser.add_argument(
+        "--loaded",
+        action="store_true",
+        help="--floor: say that other work loaded the machine",
+    )
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--alpha", type=float, default=0.35)
     parser.add_argument("--batch", type=int, default=8)
