@@ -19,7 +19,6 @@ from jacobkit.problem.reduction.base import (
     Problem,
     Reduction,
     refuse_tensor_targets,
-    row_bytes,
 )
 from jacobkit.problem.reduction.norms import Norms
 from jacobkit.problem.reduction.rows import Rows
@@ -213,11 +212,9 @@ class ClippedSum(Reduction):
     def formed_bytes(
         self, problem: Problem, at_once: int, native: frozenset[str]
     ) -> int:
-        """The norms' rows formed (:meth:`generic`: the strategy's own norms
-        where it computes them, ``at_once`` rows; else from its rows, every
-        row); the weighted pass forms none."""
-        rows = at_once if Norms.name in native else problem.num_rows
-        return self.formed_copies * rows * row_bytes(problem)
+        """What its norms form (:meth:`generic` computes them as
+        :class:`Norms`); the weighted pass forms none."""
+        return Norms().formed_bytes(problem, at_once, native)
 
     def generic(
         self, problem: Problem, computation: Computations, native: frozenset[str]
