@@ -178,41 +178,49 @@ def bound(kinds: Iterable[str], device: str | None) -> int:
 #: im2col buffer to a fixed 30 MiB "L3 cache" whatever the CPU's (31.9 MiB
 #: measured on an Intel Xeon with a 480 MiB L3; 16-33 MiB on an AMD EPYC
 #: with 32 MiB, the module's NOTE); oneDNN's took 9-80 KiB, the depthwise
-#: and ``Conv3D`` gradients 0-45 KiB on either kind (45 KiB: a float64
-#: ``Conv3D`` probed after other work in the process, 0 alone)
+#: and ``Conv3D`` gradients 0-45 KiB in float32 on either kind, rounded up
+#: to 256 KiB. Small as they are, these priors decide tight plans: where a
+#: prior is over the budget's share the probe is not run
+#: (:func:`jacobkit.planner.opening.deciding_scratch`) and the prior is the need
 PRIOR_BYTES = {
     # 33: the probe measured 32 MiB + 1 KiB once (a flaky test, 32 before)
     ("conv2d", False): 33 * 2**20,
-    ("conv2d", True): 128 * 2**10,
-    ("conv3d", False): 128 * 2**10,
-    ("conv3d", True): 128 * 2**10,
-    ("depthwise", False): 128 * 2**10,
-    ("depthwise", True): 128 * 2**10,
+    ("conv2d", True): 256 * 2**10,
+    ("conv3d", False): 256 * 2**10,
+    ("conv3d", True): 256 * 2**10,
+    ("depthwise", False): 256 * 2**10,
+    ("depthwise", True): 256 * 2**10,
 }
-#: a float64 ``Conv2D``'s under TensorFlow's own kernels (the only ones that
-#: run float64): 31.9 MiB probed alone, but 41.5 MiB in every run of the
-#: probe in a test worker after other tests (an AMD EPYC with AVX-512, oneDNN
-#: on and off; the least of three runs too: not another thread's
-#: allocations; cause not found), and 54.0 MiB (56,618,608 bytes) after the
-#: structure, convolution-gradient, Gram and tracing tests in one process
-#: (oneDNN on), rounded up
-FLOAT64_CONV2D_BYTES = 64 * 2**20
+#: float64, which only TensorFlow's own kernels run, probed after other work
+#: in the process measures more than alone, cause not found (the least of
+#: three runs too: not another thread's allocations). A ``Conv2D``: 31.9 MiB
+#: alone, 41.5 MiB in a test worker after other tests (an AMD EPYC with
+#: AVX-512, oneDNN on and off), 54.0 MiB (56,618,608 bytes) after the
+#: structure, convolution-gradient, Gram and tracing tests in one process.
+#: A ``Conv3D``: 0 alone, 45 KiB after its file's other tests, 138 KiB
+#: (141,312 bytes) in a whole clean-clone run. Rounded up with room
+FLOAT64_PRIOR_BYTES = {
+    "conv2d": 64 * 2**20,
+    "conv3d": 2**20,
+    "depthwise": 2**20,
+}
 
 
 def prior_bytes(kinds: Iterable[str], dtype: tf.DType, device: str | None) -> int:
     """What :func:`scratch_bytes` is taken to be without measuring it: the
     largest :data:`PRIOR_BYTES` of ``kinds`` on this CPU's kind
-    (:func:`jacobkit.runtime.cpu_kind`: oneDNN's kernels, but for float64,
-    which only TensorFlow's own run); 0 off the CPU (no figures measured),
-    without convolutions, or for a kind not listed."""
+    (:func:`jacobkit.runtime.cpu_kind`: oneDNN's kernels), or of
+    :data:`FLOAT64_PRIOR_BYTES` (only TensorFlow's own kernels run
+    float64); 0 off the CPU (no figures measured), without convolutions,
+    or for a kind not listed."""
     if device is None or "CPU" not in device.upper():
         return 0
     float64 = tf.as_dtype(dtype) == tf.float64
     onednn = runtime.cpu_kind().onednn and not float64
     return max(
         (
-            FLOAT64_CONV2D_BYTES
-            if float64 and kind == "conv2d"
+            FLOAT64_PRIOR_BYTES.get(kind, 0)
+            if float64
             else PRIOR_BYTES.get((kind, onednn), 0)
             for kind in kinds
         ),
