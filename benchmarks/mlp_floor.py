@@ -14,6 +14,8 @@ fraction of the probe's in the same round (median of the rounds' ratios).
 
 ``--profile STRATEGY`` instead runs ``jk.jacobian`` with that strategy and
 prints TensorFlow's profiler's per-op-type time of one steady call;
+``--pages`` times the result's first touch alone (fresh pages of
+TensorFlow's default allocator against a buffer held across calls);
 ``--whole [LABEL ...]`` times the whole call of each of :data:`WHOLE`'s
 variants (TensorFlow's own ``MatMul`` gradient or jacobkit's, ``batch``'s
 rows at once) paired in one process. Results, measured under load:
@@ -250,6 +252,104 @@ def profile(strategy: str, calls: int) -> dict[str, float]:
     return {"wall_ms": wall * 1e3, "plan": str(result.strategy), **top}
 
 
+def _advised_huge(array: Any) -> Any:
+    """``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned pages inside
+    ``array``'s buffer (a prototype: ``--pages``); the call's return code."""
+    import ctypes
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    huge, address = 2**21, array.ctypes.data
+    start = -(-address // huge) * huge
+    end = (address + array.nbytes) // huge * huge
+    madv_hugepage = 14
+    code = libc.madvise(start, end - start, madv_hugepage) if end > start else 0
+    return np.int32(code)
+
+
+def pages(rounds: int, repeats: int, rows: int) -> dict[str, Any]:
+    """The result's first touch alone: the kernel Jacobian's ``(144, 512,
+    1024)`` float32 buffer made by ``Empty`` and written ``rows`` rows at a
+    time by ``InplaceUpdate`` (as ``map_chunks`` writes it), each call a
+    fresh buffer; beside it the same with the buffer's pages advised huge
+    first (``MADV_HUGEPAGE`` from a ``numpy_function`` that sees the
+    buffer: a prototype, not what jacobkit runs), and the same writes into
+    one buffer held across calls (no fresh pages). Each case's CPU time
+    (the process's, one core), minor page faults and system time per call,
+    rounds alternating; medians over every call, and the least time."""
+    import resource
+
+    import tensorflow as tf
+
+    shape = (F, IN, H)
+
+    def written(advise: bool, held: bool) -> Callable[[], Any]:
+        @tf.function(autograph=False)
+        def fill(buffer: Any) -> Any:
+            if advise:
+                code = tf.numpy_function(
+                    _advised_huge, [buffer], tf.int32, stateful=True
+                )
+                with tf.control_dependencies([code]):
+                    buffer = tf.identity(buffer)
+
+            def body(i: Any, b: Any) -> tuple[Any, Any]:
+                chunk = tf.fill((rows, IN, H), tf.cast(i, tf.float32))
+                index = tf.range(i * rows, (i + 1) * rows)
+                return i + 1, tf.raw_ops.InplaceUpdate(x=b, i=index, v=chunk)
+
+            loop = (tf.constant(0), buffer)
+            _, buffer = tf.while_loop(
+                lambda i, _: i < F // rows, body, loop, parallel_iterations=1
+            )
+            return buffer
+
+        kept = tf.zeros(shape)  # held across calls: its pages faulted once
+
+        def call() -> Any:
+            if held:
+                return fill(kept).numpy()
+            return fill(tf.raw_ops.Empty(shape=shape, dtype=tf.float32)).numpy()
+
+        return call
+
+    cases = {
+        "fresh buffer (malloc: a new mapping)": written(False, False),
+        "fresh buffer, pages advised huge (prototype)": written(True, False),
+        "buffer held across calls": written(False, True),
+    }
+    found: dict[str, dict[str, list[float]]] = {
+        label: {"cpu_s": [], "faults": [], "sys_s": []} for label in cases
+    }
+    for call in cases.values():
+        call()
+    for _ in range(rounds):
+        for label, call in cases.items():
+            for _ in range(repeats):
+                before = resource.getrusage(resource.RUSAGE_SELF)
+                start = time.process_time()
+                call()
+                cpu = time.process_time() - start
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                found[label]["cpu_s"].append(cpu)
+                found[label]["faults"].append(after.ru_minflt - before.ru_minflt)
+                found[label]["sys_s"].append(after.ru_stime - before.ru_stime)
+    return {
+        "allocator_bfc": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"),
+        **{
+            label: {
+                "cpu_s": statistics.median(each["cpu_s"]),
+                "least_cpu_s": min(each["cpu_s"]),
+                "faults": statistics.median(each["faults"]),
+                "sys_s": statistics.median(each["sys_s"]),
+            }
+            for label, each in found.items()
+        },
+    }
+
+
 #: the whole call's variants (``--whole``): label -> (strategy, TensorFlow's
 #: own MatMul gradient instead of jacobkit's, ``batch``'s rows at once)
 WHOLE = {
@@ -320,16 +420,24 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--whole", nargs="*", help="labels of WHOLE, or none: all")
+    parser.add_argument(
+        "--pages",
+        action="store_true",
+        help="the result's first touch alone (TensorFlow's default allocator "
+        "unless TF_CPU_ALLOCATOR_USE_BFC is set)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if args.pages:  # before jacobkit's import asks for the pooled allocator
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "false")
     sys.path.insert(0, str(HERE / "peers"))
     import footing
 
     record = footing.pin_tensorflow("mlp_floor")
-    if args.whole is not None:
-        found: dict[str, Any] = whole(
-            args.rounds, args.repeats, args.whole or list(WHOLE)
-        )
+    if args.pages:
+        found: dict[str, Any] = pages(args.rounds, args.repeats, args.rows)
+    elif args.whole is not None:
+        found = whole(args.rounds, args.repeats, args.whole or list(WHOLE))
     elif args.profile:
         found = profile(args.profile, args.calls)
     else:
