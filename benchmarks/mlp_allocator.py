@@ -17,8 +17,9 @@ Run it once per allocator, each a fresh process on one core::
     TF_CPU_ALLOCATOR_USE_BFC=false taskset -c 0 python benchmarks/mlp_allocator.py
     TF_CPU_ALLOCATOR_USE_BFC=true taskset -c 0 python benchmarks/mlp_allocator.py
 
-Rounds alternate the cases; every call's result is fetched (``numpy()``)
-and dropped before the next. Results: ``results/cpu-onednn-off/mlp_floor.md``.
+Rounds alternate the cases; every call's result is fetched as NumPy views
+(``np.asarray``: ``Tensor.numpy()`` would copy it) and dropped before the
+next. Results: ``results/cpu-onednn-off/mlp_floor.md``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ PROBE_FLOPS = 2 * 4096 * H * H
 def hand(tf: Any, model: Any, x: Any, rows: int) -> Callable[[], Any]:
     """The hand-written pipeline (see the module's docstring), ``rows`` rows
     a chunk (a divisor of 144)."""
+    import numpy as np
+
     w1, b1 = model.get_layer("hidden1").kernel, model.get_layer("hidden1").bias
     w2, b2 = model.get_layer("hidden2").kernel, model.get_layer("hidden2").bias
     w3 = model.get_layer("head").kernel
@@ -77,7 +80,7 @@ def hand(tf: Any, model: Any, x: Any, rows: int) -> Callable[[], Any]:
         )
         return kernel, bias
 
-    return lambda: [t.numpy() for t in jacobian(x)]
+    return lambda: [np.asarray(t) for t in jacobian(x)]
 
 
 def main() -> None:
@@ -104,7 +107,8 @@ def main() -> None:
         found = jk.jacobian(e.model, e.inputs, "hidden1", strategy="batch")
         return [np.asarray(found.kernel), np.asarray(found.bias)]
 
-    calls = {"probe": lambda: probe().numpy(), "jacobkit batch": batch}
+    # NumPy views, no copy (``Tensor.numpy()`` copies)
+    calls = {"probe": lambda: np.asarray(probe()), "jacobkit batch": batch}
     for rows in args.rows:
         calls[f"hand pipeline, {rows} rows a chunk"] = hand(tf, e.model, e.inputs, rows)
     reference = None

@@ -3,6 +3,13 @@
 → 1024 tanh → 144, B=256, every feature's gradient summed over the batch
 with respect to the first Dense: a 288 MiB result).
 
+Every TensorFlow run returns its result as NumPy views of the tensors
+(``np.asarray``, no copy), as PyTorch's runs return their tensors and JAX's
+its arrays: ``Tensor.numpy()`` copies, and ``batch``'s call with that copy
+of the 288 MiB result took 1.19x its least CPU time with a view (paired in
+one process, 9 rounds, oneDNN off, malloc, loaded; 1.65x the median of the
+rounds' ratios).
+
 Every run is a fresh process pinned to one core (``taskset -c 0``), with the
 same weights (``peers/export_mlp.py``): the first call (tracing included),
 the median of the next ``--repeats`` calls (5; ``auto`` tries its other
@@ -97,7 +104,7 @@ def child(strategy: str, weights: str, repeats: int) -> None:
             return tape.jacobian(rows, [layer.kernel, layer.bias])
 
         def call() -> list[tf.Tensor]:
-            return [t.numpy() for t in jacobian()]
+            return [np.asarray(t) for t in jacobian()]
     else:
         kwargs = {} if strategy == "auto" else {"strategy": strategy}
         plans = []
@@ -109,7 +116,7 @@ def child(strategy: str, weights: str, repeats: int) -> None:
             plans[:] = [result.plan]
             plan = result.plan
             each.append(plan.last_call[-1].strategy.label if plan else strategy)
-            return [result.kernel.numpy(), result.bias.numpy()]
+            return [np.asarray(result.kernel), np.asarray(result.bias)]
 
         def settled() -> bool:
             return plans[0] is None or plans[0].settled
@@ -169,16 +176,17 @@ def child(strategy: str, weights: str, repeats: int) -> None:
 
 def gemm_rate() -> float:
     """GFLOP/s of one (4096 x 1024) @ (1024 x 1024) float32 matmul."""
+    import numpy as np
     import tensorflow as tf
 
     a = tf.random.normal((4096, 1024))
     b = tf.random.normal((1024, 1024))
     matmul = tf.function(lambda: tf.matmul(a, b))
-    matmul().numpy()
+    np.asarray(matmul())
     times = []
     for _ in range(7):
         start = time.perf_counter()
-        matmul().numpy()
+        np.asarray(matmul())
         times.append(time.perf_counter() - start)
     return 2 * 4096 * 1024 * 1024 / statistics.median(times) / 1e9
 
