@@ -8,7 +8,9 @@ Every TensorFlow run returns its result as NumPy views of the tensors
 its arrays: ``Tensor.numpy()`` copies, and ``batch``'s call with that copy
 of the 288 MiB result took 1.19x its least CPU time with a view (paired in
 one process, 9 rounds, oneDNN off, malloc, loaded; 1.65x the median of the
-rounds' ratios).
+rounds' ratios), and its 288 MiB counted in every TensorFlow run's resident
+growth (``batch``'s steady call: 685 MiB with the copy, 432 MiB without, one
+loaded round each).
 
 Every run is a fresh process pinned to one core (``taskset -c 0``), with the
 same weights (``peers/export_mlp.py``): the first call (tracing included),
