@@ -123,7 +123,9 @@ class Strategy(abc.ABC):
 
     def rows_formed(self, num_rows: int) -> int:
         """Rows whose gradients its own computation of a kind holds formed
-        at once (``auto``'s memory prior): here every row."""
+        at once (``auto``'s memory prior: a reduction's rows formed, and
+        where pfor vectorizes rows, :meth:`vectorized_rows`, the rows whose
+        backward tensors the prior counts alive): here every row."""
         return num_rows
 
     def formed_bytes(self, problem: Problem) -> int:

@@ -227,6 +227,9 @@ class Grouped(Strategy):
     def passes_in_flight(self, num_rows: int) -> int:
         return self.resolved_rest().passes_in_flight(num_rows)
 
+    def rows_formed(self, num_rows: int) -> int:
+        return self.resolved_rest().rows_formed(num_rows)
+
     def formed_bytes(self, problem: Problem) -> int:
         """Each group's, on its targets."""
         return sum(
