@@ -128,6 +128,12 @@ class Strategy(abc.ABC):
         backward tensors the prior counts alive): here every row."""
         return num_rows
 
+    def parts(self, problem: Problem) -> tuple[tuple[Strategy, Problem], ...]:
+        """The strategies that compute ``problem``'s targets, each with the
+        problem restricted to its own (``auto``'s memory prior counts each
+        one's result as it computes it): here this one on all of them."""
+        return ((self, problem),)
+
     def formed_bytes(self, problem: Problem) -> int:
         """Bytes of rows formed that computing ``problem``'s reduction holds
         (:meth:`~jacobkit.problem.reduction.Reduction.formed_bytes`)."""
