@@ -122,16 +122,11 @@ class Strategy(abc.ABC):
         return 1
 
     def rows_formed(self, num_rows: int) -> int:
-        """Rows whose gradients its own computation of a kind holds formed
-        at once (``auto``'s memory prior: a reduction's rows formed, and
-        where pfor vectorizes rows, :meth:`vectorized_rows`, the rows whose
-        backward tensors the prior counts alive): here every row."""
+        """Rows held formed at once (a reduction's, pfor's in flight): all."""
         return num_rows
 
     def parts(self, problem: Problem) -> tuple[tuple[Strategy, Problem], ...]:
-        """The strategies that compute ``problem``'s targets, each with the
-        problem restricted to its own (``auto``'s memory prior counts each
-        one's result as it computes it): here this one on all of them."""
+        """Each strategy computing ``problem``'s targets, on its own: here one."""
         return ((self, problem),)
 
     def formed_bytes(self, problem: Problem) -> int:
