@@ -89,8 +89,9 @@ def predicted_peak(
     the traced pass's tensors alive at its peak and each further row's own,
     :class:`~jacobkit.problem.liveness.SequentialMemory`; where pfor
     vectorizes them, :meth:`~jacobkit.strategies.Strategy.vectorized_rows`,
-    the same with the rows of two chunks in flight,
-    :func:`vectorized_in_flight`; never more than the activations' count), the gradient
+    the same with the rows it holds formed at once,
+    :meth:`~jacobkit.strategies.Strategy.rows_formed`: two chunks' for
+    ``chunked``; never more than the activations' count), the gradient
     kernels' scratch space per backward pass in flight
     (:mod:`jacobkit.planner.scratch`), the ``MatMul`` rule's transposed
     copies (:attr:`~jacobkit.planner.scratch.MemoryPrior.hoisted_bytes`:
@@ -101,7 +102,13 @@ def predicted_peak(
     reduction.Reduction.working_bytes`), and for an eager
     strategy every activation of the forward pass (an eager Keras call holds
     them until it returns); for an exact shortcut, at least its first call's
-    check (:func:`check_peak`)."""
+    check (:func:`check_peak`).
+
+    NOTE (measured, why ``batch`` keeps a forward pass's activations per
+    row). The walked count of its 16 rows in flight (as ``chunked(16)``'s)
+    put its full Jacobian under the measured peak: the generator (B=32,
+    T=128, 32 -> 64 channels) 72 MiB against 139-146, 136 with 32 rows; the
+    count here 291 (2.0-2.1x); oneDNN on, loaded."""
     at_once = strategy.rows_at_once(num_rows)
     scratch = prior.scratch_in_flight(
         strategy.passes_in_flight(num_rows), prior.way(strategy)
@@ -112,7 +119,7 @@ def predicted_peak(
     if strategy.sequential_rows():
         rows = prior.sequential_peak(at_once)
     elif strategy.vectorized_rows():
-        rows = prior.vectorized_peak(vectorized_in_flight(at_once, num_rows))
+        rows = prior.vectorized_peak(strategy.rows_formed(num_rows))
     whole = (1 + at_once) * prior.row_bytes
     rows = whole if rows is None else min(rows, whole)
     run = int(rows + scratch + prior.hoisted_bytes + results + working_bytes + eager)
@@ -132,8 +139,18 @@ def result_bytes(strategy: Strategy, problem: Problem) -> int:
     NOTE (measured, why). Counted as every row formed, ``jk.gram``'s
     budgeted call on bert_small (32 loss rows) predicted ``batch`` at 2.0
     GiB, 1.3 GiB of it the rows formed, and refused a 2 GiB budget; its
-    factors are 388 MiB, the call measured 410 MiB."""
+    factors are 388 MiB, the call measured 410 MiB.
+
+    A strategy of several parts (``grouped``: ``batch`` on the targets
+    closed forms serve, a generic strategy on the others) counts each
+    part's result as it computes it, on its targets: counted as every row
+    formed, a token table of 4,000 x 32 beside an LSTM (32 loss rows, 16
+    MiB formed, never formed by ``batch``) predicted ``grouped(batch |
+    chunked(1))``'s ``jk.gram`` at 36.1 MiB against 2.5 measured (14.5x)."""
     kind = problem.reduction
+    parts = strategy.parts(problem)
+    if kind.traced_result and len(parts) > 1:
+        return sum(result_bytes(s, p) for s, p in parts)
     if not (kind.traced_result and strategy.compiled and strategy.computes(problem)):
         return kind.result_bytes(problem)
     try:
@@ -142,39 +159,6 @@ def result_bytes(strategy: Strategy, problem: Problem) -> int:
     except ValueError:  # refused where it runs, in its own words
         return kind.result_bytes(problem)
     return kind.traced_bytes(traced.values)
-
-
-def vectorized_in_flight(at_once: int, num_rows: int) -> int:
-    """Rows whose vectorized backward tensors are alive at once where pfor
-    runs ``at_once`` of ``num_rows`` rows per pass: two chunks' rows where
-    there is more than one chunk (:func:`jacobkit.strategies.chunks.
-    map_chunks` runs one chunk at a time, yet the wide generator's
-    ``chunked(36)`` measured what 72 rows predict; why is not known).
-
-    Measured (TF 2.21, 2-core CPU, 2 inter-op threads, oneDNN on; pinned
-    to one core, ``chunked(32)`` below measured 15.1 MiB and ``chunked(16)``
-    11.7), against the prior's count of
-    :meth:`~jacobkit.planner.scratch.MemoryPrior.vectorized_peak` for these
-    rows (results included):
-
-    =========================================  ==========  =========  ========
-    problem                                    strategy    measured   prior
-    =========================================  ==========  =========  ========
-    GPT-2 token attribution (2 layers, 64)     chunked(32) 28.6 MiB   33.6
-    same                                       chunked(16) 19.2 MiB   33.6
-    generator B=16 T=64 (8 -> 32, 48 rows)     chunked(48) 28-44 MiB  37.3
-    same                                       chunked(36) 28-35 MiB  55
-    generator B=64 T=128 (64/128/128, 144)     chunked(144) 2184-2756 2614
-    same                                       chunked(36) 1182 MiB   1318
-    MLP 512-1024-1024-144, B=64, squared rows  chunked(144) 577 MiB   724
-    =========================================  ==========  =========  ========
-
-    One chunk's rows alone put the wide generator's ``chunked(36)`` at 670
-    MiB, under its measured 1182. The forward pass's activations per row
-    (the count before) put them at 201, 122, 9248 and 2364 MiB."""
-    if at_once >= num_rows:
-        return num_rows
-    return min(num_rows, 2 * at_once)
 
 
 #: an eager forward pass's measured peak over the layers' outputs it holds

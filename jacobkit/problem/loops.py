@@ -33,21 +33,26 @@ def kept_bytes(operations: Iterable[Any]) -> int:
     """Bytes the forward pass's loops among ``operations`` keep for their
     gradient (each step's pushed tensors times its steps), times
     :data:`LOOP_MARGIN`; 0 for a loop whose steps or body are not known."""
-    total = 0
-    for op in operations:
-        if op.type not in LOOPS:
-            continue
-        steps = _steps(op)
-        body = _body(op)
-        if steps is None or body is None:
-            continue
-        pushed = sum(
-            tensor_bytes(o.inputs[1])
-            for o in body.get_operations()
-            if o.type == "TensorListPushBack"
-        )
-        total += steps * pushed
+    total = sum(_loop_bytes(op) for op in operations if op.type in LOOPS)
     return int(LOOP_MARGIN * total)
+
+
+def _loop_bytes(op: Any) -> int:
+    """What one loop keeps for its gradient: each step's pushed tensors and
+    what the loops in its body keep (a nested loop's accumulators, per step
+    of the outer one: its own pushes of them are lists, of no float bytes),
+    times its steps; 0 where its steps or body are not known."""
+    steps = _steps(op)
+    body = _body(op)
+    if steps is None or body is None:
+        return 0
+    step = 0
+    for o in body.get_operations():
+        if o.type == "TensorListPushBack":
+            step += tensor_bytes(o.inputs[1])
+        elif o.type in LOOPS:
+            step += _loop_bytes(o)
+    return steps * step
 
 
 def _body(op: Any) -> Any:

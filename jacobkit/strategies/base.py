@@ -122,9 +122,12 @@ class Strategy(abc.ABC):
         return 1
 
     def rows_formed(self, num_rows: int) -> int:
-        """Rows whose gradients its own computation of a kind holds formed
-        at once (``auto``'s memory prior): here every row."""
+        """Rows held formed at once (a reduction's, pfor's in flight): all."""
         return num_rows
+
+    def parts(self, problem: Problem) -> tuple[tuple[Strategy, Problem], ...]:
+        """Each strategy computing ``problem``'s targets, on its own: here one."""
+        return ((self, problem),)
 
     def formed_bytes(self, problem: Problem) -> int:
         """Bytes of rows formed that computing ``problem``'s reduction holds

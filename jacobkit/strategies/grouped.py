@@ -227,12 +227,18 @@ class Grouped(Strategy):
     def passes_in_flight(self, num_rows: int) -> int:
         return self.resolved_rest().passes_in_flight(num_rows)
 
+    def rows_formed(self, num_rows: int) -> int:
+        return self.resolved_rest().rows_formed(num_rows)
+
+    def parts(self, problem: Problem) -> tuple[tuple[Strategy, Problem], ...]:
+        """Each group's strategy, on the problem restricted to its targets."""
+        return tuple(
+            (g.strategy, problem.restricted(g.indices)) for g in self.groups(problem)
+        )
+
     def formed_bytes(self, problem: Problem) -> int:
         """Each group's, on its targets."""
-        return sum(
-            g.strategy.formed_bytes(problem.restricted(g.indices))
-            for g in self.groups(problem)
-        )
+        return sum(s.formed_bytes(p) for s, p in self.parts(problem))
 
 
 def _split(problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -140,6 +140,10 @@ class Structured(Strategy):
         """The inner strategy's."""
         return self.resolved_inner().passes_in_flight(num_rows)
 
+    def rows_formed(self, num_rows: int) -> int:
+        """The inner strategy's."""
+        return self.resolved_inner().rows_formed(num_rows)
+
     @property
     def convolution_gradients(self) -> str:  # type: ignore[override]
         """The inner strategy's, which runs the rows' backward passes where a
