@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from jacobkit.batches import collect, passes, source
 from jacobkit.problem import Call, arguments
+from jacobkit.reductions import arrangement
 from jacobkit.reductions import features as feats
 
 
@@ -116,9 +117,10 @@ class Blocks:
     distribute: tf.distribute.Strategy | None = None
     #: also each row's gradient norm, per set (``gram(norms=True)``)
     with_norms: bool = False
-    #: every target's rows formed, the factors' cost rule set aside
-    #: (:mod:`jacobkit.reductions.arrangement`)
-    formed: bool = False
+    #: how the rows are arranged (:mod:`jacobkit.reductions.arrangement`):
+    #: the factors' cost rule's, every target's rows formed, or materialized
+    #: as ``jacobian()`` gives them
+    way: str = arrangement.RULE
     blocks: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     #: each set's rows' norms, chunk by chunk (with :attr:`with_norms`)
     norms: tuple[list[np.ndarray], list[np.ndarray]] = field(
@@ -225,23 +227,34 @@ class Blocks:
     ) -> tuple[feats.ChunkFeatures, tf.Tensor]:
         """A chunk's features and a block of their products
         (:func:`~jacobkit.reductions.features.with_products`)."""
-        found, block, problem = feats.with_products(
-            self.call, x, self.chosen, count, self.distribute, self.formed
-        )
+        if self.way == arrangement.MATERIALIZED:
+            found, block, problem = feats.materialized_with_products(
+                self.call, x, self.chosen, count
+            )
+        else:
+            found, block, problem = feats.with_products(
+                self.call, x, self.chosen, count, self.distribute, self._formed
+            )
         if self.problem is None:
             self.problem = problem
         return found, block
 
     def _features(self, x: Any) -> feats.ChunkFeatures:
-        if self.distribute is not None:
+        if self.way == arrangement.MATERIALIZED:
+            found, problem = feats.materialized(self.call, x, self.chosen)
+        elif self.distribute is not None:
             found, problem = feats.of_chunk_on_replicas(
-                self.call, x, self.chosen, self.distribute, self.formed
+                self.call, x, self.chosen, self.distribute, self._formed
             )
         else:
-            found, problem = feats.of_chunk(self.call, x, self.chosen, self.formed)
+            found, problem = feats.of_chunk(self.call, x, self.chosen, self._formed)
         if self.problem is None:
             self.problem = problem
         return found
+
+    @property
+    def _formed(self) -> bool:
+        return self.way == arrangement.FORMED
 
     def _assembled(self, rows_a: list[int]) -> np.ndarray:
         if self.symmetric:

@@ -141,6 +141,27 @@ def with_products(
     return found, products, problem
 
 
+def materialized(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Problem]:
+    """The chunk ``x``'s per-row gradients of every target as ``jacobian()``
+    computes them (the unreduced problem, by the strategy ``chosen`` plans
+    for it: ``auto``'s, or its disk cache's, pick), each flattened to
+    :class:`Flat` ``(R, size)``: the Gram's materializing arrangement."""
+    problem = call.problem(x)
+    solution = chosen.planned(problem).solve(problem)
+    rows = problem.num_rows
+    flat = tuple(Flat(tf.reshape(v, (rows, -1))) for v in solution.output.values)
+    return ChunkFeatures(flat, rows, solution.strategy.name), problem
+
+
+def materialized_with_products(
+    call: Call, x: Any, chosen: Any, count: int | None = None
+) -> tuple[ChunkFeatures, tf.Tensor, Problem]:
+    """:func:`with_products` of the rows :func:`materialized` forms: ``J Jᵀ``
+    after ``J``, as a user multiplying ``jacobian()``'s rows would."""
+    found, problem = materialized(call, x, chosen)
+    return found, _products(found, count, source.batch_size(x)), problem
+
+
 def _products(found: ChunkFeatures, count: int | None, total: int) -> tf.Tensor:
     """:func:`with_products`' block from features already computed."""
     if count is None:
