@@ -162,7 +162,7 @@ class Blocks:
                         if i == 0 and not self.symmetric:
                             self._norms(1, fb)
                         block = feats.inner_products(fa, fb)
-                    self.blocks[i, j] = block.numpy().astype(np.float64)
+                    self.blocks[i, j] = np.asarray(block, np.float64)
                 bar.update(1)
         finally:
             bar.close()
@@ -199,7 +199,7 @@ class Blocks:
             cut = found.num_rows // (count + other) * count
             self.norms[0].append(norms[:cut])
             self.norms[1].append(norms[cut:])
-        return block.numpy().astype(np.float64)
+        return np.asarray(block, np.float64)
 
     def _norms(self, which: int, chunk: feats.ChunkFeatures) -> None:
         if self.with_norms and not self.call.summed:
@@ -213,9 +213,7 @@ class Blocks:
         a = np.concatenate(self.norms[0])
         return a, a if self.symmetric else np.concatenate(self.norms[1])
 
-    def _features_with_itself(
-        self, x: Any
-    ) -> tuple[feats.ChunkFeatures, tf.Tensor | None]:
+    def _features_with_itself(self, x: Any) -> tuple[feats.ChunkFeatures, Any]:
         """A chunk of ``a``'s features, and where the sets are one (a
         symmetric matrix), its diagonal block with them."""
         if not self.symmetric:
@@ -224,9 +222,10 @@ class Blocks:
 
     def _with_block(
         self, x: Any, count: int | None = None
-    ) -> tuple[feats.ChunkFeatures, tf.Tensor]:
+    ) -> tuple[feats.ChunkFeatures, Any]:
         """A chunk's features and a block of their products
         (:func:`~jacobkit.reductions.features.with_products`)."""
+        block: Any  # a tensor, or the materializing arrangement's NumPy J Jᵀ
         if self.way == arrangement.MATERIALIZED:
             found, block, problem = feats.materialized_with_products(
                 self.call, x, self.chosen, count

@@ -155,11 +155,24 @@ def materialized(call: Call, x: Any, chosen: Any) -> tuple[ChunkFeatures, Proble
 
 def materialized_with_products(
     call: Call, x: Any, chosen: Any, count: int | None = None
-) -> tuple[ChunkFeatures, tf.Tensor, Problem]:
-    """:func:`with_products` of the rows :func:`materialized` forms: ``J Jᵀ``
-    after ``J``, as a user multiplying ``jacobian()``'s rows would."""
+) -> tuple[ChunkFeatures, np.ndarray, Problem]:
+    """:func:`with_products` of the rows :func:`materialized` forms, as a
+    user multiplying ``jacobian()``'s rows computes them: joined into one
+    ``J`` ``(R, P)`` in NumPy, ``J Jᵀ`` (or the first ``count`` examples'
+    rows against the rest's), float32.
+
+    NOTE (measured, one core, AMD EPYC, loaded). The conv net's 32 rows of
+    20,042 as TensorFlow's compiled products: best 1.1-1.3 ms oneDNN on,
+    1.0-1.8 ms off (their medians 4-7 ms on a busy machine); NumPy's
+    ``J @ J.T``: 0.45-0.48 ms either way."""
     found, problem = materialized(call, x, chosen)
-    return found, _products(found, count, source.batch_size(x)), problem
+    # each a Flat: its one tensor, the rows
+    rows = [np.asarray(pairs.tensors_of(f)[0]) for f in found.features]
+    joined = np.concatenate(rows, axis=1)
+    if count is None:
+        return found, joined @ joined.T, problem
+    cut = count * (problem.num_rows // source.batch_size(x))
+    return found, joined[:cut] @ joined[cut:].T, problem
 
 
 def _products(found: ChunkFeatures, count: int | None, total: int) -> tf.Tensor:
