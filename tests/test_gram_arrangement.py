@@ -191,3 +191,30 @@ def test_auto_times_the_three_and_keeps_what_it_measured_faster(faster, monkeypa
         _close(result.matrix, rows @ rows.T)
     assert result.arrangement.kept == faster
     assert result.arrangement.best_s == pytest.approx(seconds, abs=1e-9)
+
+
+@pytest.mark.parametrize("sets", ["itself", "two arrays", "streamed"])
+def test_the_materializing_arrangement_against_float64(sets, monkeypatch):
+    """Every call run materializing (the trial's choice forced): a set with
+    itself, two sets of arrays in one call, and a dataset in chunks of 2
+    against arrays, each the float64 reference's within the tolerance
+    above."""
+    monkeypatch.setattr(arrangement.Arrangements, "next", lambda self: MATERIALIZED)
+    model, inputs = _wide()
+    rows = _rows(model, inputs, LOSS)
+    other = tuple(a[:3] for a in inputs)
+    if sets == "itself":
+        result = jk.gram(model, inputs, outputs=LOSS, progress=False)
+        want = rows @ rows.T
+    elif sets == "two arrays":
+        result = jk.gram(model, inputs, other, outputs=LOSS, progress=False)
+        want = rows @ rows[:3].T
+    else:
+        train = tf.data.Dataset.from_tensor_slices(inputs).batch(2)
+        result = jk.gram(
+            model, train, other, outputs=LOSS, chunk_examples=2, progress=False
+        )
+        want = rows @ rows[:3].T
+    assert result.arrangement.ran == MATERIALIZED
+    assert set(result.forms.values()) == {"materialized"}
+    _close(result.matrix, want)
