@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import types
 
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -77,64 +79,43 @@ def test_where_every_target_is_formed_only_materializing_is_timed():
     assert first.arrangement.pending == (MATERIALIZED,)
 
 
-def _formed_bytes(model, examples):
-    return examples * sum(4 * int(v.shape.num_elements()) for v in model.weights)
-
-
-def test_a_budget_too_small_for_the_formed_rows_times_nothing():
-    """The wide model ghosts its Dense kernel: its features hold far fewer
-    numbers than its rows formed (``B x P``). Under a budget that holds two
-    chunks of the features but not two of the formed rows within half,
-    neither the formed nor the materializing arrangement is timed: the
-    rule's is kept from the first call; under a larger one both are."""
-    model, inputs = _wide()
-    formed = _formed_bytes(model, len(inputs[1]))
-    small = jk.gram(
-        model, inputs, outputs=LOSS, memory_budget=4 * formed - 8, progress=False
+def _wide_vectors():
+    """A Dense kernel on vectors whose rows formed (131,072 numbers per
+    example) dwarf its factors (256 inputs, 512 cotangents): the rule
+    ghosts it."""
+    rng = np.random.default_rng(5)
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((256,)),
+            keras.layers.Dense(512, activation="tanh", name="wide"),
+            keras.layers.Dense(3, name="head"),
+        ]
     )
-    assert small.chunk_examples >= len(inputs[1])  # one chunk: rows_fit's B
-    assert small.arrangement == arrangement.Arranged(RULE, RULE)
+    x = rng.normal(size=(8, 256)).astype("float32")
+    return model, (x, rng.integers(0, 3, 8))
+
+
+@pytest.mark.parametrize("room", [-8, 0])
+def test_a_budget_too_small_for_the_formed_rows_times_nothing(room):
+    """Under a budget that holds two chunks of the rule's features but not
+    two of the rows formed (``B x P`` float32 numbers) within half, neither
+    the formed nor the materializing arrangement is timed: the rule's is
+    kept from the first call; with those bytes exactly, both are."""
+    model, inputs = _wide_vectors()
+    examples = len(inputs[1])
+    formed = examples * sum(4 * int(v.shape.num_elements()) for v in model.weights)
+    budget = 4 * formed + room
+    found = jk.gram(model, inputs, outputs=LOSS, memory_budget=budget, progress=False)
+    assert found.chunk_examples >= examples  # one chunk: rows_fit's B
+    assert "ghost" in found.forms.values()
     (trial,) = arrangement._TRIALS.of(model).values()
-    assert trial.kept == RULE and trial.trial.calls == 0
-    large = jk.gram(
-        model, inputs, outputs=LOSS, memory_budget=4 * formed, progress=False
-    )
-    assert large.arrangement.pending == (FORMED, MATERIALIZED)
-
-
-def test_the_formed_rows_tried_only_where_factors_are_and_they_fit():
-    small = tf.Variable(tf.zeros((8, 4)))
-    flat = feats.ChunkFeatures((Flat(tf.zeros((6, 32))),), 6, "batch")
-    ghost = feats.ChunkFeatures(
-        (Ghost(tf.zeros((6, 1, 8)), tf.zeros((6, 1, 1, 4))),), 6, "batch"
-    )
-    assert not arrangement.differs(flat, [small], 2**20)
-    # formed: 6 rows x 32 float32 = 768 bytes; two chunks within half
-    assert arrangement.differs(ghost, [small], 4 * 768)
-    assert not arrangement.differs(ghost, [small], 4 * 768 - 1)
-    # the factored target a small share of the numbers: not timed
-    large = tf.Variable(tf.zeros((8, 4 * 10)))
-    both = feats.ChunkFeatures((*ghost.features, *flat.features), 6, "batch")
-    share = 32 / (32 + 320)
-    assert share < arrangement.MIN_SHARE
-    assert not arrangement.differs(both, [small, large], 2**30)
-    assert arrangement.differs(both, [small, small], 2**30)
-
-
-def test_factors_formed_forms_every_targets_rows():
-    """``Factors(formed=True)``: the batch strategy's features all
-    :class:`Flat`, where the rule ghosts the Dense kernel on vectors."""
-    from jacobkit.problem import Call
-    from jacobkit.problem.reduction import Factors
-    from jacobkit.strategies.batch import Batch
-
-    model, inputs = _wide()
-    call = Call(model, model.trainable_variables, outputs=LOSS, strategy=None)
-    problem = call.problem(inputs)
-    rule, _ = Batch().run(problem.with_reduction(Factors()))
-    formed, _ = Batch().run(problem.with_reduction(Factors(formed=True)))
-    assert any(isinstance(f, Ghost) for f in rule.values)
-    assert all(isinstance(f, Flat) for f in formed.values)
+    if room < 0:
+        assert found.arrangement == arrangement.Arranged(RULE, RULE)
+        assert trial.kept == RULE and trial.trial.calls == 0
+    else:
+        assert found.arrangement.pending == (FORMED, MATERIALIZED)
+        assert trial.kept is None
 
 
 def test_materializing_applies_wherever_the_rows_fit():
