@@ -166,8 +166,11 @@ def materialized_with_products(
     1.0-1.8 ms off (their medians 4-7 ms on a busy machine); NumPy's
     ``J @ J.T``: 0.45-0.48 ms either way."""
     found, problem = materialized(call, x, chosen)
-    # each a Flat: its one tensor, the rows
-    rows = [np.asarray(pairs.tensors_of(f)[0]) for f in found.features]
+    # each a Flat: its one tensor, the rows; in float32, as the compiled
+    # products take every form (float16 rows multiplied in float16 would not)
+    rows = [
+        np.asarray(tf.cast(pairs.tensors_of(f)[0], tf.float32)) for f in found.features
+    ]
     joined = np.concatenate(rows, axis=1)
     if count is None:
         return found, joined @ joined.T, problem
