@@ -240,6 +240,8 @@ def child(case: str, method: str, repeats: int, first_only: bool = False) -> Non
         raise SystemExit(f"unknown method {method!r}")
 
     def settled() -> bool:
+        if grams:  # jk.gram's arrangements still timed: not steady yet
+            return grams[0].arrangement.kept is not None
         return not plans or plans[0] is None or plans[0].settled
 
     if first_only:
@@ -277,6 +279,12 @@ def child(case: str, method: str, repeats: int, first_only: bool = False) -> Non
         strategy = grams[0].strategy
         forms = list(grams[0].forms.values())
         extra["gram_forms"] = {form: forms.count(form) for form in sorted(set(forms))}
+        # the arrangement kept and what each measured (its best timed call)
+        arranged = grams[0].arrangement
+        extra["gram_arrangement"] = {
+            "kept": arranged.kept,
+            "best_ms": {k: 1e3 * v for k, v in arranged.best_s.items()},
+        }
     print(json.dumps({**timings, "strategy": strategy, **extra, "footing": record}))
 
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from jacobkit.batches import collect, passes, source
 from jacobkit.problem import Call, arguments
+from jacobkit.reductions import arrangement
 from jacobkit.reductions import features as feats
 
 
@@ -116,9 +117,10 @@ class Blocks:
     distribute: tf.distribute.Strategy | None = None
     #: also each row's gradient norm, per set (``gram(norms=True)``)
     with_norms: bool = False
-    #: every target's rows formed, the factors' cost rule set aside
-    #: (:mod:`jacobkit.reductions.arrangement`)
-    formed: bool = False
+    #: how the rows are arranged (:mod:`jacobkit.reductions.arrangement`):
+    #: the factors' cost rule's, every target's rows formed, or materialized
+    #: as ``jacobian()`` gives them
+    way: str = arrangement.RULE
     blocks: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     #: each set's rows' norms, chunk by chunk (with :attr:`with_norms`)
     norms: tuple[list[np.ndarray], list[np.ndarray]] = field(
@@ -160,7 +162,7 @@ class Blocks:
                         if i == 0 and not self.symmetric:
                             self._norms(1, fb)
                         block = feats.inner_products(fa, fb)
-                    self.blocks[i, j] = block.numpy().astype(np.float64)
+                    self.blocks[i, j] = np.asarray(block, np.float64)
                 bar.update(1)
         finally:
             bar.close()
@@ -197,7 +199,7 @@ class Blocks:
             cut = found.num_rows // (count + other) * count
             self.norms[0].append(norms[:cut])
             self.norms[1].append(norms[cut:])
-        return block.numpy().astype(np.float64)
+        return np.asarray(block, np.float64)
 
     def _norms(self, which: int, chunk: feats.ChunkFeatures) -> None:
         if self.with_norms and not self.call.summed:
@@ -211,9 +213,7 @@ class Blocks:
         a = np.concatenate(self.norms[0])
         return a, a if self.symmetric else np.concatenate(self.norms[1])
 
-    def _features_with_itself(
-        self, x: Any
-    ) -> tuple[feats.ChunkFeatures, tf.Tensor | None]:
+    def _features_with_itself(self, x: Any) -> tuple[feats.ChunkFeatures, Any]:
         """A chunk of ``a``'s features, and where the sets are one (a
         symmetric matrix), its diagonal block with them."""
         if not self.symmetric:
@@ -222,26 +222,38 @@ class Blocks:
 
     def _with_block(
         self, x: Any, count: int | None = None
-    ) -> tuple[feats.ChunkFeatures, tf.Tensor]:
+    ) -> tuple[feats.ChunkFeatures, Any]:
         """A chunk's features and a block of their products
         (:func:`~jacobkit.reductions.features.with_products`)."""
-        found, block, problem = feats.with_products(
-            self.call, x, self.chosen, count, self.distribute, self.formed
-        )
+        block: Any  # a tensor, or the materializing arrangement's NumPy J Jᵀ
+        if self.way == arrangement.MATERIALIZED:
+            found, block, problem = feats.materialized_with_products(
+                self.call, x, self.chosen, count
+            )
+        else:
+            found, block, problem = feats.with_products(
+                self.call, x, self.chosen, count, self.distribute, self._formed
+            )
         if self.problem is None:
             self.problem = problem
         return found, block
 
     def _features(self, x: Any) -> feats.ChunkFeatures:
-        if self.distribute is not None:
+        if self.way == arrangement.MATERIALIZED:
+            found, problem = feats.materialized(self.call, x, self.chosen)
+        elif self.distribute is not None:
             found, problem = feats.of_chunk_on_replicas(
-                self.call, x, self.chosen, self.distribute, self.formed
+                self.call, x, self.chosen, self.distribute, self._formed
             )
         else:
-            found, problem = feats.of_chunk(self.call, x, self.chosen, self.formed)
+            found, problem = feats.of_chunk(self.call, x, self.chosen, self._formed)
         if self.problem is None:
             self.problem = problem
         return found
+
+    @property
+    def _formed(self) -> bool:
+        return self.way == arrangement.FORMED
 
     def _assembled(self, rows_a: list[int]) -> np.ndarray:
         if self.symmetric:

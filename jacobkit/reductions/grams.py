@@ -13,9 +13,10 @@ ids and cotangents, paired by the ids both sides hold
 every other target's rows are its gradients, formed by the ``batch``
 strategy's closed forms or, where no closed form serves a target, by the
 strategy ``auto`` picks. A rule predicts; the calls of one problem then time
-that arrangement against every target's rows formed, and keep the faster
-(:mod:`jacobkit.reductions.arrangement`): a Gram is never slower for long
-than materializing the per-example gradients and multiplying them.
+that arrangement against every target's rows formed, and against the
+per-example gradients materialized as ``jacobian()`` gives them and
+multiplied, and keep the fastest (:mod:`jacobkit.reductions.arrangement`):
+a Gram is never slower for long than materializing.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ import tensorflow as tf
 from jacobkit import planner, runtime
 from jacobkit.batches import collect, distribute, passes, source
 from jacobkit.memory import budget as budgets
-from jacobkit.planner import paired
 from jacobkit.problem import Call, PerModel
 from jacobkit.problem.loss import Loss
 from jacobkit.reductions import arrangement, blocks
 from jacobkit.reductions import features as feats
+from jacobkit.reductions.arrangement import RULE, Arranged
 
 #: what a chunk pair may hold without a memory budget, at least (fixed, not a
 #: share of free memory: the chunking, and so the float32 sums, must not
@@ -74,9 +75,8 @@ class GramResult:
             the batch (``outputs="features"``) are summed over the whole set.
         rows_shape_a, rows_shape_b: each set's rows, as ``jacobian()``'s.
         forms: each target's form: ``"ghost"`` (from the layer's input and
-            output cotangents) or ``"materialized"``: the cost rule's, or
-            every target materialized where that measured faster on this
-            problem's earlier calls (:mod:`jacobkit.reductions.arrangement`).
+            output cotangents) or ``"materialized"``, as :attr:`arrangement`
+            arranged them.
         strategy: what computed the rows (``"batch"``, or the strategy
             ``auto`` picked where no closed form serves every target).
         chunk_examples: examples per chunk.
@@ -95,6 +95,9 @@ class GramResult:
     wall_time_s: float
     norms_a: np.ndarray | None = None
     norms_b: np.ndarray | None = None
+    #: the arrangement this call ran, the one kept, what the calls timed
+    #: (:mod:`jacobkit.reductions.arrangement`)
+    arrangement: Arranged = Arranged(RULE, None)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return self.matrix if dtype is None else self.matrix.astype(dtype)
@@ -187,7 +190,7 @@ def gram(
         probe = sets[0].first(size or PROBE_EXAMPLES)
         if size is None:
             size = _sized(call, probe, allowed, chosen)
-        run, matrix = _blocks(
+        run, matrix, arranged = _blocks(
             call,
             chosen,
             sets,
@@ -212,6 +215,7 @@ def gram(
         wall_time_s=time.perf_counter() - start,
         norms_a=norms_a,
         norms_b=norms_b,
+        arrangement=arranged,
     )
 
 
@@ -238,15 +242,15 @@ def _blocks(
     norms: bool,
     progress: bool,
     distribute: tf.distribute.Strategy | None,
-) -> tuple[blocks.Blocks, np.ndarray]:
+) -> tuple[blocks.Blocks, np.ndarray, arrangement.Arranged]:
     """The matrix, block by block, in the arrangement this problem's trial
-    runs next (:mod:`jacobkit.reductions.arrangement`), the call timed for
-    it; replicas run the rule's (their pieces' calls are not timed)."""
+    runs next, the call timed for it (:mod:`jacobkit.reductions.arrangement`;
+    replicas run the rule's, untimed)."""
     trial = None
     if distribute is None:
         key = (call.key, chosen, _shapes(probe), size, symmetric, allowed, norms)
         trial = arrangement.trial(call.model, key)
-    formed = trial is not None and trial.next() == paired.OTHER
+    way = RULE if trial is None else trial.next()
     run = blocks.Blocks(
         call,
         chosen,
@@ -256,19 +260,18 @@ def _blocks(
         progress=progress,
         distribute=distribute,
         with_norms=norms,
-        formed=formed,
+        way=way,
     )
     began = time.perf_counter()
     matrix = run.matrix()
     took = time.perf_counter() - began
-    if trial is not None and trial.kept is None:
-        assert run.first is not None and run.problem is not None, "a chunk ran"
-        limit = DEFAULT_CHUNK_BYTES if allowed is None else allowed
-        if formed or arrangement.differs(run.first, run.problem.targets, limit):
-            trial.record(paired.OTHER if formed else paired.PRIOR, took)
-        else:
-            trial.end()
-    return run, matrix
+    if trial is None:
+        return run, matrix, Arranged(way, way)
+    limit = DEFAULT_CHUNK_BYTES if allowed is None else allowed
+    first, problem = run.first, run.problem
+    assert first is not None and problem is not None, "a chunk ran"
+    trial.record(way, took, lambda: arrangement.applying(first, problem.targets, limit))
+    return run, matrix, trial.arranged(way)
 
 
 def _check_distribute(strategy: Any) -> None:
@@ -292,8 +295,7 @@ def _every_trainable(model: Any) -> list[Any]:
 
 
 def _check_options(memory_budget: Any, norms: Any) -> int | None:
-    """``memory_budget=`` in bytes (``None``: none given), after checking it
-    and ``norms=``, before anything is read."""
+    """``memory_budget=`` in bytes (``None``: none), checked with ``norms=``."""
     if not isinstance(norms, bool):
         raise TypeError(f"gram(norms={norms!r}): expected True or False.")
     try:
