@@ -73,7 +73,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.keras import compat
+from jacobkit.keras import compat, graph_options
 
 #: (variable, value) pairs one pass assigned, in the order first assigned
 Updates = tuple[tuple[Any, tf.Tensor], ...]
@@ -260,10 +260,14 @@ def function(
 ) -> Any:
     """``tf.function(fn, autograph=autograph, **options)``; with
     ``training=True``, a :class:`Compiled` one (with ``training=False``
-    nothing is assigned: the plain function, at no cost)."""
+    nothing is assigned: the plain function, at no cost); called eagerly
+    with one round of TensorFlow's graph optimizer
+    (:class:`.graph_options.OnePass`)."""
     if not training:
-        return tf.function(fn, autograph=autograph, **options)
-    return Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
+        return graph_options.OnePass(tf.function(fn, autograph=autograph, **options))
+    return graph_options.OnePass(
+        Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
+    )
 
 
 class Compiled:
