@@ -81,4 +81,6 @@ class OnePass:
             ctx.function_call_options = before
 
     def __getattr__(self, name: str) -> Any:
+        if name == "function":  # not set yet (a copy being made)
+            raise AttributeError(name)
         return getattr(self.function, name)
