@@ -73,7 +73,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.keras import compat, graph_options
+from jacobkit.keras import compat
 
 #: (variable, value) pairs one pass assigned, in the order first assigned
 Updates = tuple[tuple[Any, tf.Tensor], ...]
@@ -262,10 +262,10 @@ def function(
     ``training=True``, a :class:`Compiled` one (with ``training=False``
     nothing is assigned: the plain function, at no cost); called eagerly
     with one round of TensorFlow's graph optimizer
-    (:class:`.graph_options.OnePass`)."""
+    (:class:`.compat.OneRound`)."""
     if not training:
-        return graph_options.OnePass(tf.function(fn, autograph=autograph, **options))
-    return graph_options.OnePass(
+        return compat.OneRound(tf.function(fn, autograph=autograph, **options))
+    return compat.OneRound(
         Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
     )
 

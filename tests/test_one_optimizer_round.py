@@ -1,5 +1,5 @@
 """jacobkit's compiled computations, called eagerly, run with one round of
-TensorFlow's graph optimizer (:mod:`jacobkit.keras.graph_options`), the
+TensorFlow's graph optimizer (:class:`jacobkit.keras.compat.OneRound`), the
 caller's other options and an explicit choice of rounds kept, this thread's
 options put back after the call; their results unchanged (against a float64
 reference computed the obvious way)."""
@@ -14,7 +14,7 @@ from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
 import jacobkit as jk
-from jacobkit.keras import graph_options
+from jacobkit.keras import compat
 from jacobkit.problem import Problem
 from jacobkit.strategies import REGISTRY
 
@@ -38,7 +38,7 @@ def test_an_eager_call_runs_one_round_and_puts_the_options_back():
     assert _config(before).graph_options.rewrite_options.meta_optimizer_iterations == (
         _Rewriter.DEFAULT_NUM_ITERS
     )
-    inside = graph_options.OnePass(_seen)()
+    inside = compat.OneRound(_seen)()
     # the caller's options but the rounds
     expected = _config(before)
     expected.graph_options.rewrite_options.meta_optimizer_iterations = _Rewriter.ONE
@@ -55,7 +55,7 @@ def test_the_callers_choice_of_rounds_is_kept():
     chosen = context.FunctionCallOptions(config_proto=config)
     ctx.function_call_options = chosen
     try:
-        inside = graph_options.OnePass(_seen)()
+        inside = compat.OneRound(_seen)()
         assert inside == config
         assert ctx.function_call_options is chosen
     finally:
@@ -69,7 +69,7 @@ def test_options_put_back_when_the_call_raises():
         raise RuntimeError("inside")
 
     with pytest.raises(RuntimeError, match="inside"):
-        graph_options.OnePass(fails)()
+        compat.OneRound(fails)()
     assert context.context().function_call_options is before
 
 
@@ -78,7 +78,7 @@ def test_traced_calls_are_the_enclosing_functions():
 
     @tf.function(autograph=False)
     def outer(x):
-        seen.append(graph_options.OnePass(_seen)())
+        seen.append(compat.OneRound(_seen)())
         return x + 1.0
 
     outer(tf.constant(1.0))
@@ -90,7 +90,7 @@ def test_traced_calls_are_the_enclosing_functions():
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_strategies_run_one_round_with_the_same_jacobians(name):
     """Every compiled strategy's computation is called through
-    :class:`~jacobkit.keras.graph_options.OnePass`, and its Jacobian is the
+    :class:`~jacobkit.keras.compat.OneRound`, and its Jacobian is the
     float64 reference's (a tanh Dense layer's, one row per feature ``o``
     summed over the examples ``i``: ``J[o, a, b] = sum_i x[i, a] [o == b]
     tanh'(z[i, o])``, formed by hand).
@@ -105,7 +105,7 @@ def test_compiled_strategies_run_one_round_with_the_same_jacobians(name):
     x = np.random.default_rng(0).standard_normal((3, 6)).astype("float32")
     found = jk.jacobian(model, x, "a", strategy=name)
     compiled = REGISTRY[name]().compiled_for(Problem(model, x, "a"))
-    assert isinstance(compiled.fn, graph_options.OnePass)
+    assert isinstance(compiled.fn, compat.OneRound)
     kernel, bias = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
     x64 = x.astype(np.float64)
     slope = 1.0 - np.tanh(x64 @ kernel + bias) ** 2  # (3, 4)
