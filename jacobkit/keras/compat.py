@@ -6,8 +6,8 @@ activation, LoRA/quantization, a variable's path, a model's declared inputs
 and outputs). The one place jacobkit probes Keras objects: code outside
 ``jacobkit.keras`` calls these functions instead of ``getattr``/``hasattr``.
 How jacobkit's compiled functions are traced and called: AutoGraph where a
-model's code needs it (:func:`needs_autograph`), one round of TensorFlow's
-graph optimizer (:class:`OneRound`).
+model's code needs it (:func:`needs_autograph`), a lighter graph optimizer
+(:class:`LightOptimized`).
 """
 
 from __future__ import annotations
@@ -72,21 +72,25 @@ def needs_autograph(model: Any) -> bool:
     return keras is None or not isinstance(model, keras.layers.Layer)
 
 
-def one_round(options: Any) -> Any:
+def light_options(options: Any) -> Any:
     """TensorFlow's function options ``options`` (a ``FunctionCallOptions``)
-    with one round of its graph optimizer where they leave the rounds at the
-    default (two; a round the caller chose is kept), made once per distinct
-    options (``ProcessState.facts``).
+    with a lighter graph optimizer where they leave it at TensorFlow's
+    defaults (a choice of the caller's is kept): one round of it, and no
+    memory optimizer where no GPU is visible; made once per distinct options
+    (``ProcessState.facts``).
 
-    NOTE (why one round for jacobkit's functions). TensorFlow optimizes a
-    function's graph when it first runs it, every optimizer once, then every
-    one again on what the first round left. On the reductions benchmark's
-    conv net and BERT tiny (both CPU kinds) the second round changed no node
-    of jacobkit's computations (its log: ``Graph size after: 170 nodes (0)``
-    for each optimizer) and cost the first call what the first round did:
-    one core, loaded, oneDNN off, a fresh model's first call after one of
-    each, the computation's first run ``jk.gram`` 86 -> 65 ms, the clipped
-    sum 62 -> 47 ms, the projection 55 -> 40 ms (the plain step's 30 ms)."""
+    NOTE (why, measured). TensorFlow optimizes a function's graph when it
+    first runs it, every optimizer once, then every one again on what the
+    first round left. On the reductions benchmark's conv net and BERT tiny
+    (both CPU kinds) neither the second round nor the memory optimizer (on
+    a CPU: swapping to the host, recomputation where nodes ask for it)
+    changed a node of jacobkit's computations (TensorFlow's log: ``Graph
+    size after: 170 nodes (0)``); both cost the first call. One core,
+    loaded, oneDNN off, a fresh model's first call after one of each, the
+    computation's first run: one round ``jk.gram`` 62.7 -> 47.1 ms, the
+    clipped sum 52.6 -> 41.5, the projection 47.0 -> 36.5 (the plain step's
+    23.8); the memory optimizer left out too, ``jk.gram`` 48.4 -> 42.9, the
+    clipped sum 42.2 -> 36.3."""
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
     from tensorflow.python.eager import context
 
@@ -96,18 +100,21 @@ def one_round(options: Any) -> Any:
         config = config_pb2.ConfigProto()
         config.ParseFromString(serialized)
         rewrite = config.graph_options.rewrite_options
-        rounds = rewriter_config_pb2.RewriterConfig
-        if rewrite.meta_optimizer_iterations == rounds.DEFAULT_NUM_ITERS:
-            rewrite.meta_optimizer_iterations = rounds.ONE
+        kinds = rewriter_config_pb2.RewriterConfig
+        if rewrite.meta_optimizer_iterations == kinds.DEFAULT_NUM_ITERS:
+            rewrite.meta_optimizer_iterations = kinds.ONE
+        cpu_only = not tf.config.list_logical_devices("GPU")
+        if cpu_only and rewrite.memory_optimization == kinds.DEFAULT_MEM_OPT:
+            rewrite.memory_optimization = kinds.NO_MEM_OPT
         return context.FunctionCallOptions(options.executor_type, config)
 
-    key = ("one optimizer round", serialized, options.executor_type)
+    key = ("light graph optimizer", serialized, options.executor_type)
     return runtime.measured_once(key, made)
 
 
-class OneRound:
+class LightOptimized:
     """A compiled function (``tf.function``, ``keras.state.Compiled``) whose
-    eager calls run with :func:`one_round`'s options: this thread's, for the
+    eager calls run with :func:`light_options`: this thread's, for the
     call, put back after it (nothing of the process's configuration
     changes). Traced into another function (a ``jk.function`` in the
     caller's ``tf.function``, the factors in a Gram matrix's products) a call
@@ -124,7 +131,7 @@ class OneRound:
             return self.function(*args, **kwargs)
         ctx = context.context()
         theirs = ctx.function_call_options
-        ctx.function_call_options = one_round(theirs)
+        ctx.function_call_options = light_options(theirs)
         try:
             return self.function(*args, **kwargs)
         finally:

@@ -262,10 +262,10 @@ def function(
     ``training=True``, a :class:`Compiled` one (with ``training=False``
     nothing is assigned: the plain function, at no cost); called eagerly
     with one round of TensorFlow's graph optimizer
-    (:class:`.compat.OneRound`)."""
+    (:class:`.compat.LightOptimized`)."""
     if not training:
-        return compat.OneRound(tf.function(fn, autograph=autograph, **options))
-    return compat.OneRound(
+        return compat.LightOptimized(tf.function(fn, autograph=autograph, **options))
+    return compat.LightOptimized(
         Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
     )
 

@@ -1,8 +1,9 @@
-"""jacobkit's compiled computations, called eagerly, run with one round of
-TensorFlow's graph optimizer (:class:`jacobkit.keras.compat.OneRound`), the
-caller's other options and an explicit choice of rounds kept, this thread's
-options put back after the call; their results unchanged (against a float64
-reference computed the obvious way)."""
+"""jacobkit's compiled computations, called eagerly, run with a lighter graph
+optimizer (:class:`jacobkit.keras.compat.LightOptimized`: one round of
+TensorFlow's, no memory optimizer on a CPU), the caller's other options and
+an explicit choice of either kept, this thread's options put back after the
+call; their results unchanged (against a float64 reference computed the
+obvious way)."""
 
 from __future__ import annotations
 
@@ -33,29 +34,34 @@ def _seen() -> config_pb2.ConfigProto:
     return _config(context.context().function_call_options)
 
 
-def test_an_eager_call_runs_one_round_and_puts_the_options_back():
+def test_an_eager_call_runs_lighter_and_puts_the_options_back():
     before = context.context().function_call_options
     assert _config(before).graph_options.rewrite_options.meta_optimizer_iterations == (
         _Rewriter.DEFAULT_NUM_ITERS
     )
-    inside = compat.OneRound(_seen)()
-    # the caller's options but the rounds
+    inside = compat.LightOptimized(_seen)()
+    # the caller's options but the rounds (and, on a CPU, the memory optimizer)
     expected = _config(before)
     expected.graph_options.rewrite_options.meta_optimizer_iterations = _Rewriter.ONE
+    if not tf.config.list_logical_devices("GPU"):
+        expected.graph_options.rewrite_options.memory_optimization = (
+            _Rewriter.NO_MEM_OPT
+        )
     assert inside == expected
     assert context.context().function_call_options is before
 
 
-def test_the_callers_choice_of_rounds_is_kept():
+def test_the_callers_choice_of_rounds_and_memory_optimizer_is_kept():
     ctx = context.context()
     before = ctx.function_call_options
     config = _config(before)
     config.graph_options.rewrite_options.meta_optimizer_iterations = _Rewriter.TWO
+    config.graph_options.rewrite_options.memory_optimization = _Rewriter.MANUAL
     config.graph_options.rewrite_options.remapping = _Rewriter.OFF
     chosen = context.FunctionCallOptions(config_proto=config)
     ctx.function_call_options = chosen
     try:
-        inside = compat.OneRound(_seen)()
+        inside = compat.LightOptimized(_seen)()
         assert inside == config
         assert ctx.function_call_options is chosen
     finally:
@@ -69,7 +75,7 @@ def test_options_put_back_when_the_call_raises():
         raise RuntimeError("inside")
 
     with pytest.raises(RuntimeError, match="inside"):
-        compat.OneRound(fails)()
+        compat.LightOptimized(fails)()
     assert context.context().function_call_options is before
 
 
@@ -78,7 +84,7 @@ def test_traced_calls_are_the_enclosing_functions():
 
     @tf.function(autograph=False)
     def outer(x):
-        seen.append(compat.OneRound(_seen)())
+        seen.append(compat.LightOptimized(_seen)())
         return x + 1.0
 
     outer(tf.constant(1.0))
@@ -88,9 +94,9 @@ def test_traced_calls_are_the_enclosing_functions():
 
 
 @pytest.mark.parametrize("name", COMPILED)
-def test_compiled_strategies_run_one_round_with_the_same_jacobians(name):
+def test_compiled_strategies_run_lighter_with_the_same_jacobians(name):
     """Every compiled strategy's computation is called through
-    :class:`~jacobkit.keras.compat.OneRound`, and its Jacobian is the
+    :class:`~jacobkit.keras.compat.LightOptimized`, and its Jacobian is the
     float64 reference's (a tanh Dense layer's, one row per feature ``o``
     summed over the examples ``i``: ``J[o, a, b] = sum_i x[i, a] [o == b]
     tanh'(z[i, o])``, formed by hand).
@@ -105,7 +111,7 @@ def test_compiled_strategies_run_one_round_with_the_same_jacobians(name):
     x = np.random.default_rng(0).standard_normal((3, 6)).astype("float32")
     found = jk.jacobian(model, x, "a", strategy=name)
     compiled = REGISTRY[name]().compiled_for(Problem(model, x, "a"))
-    assert isinstance(compiled.fn, compat.OneRound)
+    assert isinstance(compiled.fn, compat.LightOptimized)
     kernel, bias = (v.numpy().astype(np.float64) for v in model.layers[0].weights)
     x64 = x.astype(np.float64)
     slope = 1.0 - np.tanh(x64 @ kernel + bias) ** 2  # (3, 4)
