@@ -5,6 +5,9 @@ jacobkit reads where not every object has it (a layer's compute dtype,
 activation, LoRA/quantization, a variable's path, a model's declared inputs
 and outputs). The one place jacobkit probes Keras objects: code outside
 ``jacobkit.keras`` calls these functions instead of ``getattr``/``hasattr``.
+How jacobkit's compiled functions are traced and called: AutoGraph where a
+model's code needs it (:func:`needs_autograph`), a lighter graph optimizer
+(:class:`LightOptimized`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from types import ModuleType
 from typing import Any
 
 import tensorflow as tf
+
+from jacobkit import runtime
 
 
 def keras3() -> ModuleType | None:
@@ -65,6 +70,77 @@ def needs_autograph(model: Any) -> bool:
     """
     keras = keras3()
     return keras is None or not isinstance(model, keras.layers.Layer)
+
+
+def light_options(options: Any) -> Any:
+    """TensorFlow's function options ``options`` (a ``FunctionCallOptions``)
+    with a lighter graph optimizer where they leave it at TensorFlow's
+    defaults (a choice of the caller's is kept): one round of it, and no
+    memory optimizer where no GPU is visible; made once per distinct options
+    (``ProcessState.facts``).
+
+    NOTE (why, measured). TensorFlow optimizes a function's graph when it
+    first runs it, every optimizer once, then every one again on what the
+    first round left. On the reductions benchmark's conv net and BERT tiny
+    (both CPU kinds) neither the second round nor the memory optimizer (on
+    a CPU: swapping to the host, recomputation where nodes ask for it)
+    changed a node of jacobkit's computations (TensorFlow's log: ``Graph
+    size after: 170 nodes (0)``); both cost the first call. One core,
+    loaded, oneDNN off, a fresh model's first call after one of each, the
+    computation's first run: one round ``jk.gram`` 62.7 -> 47.1 ms, the
+    clipped sum 52.6 -> 41.5, the projection 47.0 -> 36.5 (the plain step's
+    23.8); the memory optimizer left out too, ``jk.gram`` 48.4 -> 42.9, the
+    clipped sum 42.2 -> 36.3."""
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.eager import context
+
+    serialized = options.config_proto_serialized or b""
+
+    def made() -> Any:
+        config = config_pb2.ConfigProto()
+        config.ParseFromString(serialized)
+        rewrite = config.graph_options.rewrite_options
+        kinds = rewriter_config_pb2.RewriterConfig
+        if rewrite.meta_optimizer_iterations == kinds.DEFAULT_NUM_ITERS:
+            rewrite.meta_optimizer_iterations = kinds.ONE
+        cpu_only = not tf.config.list_logical_devices("GPU")
+        if cpu_only and rewrite.memory_optimization == kinds.DEFAULT_MEM_OPT:
+            rewrite.memory_optimization = kinds.NO_MEM_OPT
+        return context.FunctionCallOptions(options.executor_type, config)
+
+    key = ("light graph optimizer", serialized, options.executor_type)
+    return runtime.measured_once(key, made)
+
+
+class LightOptimized:
+    """A compiled function (``tf.function``, ``keras.state.Compiled``) whose
+    eager calls run with :func:`light_options`: this thread's, for the
+    call, put back after it (nothing of the process's configuration
+    changes). Traced into another function (a ``jk.function`` in the
+    caller's ``tf.function``, the factors in a Gram matrix's products) a call
+    is the enclosing function's, optimized as that one is. Anything else
+    (its traces, ``get_concrete_function``) is the function's own."""
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from tensorflow.python.eager import context
+
+        if not tf.executing_eagerly():
+            return self.function(*args, **kwargs)
+        ctx = context.context()
+        theirs = ctx.function_call_options
+        ctx.function_call_options = light_options(theirs)
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            ctx.function_call_options = theirs
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "function":  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.function, name)
 
 
 def is_keras_layer(obj: Any) -> bool:

@@ -260,10 +260,14 @@ def function(
 ) -> Any:
     """``tf.function(fn, autograph=autograph, **options)``; with
     ``training=True``, a :class:`Compiled` one (with ``training=False``
-    nothing is assigned: the plain function, at no cost)."""
+    nothing is assigned: the plain function, at no cost); called eagerly
+    with one round of TensorFlow's graph optimizer
+    (:class:`.compat.LightOptimized`)."""
     if not training:
-        return tf.function(fn, autograph=autograph, **options)
-    return Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
+        return compat.LightOptimized(tf.function(fn, autograph=autograph, **options))
+    return compat.LightOptimized(
+        Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
+    )
 
 
 class Compiled:
