@@ -73,7 +73,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from jacobkit.keras import compat, dispatch
+from jacobkit.keras import compat
 
 #: (variable, value) pairs one pass assigned, in the order first assigned
 Updates = tuple[tuple[Any, tf.Tensor], ...]
@@ -258,15 +258,12 @@ class Moves(_Collector):
 def function(
     fn: Callable[..., Any], autograph: bool, training: bool, **options: Any
 ) -> Any:
-    """``tf.function(fn, autograph=autograph, **options)``, its steady eager
-    calls by their traces (:class:`~jacobkit.keras.dispatch.Dispatched`);
-    with ``training=True``, a :class:`Compiled` one (with ``training=False``
+    """``tf.function(fn, autograph=autograph, **options)``; with
+    ``training=True``, a :class:`Compiled` one (with ``training=False``
     nothing is assigned: the plain function, at no cost)."""
-
-    def compiled(f: Callable[..., Any]) -> Any:
-        return dispatch.Dispatched(tf.function(f, autograph=autograph, **options))
-
-    return compiled(fn) if not training else Compiled(compiled, fn)
+    if not training:
+        return tf.function(fn, autograph=autograph, **options)
+    return Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
 
 
 class Compiled:

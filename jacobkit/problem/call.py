@@ -17,9 +17,8 @@ from typing import Any
 import tensorflow as tf
 
 from jacobkit import layers
-from jacobkit.keras import dispatch
 from jacobkit.problem import arguments, padding, rows, targets, tensor_targets
-from jacobkit.problem.cache import PerModel
+from jacobkit.problem.cache import PerModel, signature
 from jacobkit.problem.key import CallKey, hashable
 from jacobkit.problem.loss import Loss
 from jacobkit.problem.problem import Problem
@@ -174,11 +173,11 @@ class Call:
         not all tensors)."""
         if not tf.executing_eagerly() or tensor_targets.is_tensor_target(self.layer):
             return None
-        signature = dispatch.signature(tensors)
-        if signature is None:
+        found = signature(tensors)
+        if found is None:
             return None
         version = layers.REGISTRY.current_version()
-        return (self.key, self.unconnected, self.reduction, reduced, version, signature)
+        return (self.key, self.unconnected, self.reduction, reduced, version, found)
 
     def _same_targets(self, kept: Problem) -> bool:
         """Whether ``layer=`` resolves to ``kept``'s layer and variables

@@ -25,6 +25,7 @@ from jacobkit.keras import compat, state
 from jacobkit.keras import graph as taps
 from jacobkit.problem import (
     arguments,
+    cache,
     eager_inspect,
     forms,
     inspect,
@@ -298,8 +299,10 @@ class Problem:
     def function(self, fn: Callable[..., Any]) -> Any:
         """``tf.function(fn)`` for a computation that calls this problem's
         model, AutoGraph only where its code needs it (:func:`.compat.needs_autograph`),
-        what its passes assign beside the result (:func:`.state.function`)."""
-        return state.function(fn, compat.needs_autograph(self.model), self.training)
+        what its passes assign beside the result (:func:`.state.function`);
+        its steady eager calls by their traces (:class:`.cache.Dispatched`)."""
+        compiled = state.function(fn, compat.needs_autograph(self.model), self.training)
+        return compiled if self.training else cache.Dispatched(compiled)
 
     @property
     def reduce(self) -> Any:
