@@ -32,6 +32,8 @@ from typing import Any, final
 
 import tensorflow as tf
 
+from jacobkit.keras import state
+
 
 @final
 class PerModel:
@@ -66,6 +68,14 @@ class PerModel:
 
     def __repr__(self) -> str:
         return f"PerModel({self.what!r})"
+
+
+def dispatched(function: Any) -> Any:
+    """``function`` (:func:`jacobkit.keras.state.function`'s) as a
+    :class:`Dispatched`; a computation that returns its passes' assignments
+    (``training=True``: a :class:`~jacobkit.keras.state.Compiled`) as it
+    is, its collector called on every call."""
+    return function if isinstance(function, state.Compiled) else Dispatched(function)
 
 
 class Dispatched:
