@@ -99,6 +99,8 @@ def hashable(value: Any) -> Hashable:
     by identity (variables do not hash)."""
     if isinstance(value, (list, tuple)):
         return tuple(hashable(v) for v in value)
+    if type(value).__hash__ is None:  # a Keras variable: no exception raised
+        return ("id", id(value))
     try:
         hash(value)
     except TypeError:

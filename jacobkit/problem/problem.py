@@ -25,6 +25,7 @@ from jacobkit.keras import compat, state
 from jacobkit.keras import graph as taps
 from jacobkit.problem import (
     arguments,
+    cache,
     eager_inspect,
     forms,
     inspect,
@@ -296,10 +297,10 @@ class Problem:
         return self.tensor_targets is not None and self.rows_spec.of_one_example
 
     def function(self, fn: Callable[..., Any]) -> Any:
-        """``tf.function(fn)`` for a computation that calls this problem's
-        model, AutoGraph only where its code needs it (:func:`.compat.needs_autograph`),
-        what its passes assign beside the result (:func:`.state.function`)."""
-        return state.function(fn, compat.needs_autograph(self.model), self.training)
+        """``tf.function(fn)`` calling this problem's model: :func:`.state.function`'s
+        (AutoGraph where :func:`.compat.needs_autograph`), :func:`.cache.dispatched`."""
+        compiled = state.function(fn, compat.needs_autograph(self.model), self.training)
+        return cache.dispatched(compiled)
 
     @property
     def reduce(self) -> Any:
