@@ -125,3 +125,41 @@ def test_compiled_strategies_run_lighter_with_the_same_jacobians(name):
     np.testing.assert_allclose(
         got_bias.reshape(want_bias.shape), want_bias, rtol=5e-5, atol=1e-7
     )
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_every_run_of_a_steady_call_is_under_the_light_options(monkeypatch, training):
+    """A steady call runs its trace directly (``problem.cache.Dispatched``),
+    under the same light options as the first call that optimized it: a
+    run under TensorFlow's defaults would instantiate the trace again, its
+    graph optimized in full on the second call. With ``training=True`` the
+    computation's assignments still reach the model (its BatchNormalization's
+    moving mean moves on every call, as a plain ``model(x, training=True)``'s
+    does)."""
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(5, activation="tanh", name="hidden"),
+            keras.layers.BatchNormalization(name="norm"),
+            keras.layers.Dense(3, name="head"),
+        ]
+    )
+    x = np.random.default_rng(4).normal(size=(8, 6)).astype("float32")
+    rounds = []
+    run = context.Context.call_function
+
+    def recorded(self, *args, **kwargs):
+        config = _config(self.function_call_options)
+        rounds.append(config.graph_options.rewrite_options.meta_optimizer_iterations)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(context.Context, "call_function", recorded)
+    moving = model.get_layer("norm").moving_mean
+    means = []
+    for _ in range(4):
+        jk.jacobian(model, x, "hidden", reduce="norm", training=training)
+        means.append(np.array(moving))
+    assert rounds and set(rounds) == {_Rewriter.ONE}, rounds
+    moved = [not np.array_equal(a, b) for a, b in zip(means, means[1:], strict=False)]
+    assert all(moved) if training else not any(moved), means
