@@ -25,6 +25,8 @@ forward pass kept and one backward pass), an upper bound.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
 import numpy as np
 import pytest
@@ -171,20 +173,38 @@ class _User(keras.layers.Layer):
         return keras.ops.tanh(keras.ops.matmul(x, self.w))
 
 
+def _classifier(
+    seed: int,
+    layers: Callable[[], list],
+    inputs: Callable[[np.random.Generator], np.ndarray],
+) -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
+    """A ``keras.Sequential`` of ``layers()`` (its input first) built after
+    Keras's seed is set to ``seed``, 32 examples ``inputs(rng)`` and their
+    labels among 3 classes, drawn from a generator of that seed."""
+    rng = np.random.default_rng(seed)
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(layers())
+    x = inputs(rng)
+    return model, (x, rng.integers(0, 3, 32))
+
+
+def _features(width: int) -> Callable[[np.random.Generator], np.ndarray]:
+    """32 examples of ``width`` normal features, float32."""
+    return lambda rng: rng.normal(size=(32, width)).astype("float32")
+
+
 def _user() -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
     """A user layer of 256 x 256 (0.25 MiB a row formed), a Dense and a head."""
-    rng = np.random.default_rng(5)
-    keras.utils.set_random_seed(5)
-    model = keras.Sequential(
-        [
+    return _classifier(
+        5,
+        lambda: [
             keras.Input((256,)),
             _User(name="user"),
             keras.layers.Dense(256, activation="tanh", name="d"),
             keras.layers.Dense(3, name="head"),
-        ]
+        ],
+        _features(256),
     )
-    x = rng.normal(size=(32, 256)).astype("float32")
-    return model, (x, rng.integers(0, 3, 32))
 
 
 def _lstm() -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
@@ -216,17 +236,15 @@ class _Nested(keras.layers.Layer):
 
 def _nested() -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
     """:class:`_Nested` over 128 features (64 KiB a row formed) and a head."""
-    rng = np.random.default_rng(2)
-    keras.utils.set_random_seed(2)
-    model = keras.Sequential(
-        [
+    return _classifier(
+        2,
+        lambda: [
             keras.Input((128,)),
             _Nested(name="nested"),
             keras.layers.Dense(3, name="head"),
-        ]
+        ],
+        _features(128),
     )
-    x = rng.normal(size=(32, 128)).astype("float32")
-    return model, (x, rng.integers(0, 3, 32))
 
 
 MODELS = {"user layer": _user, "lstm": _lstm, "nested loops": _nested}
@@ -254,6 +272,19 @@ MOST_OVER_FORMING = 6.0
 SLACK = 16 * 2**20
 
 
+def _within(label: str, predicted: int, peak: memory.PeakMemory) -> None:
+    """The prediction is over the measured ``peak`` and at most
+    :data:`MOST_OVER_FORMING` times it and :data:`SLACK`."""
+    measured = peak.extra_bytes
+    assert measured is not None
+    assert measured <= predicted, (label, predicted, measured)
+    assert predicted <= MOST_OVER_FORMING * measured + SLACK, (
+        label,
+        predicted,
+        measured,
+    )
+
+
 def _configs(model, inputs, kind, name):
     """``name``'s configurations among ``auto``'s candidates of this call:
     the most rows at once and the least (``()``: none)."""
@@ -264,24 +295,28 @@ def _configs(model, inputs, kind, name):
     return () if not mine else tuple({id(c): c for c in (mine[0], mine[-1])}.values())
 
 
-def _model_kinds():
-    """Every model with every kind; the loops' models (LSTM, nested loops:
-    16-33 s a case on 2 loaded cores, 7.5 minutes for the file) with the
-    norms by default, their other kinds marked slow (``pytest --slow``):
-    the kinds share the loops' count, which is what those models check."""
+def _cases():
+    """Every model, strategy and kind; the loops' models (LSTM, nested
+    loops: 16-33 s a case on 2 loaded cores, 7.5 minutes for the file) with
+    the norms on ``while`` and ``chunked`` by default, the rest marked slow
+    (``pytest --slow``): the kinds share the loops' count, which is what
+    those models check, and ``grouped`` plans the same ``chunked`` on them."""
     for model_name in MODELS:
-        for kind_name, kind in PUBLIC.items():
-            slow = model_name != "user layer" and kind_name != "norm"
-            yield pytest.param(
-                model_name,
-                kind,
-                id=f"{model_name}-{kind_name}",
-                marks=[pytest.mark.slow] if slow else [],
-            )
+        for name in REDUCED:
+            for kind_name, kind in PUBLIC.items():
+                slow = model_name != "user layer" and (
+                    kind_name != "norm" or name == "grouped"
+                )
+                yield pytest.param(
+                    model_name,
+                    name,
+                    kind,
+                    id=f"{model_name}-{kind_name}-{name}",
+                    marks=[pytest.mark.slow] if slow else [],
+                )
 
 
-@pytest.mark.parametrize("name", REDUCED)
-@pytest.mark.parametrize(("model_name", "kind"), list(_model_kinds()))
+@pytest.mark.parametrize(("model_name", "name", "kind"), list(_cases()))
 def test_each_strategy_predicts_over_its_measured_peak(model_name, name, kind):
     """Every strategy that plans a reduced call, on the rows it forms (a
     user layer's, an LSTM's) and its loops' accumulators: its prediction
@@ -303,14 +338,7 @@ def test_each_strategy_predicts_over_its_measured_peak(model_name, name, kind):
                 reduce=kind,
                 strategy=candidate.strategy,
             )
-        measured, predicted = peak.extra_bytes, candidate.predicted_bytes
-        assert measured is not None
-        assert measured <= predicted, (candidate.strategy.label, predicted, measured)
-        assert predicted <= MOST_OVER_FORMING * measured + SLACK, (
-            candidate.strategy.label,
-            predicted,
-            measured,
-        )
+        _within(candidate.strategy.label, candidate.predicted_bytes, peak)
 
 
 def _table_lstm() -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
@@ -318,18 +346,16 @@ def _table_lstm() -> tuple[keras.Model, tuple[np.ndarray, np.ndarray]]:
     16 MiB for 32 rows, ``jk.gram``'s ids and cotangents far less) before an
     LSTM(16) (no closed form) and a head: ``grouped`` plans ``batch`` on
     the table and the head."""
-    rng = np.random.default_rng(3)
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential(
-        [
+    return _classifier(
+        3,
+        lambda: [
             keras.Input((16,), dtype="int32"),
             keras.layers.Embedding(4000, 32, name="table"),
             keras.layers.LSTM(16, name="rnn"),
             keras.layers.Dense(3, name="head"),
-        ]
+        ],
+        lambda rng: rng.integers(0, 4000, (32, 16)).astype("int32"),
     )
-    x = rng.integers(0, 4000, (32, 16)).astype("int32")
-    return model, (x, rng.integers(0, 3, 32))
 
 
 GRAM_MODELS = {"lstm": _lstm, "table lstm": _table_lstm}
@@ -360,14 +386,7 @@ def test_each_strategy_predicts_over_its_gram_peak(model_name, name):
             jk.gram(
                 model, inputs, outputs=LOSS, strategy=candidate.strategy, progress=False
             )
-        measured, predicted = peak.extra_bytes, candidate.predicted_bytes
-        assert measured is not None
-        assert measured <= predicted, (candidate.strategy.label, predicted, measured)
-        assert predicted <= MOST_OVER_FORMING * measured + SLACK, (
-            candidate.strategy.label,
-            predicted,
-            measured,
-        )
+        _within(candidate.strategy.label, candidate.predicted_bytes, peak)
 
 
 #: the strategies ``auto`` plans a full Jacobian with (``for_auto``)
@@ -430,11 +449,4 @@ def test_a_recurrent_full_jacobian_predicts_over_its_measured_peak(name, rows):
                 cache=False,
                 **ROWS[rows],
             )
-        measured, predicted = peak.extra_bytes, footprint.predicted_peak(strategy)
-        assert measured is not None
-        assert measured <= predicted, (strategy.label, predicted, measured)
-        assert predicted <= MOST_OVER_FORMING * measured + SLACK, (
-            strategy.label,
-            predicted,
-            measured,
-        )
+        _within(strategy.label, footprint.predicted_peak(strategy), peak)
