@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from jacobkit.api import jacobian
 from jacobkit.explain._gradients import as_batch
-from jacobkit.keras import layer_tree, state
+from jacobkit.keras import compat, layer_tree, state
 from jacobkit.keras.graph import LayerTap, TapError
 from jacobkit.problem import pooled_head
 from jacobkit.problem.cache import PerModel
@@ -251,8 +251,10 @@ def _activation(model: Any, layer: Any, x: tf.Tensor, training: bool) -> tf.Tens
     compiled = _FORWARD.of(model)
     key = (id(layer), training)
     if key not in compiled:
-        compiled[key] = state.function(
-            _forward(model, layer, training), True, training, reduce_retracing=True
+        compiled[key] = compat.LightOptimized(
+            state.function(
+                _forward(model, layer, training), True, training, reduce_retracing=True
+            )
         )
     activation: tf.Tensor = compiled[key](x)
     return activation

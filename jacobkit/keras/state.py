@@ -260,14 +260,11 @@ def function(
 ) -> Any:
     """``tf.function(fn, autograph=autograph, **options)``; with
     ``training=True``, a :class:`Compiled` one (with ``training=False``
-    nothing is assigned: the plain function, at no cost); called eagerly
-    with one round of TensorFlow's graph optimizer
-    (:class:`.compat.LightOptimized`)."""
+    nothing is assigned: the plain function, at no cost). Its callers run
+    it as :class:`.compat.LightOptimized`."""
     if not training:
-        return compat.LightOptimized(tf.function(fn, autograph=autograph, **options))
-    return compat.LightOptimized(
-        Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
-    )
+        return tf.function(fn, autograph=autograph, **options)
+    return Compiled(lambda f: tf.function(f, autograph=autograph, **options), fn)
 
 
 class Compiled:

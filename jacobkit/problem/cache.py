@@ -32,7 +32,7 @@ from typing import Any, final
 
 import tensorflow as tf
 
-from jacobkit.keras import compat, state
+from jacobkit.keras import state
 
 
 @final
@@ -71,19 +71,11 @@ class PerModel:
 
 
 def dispatched(function: Any) -> Any:
-    """``function`` (:func:`jacobkit.keras.state.function`'s: a
-    :class:`~jacobkit.keras.compat.LightOptimized` compiled computation)
-    with its traces called as a :class:`Dispatched`, inside the light
-    options: a direct call run with TensorFlow's default options would be
-    another instantiation of the trace, its graph optimized again in full
-    on the second call. A computation that returns its passes' assignments
+    """``function`` (:func:`jacobkit.keras.state.function`'s) as a
+    :class:`Dispatched`; a computation that returns its passes' assignments
     (``training=True``: a :class:`~jacobkit.keras.state.Compiled`) as it
     is, its collector called on every call."""
-    light = isinstance(function, compat.LightOptimized)
-    inner = function.function if light else function
-    if isinstance(inner, state.Compiled):
-        return function
-    return compat.LightOptimized(Dispatched(inner)) if light else Dispatched(inner)
+    return function if isinstance(function, state.Compiled) else Dispatched(function)
 
 
 class Dispatched:

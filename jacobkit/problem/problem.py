@@ -298,9 +298,9 @@ class Problem:
 
     def function(self, fn: Callable[..., Any]) -> Any:
         """``tf.function(fn)`` calling this problem's model: :func:`.state.function`'s
-        (AutoGraph where :func:`.compat.needs_autograph`), :func:`.cache.dispatched`."""
+        (AutoGraph where needed), :func:`.cache.dispatched`, run light (all of it)."""
         compiled = state.function(fn, compat.needs_autograph(self.model), self.training)
-        return cache.dispatched(compiled)
+        return compat.LightOptimized(cache.dispatched(compiled))
 
     @property
     def reduce(self) -> Any:
